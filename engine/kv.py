@@ -1,0 +1,200 @@
+"""The seam between the model and KV storage: `StepBatch`, the `KVCache` interface, and a
+minimal contiguous implementation.
+
+The model calls only `append` and `attend` per layer; the scheduler calls `begin_step`,
+`end_step` and `free`. Anything that stores KV (the contiguous cache here, the unified memory
+pool's strategies later) implements this interface, so model code never changes when storage does.
+
+Tensors are *packed*: the new tokens of every sequence in the step are concatenated along the first
+dimension in `StepBatch.seq_ids` order, so sequences of different lengths need no padding.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Which sequences take part in one forward step and how many new tokens each brings."""
+
+    seq_ids: list[int]
+    query_lens: list[int]
+    offsets: list[int] = field(init=False)  # start row of each sequence in the packed tensors
+
+    def __post_init__(self) -> None:
+        if len(self.seq_ids) != len(self.query_lens):
+            raise ValueError("seq_ids and query_lens differ in length")
+        if len(set(self.seq_ids)) != len(self.seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {self.seq_ids}")
+        if any(n <= 0 for n in self.query_lens):
+            raise ValueError(f"every sequence needs at least one new token: {self.query_lens}")
+        self.offsets = [0]
+        for n in self.query_lens:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total new tokens in the step (rows of the packed tensors)."""
+        return self.offsets[-1]
+
+    def rows(self, i: int) -> slice:
+        """Rows of sequence number `i` (in batch order) in the packed tensors."""
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+
+class KVCache(ABC):
+    """Stores keys/values per (sequence, layer) and computes attention over them."""
+
+    @abstractmethod
+    def begin_step(self, batch: StepBatch) -> None:
+        """Make room for the batch's new tokens (before layer 0 runs)."""
+
+    @abstractmethod
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new keys/values for `layer`. k, v: [N, Hkv, D] packed."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the step's queries over everything stored. q: [N, Hq, D]."""
+
+    @abstractmethod
+    def end_step(self) -> None:
+        """Commit the step: stored lengths now include its tokens."""
+
+    @abstractmethod
+    def abort_step(self) -> None:
+        """Forget the step after a failure: stored lengths stay as before `begin_step`."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release everything stored for `seq_id` (no-op for an unknown id)."""
+
+    @abstractmethod
+    def stored_tokens(self, seq_id: int) -> int:
+        """Tokens whose KV is stored for `seq_id` (0 when unknown)."""
+
+    @abstractmethod
+    def bytes_used(self) -> int:
+        """Bytes of KV actually stored (all sequences, all layers)."""
+
+    @abstractmethod
+    def bytes_reserved(self) -> int:
+        """Bytes of KV memory held, including room not yet filled."""
+
+
+def attention_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
+) -> torch.Tensor:
+    """Grouped-query causal attention of one sequence's new queries over its stored KV.
+
+    q: [T, Hq, D] new queries; k, v: [Hkv, S, D] with S = num_past + T (the new tokens last).
+    Query t sees the `num_past` stored tokens and new tokens 0..t. Returns [T, Hq, D].
+    """
+    t, hq, d = q.shape
+    hkv, s, _ = k.shape
+    g = hq // hkv
+    # Query heads of a KV group share its keys, so fold them into the query-length axis instead
+    # of repeating K/V: rows are ordered (g, t).  q: [T, Hq, D] -> [1, Hkv, G*T, D]
+    qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
+    mask = None
+    if t > 1:
+        # allowed[t, j] = j <= num_past + t
+        allowed = torch.arange(s).unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)
+        mask = allowed.repeat(g, 1)  # [G*T, S]
+    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
+    # out: [1, Hkv, G*T, D] -> [T, Hq, D]
+    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+class ContiguousKVCache(KVCache):
+    """One growing buffer per sequence, [layers, Hkv, capacity, D] for keys and for values.
+
+    The simplest correct store; the unified memory pool's paged strategies replace it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        scale: float | None = None,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        self._len: dict[int, int] = {}
+        self._batch: StepBatch | None = None
+
+    def _grow(self, seq_id: int, need: int) -> None:
+        cap = self._k[seq_id].shape[2] if seq_id in self._k else 0
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap, 64)
+        shape = (self.num_layers, self.num_kv_heads, new_cap, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        n = self._len.get(seq_id, 0)
+        if n:
+            k[:, :, :n] = self._k[seq_id][:, :, :n]
+            v[:, :, :n] = self._v[seq_id][:, :, :n]
+        self._k[seq_id], self._v[seq_id] = k, v
+        self._len.setdefault(seq_id, 0)
+
+    def begin_step(self, batch: StepBatch) -> None:
+        for sid, n in zip(batch.seq_ids, batch.query_lens, strict=True):
+            self._grow(sid, self._len.get(sid, 0) + n)
+        self._batch = batch
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self._batch
+        for i, sid in enumerate(b.seq_ids):
+            n0, rows = self._len[sid], b.rows(i)
+            t = b.query_lens[i]
+            # k[rows]: [T, Hkv, D] -> buffer slot [Hkv, T, D]
+            self._k[sid][layer, :, n0 : n0 + t] = k[rows].transpose(0, 1)
+            self._v[sid][layer, :, n0 : n0 + t] = v[rows].transpose(0, 1)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b = self._batch
+        out = torch.empty_like(q)
+        for i, sid in enumerate(b.seq_ids):
+            n0, rows, t = self._len[sid], b.rows(i), b.query_lens[i]
+            k = self._k[sid][layer, :, : n0 + t]
+            v = self._v[sid][layer, :, : n0 + t]
+            out[rows] = attention_one(q[rows], k, v, n0, self.scale)
+        return out
+
+    def end_step(self) -> None:
+        b = self._batch
+        for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
+            self._len[sid] += n
+        self._batch = None
+
+    def abort_step(self) -> None:
+        self._batch = None
+
+    def free(self, seq_id: int) -> None:
+        self._k.pop(seq_id, None)
+        self._v.pop(seq_id, None)
+        self._len.pop(seq_id, None)
+
+    def stored_tokens(self, seq_id: int) -> int:
+        return self._len.get(seq_id, 0)
+
+    def _elem_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def bytes_used(self) -> int:
+        return sum(self._len.values()) * self._elem_bytes()
+
+    def bytes_reserved(self) -> int:
+        return sum(k.shape[2] for k in self._k.values()) * self._elem_bytes()

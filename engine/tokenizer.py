@@ -1,0 +1,128 @@
+"""Tokenizer built from a GGUF file's metadata with the `tokenizers` library.
+
+Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is built the way Hugging Face `transformers` builds
+it from the same file, so both produce identical ids. Also here: the chat template (rendered with
+Jinja2 like `apply_chat_template`) and incremental detokenization for streaming.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from .gguf_loader import ModelLoadError, _field
+
+_CONTROL = 3  # llama.cpp token type CONTROL (special tokens such as <|im_start|>)
+_USER_DEFINED = 4
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+class GGUFTokenizer:
+    """Encode/decode text, with the special tokens and chat template a GGUF file declares."""
+
+    def __init__(self, reader, path: str = "<gguf>") -> None:
+        kind = _field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{path}: unsupported tokenizer {kind!r}; supported: gpt2 (BPE)")
+        tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+        types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        # Tokens outside the byte alphabet are respelled, as transformers' converter does.
+        vocab = {
+            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
+            for i, tok in enumerate(tokens)
+        }
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges])
+        tk = Tokenizer(bpe)
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types, strict=False)
+            if ty == _CONTROL and set(t) <= alphabet
+        ]
+        tk.add_special_tokens(special)
+        user = [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types, strict=False)
+            if ty == _USER_DEFINED and t in vocab
+        ]
+        if user:
+            tk.add_tokens(user)
+        self._tk = tk
+        self.vocab_size = len(tokens)
+        self.special_ids = frozenset(tk.token_to_id(t.content) for t in special)
+
+        def token(key: str) -> tuple[int | None, str | None]:
+            idx = _field(reader, f"tokenizer.ggml.{key}")
+            return (int(idx), tokens[int(idx)]) if idx is not None else (None, None)
+
+        self.bos_id, self.bos_token = token("bos_token_id")
+        self.eos_id, self.eos_token = token("eos_token_id")
+        self.add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+        self.chat_template: str | None = _field(reader, "tokenizer.chat_template")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; BOS is prepended when the model file asks for it."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped unless asked for."""
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render messages with the model's chat template, ready for the assistant's answer."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; drop --chat / chat=True")
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete characters."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new complete text (may be empty)."""
+        self.ids.append(token_id)
+        text = self._tok.decode(self.ids)
+        # A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives.
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text) :]
+        self.text = text
+        return delta

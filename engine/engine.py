@@ -123,6 +123,16 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------
 
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+    ) -> RequestHandle:
+        """Queue a request and return its handle (iterate it for text, or await `result()`)."""
+        return RequestHandle(self, self._submit(prompt, params or SamplingParams(), chat))
+
     async def stream(
         self,
         prompt: str | Sequence[int],
@@ -131,19 +141,8 @@ class Engine:
         chat: bool = False,
     ) -> AsyncIterator[str]:
         """Yield the answer's text piece by piece. Closing the iterator cancels the request."""
-        req = self._submit(prompt, params or SamplingParams(), chat)
-        try:
-            while True:
-                kind, payload = await req.queue.get()
-                if kind == "text":
-                    yield payload
-                elif kind == "done":
-                    return
-                else:
-                    raise payload
-        finally:
-            if not req.finished:
-                self._cancel(req)
+        async for piece in self.submit(prompt, params, chat=chat):
+            yield piece
 
     async def generate(
         self,
@@ -153,17 +152,7 @@ class Engine:
         chat: bool = False,
     ) -> Completion:
         """Generate a whole answer. Cancelling the awaiting task cancels the request."""
-        req = self._submit(prompt, params or SamplingParams(), chat)
-        try:
-            while True:
-                kind, payload = await req.queue.get()
-                if kind == "done":
-                    return payload
-                if kind == "error":
-                    raise payload
-        finally:
-            if not req.finished:
-                self._cancel(req)
+        return await self.submit(prompt, params, chat=chat).result()
 
     def memory_report(self) -> dict[str, int]:
         """KV bytes stored now, held now, and the peak stored since the engine started."""
@@ -379,10 +368,46 @@ class Engine:
             self._finish(req, "length")
 
 
+class RequestHandle:
+    """One submitted request: iterate it for text pieces, or await `result()`."""
+
+    def __init__(self, engine: Engine, req: _Request) -> None:
+        self._engine, self._req = engine, req
+        self.completion: Completion | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self._req.prompt_ids)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        try:
+            while True:
+                kind, payload = await self._req.queue.get()
+                if kind == "text":
+                    yield payload
+                elif kind == "done":
+                    self.completion = payload
+                    return
+                else:
+                    raise payload
+        finally:
+            self.cancel()
+
+    async def result(self) -> Completion:
+        """Wait for the whole completion (consumes the stream)."""
+        async for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    def cancel(self) -> None:
+        """Cancel the request (no-op once it has finished); its KV memory is released."""
+        self._engine._cancel(self._req)
+
+
 async def generate_many(
     engine: Engine, prompts: Sequence[str], params: SamplingParams | None = None
 ) -> list[Completion]:
     """Run several prompts concurrently and return their completions in order."""
     return list(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
-
-

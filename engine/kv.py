@@ -106,7 +106,9 @@ def attention_one(
         # allowed[t, j] = j <= num_past + t
         allowed = torch.arange(s).unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)
         mask = allowed.repeat(g, 1)  # [G*T, S]
-    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
+    )
     # out: [1, Hkv, G*T, D] -> [T, Hq, D]
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
 

@@ -66,7 +66,9 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"blk.{i}."
             # Fusing Q/K/V and gate/up turns five matmuls into two: fewer passes over activations.
-            wqkv = torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])
+            wqkv = torch.cat(
+                [w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]
+            )
             wgu = torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])
             self.layers.append(
                 (w(p + "attn_norm.weight"), wqkv, w(p + "attn_output.weight"),
@@ -126,7 +128,9 @@ def load_model(
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}")
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
+            )
         dtype = DTYPES[dtype]
     path = resolve_model_path(model)
     cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)

@@ -1,0 +1,143 @@
+"""Shared fixtures: the real model loaded once per session, its reference twin, and test text.
+
+Tests never read the shared texts folder: `english_text` makes plain English prose itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# Two processes spinning OpenMP threads on two cores slow each other down by 10x; subprocesses
+# started by tests inherit this and stay single-threaded while the parent waits for them.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+_SUBJECTS = [
+    "The old farmer",
+    "A young teacher",
+    "The river",
+    "Our neighbour",
+    "The committee",
+    "A small child",
+    "The ship's captain",
+    "The library",
+    "My grandmother",
+    "The engineer",
+]
+_VERBS = [
+    "walked slowly towards",
+    "spoke at length about",
+    "carefully repaired",
+    "often visited",
+    "wrote a long letter about",
+    "quietly watched",
+    "argued with the council about",
+    "painted a picture of",
+    "dreamed every night of",
+    "forgot all about",
+]
+_OBJECTS = [
+    "the bridge near the mill",
+    "the price of bread",
+    "an unusual winter storm",
+    "the garden behind the school",
+    "a broken clock",
+    "the history of the town",
+    "the harvest festival",
+    "a letter from the capital",
+    "the lighthouse on the hill",
+    "the new railway station",
+]
+_TAILS = [
+    "before the sun went down.",
+    "because nobody else would.",
+    "while the rain kept falling.",
+    "and then went home for supper.",
+    "as the bells rang in the distance.",
+    "although it was already late.",
+    "with great patience.",
+    "for the third time that year.",
+]
+
+
+def make_english(n_sentences: int, seed: int = 0) -> str:
+    """Plain English prose, deterministic for a seed."""
+    rng = random.Random(seed)
+    sentences = [
+        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
+        for _ in range(n_sentences)
+    ]
+    paragraphs = [" ".join(sentences[i : i + 6]) for i in range(0, len(sentences), 6)]
+    return "\n\n".join(paragraphs)
+
+
+@pytest.fixture(scope="session")
+def english_text() -> str:
+    """About 2,000 tokens of generated English."""
+    return make_english(140, seed=1)
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from engine.gguf_loader import resolve_model_path
+
+    return resolve_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def loaded(model_path):
+    """(config, fp32 tensors, tokenizer) of the real model, read once."""
+    from engine.gguf_loader import load_gguf
+    from engine.tokenizer import GGUFTokenizer
+
+    cfg, tensors, reader = load_gguf(model_path, progress=False)
+    return cfg, tensors, GGUFTokenizer(reader, str(model_path))
+
+
+@pytest.fixture(scope="session")
+def model(loaded):
+    """unikv's float32 model."""
+    from engine.model import LlamaModel
+
+    cfg, tensors, _ = loaded
+    return LlamaModel(cfg, tensors)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded):
+    return loaded[2]
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """The reference: transformers' LlamaForCausalLM loaded from the same GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+
+
+@pytest.fixture
+def new_kv(model):
+    """A factory of empty contiguous caches shaped for the model."""
+    from engine.kv import ContiguousKVCache
+
+    cfg = model.cfg
+
+    def make():
+        return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+
+    return make

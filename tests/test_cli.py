@@ -1,0 +1,119 @@
+"""The `unikv` command line: help texts, one-line errors with exit code 2, and real runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import main
+
+from .conftest import make_english
+
+
+@pytest.mark.parametrize("argv", [[], ["run"], ["eval"], ["eval", "ppl"]])
+def test_help_explains_every_command(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: unikv" in out and "--help" in out
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "prose.txt"
+    path.write_text(make_english(40, seed=3), encoding="utf-8")
+    return path
+
+
+def _error(argv, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_user_mistakes_give_one_line_and_exit_2(tmp_path, text_file, capsys):
+    assert "prompt is empty" in _error(["run", "--prompt", "  "], capsys)
+    assert "not found" in _error(["eval", "ppl", "--text", str(tmp_path / "nope.txt")], capsys)
+    assert "directory" in _error(["eval", "ppl", "--text", str(tmp_path)], capsys)
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert "not UTF-8" in _error(["eval", "ppl", "--text", str(binary)], capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    assert "empty" in _error(["eval", "ppl", "--text", str(empty)], capsys)
+    err = _error(
+        ["eval", "ppl", "--text", str(text_file), "--prefill", "300", "--tokens", "300"], capsys
+    )
+    assert "--prefill (300)" in err
+    assert "model not found" in _error(["run", "--prompt", "hi", "--model", "/no/m.gguf"], capsys)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"junk" * 100)
+    assert "not a readable GGUF" in _error(["run", "--prompt", "hi", "--model", str(junk)], capsys)
+    assert "temperature" in _error(["run", "--prompt", "hi", "--temperature", "-2"], capsys)
+    assert "top_p" in _error(["run", "--prompt", "hi", "--top-p", "0"], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--prompt", "hi", "--max-new-tokens", "0"],
+        ["run", "--prompt", "hi", "--dtype", "int3"],
+        ["eval", "ppl", "--text", "x", "--tokens", "many"],
+        ["frobnicate"],
+    ],
+)
+def test_argument_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def _cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv):
+    from engine.evaluate import perplexity
+
+    proc = _cli("eval", "ppl", "--text", str(text_file), "--tokens", "320", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in (
+        "ppl",
+        "tokens",
+        "kv_bytes",
+        "bits_per_element",
+        "seconds",
+        "strategy",
+        "kept_ratio",
+    ):
+        assert key in result
+    ids = tokenizer.encode(text_file.read_text())[:320]
+    ref = perplexity(model, ids, new_kv())
+    assert result["tokens"] == 320
+    assert result["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
+    assert result["kv_bytes"] == ref.kv_bytes
+
+
+@pytest.mark.slow
+def test_run_streams_and_reports(capfd):
+    proc = _cli(
+        "run", "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "12"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout

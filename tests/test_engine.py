@@ -1,0 +1,217 @@
+"""The async engine: streaming, continuous batching, cancellation, isolation, sampling, closing."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.kv import ContiguousKVCache, StepBatch
+from engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Water boils at",
+    "A list of the planets of the solar system: Mercury, Venus,",
+    "def fibonacci(n):",
+]
+
+
+def greedy_reference(model, ids, n):
+    """Plain greedy decoding of one sequence straight through the model (no scheduler)."""
+    cfg = model.cfg
+    kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    out, seq = [], list(ids)
+    logits = model.forward(
+        torch.tensor(seq), torch.arange(len(seq)), kv, StepBatch([0], [len(seq)])
+    )
+    for _ in range(n):
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        logits = model.forward(
+            torch.tensor([tok]), torch.tensor([len(seq)]), kv, StepBatch([0], [1])
+        )
+        seq.append(tok)
+    return out
+
+
+@pytest.fixture
+async def engine(model, tokenizer):
+    e = Engine(model, tokenizer, max_batch=8, max_step_tokens=64)
+    yield e
+    await e.close(cancel=True)
+
+
+GREEDY_16 = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+async def test_generate_equals_plain_greedy(engine, model, tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    c = await engine.generate(PROMPTS[1], GREEDY_16)
+    assert c.token_ids == greedy_reference(model, ids, 16)
+    assert c.finish_reason == "length" and c.prompt_tokens == len(ids)
+    assert c.text == tokenizer.decode(c.token_ids)
+
+
+async def test_concurrent_requests_equal_sequential(engine):
+    """Continuous batching (joins mid-flight, chunked prefill) changes nothing in the output."""
+    sequential = [await engine.generate(p, GREEDY_16) for p in PROMPTS]
+
+    async def late(i, p):
+        await asyncio.sleep(0.05 * i)  # join while others are already decoding
+        return await engine.generate(p, GREEDY_16)
+
+    concurrent = await asyncio.gather(*(late(i, p) for i, p in enumerate(PROMPTS)))
+    assert [c.token_ids for c in concurrent] == [c.token_ids for c in sequential]
+    assert engine.kv.bytes_used() == 0  # everything was freed
+
+
+async def test_stream_pieces_add_up_to_completion(engine):
+    handle = engine.submit(PROMPTS[3], SamplingParams(max_new_tokens=24))
+    pieces = [p async for p in handle]
+    assert len(pieces) > 3
+    assert "".join(pieces) == handle.completion.text
+
+
+async def test_cancel_frees_memory_at_once_and_spares_others(engine, model, tokenizer):
+    other = asyncio.create_task(engine.generate(PROMPTS[0], GREEDY_16))
+    handle = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=500, ignore_eos=True))
+    got = 0
+    async for _ in handle:
+        got += 1
+        if got == 5:
+            break  # leaving the loop cancels the request
+    await asyncio.sleep(0.3)
+    rid = handle._req.rid
+    assert handle._req.finish_reason == "cancelled"
+    assert engine.kv.stored_tokens(rid) == 0
+    done = await other
+    assert done.token_ids == greedy_reference(model, tokenizer.encode(PROMPTS[0]), 16)
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_request(engine):
+    task = asyncio.create_task(
+        engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True))
+    )
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert engine.kv.bytes_used() == 0
+    assert engine.memory_report()["requests_running"] == 0
+
+
+class FlakyKV(ContiguousKVCache):
+    """Fails every step that contains a poisoned sequence, like a bad device write would."""
+
+    poisoned: set[int] = set()
+
+    def append(self, layer, k, v):
+        if self.poisoned & set(self._batch.seq_ids):
+            raise RuntimeError("injected storage fault")
+        super().append(layer, k, v)
+
+
+async def test_error_in_one_request_does_not_disturb_others(model, tokenizer):
+    cfg = model.cfg
+    kv = FlakyKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    engine = Engine(model, tokenizer, kv=kv, max_batch=8)
+    try:
+        good = [engine.submit(p, GREEDY_16) for p in PROMPTS[:2]]
+        bad = engine.submit(PROMPTS[2], GREEDY_16)
+        kv.poisoned = {bad._req.rid}
+        results = await asyncio.gather(*(h.result() for h in good))
+        with pytest.raises(RuntimeError, match="injected"):
+            await bad.result()
+        for p, r in zip(PROMPTS[:2], results, strict=True):
+            assert r.token_ids == greedy_reference(model, tokenizer.encode(p), 16)
+        assert kv.bytes_used() == 0
+    finally:
+        await engine.close(cancel=True)
+
+
+async def test_bad_requests_fail_alone(engine):
+    good = asyncio.create_task(engine.generate(PROMPTS[0], GREEDY_16))
+    with pytest.raises(ValueError, match="context"):
+        await engine.generate("word " * 9000)
+    with pytest.raises(ValueError, match="empty"):
+        await engine.generate("   ")
+    with pytest.raises(ValueError, match="token ids"):
+        await engine.generate([1, 2, 10**9])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    assert (await good).finish_reason == "length"
+
+
+async def test_seeded_sampling_is_reproducible(engine):
+    p = SamplingParams(
+        max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=7, ignore_eos=True
+    )
+    a = await engine.generate(PROMPTS[1], p)
+    b = await engine.generate(PROMPTS[1], p)
+    c = await engine.generate(PROMPTS[1], SamplingParams(**{**_fields(p), "seed": 8}))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def _fields(p):
+    return {f: getattr(p, f) for f in p.__slots__}
+
+
+async def test_stop_string_and_stop_token(engine):
+    free = await engine.generate(PROMPTS[3], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    stop = free.text[10:14]
+    assert stop.strip()
+    stopped = await engine.generate(PROMPTS[3], SamplingParams(max_new_tokens=24, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    streamed = "".join(
+        [p async for p in engine.stream(PROMPTS[3], SamplingParams(max_new_tokens=24, stop=stop))]
+    )
+    assert streamed == stopped.text  # held-back text never leaks a partial stop string
+    tok = free.token_ids[5]
+    by_id = await engine.generate(
+        PROMPTS[3], SamplingParams(max_new_tokens=24, stop_token_ids=(tok,))
+    )
+    first = free.token_ids.index(tok)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[:first]
+
+
+async def test_chat_template_and_eos(engine):
+    c = await engine.generate(
+        "What is the capital of France?", SamplingParams(max_new_tokens=40), chat=True
+    )
+    assert "Paris" in c.text
+    assert c.finish_reason == "stop"  # the model ends its answer with <|im_end|>
+
+
+async def test_close_finishes_running_requests(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    task = asyncio.create_task(engine.generate(PROMPTS[0], GREEDY_16))
+    await asyncio.sleep(0.1)
+    await engine.close()
+    assert (await task).finish_reason == "length"
+    with pytest.raises(RuntimeError, match="closed"):
+        await engine.generate(PROMPTS[0])
+
+
+async def test_close_with_cancel(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    handle = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(engine.close(cancel=True), timeout=30)
+    assert (await handle.result()).finish_reason == "cancelled"
+    assert engine.kv.bytes_used() == 0
+
+
+async def test_create_loads_the_packaged_model():
+    engine = await Engine.create("smollm2")
+    try:
+        c = await engine.generate("Hello", SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(c.token_ids) == 3
+    finally:
+        await engine.close()

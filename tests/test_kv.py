@@ -1,0 +1,79 @@
+"""The KV seam: StepBatch bookkeeping and attention of the contiguous cache against a reference."""
+
+import math
+
+import pytest
+import torch
+
+from engine.kv import ContiguousKVCache, StepBatch, attention_one
+
+
+def naive_attention(q, k, v, num_past, scale):
+    """Reference: repeat K/V per query head, explicit causal mask, softmax."""
+    t, hq, d = q.shape
+    hkv = k.shape[0]
+    k = k.repeat_interleave(hq // hkv, 0)  # [Hq, S, D]
+    v = v.repeat_interleave(hq // hkv, 0)
+    scores = torch.einsum("thd,hsd->hts", q, k) * scale
+    s = k.shape[1]
+    mask = torch.arange(s)[None, :] > (num_past + torch.arange(t))[:, None]
+    scores = scores.masked_fill(mask, -math.inf)
+    return torch.einsum("hts,hsd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize(("t", "past"), [(1, 0), (1, 17), (5, 0), (7, 30)])
+def test_attention_one_matches_naive(t, past):
+    g = torch.Generator().manual_seed(t * 100 + past)
+    q = torch.randn(t, 6, 8, generator=g)
+    k = torch.randn(2, past + t, 8, generator=g)
+    v = torch.randn(2, past + t, 8, generator=g)
+    torch.testing.assert_close(
+        attention_one(q, k, v, past, 0.3), naive_attention(q, k, v, past, 0.3)
+    )
+
+
+def test_step_batch_offsets_and_bad_input():
+    b = StepBatch([4, 9], [3, 1])
+    assert b.num_tokens == 4 and b.rows(1) == slice(3, 4)
+    with pytest.raises(ValueError, match="twice"):
+        StepBatch([1, 1], [1, 1])
+    with pytest.raises(ValueError, match="at least one"):
+        StepBatch([1], [0])
+
+
+def test_contiguous_cache_stores_appends_and_frees():
+    kv = ContiguousKVCache(num_layers=2, num_kv_heads=2, head_dim=4)
+    g = torch.Generator().manual_seed(0)
+    all_k = {0: [], 1: []}
+    for ids, lens in (([0, 1], [5, 3]), ([0, 1], [1, 1]), ([1], [70])):
+        batch = StepBatch(ids, lens)
+        kv.begin_step(batch)
+        n = batch.num_tokens
+        k, v = torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g)
+        q = torch.randn(n, 4, 4, generator=g)
+        for layer in range(2):
+            kv.append(layer, k, v)
+            out = kv.attend(layer, q)
+            assert out.shape == q.shape
+        for i, sid in enumerate(ids):
+            all_k[sid].append(k[batch.rows(i)])
+        kv.end_step()
+    assert kv.stored_tokens(0) == 6 and kv.stored_tokens(1) == 74
+    stored = kv._k[1][0, :, :74].transpose(0, 1)
+    torch.testing.assert_close(stored, torch.cat(all_k[1]))  # growth kept old contents
+    elem = 2 * 2 * 2 * 4 * 4  # layers * (K, V) * heads * dims * float32 bytes
+    assert kv.bytes_used() == 80 * elem
+    assert kv.bytes_reserved() >= kv.bytes_used()
+    kv.free(1)
+    assert kv.stored_tokens(1) == 0 and kv.bytes_used() == 6 * elem
+    kv.free(12345)  # unknown ids are a no-op
+
+
+def test_abort_step_keeps_previous_state():
+    kv = ContiguousKVCache(num_layers=1, num_kv_heads=1, head_dim=2)
+    kv.begin_step(StepBatch([0], [2]))
+    kv.append(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+    kv.end_step()
+    kv.begin_step(StepBatch([0], [3]))
+    kv.abort_step()
+    assert kv.stored_tokens(0) == 2

@@ -1,0 +1,54 @@
+"""The GGUF tokenizer must tokenize exactly like transformers does for the same file."""
+
+import pytest
+
+from engine.tokenizer import IncrementalDecoder
+
+TEXTS = [
+    "Hello world, 12345 tokens!\n\n  x",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x ** 2  # square\n\tTabs\tand  double  spaces",
+    "Ünïcödé: naïve café, 日本語のテキスト, emoji 🚀🔥, Ελληνικά",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "Numbers 3.14159, 1,000,000 and dates 2026-11-30; URLs https://example.org/a?b=c",
+    "   leading spaces and trailing   ",
+    "I'm sure they'll say it's fine, won't they? We've seen what you'd do.",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_matches_transformers(tokenizer, hf_tokenizer, text):
+    assert tokenizer.encode(text) == hf_tokenizer(text, add_special_tokens=True).input_ids
+
+
+def test_generated_prose_matches(tokenizer, hf_tokenizer, english_text):
+    assert tokenizer.encode(english_text) == hf_tokenizer(english_text).input_ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text), skip_special=False) == text
+
+
+def test_special_tokens(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>"
+    ids = tokenizer.encode("<|im_start|>")
+    assert ids == [tokenizer.bos_id]
+    assert tokenizer.decode(ids) == ""  # special tokens are dropped by default
+
+
+def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ours = tokenizer.apply_chat_template(messages)
+    ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == ref
+    assert ours.endswith("<|im_start|>assistant\n")
+
+
+def test_incremental_decoder_holds_back_split_characters(tokenizer):
+    text = "naïve 日本語 🚀 done"
+    ids = tokenizer.encode(text)
+    dec = IncrementalDecoder(tokenizer)
+    pieces = [dec.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

@@ -1,1 +1,64 @@
-"""memory package."""
+"""The unified memory pool's pure-Python core: allocation, prefix caching, stats and config.
+
+Re-exports the public API of `memory.allocator`, `memory.prefix`, `memory.stats`,
+`memory.config` and `memory.profiles`. Nothing here imports torch; the torch arenas and the
+pool built on them live in their own modules.
+"""
+
+from memory.allocator import SHARED, Block, BlockTable, FreeBlockQueue, TierAllocator
+from memory.config import (
+    TIER_ORDER,
+    ConfigError,
+    PoolConfig,
+    TierConfig,
+    load_config,
+    parse_size,
+)
+from memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
+from memory.profiles import (
+    DEFAULT_STRATEGY,
+    ChipProfile,
+    TunedParams,
+    bandwidth_class,
+    choose_strategy,
+    format_report,
+    list_profiles,
+    load_profile,
+    measure_host_bandwidth,
+    profile_report,
+)
+from memory.stats import Health, HealthMonitor, HealthReport, OomPredictor, OomWarning, PoolStats
+
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "SHARED",
+    "TIER_ORDER",
+    "Block",
+    "BlockRef",
+    "BlockTable",
+    "ChipProfile",
+    "ConfigError",
+    "FreeBlockQueue",
+    "Health",
+    "HealthMonitor",
+    "HealthReport",
+    "OomPredictor",
+    "OomWarning",
+    "PoolConfig",
+    "PoolStats",
+    "PrefixCache",
+    "TierAllocator",
+    "TierConfig",
+    "TunedParams",
+    "bandwidth_class",
+    "block_hash",
+    "chain_hashes",
+    "choose_strategy",
+    "format_report",
+    "list_profiles",
+    "load_config",
+    "load_profile",
+    "measure_host_bandwidth",
+    "parse_size",
+    "profile_report",
+]

@@ -1,0 +1,437 @@
+"""The memory-tier configuration: dataclasses, the TOML loader and environment overrides.
+
+What lives here: `TierConfig` and `PoolConfig` (validated on construction), `parse_size`,
+`load_config` and `ConfigError`. What does not: chip profiles and bandwidth classes
+(`memory.profiles`), checking a strategy name against the strategy registry (`kvstrategies`),
+and building the pool from a config (the pool).
+
+File format (TOML, see configs/unikv.toml)::
+
+    block_size = 16            # tokens per block, 1..1024
+    chip = "cpu"               # a profile name under configs/profiles/
+    strategy = "auto"          # "auto" (by bandwidth class) or a strategy name
+    [strategy_options]         # free-form, passed to the strategy, which validates it
+    [tiers.device]             # required
+    capacity = "25%"           # bytes (int), "512MiB" / "2GB", or a percentage of host RAM
+    low_watermark = 0.01       # fraction kept free for running sequences (see TierAllocator)
+    [tiers.host]               # optional: capacity, low_watermark
+    [tiers.ssd]                # optional: capacity, path (directory), low_watermark
+    [tiers.remote]             # optional: capacity, url ("redis://..."), low_watermark
+
+Capacity: an integer is bytes; a string is a number with a unit, decimal (B, KB, MB, GB, TB:
+powers of 1000) or binary (KiB, MiB, GiB, TiB: powers of 1024), units case-insensitive; a
+string ending in "%" is that percentage of the host's physical RAM, resolved when the file is
+loaded. (A bare float such as 0.25 is refused: it is unclear whether it means bytes or a
+fraction.) On an accelerator give the device tier in bytes: the percentage is of host RAM.
+
+Environment overrides: every variable named ``UNIKV_<KEY>`` overrides one key after the file is
+read. Nested keys are joined with a double underscore, names are case-insensitive:
+``UNIKV_BLOCK_SIZE=32``, ``UNIKV_CHIP=kunpeng920``, ``UNIKV_STRATEGY=full``,
+``UNIKV_TIERS__DEVICE__CAPACITY=1GiB``, ``UNIKV_TIERS__SSD__PATH=/var/cache/unikv``,
+``UNIKV_STRATEGY_OPTIONS__WINDOW=128``. The value is read as a TOML scalar where it parses as
+one (``32`` is an integer, ``true`` a boolean, ``0.5`` a float) and as a plain string
+otherwise (``1GiB``). A variable that names no known key is an error naming the variable, so
+every ``UNIKV_`` variable is reserved for configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIER_ORDER = ("device", "host", "ssd", "remote")
+ENV_PREFIX = "UNIKV_"
+MAX_BLOCK_SIZE = 1024
+DEFAULT_DEVICE_BYTES = 1 << 30  # used when a config has no [tiers] table
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_URL_RE = re.compile(r"^[a-z][a-z0-9+.-]*://\S+$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+SIZE_EXPECTED = 'expected bytes > 0, a size like "512MiB", or a fraction of RAM like "25%"'
+_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers")
+_TIER_KEYS = {
+    "device": ("capacity", "low_watermark"),
+    "host": ("capacity", "low_watermark"),
+    "ssd": ("capacity", "path", "low_watermark"),
+    "remote": ("capacity", "url", "low_watermark"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is missing, unreadable, malformed or invalid."""
+
+
+class _Invalid(Exception):
+    """A value was refused; `expected` says what is allowed (turned into a located error)."""
+
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+def host_ram_bytes() -> int:
+    """Physical RAM of this machine in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _size(value: object, ram_bytes: int | None) -> int:
+    if isinstance(value, bool):
+        raise _Invalid(SIZE_EXPECTED)
+    if isinstance(value, int):
+        if value <= 0:
+            raise _Invalid(SIZE_EXPECTED)
+        return value
+    if not isinstance(value, str):
+        raise _Invalid(SIZE_EXPECTED)
+    m = _PERCENT_RE.match(value)
+    if m:
+        pct = float(m.group(1))
+        if not 0.0 < pct <= 100.0:
+            raise _Invalid("expected a percentage of RAM in (0%, 100%]")
+        ram = host_ram_bytes() if ram_bytes is None else ram_bytes
+        return max(1, int(ram * pct / 100.0))
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise _Invalid(SIZE_EXPECTED)
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if n <= 0:
+        raise _Invalid(SIZE_EXPECTED)
+    return n
+
+
+def parse_size(value: int | str, *, ram_bytes: int | None = None) -> int:
+    """Bytes from an int, a size string ("512MiB", "2GB") or a percentage of RAM ("25%")."""
+    try:
+        return _size(value, ram_bytes)
+    except _Invalid as exc:
+        raise ValueError(f"size {value!r}: {exc.expected}") from None
+
+
+def _block_size(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_SIZE:
+        raise _Invalid(f"expected an integer from 1 to {MAX_BLOCK_SIZE} (tokens per block)")
+    return value
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise _Invalid(f"expected {what}: lower-case letters, digits and '_', starting a letter")
+    return value
+
+
+def _strategy(value: object) -> str:
+    return _name(value, '"auto" or a strategy name')
+
+
+def _watermark(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise _Invalid("expected a fraction in [0, 1) such as 0.01")
+    return float(value)
+
+
+def _path(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid("expected a non-empty directory path")
+    return value
+
+
+def _url(value: object) -> str:
+    if not isinstance(value, str) or not _URL_RE.match(value):
+        raise _Invalid('expected a URL like "redis://host:6379/0"')
+    return value
+
+
+def _options(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _Invalid("expected a table of options")
+    return dict(value)
+
+
+def _raise_field(owner: str, name: str, value: object, exc: _Invalid) -> None:
+    raise ValueError(f"{owner}: {name} = {value!r}: {exc.expected}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One memory tier: its name, capacity and (ssd, remote) location.
+
+    `path` is the SSD directory for "ssd" and the URL for "remote"; None otherwise.
+    """
+
+    name: str
+    capacity_bytes: int
+    path: str | None = None
+    low_watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        owner = f"tier {self.name!r}"
+        if self.name not in TIER_ORDER:
+            raise ValueError(f"tier name {self.name!r}: expected one of {', '.join(TIER_ORDER)}")
+        cap = self.capacity_bytes
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise ValueError(f"{owner}: capacity_bytes = {cap!r}: expected an integer > 0")
+        checks = [("low_watermark", self.low_watermark, _watermark)]
+        if self.name == "ssd":
+            checks.append(("path", self.path, _path))
+        elif self.name == "remote":
+            checks.append(("path", self.path, _url))
+        elif self.path is not None:
+            raise ValueError(
+                f"{owner}: path = {self.path!r}: expected None (this tier has no path)"
+            )
+        for name, value, check in checks:
+            try:
+                check(value)
+            except _Invalid as exc:
+                _raise_field(owner, name, value, exc)
+
+
+DEFAULT_TIERS = (TierConfig("device", DEFAULT_DEVICE_BYTES),)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """The memory pool's configuration: block size, tiers, chip and strategy choice."""
+
+    block_size: int = 16
+    tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
+    chip: str = "cpu"
+    strategy: str = "auto"
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="<defaults>", compare=False)  # where it was loaded from
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("block_size", self.block_size, _block_size),
+            ("chip", self.chip, lambda v: _name(v, "a chip profile name")),
+            ("strategy", self.strategy, _strategy),
+            ("strategy_options", self.strategy_options, _options),
+        ]
+        for name, value, check in checks:
+            try:
+                check(value)
+            except _Invalid as exc:
+                _raise_field("PoolConfig", name, value, exc)
+        names = [t.name for t in self.tiers if isinstance(t, TierConfig)]
+        if len(names) != len(self.tiers):
+            raise ValueError(f"PoolConfig: tiers = {self.tiers!r}: expected TierConfig items")
+        if "device" not in names:
+            raise ValueError(f"PoolConfig: tiers {names}: a device tier is required")
+        if names != sorted(set(names), key=TIER_ORDER.index):
+            raise ValueError(
+                f"PoolConfig: tiers {names}: expected each tier once, in the order "
+                f"{', '.join(TIER_ORDER)}"
+            )
+
+    def tier(self, name: str) -> TierConfig | None:
+        """The tier called `name`, or None if it is not configured."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def _show(value: object) -> str:
+    """A value as it would be written in TOML (strings in double quotes)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return json.dumps(value)
+    return repr(value)
+
+
+class _Locator:
+    """Builds error messages naming the file or environment variable and the key."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.env_origin: dict[tuple[str, ...], str] = {}
+
+    def key(self, path: tuple[str, ...]) -> str:
+        if len(path) == 1:
+            return path[0]
+        return f"[{'.'.join(path[:-1])}] {path[-1]}"
+
+    def where(self, path: tuple[str, ...]) -> str:
+        var = self.env_origin.get(path)
+        if var is not None:
+            return f"{var} (environment override of {self.source})"
+        return self.source
+
+    def bad(self, path: tuple[str, ...], value: object, expected: str) -> ConfigError:
+        return ConfigError(f"{self.where(path)}: {self.key(path)} = {_show(value)}: {expected}")
+
+    def unknown(self, path: tuple[str, ...], allowed: tuple[str, ...]) -> ConfigError:
+        parent = f"[{'.'.join(path[:-1])}] " if len(path) > 1 else ""
+        what = "tier" if path[:-1] == ("tiers",) else "key"
+        return ConfigError(
+            f"{self.where(path)}: {parent}unknown {what} {_show(path[-1])}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _env_path(var: str) -> tuple[str, ...]:
+    parts = tuple(p.lower() for p in var[len(ENV_PREFIX) :].split("__"))
+    if len(parts) == 1 and parts[0] in ("block_size", "chip", "strategy"):
+        return parts
+    if len(parts) == 2 and parts[0] == "strategy_options" and _NAME_RE.match(parts[1]):
+        return parts
+    if len(parts) == 3 and parts[0] == "tiers" and parts[2] in _TIER_KEYS.get(parts[1], ()):
+        return parts
+    allowed = [
+        "UNIKV_BLOCK_SIZE",
+        "UNIKV_CHIP",
+        "UNIKV_STRATEGY",
+        "UNIKV_STRATEGY_OPTIONS__<NAME>",
+    ] + [f"UNIKV_TIERS__{t.upper()}__{k.upper()}" for t in TIER_ORDER for k in _TIER_KEYS[t]]
+    raise ConfigError(
+        f"environment variable {var}: names no configuration key; allowed: {', '.join(allowed)}"
+    )
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str], loc: _Locator) -> None:
+    for var in sorted(env):
+        if not var.upper().startswith(ENV_PREFIX):
+            continue
+        path = _env_path(var.upper())
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise loc.bad(path[: i + 1], child, "expected a table")
+            node = child
+        node[path[-1]] = _parse_env_value(env[var])
+        loc.env_origin[path] = var
+
+
+def _check(loc: _Locator, path: tuple[str, ...], value: object, fn: Any) -> Any:
+    try:
+        return fn(value)
+    except _Invalid as exc:
+        raise loc.bad(path, value, exc.expected) from None
+
+
+def _build(raw: dict[str, Any], loc: _Locator, ram_bytes: int | None) -> PoolConfig:
+    for key in raw:
+        if key not in _TOP_KEYS:
+            raise loc.unknown((key,), _TOP_KEYS)
+    kwargs: dict[str, Any] = {}
+    if "block_size" in raw:
+        kwargs["block_size"] = _check(loc, ("block_size",), raw["block_size"], _block_size)
+    if "strategy" in raw:
+        kwargs["strategy"] = _check(loc, ("strategy",), raw["strategy"], _strategy)
+    if "strategy_options" in raw:
+        opts = raw["strategy_options"]
+        kwargs["strategy_options"] = _check(loc, ("strategy_options",), opts, _options)
+    if "chip" in raw:
+        chip = _check(loc, ("chip",), raw["chip"], lambda v: _name(v, "a chip profile name"))
+        # Imported here: profiles imports this module at load time.
+        from memory.profiles import list_profiles
+
+        available = list_profiles()
+        if chip not in available:
+            raise loc.bad(("chip",), chip, f"expected one of {', '.join(available)}")
+        kwargs["chip"] = chip
+    if "tiers" in raw:
+        kwargs["tiers"] = _build_tiers(raw["tiers"], loc, ram_bytes)
+    try:
+        return PoolConfig(**kwargs, source=loc.source)
+    except ValueError as exc:
+        raise ConfigError(f"{loc.source}: {exc}") from None
+
+
+def _build_tiers(tables: object, loc: _Locator, ram_bytes: int | None) -> tuple[TierConfig, ...]:
+    if not isinstance(tables, dict):
+        raise loc.bad(("tiers",), tables, "expected a table of tiers like [tiers.device]")
+    for name in tables:
+        if name not in TIER_ORDER:
+            raise loc.unknown(("tiers", name), TIER_ORDER)
+    if "device" not in tables:
+        raise ConfigError(f"{loc.source}: [tiers] has no device tier; add [tiers.device]")
+    tiers = []
+    for name in (n for n in TIER_ORDER if n in tables):
+        table = tables[name]
+        if not isinstance(table, dict):
+            raise loc.bad(("tiers", name), table, f"expected a table [tiers.{name}]")
+        allowed = _TIER_KEYS[name]
+        for key in table:
+            if key not in allowed:
+                raise loc.unknown(("tiers", name, key), allowed)
+        required = {"ssd": ("capacity", "path"), "remote": ("capacity", "url")}
+        for key in required.get(name, ("capacity",)):
+            if key not in table:
+                via = [v for p, v in loc.env_origin.items() if p[:2] == ("tiers", name)]
+                hint = f" (the tier was set by {', '.join(via)})" if via else ""
+                raise ConfigError(
+                    f"{loc.source}: [tiers.{name}] missing key {_show(key)}{hint}; "
+                    f"keys of this tier: {', '.join(_TIER_KEYS[name])}"
+                )
+        capacity = _check(
+            loc, ("tiers", name, "capacity"), table["capacity"], lambda v: _size(v, ram_bytes)
+        )
+        watermark = _check(
+            loc, ("tiers", name, "low_watermark"), table.get("low_watermark", 0.0), _watermark
+        )
+        location = None
+        if name == "ssd":
+            location = _check(loc, ("tiers", name, "path"), table["path"], _path)
+        elif name == "remote":
+            location = _check(loc, ("tiers", name, "url"), table["url"], _url)
+        tiers.append(TierConfig(name, capacity, location, watermark))
+    return tuple(tiers)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    ram_bytes: int | None = None,
+) -> PoolConfig:
+    """Read a TOML config (or the defaults when `path` is None) and apply UNIKV_ overrides.
+
+    `env` defaults to `os.environ`; `ram_bytes` (for percentages) to this machine's RAM.
+    """
+    source = "<defaults>" if path is None else str(path)
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{source}: cannot read config file: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            # The parser's message carries the line and column.
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    # A file without [tiers] gets the default device tier, so an override that adds, say,
+    # an SSD tier does not leave the pool without a device tier.
+    raw.setdefault("tiers", {"device": {"capacity": DEFAULT_DEVICE_BYTES}})
+    loc = _Locator(source)
+    _apply_env(raw, os.environ if env is None else env, loc)
+    return _build(raw, loc, ram_bytes)

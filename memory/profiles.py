@@ -1,0 +1,468 @@
+"""Chip profiles, bandwidth classes and the default KV strategy of each class.
+
+What lives here: `ChipProfile` / `TunedParams` (one TOML file per chip under
+configs/profiles/), `load_profile`, `list_profiles`, `bandwidth_class`, `DEFAULT_STRATEGY`,
+`choose_strategy`, the bandwidth probes (`measure_host_bandwidth` with numpy,
+`measure_cuda_bandwidth` with torch, imported lazily and only for the cuda profile) and
+`profile_report` / `format_report` behind `unikv profile`.
+
+What does not: the strategies themselves and their registry (`kvstrategies`), applying the
+tuned parameters (the scheduler and engine read them from the profile).
+
+Bandwidth classes (DESIGN.md): high >= 1000 GB/s, medium 300-1000 GB/s, low < 300 GB/s.
+A profile may pin its class with `bandwidth_class` where DESIGN.md's field table disagrees
+with the spec-sheet figure; the report then says the class came from the profile.
+
+Profile file keys: display_name, bandwidth (GB/s, or "measure"), measure_on ("host" or
+"cuda", with "measure"), declared_bandwidth (GB/s used when "cuda" cannot be measured),
+bandwidth_class (optional pin), field_tuned, and a [tuned] table with batch_size,
+kv_precision, batching_window_ms, thermal_throttle_c, l2_prefetch_depth.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memory.config import ConfigError, load_config
+
+logger = logging.getLogger(__name__)
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
+
+HIGH_GBPS = 1000.0  # >= this: high class
+MEDIUM_GBPS = 300.0  # >= this (and < HIGH_GBPS): medium class; below: low
+CLASSES = ("high", "medium", "low")
+DEFAULT_STRATEGY = {
+    "high": "hybrid_fp16_int4",
+    "medium": "hierarchical_offload",
+    "low": "learned_prune",
+}
+FALLBACK_STRATEGY = "full"
+KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp16+int4")
+MEASURE_TARGETS = ("host", "cuda")
+
+_TOP_KEYS = (
+    "display_name",
+    "bandwidth",
+    "measure_on",
+    "declared_bandwidth",
+    "bandwidth_class",
+    "field_tuned",
+    "tuned",
+)
+_TUNED_KEYS = (
+    "batch_size",
+    "kv_precision",
+    "batching_window_ms",
+    "thermal_throttle_c",
+    "l2_prefetch_depth",
+)
+
+
+def bandwidth_class(gbps: float) -> str:
+    """ "high" (>= 1000 GB/s), "medium" (300-1000) or "low" (< 300) for a bandwidth in GB/s."""
+    if isinstance(gbps, bool) or not isinstance(gbps, int | float) or not gbps > 0:
+        raise ValueError(f"bandwidth must be a positive number of GB/s, got {gbps!r}")
+    if not math.isfinite(gbps):
+        raise ValueError(f"bandwidth must be finite, got {gbps!r}")
+    if gbps >= HIGH_GBPS:
+        return "high"
+    if gbps >= MEDIUM_GBPS:
+        return "medium"
+    return "low"
+
+
+def choose_strategy(
+    bw_class: str, config_strategy: str, available: Iterable[str]
+) -> tuple[str, str]:
+    """The strategy to run and why: the configured one, else the class default, else "full".
+
+    Raises ValueError for an unknown class, a configured strategy that is not available, or
+    "auto" when neither the class default nor "full" is available.
+    """
+    if bw_class not in CLASSES:
+        raise ValueError(f"bandwidth class {bw_class!r}: expected one of {', '.join(CLASSES)}")
+    names = sorted(set(available))
+    listed = ", ".join(names) or "none"
+    if config_strategy != "auto":
+        if config_strategy not in names:
+            raise ValueError(
+                f"strategy {config_strategy!r} is not available; available: {listed} (or auto)"
+            )
+        return config_strategy, f"configured strategy {config_strategy!r}"
+    default = DEFAULT_STRATEGY[bw_class]
+    if default in names:
+        return default, f"auto: default of the {bw_class} bandwidth class"
+    if FALLBACK_STRATEGY in names:
+        reason = (
+            f"auto: the {bw_class} class default {default!r} is not available "
+            f"(available: {listed}); falling back to {FALLBACK_STRATEGY!r}"
+        )
+        logger.warning(reason)
+        return FALLBACK_STRATEGY, reason
+    raise ValueError(
+        f"auto strategy: neither the {bw_class} class default {default!r} nor "
+        f"{FALLBACK_STRATEGY!r} is available; available: {listed}"
+    )
+
+
+# -- profiles --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TunedParams:
+    """Field-tuned runtime parameters of a chip (DESIGN.md table)."""
+
+    batch_size: int
+    kv_precision: str
+    batching_window_ms: float
+    thermal_throttle_c: float
+    l2_prefetch_depth: int
+
+    def __post_init__(self) -> None:
+        problem = _tuned_problem({k: getattr(self, k) for k in _TUNED_KEYS})
+        if problem is not None:
+            key, expected = problem
+            raise ValueError(f"TunedParams: {key} = {getattr(self, key)!r}: {expected}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _tuned_problem(t: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first (key, what is expected) that is wrong in tuned parameters, or None."""
+    if not _is_int(t["batch_size"]) or t["batch_size"] < 1:
+        return "batch_size", "expected an integer >= 1"
+    if t["kv_precision"] not in KV_PRECISIONS:
+        return "kv_precision", f"expected one of {', '.join(KV_PRECISIONS)}"
+    if not _is_num(t["batching_window_ms"]) or t["batching_window_ms"] < 0:
+        return "batching_window_ms", "expected a number of milliseconds >= 0"
+    if not _is_num(t["thermal_throttle_c"]) or not 0 < t["thermal_throttle_c"] <= 125:
+        return "thermal_throttle_c", "expected degrees Celsius in (0, 125]"
+    if not _is_int(t["l2_prefetch_depth"]) or t["l2_prefetch_depth"] < 0:
+        return "l2_prefetch_depth", "expected an integer >= 0"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ChipProfile:
+    """One chip: its device memory bandwidth (declared or measured) and tuned parameters."""
+
+    name: str
+    display_name: str
+    bandwidth_gbps: float | None  # None: measured at run time on `measure_on`
+    tuned: TunedParams
+    field_tuned: bool = False
+    measure_on: str | None = None
+    declared_bandwidth_gbps: float | None = None  # fallback when measuring is impossible
+    pinned_class: str | None = None  # overrides the class derived from the bandwidth
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps is None:
+            if self.measure_on not in MEASURE_TARGETS:
+                raise ValueError(
+                    f"profile {self.name!r}: measure_on = {self.measure_on!r}: expected one of "
+                    f"{', '.join(MEASURE_TARGETS)} when the bandwidth is measured"
+                )
+        elif not _is_num(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
+            raise ValueError(
+                f"profile {self.name!r}: bandwidth_gbps = {self.bandwidth_gbps!r}: "
+                "expected a number of GB/s > 0"
+            )
+        if self.declared_bandwidth_gbps is not None and (
+            not _is_num(self.declared_bandwidth_gbps) or self.declared_bandwidth_gbps <= 0
+        ):
+            raise ValueError(
+                f"profile {self.name!r}: declared_bandwidth_gbps = "
+                f"{self.declared_bandwidth_gbps!r}: expected a number of GB/s > 0"
+            )
+        if self.pinned_class is not None and self.pinned_class not in CLASSES:
+            raise ValueError(
+                f"profile {self.name!r}: pinned_class = {self.pinned_class!r}: expected one of "
+                f"{', '.join(CLASSES)}"
+            )
+
+    @property
+    def measured(self) -> bool:
+        """True when the bandwidth is measured at run time rather than declared."""
+        return self.bandwidth_gbps is None
+
+
+def list_profiles(profile_dir: str | os.PathLike[str] = PROFILE_DIR) -> list[str]:
+    """Names of the shipped chip profiles, sorted."""
+    return sorted(p.stem for p in Path(profile_dir).glob("*.toml"))
+
+
+def _show(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return json.dumps(value)
+    return repr(value)
+
+
+def load_profile(
+    name_or_path: str | os.PathLike[str], profile_dir: str | os.PathLike[str] = PROFILE_DIR
+) -> ChipProfile:
+    """Load a chip profile by name ("kunpeng920") or from a .toml path."""
+    text = os.fspath(name_or_path)
+    if text.endswith(".toml") or os.sep in text:
+        path = Path(text)
+    else:
+        available = list_profiles(profile_dir)
+        if text not in available:
+            raise ConfigError(f"unknown chip {text!r}; available: {', '.join(available)}")
+        path = Path(profile_dir) / f"{text}.toml"
+    src = str(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{src}: profile file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{src}: cannot read profile: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{src}: invalid TOML: {exc}") from None
+    return _build_profile(path.stem, raw, src)
+
+
+def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
+    def bad(key: str, value: object, expected: str) -> ConfigError:
+        return ConfigError(f"{src}: {key} = {_show(value)}: {expected}")
+
+    for key in raw:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{src}: unknown key {_show(key)}; allowed: {', '.join(_TOP_KEYS)}")
+    for key in ("display_name", "bandwidth", "tuned"):
+        if key not in raw:
+            raise ConfigError(f"{src}: missing key {_show(key)}")
+    display = raw["display_name"]
+    if not isinstance(display, str) or not display:
+        raise bad("display_name", display, "expected a non-empty string")
+    bw = raw["bandwidth"]
+    measure_on = raw.get("measure_on")
+    if bw == "measure":
+        bandwidth = None
+        if measure_on is None:
+            raise ConfigError(
+                f'{src}: bandwidth = "measure" needs measure_on: one of '
+                f"{', '.join(MEASURE_TARGETS)}"
+            )
+        if measure_on not in MEASURE_TARGETS:
+            raise bad("measure_on", measure_on, f"expected one of {', '.join(MEASURE_TARGETS)}")
+    else:
+        if not _is_num(bw) or bw <= 0:
+            raise bad("bandwidth", bw, 'expected GB/s > 0 (a number) or "measure"')
+        if measure_on is not None:
+            raise bad("measure_on", measure_on, 'only allowed with bandwidth = "measure"')
+        bandwidth = float(bw)
+    declared = raw.get("declared_bandwidth")
+    if declared is not None and (not _is_num(declared) or declared <= 0):
+        raise bad("declared_bandwidth", declared, "expected GB/s > 0 (a number)")
+    pinned = raw.get("bandwidth_class")
+    if pinned is not None and pinned not in CLASSES:
+        raise bad("bandwidth_class", pinned, f"expected one of {', '.join(CLASSES)}")
+    field_tuned = raw.get("field_tuned", False)
+    if not isinstance(field_tuned, bool):
+        raise bad("field_tuned", field_tuned, "expected true or false")
+    tuned_raw = raw["tuned"]
+    if not isinstance(tuned_raw, dict):
+        raise bad("tuned", tuned_raw, "expected a table [tuned]")
+    for key in tuned_raw:
+        if key not in _TUNED_KEYS:
+            raise ConfigError(
+                f"{src}: [tuned] unknown key {_show(key)}; allowed: {', '.join(_TUNED_KEYS)}"
+            )
+    for key in _TUNED_KEYS:
+        if key not in tuned_raw:
+            raise ConfigError(f"{src}: [tuned] missing key {_show(key)}")
+    # Checked here too (not only in __post_init__) so the error names the file and TOML key.
+    problem = _tuned_problem(tuned_raw)
+    if problem is not None:
+        key, expected = problem
+        raise ConfigError(f"{src}: [tuned] {key} = {_show(tuned_raw[key])}: {expected}")
+    return ChipProfile(
+        name=name,
+        display_name=display,
+        bandwidth_gbps=bandwidth,
+        tuned=TunedParams(**tuned_raw),
+        field_tuned=field_tuned,
+        measure_on=measure_on,
+        declared_bandwidth_gbps=None if declared is None else float(declared),
+        pinned_class=pinned,
+        source=src,
+    )
+
+
+# -- bandwidth probes ------------------------------------------------------------------------
+
+
+@functools.cache
+def measure_host_bandwidth(size_mib: int = 64, repeats: int = 5) -> float:
+    """Host memory bandwidth in GB/s (1e9 B/s) from a numpy copy; cached per process.
+
+    Copies a `size_mib` float64 array `repeats` times after one warm-up copy (which faults
+    the destination pages in) and keeps the fastest. A copy of N bytes counts 2N: N read
+    plus N written. One thread, so it reports what one engine thread sees, not the peak
+    of every memory channel. About 50-150 ms on a typical machine.
+    """
+    import numpy as np
+
+    n = size_mib * 2**20 // 8
+    src = np.ones(n, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+@functools.cache
+def measure_cuda_bandwidth(size_mib: int = 256, repeats: int = 5) -> float | None:
+    """CUDA device memory bandwidth in GB/s from a device copy, or None without a device.
+
+    Counts read + write bytes like `measure_host_bandwidth`. torch is imported only here.
+    """
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    n = size_mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+def resolve_bandwidth(profile: ChipProfile) -> tuple[float, str]:
+    """(GB/s, "declared" | "measured") for a profile, measuring if it asks to."""
+    if profile.bandwidth_gbps is not None:
+        return profile.bandwidth_gbps, "declared"
+    if profile.measure_on == "host":
+        return measure_host_bandwidth(), "measured"
+    measured = measure_cuda_bandwidth()
+    if measured is not None:
+        return measured, "measured"
+    if profile.declared_bandwidth_gbps is None:
+        raise ConfigError(
+            f"{profile.source}: no CUDA device to measure and no declared_bandwidth to fall back on"
+        )
+    return profile.declared_bandwidth_gbps, "declared"
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def profile_report(
+    chip: str | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+    available_strategies: Iterable[str] = (FALLBACK_STRATEGY,),
+    *,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Everything `unikv profile` shows, as a JSON-serializable dict.
+
+    `chip` overrides the config's chip; without `config_path` the defaults (plus UNIKV_
+    environment overrides) are used.
+    """
+    config = load_config(config_path, env=env)
+    profile = load_profile(chip if chip is not None else config.chip)
+    gbps, bw_source = resolve_bandwidth(profile)
+    derived = bandwidth_class(gbps)
+    cls = profile.pinned_class or derived
+    if profile.pinned_class is None:
+        class_source = "from the bandwidth"
+    elif profile.pinned_class == derived:
+        class_source = "pinned by the profile, agrees with the bandwidth"
+    else:
+        class_source = (
+            f"pinned by the profile (DESIGN.md field table); {gbps:g} GB/s alone would be {derived}"
+        )
+    strategy, reason = choose_strategy(cls, config.strategy, available_strategies)
+    t = profile.tuned
+    return {
+        "chip": profile.name,
+        "display_name": profile.display_name,
+        "bandwidth_gbps": round(gbps, 1),
+        "bandwidth_source": bw_source,
+        "class": cls,
+        "class_source": class_source,
+        "strategy": strategy,
+        "strategy_reason": reason,
+        "config": config.source,
+        "block_size": config.block_size,
+        "tiers": [
+            {"name": tc.name, "capacity_bytes": tc.capacity_bytes, "path": tc.path}
+            for tc in config.tiers
+        ],
+        "field_tuned": profile.field_tuned,
+        "batch_size": t.batch_size,
+        "kv_precision": t.kv_precision,
+        "batching_window_ms": t.batching_window_ms,
+        "thermal_throttle_c": t.thermal_throttle_c,
+        "l2_prefetch_depth": t.l2_prefetch_depth,
+    }
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """A readable table of a `profile_report` dict."""
+    tuned = "field-tuned" if report["field_tuned"] else "defaults, not field-tuned"
+    rows = [
+        ("chip", f"{report['chip']} ({report['display_name']})"),
+        ("bandwidth", f"{report['bandwidth_gbps']:g} GB/s ({report['bandwidth_source']})"),
+        ("class", f"{report['class']} ({report['class_source']})"),
+        ("strategy", f"{report['strategy']} ({report['strategy_reason']})"),
+        ("config", str(report["config"])),
+        ("block size", f"{report['block_size']} tokens"),
+        ("batch size", f"{report['batch_size']} ({tuned})"),
+        ("KV precision", str(report["kv_precision"])),
+        ("batching window", f"{report['batching_window_ms']:g} ms"),
+        ("thermal throttle", f"{report['thermal_throttle_c']:g} °C"),
+        ("L2 prefetch depth", str(report["l2_prefetch_depth"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("tiers")
+    lines.append(f"  {'name':<8}{'capacity':>12}  path")
+    for tier in report["tiers"]:
+        cap = _human_bytes(tier["capacity_bytes"])
+        lines.append(f"  {tier['name']:<8}{cap:>12}  {tier['path'] or '-'}")
+    return "\n".join(lines)

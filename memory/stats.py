@@ -1,0 +1,295 @@
+"""Pool statistics, the out-of-memory predictor and the pool's health state.
+
+What lives here: `PoolStats` (usage per tier, prefix hit rate, allocations, frees, evictions,
+preemptions, moves between tiers, checksum failures; `snapshot()` is JSON-serializable),
+`OomPredictor` (warns when the device tier is nearly full and still filling fast) and
+`HealthMonitor` (green / yellow / red).
+
+What does not: exporting metrics (a later Prometheus exporter reads `snapshot()`), and any
+decision taken on a warning (preempting, offloading: the scheduler and the strategies).
+
+Health thresholds (module constants below; "recent" means within `RECENT_S` = 60 s):
+
+- red: device usage > `RED_USAGE` (95%), or an OOM warning recently, or a checksum failure
+  reported recently;
+- yellow: device usage >= `GREEN_MAX_USAGE` (85%), or a preemption recently;
+- green: otherwise (device usage < 85% and nothing of the above recently).
+
+OOM prediction: each `record(usage)` adds a (time, usage) sample and keeps the samples of the
+last `OOM_WINDOW_S` (60 s). A warning fires when usage > `OOM_USAGE` (95%) AND the least-squares
+slope of usage over that window exceeds `OOM_SLOPE_PP_PER_MIN` (5 percentage points per
+minute). The slope needs at least two samples spanning `OOM_MIN_SPAN_S` (1 s), so two samples
+a microsecond apart cannot fake a steep rise. Warnings repeat at most once per
+`OOM_COOLDOWN_S` (60 s); each one is appended to `events`, passed to the `on_warning` callback
+and logged with `logging.warning`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from memory.allocator import TierAllocator
+from memory.prefix import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+GREEN_MAX_USAGE = 0.85  # device usage at or above this is at least yellow
+RED_USAGE = 0.95  # device usage above this is red
+RECENT_S = 60.0  # how long a preemption / OOM warning / checksum failure colours the health
+
+OOM_USAGE = 0.95  # predictor: usage must exceed this ...
+OOM_SLOPE_PP_PER_MIN = 5.0  # ... and rise faster than this (percentage points per minute)
+OOM_WINDOW_S = 60.0  # sliding window of samples the slope is fitted over
+OOM_MIN_SPAN_S = 1.0  # the window's samples must span at least this long
+OOM_COOLDOWN_S = 60.0  # at most one warning per this many seconds
+MAX_EVENTS = 256  # warnings kept in OomPredictor.events (oldest dropped)
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters of one pool; reads tier and prefix counters live from their owners.
+
+    The allocators count allocations, frees and evictions, the prefix cache counts queries and
+    hits; the pool records preemptions, moves and checksum failures here.
+    """
+
+    allocators: Mapping[str, TierAllocator] = field(default_factory=dict)
+    prefix: PrefixCache | None = None
+    preemptions: int = 0
+    moves: dict[tuple[str, str], int] = field(default_factory=dict)
+    checksum_failures: int = 0
+
+    def record_preemption(self, n: int = 1) -> None:
+        """Count `n` preempted sequences."""
+        self.preemptions += n
+
+    def record_move(self, src: str, dst: str, n: int = 1) -> None:
+        """Count `n` blocks moved from tier `src` to tier `dst`."""
+        self.moves[(src, dst)] = self.moves.get((src, dst), 0) + n
+
+    def record_checksum_failure(self, n: int = 1) -> None:
+        """Count `n` blocks whose checksum did not match (detected, never served)."""
+        self.checksum_failures += n
+
+    def usage(self, tier: str) -> float:
+        """Used fraction of `tier` (0.0 when the pool has no such tier)."""
+        allocator = self.allocators.get(tier)
+        return allocator.usage if allocator is not None else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """All counters as a JSON-serializable dict."""
+        tiers = {
+            name: {
+                "num_blocks": a.num_blocks,
+                "num_used": a.num_used,
+                "num_free": a.num_free,
+                "num_cached": a.num_cached,
+                "usage": a.usage,
+            }
+            for name, a in self.allocators.items()
+        }
+        p = self.prefix
+        return {
+            "tiers": tiers,
+            "allocations": sum(a.num_allocations for a in self.allocators.values()),
+            "frees": sum(a.num_frees for a in self.allocators.values()),
+            "evictions": sum(a.num_evictions for a in self.allocators.values()),
+            "prefix_revived": sum(a.num_revived for a in self.allocators.values()),
+            "preemptions": self.preemptions,
+            "moves": {f"{s}->{d}": n for (s, d), n in sorted(self.moves.items())},
+            "checksum_failures": self.checksum_failures,
+            "prefix": {
+                "queries": p.queries if p is not None else 0,
+                "hits": p.hits if p is not None else 0,
+                "misses": p.misses if p is not None else 0,
+                "hit_rate": p.hit_rate if p is not None else 0.0,
+                "cached_blocks": len(p) if p is not None else 0,
+            },
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class OomWarning:
+    """A predicted out-of-memory: usage is high and rising fast."""
+
+    time: float
+    usage: float
+    slope_pp_per_min: float
+    seconds_to_full: float  # at the current slope
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON-serializable form."""
+        return asdict(self)
+
+
+def _check_usage(usage: float) -> float:
+    if isinstance(usage, bool) or not isinstance(usage, int | float) or not 0.0 <= usage <= 1.0:
+        raise ValueError(f"usage must be a fraction in [0, 1], got {usage!r}")
+    return float(usage)
+
+
+class OomPredictor:
+    """Warns when device usage is above 95% and rising faster than 5 points per minute.
+
+    See the module docstring for the window and slope rule. `clock` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock = time.monotonic,
+        usage_threshold: float = OOM_USAGE,
+        slope_pp_per_min: float = OOM_SLOPE_PP_PER_MIN,
+        window_s: float = OOM_WINDOW_S,
+        min_span_s: float = OOM_MIN_SPAN_S,
+        cooldown_s: float = OOM_COOLDOWN_S,
+        on_warning: Callable[[OomWarning], None] | None = None,
+    ) -> None:
+        if window_s <= 0 or min_span_s <= 0 or min_span_s > window_s:
+            raise ValueError(
+                f"need 0 < min_span_s <= window_s, got min_span_s={min_span_s!r}, "
+                f"window_s={window_s!r}"
+            )
+        self.clock = clock
+        self.usage_threshold = _check_usage(usage_threshold)
+        self.slope_pp_per_min = slope_pp_per_min
+        self.window_s = window_s
+        self.min_span_s = min_span_s
+        self.cooldown_s = cooldown_s
+        self.on_warning = on_warning
+        self.samples: deque[tuple[float, float]] = deque()
+        self.events: deque[OomWarning] = deque(maxlen=MAX_EVENTS)
+        self.last_warning_time: float | None = None
+
+    def slope(self) -> float | None:
+        """Least-squares slope of usage over the window in points per minute, or None."""
+        if len(self.samples) < 2:
+            return None
+        t0 = self.samples[0][0]
+        if self.samples[-1][0] - t0 < self.min_span_s:
+            return None
+        n = len(self.samples)
+        mean_t = sum(t - t0 for t, _ in self.samples) / n
+        mean_u = sum(u for _, u in self.samples) / n
+        var = sum((t - t0 - mean_t) ** 2 for t, _ in self.samples)
+        cov = sum((t - t0 - mean_t) * (u - mean_u) for t, u in self.samples)
+        # usage fraction per second -> percentage points per minute
+        return cov / var * 100.0 * 60.0
+
+    def record(self, usage: float, now: float | None = None) -> OomWarning | None:
+        """Add a usage sample (at `now`, default the clock); return a warning if one fires."""
+        usage = _check_usage(usage)
+        t = self.clock() if now is None else now
+        if self.samples and t < self.samples[-1][0]:
+            raise ValueError(f"sample time {t!r} is before the previous {self.samples[-1][0]!r}")
+        self.samples.append((t, usage))
+        while self.samples and self.samples[0][0] < t - self.window_s:
+            self.samples.popleft()
+        if usage <= self.usage_threshold:
+            return None
+        slope = self.slope()
+        if slope is None or slope <= self.slope_pp_per_min:
+            return None
+        if self.last_warning_time is not None and t - self.last_warning_time < self.cooldown_s:
+            return None
+        seconds_to_full = (1.0 - usage) * 100.0 / slope * 60.0
+        warning = OomWarning(t, usage, slope, seconds_to_full)
+        self.last_warning_time = t
+        self.events.append(warning)
+        logger.warning(
+            "OOM predicted: device usage %.1f%% rising %.1f points/min, full in ~%.0f s",
+            usage * 100,
+            slope,
+            seconds_to_full,
+        )
+        if self.on_warning is not None:
+            self.on_warning(warning)
+        return warning
+
+
+class Health(StrEnum):
+    """Traffic-light health of the pool (thresholds in the module docstring)."""
+
+    GREEN = "green"
+    YELLOW = "yellow"
+    RED = "red"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    """The health state and why."""
+
+    state: Health
+    device_usage: float
+    reasons: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-serializable form."""
+        return {
+            "state": str(self.state),
+            "device_usage": self.device_usage,
+            "reasons": list(self.reasons),
+        }
+
+
+class HealthMonitor:
+    """Derives green / yellow / red from device usage and recent events."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock = time.monotonic,
+        predictor: OomPredictor | None = None,
+        recent_s: float = RECENT_S,
+    ) -> None:
+        self.clock = clock
+        self.predictor = predictor if predictor is not None else OomPredictor(clock=clock)
+        self.recent_s = recent_s
+        self.last_preemption: float | None = None
+        self.last_checksum_failure: float | None = None
+
+    def record_preemption(self) -> None:
+        """Note a preemption now (yellow for `recent_s`)."""
+        self.last_preemption = self.clock()
+
+    def record_checksum_failure(self) -> None:
+        """Note a checksum failure now (red for `recent_s`)."""
+        self.last_checksum_failure = self.clock()
+
+    def observe(self, device_usage: float) -> HealthReport:
+        """Feed a device usage sample to the OOM predictor, then evaluate the health."""
+        self.predictor.record(device_usage, self.clock())
+        return self.evaluate(device_usage)
+
+    def _recent(self, t: float | None, now: float) -> bool:
+        return t is not None and now - t <= self.recent_s
+
+    def evaluate(self, device_usage: float) -> HealthReport:
+        """The health state for `device_usage` and the events of the last `recent_s`."""
+        usage = _check_usage(device_usage)
+        now = self.clock()
+        red: list[str] = []
+        yellow: list[str] = []
+        if usage > RED_USAGE:
+            red.append(f"device usage {usage:.1%} > {RED_USAGE:.0%}")
+        elif usage >= GREEN_MAX_USAGE:
+            yellow.append(f"device usage {usage:.1%} >= {GREEN_MAX_USAGE:.0%}")
+        if self._recent(self.predictor.last_warning_time, now):
+            red.append(f"OOM predicted in the last {self.recent_s:g} s")
+        if self._recent(self.last_checksum_failure, now):
+            red.append(f"checksum failure in the last {self.recent_s:g} s")
+        if self._recent(self.last_preemption, now):
+            yellow.append(f"preemption in the last {self.recent_s:g} s")
+        if red:
+            return HealthReport(Health.RED, usage, tuple(red + yellow))
+        if yellow:
+            return HealthReport(Health.YELLOW, usage, tuple(yellow))
+        return HealthReport(Health.GREEN, usage, ())

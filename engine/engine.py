@@ -4,7 +4,8 @@
 whole `Completion`. A background task runs the scheduler: each step it packs the running requests
 (one token for each decoding request, a chunk of prompt for each prefilling one, within a token
 budget) into one forward pass, so a request joins at the next step and leaves when it is done
-(continuous batching). The forward pass runs in a worker thread, keeping the event loop free.
+(continuous batching). The forward pass runs on the compute thread (`engine.compute`), keeping the
+event loop free.
 KV memory belongs to the `KVCache` the engine is given; the engine only asks it to store and free.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compute
 from .kv import ContiguousKVCache, KVCache, StepBatch
 from .model import LlamaModel, load_model
 from .sampling import SamplingParams, sample
@@ -112,7 +114,7 @@ class Engine:
         max_step_tokens: int = 512,
     ) -> Engine:
         """Load `model` (off the event loop) and start the scheduler."""
-        m, tok = await asyncio.to_thread(load_model, model, dtype, device, progress)
+        m, tok = await compute.run(load_model, model, dtype, device, progress)
         return cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
 
     async def __aenter__(self) -> Engine:
@@ -257,7 +259,7 @@ class Engine:
             plan = self._plan()
             self._stepping = True
             try:
-                results = await asyncio.to_thread(self._execute_isolated, plan)
+                results = await compute.run(self._execute_isolated, plan)
             finally:
                 self._stepping = False
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())

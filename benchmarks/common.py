@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmarks: timing with warm-up and medians, result printing."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict:
+    """Run each case `warmup` times, then `repeats` rounds A,B,A,B...; return median seconds."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            samples[name].append(timed(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def environment() -> dict:
+    """What the numbers were measured on."""
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def report(name: str, rows: list[dict], columns: list[str], extra: dict | None = None) -> None:
+    """Print a human table, then one JSON line with everything."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print(json.dumps({"benchmark": name, "rows": rows, **(extra or {}), "env": environment()}))
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,40 @@
+"""The one thread per process that runs the engine's torch work (model loading and every step).
+
+NOTE: libgomp (PyTorch's OpenMP on Linux) keeps a team of threads per calling thread. Once two
+threads have run parallel regions it counts more OpenMP threads than cores and throttles its
+spin-wait for the rest of the process: a batch-1 decode step measured 19 ms on one thread and
+25 ms, on either thread, once a second one had run torch work. So the async engine runs its
+compute here, off the event loop but always on the same OS thread, and a program that also
+calls torch itself gets the best speed by doing so through `run`/`run_sync`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide single compute thread (created on first use)."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unikv-compute")
+        return _executor
+
+
+async def run(fn: Callable[..., T], *args) -> T:
+    """Run `fn(*args)` on the compute thread without blocking the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(executor(), fn, *args)
+
+
+def run_sync(fn: Callable[..., T], *args) -> T:
+    """Run `fn(*args)` on the compute thread and wait for it (for synchronous callers)."""
+    return executor().submit(fn, *args).result()

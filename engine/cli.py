@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
         )
         sp.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
+        sp.add_argument(
+            "--strategy",
+            default=None,
+            help="KV strategy name, or 'auto' for the chip's bandwidth class (default: the "
+            "config file's, else auto)",
+        )
+        sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
 
     run = sub.add_parser(
         "run",
@@ -83,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--prefill", type=_positive_int, default=256, help="default: 256")
     ppl.add_argument("--chunk", type=_positive_int, default=16, help="default: 16")
     ppl.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
+    prof = sub.add_parser(
+        "profile",
+        help="show the chip, its bandwidth class, the strategy it gets and the tiers",
+        description=(
+            "Resolve a chip profile (configs/profiles/NAME.toml) and a memory-tier config: "
+            "bandwidth (measured for cpu), class high/medium/low, the strategy that would be "
+            "chosen, the tiers and the field-tuned parameters."
+        ),
+    )
+    prof.add_argument("--chip", default=None, help="profile name (default: the config's chip)")
+    prof.add_argument("--config", default=None, help="memory-tier config file (TOML)")
+    prof.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     return p
 
 
@@ -100,7 +120,10 @@ async def _run(args: argparse.Namespace) -> None:
     )
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
-    engine = await Engine.create(args.model, dtype=args.dtype, progress=True)
+    _check_kv_args(args)
+    engine = await Engine.create(
+        args.model, dtype=args.dtype, progress=True, strategy=args.strategy, config=args.config
+    )
     try:
         t0 = time.perf_counter()
         first = None
@@ -113,38 +136,87 @@ async def _run(args: argparse.Namespace) -> None:
         mem = engine.memory_report()
     finally:
         await engine.close()
-    cfg = engine.model.cfg
     print()
     print(
         f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tokens/s, "
         f"first token after {((first or t0) - t0) * 1000:.0f} ms]"
     )
-    print(
-        f"[KV memory: peak {_fmt_bytes(mem['kv_bytes_peak'])} stored "
-        f"({cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, "
-        f"{args.dtype}); now {_fmt_bytes(mem['kv_bytes_used'])}]"
-    )
+    print(f"[strategy: {engine.kv_choice}]")
+    print(_memory_lines(mem))
+
+
+def _check_kv_args(args: argparse.Namespace) -> None:
+    """Fail on a bad config file or strategy name before the (slow) model load."""
+    import kvstrategies
+    from memory.config import load_config
+
+    cfg = load_config(args.config)
+    name = args.strategy or cfg.strategy
+    if name != "auto":
+        kvstrategies.get(name)
+
+
+def _memory_lines(mem: dict) -> str:
+    """A short memory report: KV stored, pool tiers, prefix cache, health."""
+    lines = [f"[KV memory: peak {_fmt_bytes(mem['kv_bytes_peak'])} stored, "
+             f"now {_fmt_bytes(mem['kv_bytes_used'])}]"]  # fmt: skip
+    pool = mem.get("pool")
+    if pool:
+        page = pool["page_bytes"]
+        for name, t in pool["tiers"].items():
+            lines.append(
+                f"[pool {name}: {t['num_blocks']} blocks of {pool['block_size']} tokens "
+                f"({_fmt_bytes(t['num_blocks'] * page)}), {t['num_used']} used, "
+                f"{t['num_cached']} holding cached prefixes]"
+            )
+        px = pool["prefix"]
+        lines.append(
+            f"[prefix cache: {px['hits']}/{px['queries']} block hits; preemptions "
+            f"{pool['preemptions']}; health {pool['health']['state']}]"
+        )
+    return "\n".join(lines)
+
+
+def _profile(args: argparse.Namespace) -> None:
+    import kvstrategies
+    from memory.profiles import format_report, profile_report
+
+    report = profile_report(args.chip, args.config, kvstrategies.available())
+    print(format_report(report))
+    if args.json:
+        print(json.dumps(report))
 
 
 def _eval_ppl(args: argparse.Namespace) -> None:
+    import kvstrategies
+
     from .evaluate import check_protocol, perplexity, read_text
-    from .kv import ContiguousKVCache
     from .model import load_model
 
     text = read_text(args.text)
     # Check the sizes before the (slow) model load, so a typo fails at once.
     check_protocol(args.tokens, args.tokens, args.prefill, args.chunk)
+    _check_kv_args(args)
     model, tok = load_model(args.model, args.dtype, progress=True)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
     cfg = model.cfg
-    kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-    res = perplexity(model, ids, kv, args.prefill, args.chunk, progress=True)
-    out = res.to_dict() | {"model": args.model, "dtype": args.dtype, "strategy": "contiguous"}
+    spec = kvstrategies.KVSpec(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
+    )
+    built = kvstrategies.build(spec, args.strategy, args.config)
+    res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
+    out = res.to_dict() | {
+        "model": args.model,
+        "dtype": args.dtype,
+        "strategy": built.name,
+        "strategy_reason": built.reason,
+        "chip": built.chip,
+    }
     print(
         f"ppl {res.ppl:.4f} over {res.scored} scored tokens ({res.tokens} fed); "
-        f"KV {_fmt_bytes(res.kv_bytes)} = {res.bits_per_element:.2f} bits/element; "
-        f"{res.seconds:.1f}s"
+        f"strategy {built.name}; KV {_fmt_bytes(res.kv_bytes)} = "
+        f"{res.bits_per_element:.2f} bits/element, kept {res.kept_ratio:.0%}; {res.seconds:.1f}s"
     )
     if args.json:
         print(json.dumps(out))
@@ -158,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_run(args))
         elif args.command == "eval" and args.eval_command == "ppl":
             _eval_ppl(args)
+        elif args.command == "profile":
+            _profile(args)
     except (ValueError, OSError) as e:
         print(f"unikv: error: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memory.config import PoolConfig
+
 from . import compute
-from .kv import ContiguousKVCache, KVCache, StepBatch
+from .kv import KVCache, StepBatch
 from .model import LlamaModel, load_model
 from .sampling import SamplingParams, sample
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
@@ -52,8 +54,10 @@ class _Request:
     decoder: IncrementalDecoder
     gen: torch.Generator | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)  # prompt + outputs: everything to feed
     num_computed: int = 0  # tokens fed through the model (their KV is in the cache)
     output_ids: list[int] = field(default_factory=list)
+    prefix_hit: int = 0  # prompt tokens whose KV came from the prefix cache
     emitted: int = 0  # characters of decoded text already streamed
     finish_reason: str | None = None
     cancelled: bool = False
@@ -62,6 +66,9 @@ class _Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
 
 
 @dataclass(slots=True)
@@ -86,16 +93,16 @@ class Engine:
             raise ValueError(
                 f"max_batch and max_step_tokens must be >= 1, got {max_batch}, {max_step_tokens}"
             )
-        cfg = model.cfg
         self.model, self.tokenizer = model, tokenizer
-        self.kv = kv or ContiguousKVCache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device
-        )
+        self.kv = kv if kv is not None else default_kv(model)
+        self.kv_choice = "full (default)" if kv is None else type(kv).__name__
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._running: list[_Request] = []  # in admission order: earlier = higher priority
+        self._swapped: deque[_Request] = deque()
+        self.preemptions = 0
         self._stepping = False
         self._closed = False
         self._wakeup = asyncio.Event()
@@ -109,13 +116,26 @@ class Engine:
         dtype: str = "float32",
         device: str = "cpu",
         progress: bool = False,
+        strategy: str | None = None,
+        config: str | PoolConfig | None = None,
+        chip: str | None = None,
         kv: KVCache | None = None,
         max_batch: int = 16,
         max_step_tokens: int = 512,
     ) -> Engine:
-        """Load `model` (off the event loop) and start the scheduler."""
+        """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
+
+        `strategy` (a name or "auto"), `config` (a memory-tier TOML file or a `PoolConfig`) and
+        `chip` (a profile name) choose how KV is stored; see `kvstrategies.build`.
+        """
         m, tok = await compute.run(load_model, model, dtype, device, progress)
-        return cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
+        choice = "given by the caller"
+        if kv is None:
+            built = await compute.run(_build, m, strategy, config, chip)
+            kv, choice = built.strategy, f"{built.name} ({built.reason}; chip {built.chip})"
+        engine = cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
+        engine.kv_choice = choice
+        return engine
 
     async def __aenter__(self) -> Engine:
         return self
@@ -156,14 +176,14 @@ class Engine:
         """Generate a whole answer. Cancelling the awaiting task cancels the request."""
         return await self.submit(prompt, params, chat=chat).result()
 
-    def memory_report(self) -> dict[str, int]:
-        """KV bytes stored now, held now, and the peak stored since the engine started."""
-        return {
-            "kv_bytes_used": self.kv.bytes_used(),
-            "kv_bytes_reserved": self.kv.bytes_reserved(),
+    def memory_report(self) -> dict:
+        """KV bytes stored and held now, the peak stored, pool statistics, request counts."""
+        return self.kv.stats() | {
             "kv_bytes_peak": self.peak_kv_bytes,
             "requests_running": len(self._running),
             "requests_waiting": len(self._waiting),
+            "requests_swapped": len(self._swapped),
+            "preemptions": self.preemptions,
         }
 
     async def close(self, cancel: bool = False) -> None:
@@ -188,6 +208,12 @@ class Engine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the model's context is {ctx} tokens "
                 f"(at most {ctx - 1} for the prompt)"
+            )
+        cap = self.kv.capacity_tokens()
+        if cap is not None and len(ids) + 1 > cap:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the device tier holds KV for {cap} tokens "
+                "(give it more capacity in the config file)"
             )
         req = _Request(
             rid=next(self._ids),
@@ -223,8 +249,8 @@ class Engine:
         if req.finished:
             return
         req.cancelled = True
-        if req in self._waiting:
-            self._waiting.remove(req)
+        if req in self._waiting or req in self._swapped:
+            (self._waiting if req in self._waiting else self._swapped).remove(req)
             self._finish(req, "cancelled")
         elif not self._stepping:
             self._finish(req, "cancelled")
@@ -248,52 +274,128 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            if not self._waiting and not self._running:
+            if not self._waiting and not self._running and not self._swapped:
                 if self._closed:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            while self._waiting and len(self._running) < self.max_batch:
-                self._running.append(self._waiting.popleft())
-            plan = self._plan()
-            self._stepping = True
             try:
-                results = await compute.run(self._execute_isolated, plan)
-            finally:
-                self._stepping = False
-            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
-            for work, outcome in results:
-                req = work.req
-                if req.finished:
-                    continue
-                if req.cancelled:
-                    self._finish(req, "cancelled")
-                elif isinstance(outcome, BaseException):
-                    self._finish(req, "error", outcome)
-                else:
-                    req.num_computed += len(work.tokens)
-                    if outcome is not None:
-                        self._emit(req, outcome)
+                await self._step()
+            except Exception as e:  # a scheduler bug must not hang every caller
+                log.exception("scheduler step failed")
+                for req in [*self._running, *self._waiting, *self._swapped]:
+                    if not req.finished:
+                        self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
+                self._waiting.clear()
+                self._swapped.clear()
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
+
+    async def _step(self) -> None:
+        """Admit, plan, reserve memory, run one forward pass, and deliver its tokens."""
+        self._admit()
+        plan = self._reserve(self._plan())
+        if not plan:
+            return  # everything was preempted this round; admission brings it back
+        self._stepping = True
+        try:
+            results = await compute.run(self._execute_isolated, plan)
+        finally:
+            self._stepping = False
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
+        for work, outcome in results:
+            req = work.req
+            if req.finished:
+                continue
+            if req.cancelled:
+                self._finish(req, "cancelled")
+            elif isinstance(outcome, BaseException):
+                self._finish(req, "error", outcome)
+            else:
+                req.num_computed += len(work.tokens)
+                self.kv.publish(req.rid, req.tokens[: req.num_computed])
+                if outcome is not None:
+                    self._emit(req, outcome)
+
+    def _admit(self) -> None:
+        """Swapped-out requests come back first, then waiting ones, while memory allows."""
+        while self._swapped and len(self._running) < self.max_batch:
+            req = self._swapped[0]
+            if not self.kv.swap_in(req.rid):
+                if self._running:
+                    return  # keep FIFO order: nobody overtakes a swapped request
+                # Even an empty device cannot take it back: recompute it instead.
+                self._swapped.popleft()
+                self.kv.free(req.rid)
+                req.num_computed = 0
+                self._waiting.appendleft(req)
+                break
+            self._running.append(self._swapped.popleft())
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting[0]
+            # The watermark keeps room for running requests to grow; with none running, the
+            # head of the queue always gets its chance (it fits: `_submit` checked capacity).
+            if self._running and not self.kv.can_admit(len(req.tokens) + 1):
+                return
+            self._running.append(self._waiting.popleft())
+            if req.num_computed == 0:
+                req.num_computed = self.kv.match_prefix(req.rid, req.tokens)
+                req.prefix_hit = max(req.prefix_hit, req.num_computed)
 
     def _plan(self) -> list[_Work]:
         """Decode tokens first (one per request), then prompt chunks within the token budget."""
         budget = self.max_step_tokens
         plan: list[_Work] = []
         for req in self._running:
-            if req.num_computed >= len(req.prompt_ids) and req.output_ids:
-                plan.append(_Work(req, [req.output_ids[-1]], True))
+            if req.num_computed == len(req.tokens) - 1:
+                plan.append(_Work(req, [req.tokens[-1]], True))
                 budget -= 1
         for req in self._running:
-            remaining = len(req.prompt_ids) - req.num_computed
-            if remaining > 0 and budget > 0:
+            remaining = len(req.tokens) - req.num_computed
+            if remaining > 1 or (remaining == 1 and req.num_computed == 0):
+                if budget <= 0:
+                    break
                 n = min(remaining, budget)
-                chunk = req.prompt_ids[req.num_computed : req.num_computed + n]
+                chunk = req.tokens[req.num_computed : req.num_computed + n]
                 plan.append(_Work(req, chunk, n == remaining))
                 budget -= n
         return plan
+
+    def _reserve(self, plan: list[_Work]) -> list[_Work]:
+        """Reserve KV room for every item, preempting the newest requests when memory is short."""
+        ready: list[_Work] = []
+        pending = sorted(plan, key=lambda w: self._running.index(w.req))
+        while pending:
+            work = pending.pop(0)
+            if work.req not in self._running:
+                continue  # preempted while making room for an older request
+            while not self.kv.reserve(work.req.rid, len(work.tokens)):
+                victim = self._running[-1]
+                if victim is work.req:
+                    if len(self._running) == 1 and not ready:
+                        # Alone and still no room: this request has outgrown the device tier.
+                        self._finish(work.req, "length")
+                    else:
+                        self._preempt(work.req)
+                    break
+                self._preempt(victim)
+                ready = [w for w in ready if w.req is not victim]
+            else:
+                ready.append(work)
+        return ready
+
+    def _preempt(self, req: _Request) -> None:
+        """Take `req` off the device: swap its KV to host if possible, else drop it to recompute."""
+        self._running.remove(req)
+        self.preemptions += 1
+        if self.kv.swap_out(req.rid):
+            self._swapped.append(req)
+            return
+        self.kv.free(req.rid)
+        self.kv.record_preemption()
+        req.num_computed = 0
+        self._waiting.appendleft(req)
 
     def _execute_isolated(self, plan: list[_Work]) -> list[tuple[_Work, object]]:
         """Run the batch; if it fails, rerun each request alone so one failure stays its own."""
@@ -347,6 +449,7 @@ class Engine:
             self._finish(req, "stop")
             return
         req.output_ids.append(token)
+        req.tokens.append(token)
         req.decoder.push(token)
         text = req.decoder.text
         hold = 0
@@ -406,6 +509,27 @@ class RequestHandle:
     def cancel(self) -> None:
         """Cancel the request (no-op once it has finished); its KV memory is released."""
         self._engine._cancel(self._req)
+
+
+def default_kv(model: LlamaModel) -> KVCache:
+    """The `full` strategy over the default pool (a 1 GiB device tier)."""
+    return _build(model, "full").strategy
+
+
+def _build(
+    model: LlamaModel,
+    strategy: str | None = None,
+    config: str | PoolConfig | None = None,
+    chip: str | None = None,
+):
+    """The KV strategy (and its pool) for `model` under a strategy name, config and chip."""
+    import kvstrategies
+
+    cfg = model.cfg
+    spec = kvstrategies.KVSpec(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
+    )
+    return kvstrategies.build(spec, strategy, config, chip, device=model.device)
 
 
 async def generate_many(

@@ -86,6 +86,44 @@ class KVCache(ABC):
     def bytes_reserved(self) -> int:
         """Bytes of KV memory held, including room not yet filled."""
 
+    # ---- memory management hooks: a store without a bounded pool keeps these defaults ----------
+
+    def reserve(self, seq_id: int, num_tokens: int) -> bool:
+        """Make room for `num_tokens` more tokens of `seq_id`; False (nothing changed) if full."""
+        return True
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a new sequence of `num_tokens` tokens should be admitted now."""
+        return True
+
+    def capacity_tokens(self) -> int | None:
+        """The most tokens one sequence could ever hold (None: unbounded)."""
+        return None
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Attach cached KV of a prefix of `token_ids` to the new `seq_id`; return its length."""
+        return 0
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        """Offer the stored KV of `seq_id` (holding `token_ids`) for prefix sharing."""
+        return None
+
+    def swap_out(self, seq_id: int) -> bool:
+        """Move `seq_id` off the compute device to make room; False if not possible."""
+        return False
+
+    def swap_in(self, seq_id: int) -> bool:
+        """Bring a swapped-out `seq_id` back; False if it does not fit yet."""
+        return True
+
+    def record_preemption(self) -> None:
+        """Note that a sequence was dropped to be recomputed later."""
+        return None
+
+    def stats(self) -> dict:
+        """Memory statistics for reports (JSON-ready)."""
+        return {"kv_bytes_used": self.bytes_used(), "kv_bytes_reserved": self.bytes_reserved()}
+
 
 def attention_one(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
@@ -110,6 +148,59 @@ def attention_one(
         qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
     )
     # out: [1, Hkv, G*T, D] -> [T, Hq, D]
+    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+def attention_runs(
+    q: torch.Tensor,
+    runs: list[tuple[torch.Tensor, torch.Tensor]],
+    num_past: int,
+    scale: float,
+) -> torch.Tensor:
+    """`attention_one` over K/V held in several pieces, without concatenating them.
+
+    runs: (k, v) pairs of [Hkv, S_r, D] (typically strided views into a paged arena) in token
+    order, together S = num_past + T tokens. Each piece is attended separately and the partial
+    results are merged with their log-sum-exp, as flash-decoding does; copying the pieces into
+    one tensor would read and write every stored byte once more per layer.
+    """
+    if len(runs) == 1:
+        return attention_one(q, runs[0][0], runs[0][1], num_past, scale)
+    if q.device.type != "cpu":  # the split-softmax op used below is CPU's; elsewhere gather
+        k = torch.cat([r[0] for r in runs], dim=1)
+        v = torch.cat([r[1] for r in runs], dim=1)
+        return attention_one(q, k, v, num_past, scale)
+    t, hq, d = q.shape
+    hkv = runs[0][0].shape[0]
+    g = hq // hkv
+    qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)  # rows (g, t)
+    outs, lses = [], []
+    start = 0
+    for k, v in runs:
+        s = k.shape[1]
+        mask = None
+        if start + s > num_past + 1 or (t > 1 and start + s > num_past):
+            # This piece holds some of the step's own tokens: causal mask, as an additive float.
+            pos = start + torch.arange(s)
+            allowed = pos.unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)  # [T, S_r]
+            mask = torch.zeros(t, s, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+            mask = mask.repeat(g, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k.unsqueeze(0), v.unsqueeze(0), 0.0, False, attn_mask=mask, scale=scale
+        )
+        if mask is not None:
+            # A query that sees nothing of this piece (it lies after the query) must add nothing;
+            # the kernel's output for an all-masked row is not defined to be empty.
+            blind = ~allowed.any(1).repeat(g)  # [G*T]
+            if blind.any():
+                out = out.masked_fill(blind[:, None], 0.0)
+                lse = lse.masked_fill(blind, float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+        start += s
+    lse = torch.stack(lses)  # [R, 1, Hkv, G*T]
+    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # exp(lse_r - logsumexp_r lse_r)
+    out = (weights * torch.stack(outs)).sum(0)  # [1, Hkv, G*T, D]
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
 
 

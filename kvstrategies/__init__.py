@@ -1,1 +1,16 @@
-"""kvstrategies package."""
+"""KV strategies: one file per strategy behind `KVStrategy`, a registry, selection by class."""
+
+from .base import KVSpec, KVStrategy
+from .registry import Built, available, build, create, get, register, select
+
+__all__ = [
+    "Built",
+    "KVSpec",
+    "KVStrategy",
+    "available",
+    "build",
+    "create",
+    "get",
+    "register",
+    "select",
+]

@@ -229,6 +229,22 @@ class TierAllocator:
         self.num_allocations += n
         return ids
 
+    def take(self, block_id: int, owner: SeqId | None) -> bool:
+        """Allocate the specific block `block_id` if it is free and uncached (O(1)).
+
+        Lets a growing sequence continue into the block after its last one, keeping its slots
+        contiguous. False for a used block, and for a free block still holding cached prefix
+        content: that one is left for LRU eviction order to decide.
+        """
+        block = self._blocks[block_id] if 0 <= block_id < len(self._blocks) else None
+        if block is None or block.ref_count != 0 or block.block_hash is not None:
+            return False
+        self._free.remove(block)
+        self._tick += 1
+        block.ref_count, block.owner, block.last_access = 1, owner, self._tick
+        self.num_allocations += 1
+        return True
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; a block at 0 goes to the free queue's tail.
 

@@ -109,7 +109,7 @@ def choose_strategy(
             f"auto: the {bw_class} class default {default!r} is not available "
             f"(available: {listed}); falling back to {FALLBACK_STRATEGY!r}"
         )
-        logger.warning(reason)
+        logger.info(reason)
         return FALLBACK_STRATEGY, reason
     raise ValueError(
         f"auto strategy: neither the {bw_class} class default {default!r} nor "

@@ -77,3 +77,27 @@ def test_abort_step_keeps_previous_state():
     kv.begin_step(StepBatch([0], [3]))
     kv.abort_step()
     assert kv.stored_tokens(0) == 2
+
+
+def _pieces(k, v, cuts, end):
+    bounds = [0, *[c for c in cuts if c < end], end]
+    return [(k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [[5], [14], [15], [16], [18], [3, 15, 17], [1, 2, 3, 19]],
+    ids=lambda c: "cuts" + "-".join(map(str, c)),
+)
+def test_attention_over_pieces_equals_one_piece(cuts):
+    """K/V split into runs anywhere, also inside the step's own tokens, attend like one run."""
+    from engine.kv import attention_runs
+
+    g = torch.Generator().manual_seed(len(cuts))
+    q = torch.randn(6, 4, 8, generator=g)  # a chunk of 6 new tokens after 14 stored ones
+    k, v = torch.randn(2, 20, 8, generator=g), torch.randn(2, 20, 8, generator=g)
+    got = attention_runs(q, _pieces(k, v, cuts, 20), 14, 0.3)
+    torch.testing.assert_close(got, naive_attention(q, k, v, 14, 0.3))
+    # Decoding: one new token after 14 stored ones.
+    got = attention_runs(q[:1], _pieces(k, v, cuts, 15), 14, 0.3)
+    torch.testing.assert_close(got, naive_attention(q[:1], k[:, :15], v[:, :15], 14, 0.3))

@@ -1,0 +1,157 @@
+"""The KV strategy plug point: `KVSpec` (the model's KV shape) and the `KVStrategy` ABC.
+
+A strategy decides how each token's keys and values are stored in the unified memory pool's
+blocks and how attention is computed over what is stored. It implements the engine's `KVCache`
+seam (`begin_step`/`append`/`attend`/`end_step`/`free`), so the model never changes when the
+strategy does. What does not live here: block allocation (the pool), on-disk formats (storage/).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from engine.kv import KVCache, StepBatch
+from memory.pool import BlockLayout, UnifiedMemoryPool
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The shape of a model's KV cache, as a strategy needs to know it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32  # the compute dtype of queries and outputs
+    identity: str = ""  # model identity for prefix hashes
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def elements_per_token(self) -> int:
+        """K and V elements one token occupies over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+class KVStrategy(KVCache):
+    """A way of storing KV in pool blocks and attending over it.
+
+    Subclasses set `name`, `tolerance` (the largest absolute error of `attend` against exact
+    attention that the contract tests accept) and `options` (allowed option names with their
+    defaults), implement `layout`, `append` and `attend`, and register with `@register`.
+    This base class keeps the per-step bookkeeping that all strategies share.
+    """
+
+    name: ClassVar[str]
+    tolerance: ClassVar[float] = 1e-5
+    lossless: ClassVar[bool] = True
+    options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
+        self.pool, self.spec = pool, spec
+        self.opts = self.check_options(options)
+        self._batch: StepBatch | None = None
+        self._past: list[int] = []  # stored tokens of each batch sequence before this step
+
+    @classmethod
+    def check_options(cls, options: dict | None) -> dict[str, Any]:
+        """Options merged over the defaults; an unknown name is a ValueError listing the allowed."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.options))
+        if unknown:
+            allowed = ", ".join(sorted(cls.options)) or "none"
+            raise ValueError(
+                f"strategy {cls.name!r}: unknown option(s) {', '.join(unknown)}; allowed: {allowed}"
+            )
+        return {**cls.options, **options}
+
+    @classmethod
+    @abstractmethod
+    def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
+        """What one pool block holds for this strategy (options already checked)."""
+
+    def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values as attention sees them, per batch sequence [Hkv, S, D], for `layer`.
+
+        Used inside a step after `append` (by the transformers adapter and the contract tests);
+        a lossy strategy returns its reconstruction, a pruning one only the kept tokens.
+        """
+        raise NotImplementedError(f"strategy {self.name!r} cannot read back its KV")
+
+    # ---- shared bookkeeping ------------------------------------------------------------------
+
+    def begin_step(self, batch: StepBatch) -> None:
+        for sid, n in zip(batch.seq_ids, batch.query_lens, strict=True):
+            if not self.pool.reserve(sid, n):
+                raise RuntimeError(
+                    f"no room in the device tier for {n} tokens of sequence {sid}; "
+                    "the scheduler must reserve before the step"
+                )
+        self._batch = batch
+        self._past = [self.pool.num_tokens(sid) for sid in batch.seq_ids]
+        self._prepare(batch)
+
+    def _prepare(self, batch: StepBatch) -> None:
+        """Per-step precomputation shared by all layers (e.g. slot indices)."""
+
+    def end_step(self) -> None:
+        for sid, n in zip(self._batch.seq_ids, self._batch.query_lens, strict=True):
+            self.pool.commit(sid, n)
+        self._batch = None
+
+    def abort_step(self) -> None:
+        # Reserved blocks stay with their sequences and are reused by the retry.
+        self._batch = None
+
+    def free(self, seq_id: int) -> None:
+        self.pool.free(seq_id)
+
+    def stored_tokens(self, seq_id: int) -> int:
+        return self.pool.num_tokens(seq_id)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pool.reserve(seq_id, num_tokens)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.pool.can_admit(num_tokens)
+
+    def capacity_tokens(self) -> int | None:
+        return self.pool.capacity_tokens("device")
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        # Keep at least one token to compute, so the request gets logits for its next token.
+        refs = self.pool.match_prefix(token_ids[:-1])
+        return self.pool.attach_prefix(seq_id, refs) if refs else 0
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        if self.pool.table(seq_id) is not None:
+            self.pool.publish(seq_id, token_ids)
+
+    def swap_out(self, seq_id: int) -> bool:
+        # A sequence without blocks has nothing to swap: the caller drops it to recompute.
+        has_blocks = self.pool.table(seq_id) is not None
+        return has_blocks and "host" in self.pool.tiers and self.pool.swap_out(seq_id, "host")
+
+    def swap_in(self, seq_id: int) -> bool:
+        return self.pool.swap_in(seq_id)
+
+    def record_preemption(self) -> None:
+        self.pool.record_preemption()
+
+    def bytes_reserved(self) -> int:
+        alloc = self.pool.allocators["device"]
+        return alloc.num_used * self.pool.layout.page_bytes
+
+    def stats(self) -> dict:
+        return {
+            "strategy": self.name,
+            "kv_bytes_used": self.bytes_used(),
+            "kv_bytes_reserved": self.bytes_reserved(),
+            "pool": self.pool.snapshot(),
+        }

@@ -1,0 +1,96 @@
+"""The `full` strategy: uncompressed K/V in pool blocks, paged attention over them.
+
+Arena layout: [layers, 2 (K, V), kv_heads, BLOCKS, block_size, head_dim]. With the block axis
+after the heads, one `index_select` over a sequence's token slots yields [2, heads, tokens, dim]
+ready for attention, and one `index_copy_` writes the new tokens of the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.gguf_loader import DTYPES
+from engine.kv import StepBatch, attention_runs
+from memory.pool import BLOCKS, ArenaSpec, BlockLayout
+
+from .base import KVSpec, KVStrategy
+from .registry import register
+
+
+@register
+class FullStrategy(KVStrategy):
+    """Keys and values stored as they are computed (dtype configurable), paged."""
+
+    name = "full"
+    tolerance = 1e-5
+    lossless = True
+    options = {"dtype": None}  # None: the model's compute dtype; or "float32", "bfloat16", ...
+
+    @classmethod
+    def _dtype(cls, spec: KVSpec, options: dict[str, Any]) -> torch.dtype:
+        name = options["dtype"]
+        if name is None:
+            return spec.dtype
+        if name not in DTYPES:
+            raise ValueError(
+                f"strategy 'full': option dtype = {name!r}; allowed: {', '.join(DTYPES)}"
+            )
+        return DTYPES[name]
+
+    @classmethod
+    def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
+        shape = (spec.num_layers, 2, spec.num_kv_heads, BLOCKS, block_size, spec.head_dim)
+        return BlockLayout(block_size, (ArenaSpec("kv", cls._dtype(spec, options), shape),))
+
+    def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
+        super().__init__(pool, spec, options)
+        arena = pool.arena("kv")
+        num_layers, _, heads, nb, bs, d = arena.shape
+        # Per layer: [2, heads, all token slots, dim] — a view, so writes land in the arena.
+        self._layers = [arena[i].view(2, heads, nb * bs, d) for i in range(num_layers)]
+        self._bytes_per_token = spec.elements_per_token * arena.dtype.itemsize
+        self.scale = spec.head_dim**-0.5
+
+    def _prepare(self, batch: StepBatch) -> None:
+        pool = self.pool
+        seqs = list(zip(batch.seq_ids, self._past, batch.query_lens, strict=True))
+        self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
+        # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
+        self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        a = self._layers[layer]
+        # k, v: [N, Hkv, D] -> [Hkv, N, D], written at the batch's slots
+        a[0].index_copy_(1, self._new_slots, k.transpose(0, 1).to(a.dtype))
+        a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        a = self._layers[layer]
+        b = self._batch
+        out = torch.empty_like(q)
+        for i, runs in enumerate(self._runs):
+            # a[:, :, start:end]: [2, Hkv, S_r, D] views, no copy
+            pieces = [self._cast(a[:, :, s:e], q.dtype) for s, e in runs]
+            rows = b.rows(i)
+            out[rows] = attention_runs(
+                q[rows], [(p[0], p[1]) for p in pieces], self._past[i], self.scale
+            )
+        return out
+
+    def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        a = self._layers[layer]
+        ks, vs = [], []
+        for runs in self._runs:
+            kv = torch.cat([a[:, :, s:e] for s, e in runs], dim=2)  # [2, Hkv, S, D]
+            ks.append(kv[0])
+            vs.append(kv[1])
+        return ks, vs
+
+    @staticmethod
+    def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def bytes_used(self) -> int:
+        return sum(t.num_tokens for t in self.pool._tables.values()) * self._bytes_per_token

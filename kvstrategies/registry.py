@@ -1,0 +1,121 @@
+"""Name -> strategy class registry, construction of a strategy with its pool, and selection
+by bandwidth class."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from memory.config import PoolConfig, load_config
+from memory.pool import UnifiedMemoryPool
+
+if TYPE_CHECKING:
+    from .base import KVSpec, KVStrategy
+
+_REGISTRY: dict[str, type[KVStrategy]] = {}
+# Modules that register strategies when imported; a new strategy is one file plus a line here.
+_MODULES = ("kvstrategies.full",)
+
+
+def register(cls: type[KVStrategy]) -> type[KVStrategy]:
+    """Class decorator: make a strategy available under `cls.name`."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise RuntimeError(f"two strategies are named {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    for module in _MODULES:
+        importlib.import_module(module)
+
+
+def available() -> list[str]:
+    """Names of the registered strategies."""
+    _load()
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> type[KVStrategy]:
+    """The strategy class called `name`; a ValueError lists the supported names."""
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown strategy {name!r}; supported: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def select(bandwidth_class: str, config: PoolConfig) -> tuple[str, str]:
+    """The strategy for a chip class under a config: (name, why it was chosen)."""
+    from memory.profiles import choose_strategy
+
+    return choose_strategy(bandwidth_class, config.strategy, set(available()))
+
+
+def create(
+    name: str,
+    spec: KVSpec,
+    config: PoolConfig | None = None,
+    options: dict | None = None,
+    device: torch.device | str = "cpu",
+    stores: dict | None = None,
+) -> KVStrategy:
+    """Build strategy `name` and the pool it stores into."""
+    cls = get(name)
+    config = config or load_config(None)
+    opts = cls.check_options(config.strategy_options if options is None else options)
+    layout = cls.layout(spec, config.block_size, opts)
+    identity = f"{spec.identity}|{name}|{sorted(opts.items())}|bs{config.block_size}"
+    pool = UnifiedMemoryPool(config, layout, device=device, identity=identity, stores=stores)
+    return cls(pool, spec, opts)
+
+
+@dataclass(slots=True)
+class Built:
+    """A strategy with its pool, and how it was chosen."""
+
+    strategy: KVStrategy
+    name: str
+    reason: str
+    chip: str
+    bandwidth_class: str
+    bandwidth_gbps: float
+    config: PoolConfig
+
+
+def build(
+    spec: KVSpec,
+    strategy: str | None = None,
+    config: str | Path | PoolConfig | None = None,
+    chip: str | None = None,
+    device: torch.device | str = "cpu",
+    stores: dict | None = None,
+) -> Built:
+    """Resolve config file, chip profile, bandwidth class and strategy; build strategy and pool.
+
+    Precedence: an explicit `strategy`/`chip` argument, then the config file (and its UNIKV_
+    environment overrides), then the defaults ("auto" on the `cpu` profile).
+    """
+    from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
+
+    cfg = config if isinstance(config, PoolConfig) else load_config(config)
+    profile = load_profile(chip or cfg.chip)
+    gbps, _ = resolve_bandwidth(profile)
+    cls_name = profile.pinned_class or bandwidth_class(gbps)
+    name, reason = select(cls_name, _with_strategy(cfg, strategy))
+    # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
+    options = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    built = create(name, spec, cfg, options, device, stores)
+    return Built(built, name, reason, profile.name, cls_name, gbps, cfg)
+
+
+def _with_strategy(cfg: PoolConfig, strategy: str | None) -> PoolConfig:
+    if strategy is None or strategy == cfg.strategy:
+        return cfg
+    return PoolConfig(cfg.block_size, cfg.tiers, cfg.chip, strategy, {}, source=cfg.source)

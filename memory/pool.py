@@ -1,0 +1,477 @@
+"""The unified memory pool: per-tier arenas of fixed-size blocks, sequence tables, prefix
+sharing, moves between tiers, budgets, statistics and health.
+
+What lives here: `ArenaSpec`/`BlockLayout` (a strategy's description of what one block holds),
+`Tier` (the seam every tier implements), `TensorTier` (device and host tiers: preallocated torch
+tensors), `UnifiedMemoryPool` (everything a KV strategy asks of memory) and `AsyncPool` (the same
+from asyncio). What does not: how K/V are encoded or attended (`kvstrategies/`), on-disk and
+remote block stores (`storage/`, plugged in as `Tier`s), the bookkeeping without torch
+(`memory.allocator`, `memory.prefix`, `memory.stats`).
+
+Every byte of KV lives in a block of some tier; blocks move between tiers only through
+`UnifiedMemoryPool.move`, which copies the data and updates the sequence's table together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from memory.allocator import BlockTable, TierAllocator
+from memory.config import PoolConfig
+from memory.prefix import BlockRef, PrefixCache, block_hash
+from memory.stats import HealthMonitor, HealthReport, PoolStats
+
+BLOCKS = -1  # marks the block axis in an ArenaSpec shape
+SeqId = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaSpec:
+    """One tensor of a block layout: its name, dtype, and shape with the block axis as BLOCKS.
+
+    A strategy chooses where the block axis goes: the `full` strategy puts it after the heads
+    ([layers, 2, heads, BLOCKS, block_size, dim]) so that gathering a sequence's blocks yields
+    [heads, tokens, dim] without a second copy.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.shape.count(BLOCKS) != 1:
+            raise ValueError(
+                f"arena {self.name!r}: shape {self.shape} needs exactly one BLOCKS axis"
+            )
+        if any(d <= 0 for d in self.shape if d != BLOCKS):
+            raise ValueError(f"arena {self.name!r}: shape {self.shape} has a non-positive size")
+
+    @property
+    def block_dim(self) -> int:
+        """Index of the block axis."""
+        return self.shape.index(BLOCKS)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies in this arena."""
+        return math.prod(d for d in self.shape if d != BLOCKS) * self.dtype.itemsize
+
+    def full_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The arena tensor's shape for `num_blocks` blocks."""
+        return tuple(num_blocks if d == BLOCKS else d for d in self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """What one block holds, as declared by a strategy: block size and the arenas."""
+
+    block_size: int
+    arenas: tuple[ArenaSpec, ...]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes per block over all arenas."""
+        return sum(a.bytes_per_block for a in self.arenas)
+
+
+class Tier(ABC):
+    """Storage for the blocks of one tier. Block ids are the allocator's; data is per arena."""
+
+    name: str
+    num_blocks: int
+
+    @abstractmethod
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Copies of the blocks' data per arena (block axis holds `block_ids` in order)."""
+
+    @abstractmethod
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        """Store data (as returned by `read`) into the blocks `block_ids`."""
+
+
+class TensorTier(Tier):
+    """A tier held in preallocated torch tensors on one device (device and host tiers)."""
+
+    def __init__(
+        self, name: str, layout: BlockLayout, num_blocks: int, device: torch.device | str
+    ) -> None:
+        self.name, self.layout, self.num_blocks = name, layout, num_blocks
+        self.device = torch.device(device)
+        # torch.empty maps the memory lazily: pages are only touched once blocks are written.
+        self.arenas = {
+            a.name: torch.empty(a.full_shape(num_blocks), dtype=a.dtype, device=self.device)
+            for a in layout.arenas
+        }
+        self._dims = {a.name: a.block_dim for a in layout.arenas}
+
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return {n: t.index_select(self._dims[n], idx) for n, t in self.arenas.items()}
+
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for n, t in self.arenas.items():
+            t.index_copy_(self._dims[n], idx, data[n].to(self.device, non_blocking=True))
+
+
+class UnifiedMemoryPool:
+    """Blocks in tiers, one table per sequence, a prefix cache over full blocks."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        layout: BlockLayout,
+        *,
+        device: torch.device | str = "cpu",
+        identity: str = "",
+        stores: Mapping[str, Tier] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if layout.block_size != config.block_size:
+            raise ValueError(
+                f"layout block size {layout.block_size} != config block_size {config.block_size}"
+            )
+        self.config, self.layout, self.identity = config, layout, identity
+        self.block_size = config.block_size
+        self.device = torch.device(device)
+        self.prefix = PrefixCache()
+        self.tiers: dict[str, Tier] = {}
+        self.allocators: dict[str, TierAllocator] = {}
+        stores = dict(stores or {})
+        for tc in config.tiers:
+            num_blocks = tc.capacity_bytes // layout.page_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"{config.source}: [tiers.{tc.name}] capacity = {tc.capacity_bytes} bytes "
+                    f"holds no block of {layout.page_bytes} bytes; give at least that much"
+                )
+            if tc.name in stores:
+                tier = stores.pop(tc.name)
+                num_blocks = tier.num_blocks
+            elif tc.name in ("device", "host"):
+                dev = self.device if tc.name == "device" else torch.device("cpu")
+                tier = TensorTier(tc.name, layout, num_blocks, dev)
+            else:
+                raise ValueError(
+                    f"{config.source}: [tiers.{tc.name}] needs a block store "
+                    f"(pass stores={{'{tc.name}': ...}}); none is built in for this tier yet"
+                )
+            self.tiers[tc.name] = tier
+            self.allocators[tc.name] = TierAllocator(
+                tc.name,
+                num_blocks,
+                self.block_size,
+                low_watermark=tc.low_watermark,
+                prefix_cache=self.prefix if tc.name == "device" else None,
+            )
+        if stores:
+            raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
+        self.stats = PoolStats(self.allocators, self.prefix)
+        self.health_monitor = HealthMonitor(clock=clock)
+        self._tables: dict[SeqId, BlockTable] = {}
+        self._hashes: dict[SeqId, list[bytes]] = {}  # published chain of each sequence
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def arena(self, name: str, tier: str = "device") -> torch.Tensor:
+        """The tensor of arena `name` in a tensor tier (strategies read and write it in place)."""
+        t = self.tiers[tier]
+        if not isinstance(t, TensorTier):
+            raise RuntimeError(f"tier {tier!r} is not held in tensors")
+        return t.arenas[name]
+
+    def table(self, seq: SeqId) -> BlockTable | None:
+        """The block table of `seq`, or None if the pool holds nothing for it."""
+        return self._tables.get(seq)
+
+    def num_tokens(self, seq: SeqId) -> int:
+        """Token slots filled for `seq` (0 when unknown)."""
+        t = self._tables.get(seq)
+        return t.num_tokens if t is not None else 0
+
+    def capacity_tokens(self, tier: str = "device") -> int:
+        """Tokens the whole tier can hold."""
+        return self.allocators[tier].num_blocks * self.block_size
+
+    def usage(self, tier: str = "device") -> float:
+        """Used fraction of a tier."""
+        return self.allocators[tier].usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def can_admit(self, num_tokens: int, tier: str = "device") -> bool:
+        """Whether a new sequence of `num_tokens` fits and leaves the tier's watermark free."""
+        return self.allocators[tier].can_admit(self.blocks_for(num_tokens))
+
+    def can_append(self, seq: SeqId, num_tokens: int) -> bool:
+        """Whether `seq` can grow by `num_tokens` now (growth may use the watermark)."""
+        t = self._tables.get(seq)
+        need = t.slots_needed(num_tokens) if t is not None else self.blocks_for(num_tokens)
+        return self.allocators["device"].can_allocate(need)
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def reserve(self, seq: SeqId, num_tokens: int) -> bool:
+        """Make room on the device tier for `num_tokens` more tokens of `seq`.
+
+        Returns False, changing nothing, when the blocks are not there.
+        """
+        table = self._tables.get(seq) or BlockTable(seq, self.block_size)
+        self._check_on_device(table)
+        need = table.slots_needed(num_tokens)
+        if need:
+            alloc = self.allocators["device"]
+            if not alloc.can_allocate(need):
+                return False
+            # Prefer the blocks right after the sequence's last one: attention then reads
+            # one run of consecutive slots in place instead of gathering pieces.
+            ids: list[int] = []
+            nxt = table[len(table) - 1].block_id + 1 if len(table) else None
+            while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
+                ids.append(nxt)
+                nxt += 1
+            rest = alloc.allocate(need - len(ids), seq) if len(ids) < need else []
+            assert rest is not None  # can_allocate said they fit
+            table.append_blocks("device", ids + rest)
+        self._tables[seq] = table
+        return True
+
+    def commit(self, seq: SeqId, num_tokens: int) -> None:
+        """Record that `num_tokens` reserved slots of `seq` now hold data."""
+        self._require(seq).append_tokens(num_tokens)
+
+    def free(self, seq: SeqId) -> None:
+        """Release every block of `seq` (its cached prefix blocks stay revivable)."""
+        table = self._tables.pop(seq, None)
+        self._hashes.pop(seq, None)
+        if table is None:
+            return
+        by_tier: dict[str, list[int]] = {}
+        for ref in table:
+            by_tier.setdefault(ref.tier, []).append(ref.block_id)
+        for tier, ids in by_tier.items():
+            self.allocators[tier].free(ids)
+
+    def truncate(self, seq: SeqId, num_tokens: int) -> None:
+        """Keep the first `num_tokens` slots of `seq`; trailing blocks go back to the pool."""
+        table = self._require(seq)
+        dropped = table.truncate(num_tokens)
+        hashes = self._hashes.get(seq)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size :]
+        for ref in dropped:
+            self.allocators[ref.tier].free([ref.block_id])
+
+    def slot_ids(self, seq: SeqId, start: int, end: int) -> torch.Tensor:
+        """Device-arena slot index (block_id * block_size + offset) of tokens [start, end)."""
+        table = self._require(seq)
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        refs = table.refs[first:last]
+        if any(r.tier != "device" for r in refs):
+            raise RuntimeError(f"sequence {seq!r} has blocks off the device tier; swap it in first")
+        ids = torch.tensor([r.block_id for r in refs], dtype=torch.long)
+        slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
+        return slots[start - first * bs : end - first * bs].to(self.device)
+
+    def slot_runs(self, seq: SeqId, end: int) -> list[tuple[int, int]]:
+        """Tokens [0, end) of `seq` as (start_slot, end_slot) runs of consecutive device slots."""
+        table = self._require(seq)
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in range(-(-end // bs)):
+            ref = table[i]
+            if ref.tier != "device":
+                raise RuntimeError(f"sequence {seq!r} has blocks off the device tier")
+            start = ref.block_id * bs
+            if runs and runs[-1][1] == start:
+                runs[-1][1] += bs
+            else:
+                runs.append([start, start + bs])
+        runs[-1][1] -= -(-end // bs) * bs - end  # the last block may be partly filled
+        return [(s, e) for s, e in runs]
+
+    def check(self, seq: SeqId) -> None:
+        """Raise RuntimeError if the table of `seq` points at freed or foreign blocks."""
+        self._require(seq).check(self.allocators)
+
+    # ---- prefix sharing -----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[BlockRef]:
+        """The cached device blocks that start `token_ids` (longest verified chain)."""
+        return self.prefix.match_prefix(token_ids, self.block_size, self.identity)
+
+    def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
+        """Start the new sequence `seq` on shared cached blocks; return the tokens they hold."""
+        if seq in self._tables:
+            raise RuntimeError(f"sequence {seq!r} already has blocks; attach a prefix first")
+        table = BlockTable(seq, self.block_size)
+        hashes = []
+        for ref in refs:
+            self.allocators[ref.tier].acquire_cached(ref.block_id)
+            table.append_blocks(ref.tier, [ref.block_id])
+            hashes.append(self.prefix.hash_of(ref))
+        table.append_tokens(len(refs) * self.block_size)
+        self._tables[seq], self._hashes[seq] = table, hashes
+        return table.num_tokens
+
+    def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
+        """Offer the full blocks of `seq` (holding `token_ids`) to the prefix cache.
+
+        Returns how many blocks of `seq` are now part of its published chain. Cached blocks
+        become read-only; a sequence only ever writes into its last, partial block.
+        """
+        table = self._require(seq)
+        hashes = self._hashes.setdefault(seq, [])
+        full = min(table.num_tokens, len(token_ids)) // self.block_size
+        alloc = self.allocators["device"]
+        for i in range(len(hashes), full):
+            ref = table[i]
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hashes[-1] if hashes else None
+            h = None
+            if ref.tier == "device":
+                h = alloc.cache_block(ref.block_id, parent, tokens, self.identity)
+            # Another block may already hold this content; the chain continues either way.
+            hashes.append(h or block_hash(parent, tokens, self.identity))
+        return len(hashes)
+
+    # ---- moves between tiers ------------------------------------------------------------------
+
+    def move(self, seq: SeqId, indices: Sequence[int], dst: str) -> bool:
+        """Move blocks at table positions `indices` of `seq` to tier `dst`; False if no room."""
+        table = self._require(seq)
+        if dst not in self.tiers:
+            raise ValueError(f"no tier {dst!r} in this pool (tiers: {', '.join(self.tiers)})")
+        todo = [i for i in indices if table[i].tier != dst]
+        if not todo:
+            return True
+        new_ids = self.allocators[dst].allocate(len(todo), seq)
+        if new_ids is None:
+            return False
+        by_src: dict[str, list[tuple[int, int]]] = {}
+        for i, new_id in zip(todo, new_ids, strict=True):
+            by_src.setdefault(table[i].tier, []).append((i, new_id))
+        for src, pairs in by_src.items():
+            positions = [i for i, _ in pairs]
+            data = self.tiers[src].read([table[i].block_id for i in positions])
+            self.tiers[dst].write([n for _, n in pairs], data)
+            for i, new_id in pairs:
+                old = table.move(i, BlockRef(dst, new_id))
+                # The cached copy stays where it was computed; this sequence's copy moves.
+                self.allocators[src].free([old.block_id])
+            self.stats.record_move(src, dst, len(pairs))
+        return True
+
+    def swap_out(self, seq: SeqId, dst: str = "host") -> bool:
+        """Move every device block of `seq` to `dst` (preemption by swapping)."""
+        table = self._require(seq)
+        if dst not in self.tiers:
+            return False
+        ok = self.move(seq, [i for i, r in enumerate(table) if r.tier == "device"], dst)
+        if ok:
+            self.record_preemption()
+        return ok
+
+    def swap_in(self, seq: SeqId) -> bool:
+        """Bring every block of `seq` back to the device tier; False if it does not fit."""
+        table = self._require(seq)
+        return self.move(seq, [i for i, r in enumerate(table) if r.tier != "device"], "device")
+
+    # ---- statistics and health ----------------------------------------------------------------
+
+    def record_preemption(self) -> None:
+        """Count a preempted sequence (swapped out or dropped for recompute)."""
+        self.stats.record_preemption()
+        self.health_monitor.record_preemption()
+
+    def health(self) -> HealthReport:
+        """Green / yellow / red from device usage and recent events (see memory.stats)."""
+        return self.health_monitor.observe(self.usage("device"))
+
+    def snapshot(self) -> dict:
+        """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health."""
+        snap = self.stats.snapshot()
+        snap["health"] = self.health().as_dict()
+        snap["block_size"] = self.block_size
+        snap["page_bytes"] = self.layout.page_bytes
+        snap["sequences"] = len(self._tables)
+        return snap
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _require(self, seq: SeqId) -> BlockTable:
+        table = self._tables.get(seq)
+        if table is None:
+            raise RuntimeError(f"sequence {seq!r} has no blocks in the pool")
+        return table
+
+    @staticmethod
+    def _check_on_device(table: BlockTable) -> None:
+        if len(table) and table[len(table) - 1].tier != "device":
+            raise RuntimeError(
+                f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
+            )
+
+
+class AsyncPool:
+    """The pool from asyncio: one lock around each operation; waiting for room without polling.
+
+    Data copies of `move`/`swap_*` run in `executor` (default: asyncio's), off the event loop.
+    """
+
+    def __init__(self, pool: UnifiedMemoryPool, executor=None) -> None:
+        self.pool, self._executor = pool, executor
+        self._lock = asyncio.Lock()
+        self._room = asyncio.Condition(self._lock)
+
+    async def reserve(self, seq: SeqId, num_tokens: int, timeout: float | None = None) -> bool:
+        """Reserve room for `num_tokens` of `seq`, waiting up to `timeout` s for frees."""
+
+        async def wait() -> bool:
+            async with self._room:
+                await self._room.wait_for(lambda: self.pool.reserve(seq, num_tokens))
+                return True
+
+        try:
+            return await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            return False
+
+    async def free(self, seq: SeqId) -> None:
+        """Free every block of `seq` and wake waiters."""
+        async with self._room:
+            self.pool.free(seq)
+            self._room.notify_all()
+
+    async def match_prefix(self, token_ids: Sequence[int]) -> list[BlockRef]:
+        """Cached blocks that start `token_ids`."""
+        async with self._lock:
+            return self.pool.match_prefix(token_ids)
+
+    async def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
+        """Start `seq` on shared cached blocks."""
+        async with self._lock:
+            return self.pool.attach_prefix(seq, refs)
+
+    async def move(self, seq: SeqId, indices: Sequence[int], dst: str) -> bool:
+        """Move blocks of `seq` to tier `dst`."""
+        async with self._room:
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(self._executor, self.pool.move, seq, indices, dst)
+            self._room.notify_all()
+            return ok
+
+    async def snapshot(self) -> dict:
+        """Statistics and health."""
+        async with self._lock:
+            return self.pool.snapshot()

@@ -1,0 +1,172 @@
+"""The torch side of the unified memory pool: arenas, tables, moves, swapping, prefixes, async."""
+
+import asyncio
+
+import pytest
+import torch
+
+from memory.config import PoolConfig, TierConfig
+from memory.pool import BLOCKS, ArenaSpec, AsyncPool, BlockLayout, UnifiedMemoryPool
+
+BS = 4
+LAYOUT = BlockLayout(BS, (ArenaSpec("kv", torch.float32, (2, BLOCKS, BS, 3)),))
+PAGE = LAYOUT.page_bytes  # 2 * 4 * 3 * 4 = 96 bytes
+
+
+def make_pool(device_blocks=8, host_blocks=0, watermark=0.0):
+    tiers = [TierConfig("device", device_blocks * PAGE, low_watermark=watermark)]
+    if host_blocks:
+        tiers.append(TierConfig("host", host_blocks * PAGE))
+    return UnifiedMemoryPool(PoolConfig(block_size=BS, tiers=tuple(tiers)), LAYOUT, identity="t")
+
+
+def fill(pool, seq, start, n, value):
+    """Write `value` into the token slots [start, start+n) of `seq` (as a strategy would)."""
+    slots = pool.slot_ids(seq, start, start + n)
+    arena = pool.arena("kv").view(2, -1, 3)  # [2, blocks*BS, 3]
+    arena[:, slots] = value
+    pool.commit(seq, n)
+
+
+def read(pool, seq):
+    n = pool.num_tokens(seq)
+    return pool.arena("kv").view(2, -1, 3)[:, pool.slot_ids(seq, 0, n)]
+
+
+def test_layout_page_bytes_and_validation():
+    assert PAGE == 96
+    with pytest.raises(ValueError, match="BLOCKS"):
+        ArenaSpec("x", torch.float32, (2, 3))
+    with pytest.raises(ValueError, match="holds no block"):
+        UnifiedMemoryPool(PoolConfig(block_size=BS, tiers=(TierConfig("device", 10),)), LAYOUT)
+
+
+def test_reserve_commit_free_and_contiguous_growth():
+    pool = make_pool()
+    assert pool.reserve("a", 6)
+    fill(pool, "a", 0, 6, 1.0)
+    assert pool.table("a").num_tokens == 6 and len(pool.table("a")) == 2
+    for i in range(6, 14):  # decode-like growth stays in consecutive blocks
+        assert pool.reserve("a", 1)
+        fill(pool, "a", i, 1, float(i))
+    assert pool.slot_runs("a", 14) == [(0, 14)]
+    assert torch.equal(read(pool, "a")[0, 6:, 0], torch.arange(6.0, 14.0))
+    pool.free("a")
+    assert pool.usage() == 0.0 and pool.table("a") is None
+    pool.free("a")  # freeing an unknown sequence is a no-op
+
+
+def test_reserve_fails_without_changing_anything():
+    pool = make_pool(device_blocks=3)
+    assert pool.reserve("a", 8)
+    assert not pool.reserve("b", 8)  # needs 2 blocks, 1 left
+    assert pool.table("b") is None and pool.allocators["device"].num_free == 1
+    assert not pool.can_admit(8) and pool.can_admit(4)
+
+
+def test_runs_split_when_sequences_interleave():
+    pool = make_pool()
+    pool.reserve("a", 4)
+    pool.reserve("b", 4)
+    fill(pool, "a", 0, 4, 1.0)
+    fill(pool, "b", 0, 4, 2.0)
+    pool.reserve("a", 1)  # the block after a's is b's: a continues elsewhere
+    fill(pool, "a", 4, 1, 3.0)
+    runs = pool.slot_runs("a", 5)
+    assert len(runs) == 2 and sum(e - s for s, e in runs) == 5
+    assert read(pool, "a")[0, :, 0].tolist() == [1, 1, 1, 1, 3]
+
+
+def test_move_to_host_and_back_keeps_data():
+    pool = make_pool(device_blocks=4, host_blocks=4)
+    pool.reserve("a", 7)
+    data = torch.arange(2 * 7 * 3, dtype=torch.float32).view(2, 7, 3)
+    fill(pool, "a", 0, 7, data)
+    assert pool.swap_out("a")
+    assert {r.tier for r in pool.table("a")} == {"host"}
+    assert pool.usage("device") == 0.0
+    with pytest.raises(RuntimeError, match="swap it in"):
+        pool.reserve("a", 1)
+    assert pool.swap_in("a")
+    assert torch.equal(read(pool, "a"), data)
+    snap = pool.snapshot()
+    assert snap["moves"] == {"device->host": 2, "host->device": 2} and snap["preemptions"] == 1
+
+
+def test_move_without_room_returns_false():
+    pool = make_pool(device_blocks=4, host_blocks=1)
+    pool.reserve("a", 8)
+    assert not pool.swap_out("a")  # 2 blocks, host holds 1
+    assert {r.tier for r in pool.table("a")} == {"device"}
+
+
+def test_prefix_publish_attach_and_collision_safety():
+    pool = make_pool()
+    tokens = list(range(100, 110))
+    pool.reserve("a", 10)
+    fill(pool, "a", 0, 10, 7.0)
+    assert pool.publish("a", tokens) == 2  # two full blocks of 4; the partial one is not cached
+    refs = pool.match_prefix(tokens)
+    assert [r.block_id for r in refs] == pool.table("a").block_ids()[:2]
+    assert pool.match_prefix([100, 101, 102, 999, 104]) == []  # differs inside the first block
+    assert pool.attach_prefix("b", refs) == 8
+    pool.check("b")
+    assert pool.allocators["device"].ref_count(refs[0].block_id) == 2
+    pool.reserve("b", 3)  # b grows in its own block, never into the shared ones
+    fill(pool, "b", 8, 3, 9.0)
+    assert read(pool, "b")[0, :, 0].tolist() == [7.0] * 8 + [9.0] * 3
+    assert read(pool, "a")[0, :, 0].tolist() == [7.0] * 10
+    pool.free("a")
+    pool.free("b")
+    # Freed cached blocks stay revivable until reused.
+    assert len(pool.match_prefix(tokens)) == 2
+    snap = pool.snapshot()
+    assert snap["prefix"]["hits"] >= 4 and snap["tiers"]["device"]["num_used"] == 0
+
+
+def test_table_pointing_at_foreign_block_is_named():
+    pool = make_pool()
+    pool.reserve("a", 4)
+    pool.reserve("b", 4)
+    stolen = pool.table("a")[0]
+    pool.table("b").append_blocks("device", [stolen.block_id])
+    with pytest.raises(RuntimeError, match=f"block {stolen.block_id}.*owned by sequence 'a'"):
+        pool.check("b")
+
+
+def test_double_free_of_a_block_is_named():
+    pool = make_pool()
+    pool.reserve("a", 4)
+    block = pool.table("a")[0].block_id
+    pool.allocators["device"].free([block])
+    with pytest.raises(RuntimeError, match=f"double free of block {block}"):
+        pool.allocators["device"].free([block])
+
+
+def test_ssd_tier_needs_a_store():
+    cfg = PoolConfig(
+        block_size=BS,
+        tiers=(TierConfig("device", 4 * PAGE), TierConfig("ssd", 8 * PAGE, path="/tmp/x")),
+    )
+    with pytest.raises(ValueError, match=r"\[tiers.ssd\] needs a block store"):
+        UnifiedMemoryPool(cfg, LAYOUT)
+
+
+@pytest.mark.timeout(10)
+async def test_async_pool_waits_for_room_then_moves():
+    pool = make_pool(device_blocks=2, host_blocks=2)
+    apool = AsyncPool(pool)
+    assert await apool.reserve("a", 8)
+    assert not await apool.reserve("b", 4, timeout=0.05)  # full: gives up after the timeout
+
+    async def later():
+        await asyncio.sleep(0.05)
+        await apool.free("a")
+
+    task = asyncio.create_task(later())
+    assert await apool.reserve("b", 4, timeout=5)  # woken by the free, no polling
+    await task
+    assert await apool.move("b", [0], "host")
+    assert pool.table("b")[0].tier == "host"
+    assert (await apool.snapshot())["tiers"]["host"]["num_used"] == 1
+    assert await apool.match_prefix([1, 2, 3, 4, 5]) == []

@@ -425,11 +425,11 @@ class Engine:
         batch = StepBatch([w.req.rid for w in plan], [len(w.tokens) for w in plan])
         dev = self.model.device
         logits = self.model.forward(
-            torch.tensor(tokens, device=dev),
-            torch.tensor(positions, device=dev),
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv,
             batch,
-            torch.tensor(rows, device=dev),
+            torch.tensor(rows, dtype=torch.long, device=dev),
         )
         out: list[int | None] = []
         r = 0

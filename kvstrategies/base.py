@@ -104,6 +104,7 @@ class KVStrategy(KVCache):
         for sid, n in zip(self._batch.seq_ids, self._batch.query_lens, strict=True):
             self.pool.commit(sid, n)
         self._batch = None
+        self.pool.sample_usage()
 
     def abort_step(self) -> None:
         # Reserved blocks stay with their sequences and are reused by the retry.

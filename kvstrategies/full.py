@@ -71,8 +71,14 @@ class FullStrategy(KVStrategy):
         b = self._batch
         out = torch.empty_like(q)
         for i, runs in enumerate(self._runs):
-            # a[:, :, start:end]: [2, Hkv, S_r, D] views, no copy
-            pieces = [self._cast(a[:, :, s:e], q.dtype) for s, e in runs]
+            # a[:, :, start:end]: [2, Hkv, S_r, D] views into the arena, no copy. When decode
+            # growth left a sequence in several runs, the long first run (the prompt) stays a
+            # view and the short tail runs are gathered into one piece: each piece costs an
+            # attention call per layer, a small copy costs less than several calls.
+            pieces = [a[:, :, s:e] for s, e in runs]
+            if len(pieces) > 2:
+                pieces = [pieces[0], torch.cat(pieces[1:], dim=2)]
+            pieces = [self._cast(p, q.dtype) for p in pieces]
             rows = b.rows(i)
             out[rows] = attention_runs(
                 q[rows], [(p[0], p[1]) for p in pieces], self._past[i], self.scale

@@ -175,6 +175,8 @@ class UnifiedMemoryPool:
             raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
         self.stats = PoolStats(self.allocators, self.prefix)
         self.health_monitor = HealthMonitor(clock=clock)
+        self._clock = clock
+        self._last_sample = float("-inf")
         self._tables: dict[SeqId, BlockTable] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}  # published chain of each sequence
 
@@ -393,6 +395,15 @@ class UnifiedMemoryPool:
         """Count a preempted sequence (swapped out or dropped for recompute)."""
         self.stats.record_preemption()
         self.health_monitor.record_preemption()
+
+    SAMPLE_EVERY_S = 0.25  # usage samples for the OOM predictor: 240 per one-minute window
+
+    def sample_usage(self) -> None:
+        """Feed the OOM predictor the device usage, at most every SAMPLE_EVERY_S seconds."""
+        now = self._clock()
+        if now - self._last_sample >= self.SAMPLE_EVERY_S:
+            self._last_sample = now
+            self.health_monitor.predictor.record(self.usage("device"), now)
 
     def health(self) -> HealthReport:
         """Green / yellow / red from device usage and recent events (see memory.stats)."""

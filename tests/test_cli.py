@@ -117,3 +117,36 @@ def test_run_streams_and_reports(capfd):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("chip", "cls"),
+    [("ascend910b", "high"), ("hygon_dcu", "medium"), ("kunpeng920", "low"), ("cpu", "low")],
+)
+def test_profile_json(chip, cls, capsys):
+    assert main(["profile", "--chip", chip, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["chip"] == chip and report["class"] == cls
+    assert report["bandwidth_gbps"] > 0 and report["tiers"][0]["name"] == "device"
+    assert report["strategy"] in (
+        "full",
+        "hybrid_fp16_int4",
+        "hierarchical_offload",
+        "learned_prune",
+    )
+    assert any(line.startswith("chip") for line in out[:-1])  # the readable table comes first
+
+
+def test_profile_and_strategy_errors_exit_2(tmp_path, capsys):
+    assert "kunpeng920" in _error(["profile", "--chip", "nope"], capsys)
+    assert "unknown strategy 'nope'" in _error(
+        ["run", "--prompt", "hi", "--strategy", "nope"], capsys
+    )
+    bad = tmp_path / "bad.toml"
+    bad.write_text("block_size = 16\nfrobnicate = 1\n")
+    err = _error(["eval", "ppl", "--text", str(bad), "--config", str(bad)], capsys)
+    assert str(bad) in err and "frobnicate" in err
+    assert "not found" in _error(
+        ["run", "--prompt", "hi", "--config", str(tmp_path / "no.toml")], capsys
+    )

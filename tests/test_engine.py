@@ -69,6 +69,12 @@ async def test_concurrent_requests_equal_sequential(engine):
     assert engine.kv.bytes_used() == 0  # everything was freed
 
 
+async def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(engine, model, tokenizer):
+    ids = tokenizer.encode(" ".join(PROMPTS) * 6)[:300]  # the fixture's budget is 64 per step
+    c = await engine.generate(ids, GREEDY_16)
+    assert c.token_ids == greedy_reference(model, ids, 16)
+
+
 async def test_stream_pieces_add_up_to_completion(engine):
     handle = engine.submit(PROMPTS[3], SamplingParams(max_new_tokens=24))
     pieces = [p async for p in handle]

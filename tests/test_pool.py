@@ -170,3 +170,19 @@ async def test_async_pool_waits_for_room_then_moves():
     assert pool.table("b")[0].tier == "host"
     assert (await apool.snapshot())["tiers"]["host"]["num_used"] == 1
     assert await apool.match_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_oom_predictor_fed_by_usage_samples_turns_health_red():
+    now = [0.0]
+    tiers = (TierConfig("device", 40 * PAGE),)
+    pool = UnifiedMemoryPool(PoolConfig(block_size=BS, tiers=tiers), LAYOUT, clock=lambda: now[0])
+    assert pool.health().state == "green"
+    for i in range(39):  # fill the tier over ~20 s: far faster than 5 points per minute
+        now[0] += 0.5
+        pool.reserve(i, BS)
+        pool.sample_usage()
+        pool.sample_usage()  # rate-limited: a second call at the same time adds nothing
+    assert len(pool.health_monitor.predictor.samples) == 1 + 39  # health() sampled at t=0 too
+    report = pool.health()
+    assert report.state == "red" and any("OOM" in r for r in report.reasons)
+    assert pool.health_monitor.predictor.events

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from memory.prefix import BlockRef, PrefixCache
@@ -131,6 +131,8 @@ class TierAllocator:
     one for a new allocation evicts its hash (counted in `num_evictions`).
     """
 
+    MAX_PASSED = 8  # avoided blocks one allocate() passes over at most (one growth room)
+
     def __init__(
         self,
         tier: str,
@@ -211,21 +213,39 @@ class TierAllocator:
 
     # -- mutations ---------------------------------------------------------------------------
 
-    def allocate(self, n: int, owner: SeqId | None) -> list[int] | None:
-        """Take `n` blocks owned by `owner`; None when they do not fit (nothing is taken)."""
+    def allocate(
+        self, n: int, owner: SeqId | None, avoid: Container[int] | None = None
+    ) -> list[int] | None:
+        """Take `n` blocks owned by `owner`; None when they do not fit (nothing is taken).
+
+        Blocks in `avoid` are passed over (and moved to the tail of the queue) while enough
+        other free blocks remain, at most `MAX_PASSED` of them per call so that a queue made
+        mostly of avoided blocks cannot turn allocation into a scan.
+        """
         _check_count(n)
         if n > len(self._free):
             return None
         self._tick += 1
         ids: list[int] = []
-        for _ in range(n):
+        passed: list[Block] = []
+        while len(ids) < n:
             block = self._free.popleft()
+            if (
+                avoid
+                and len(passed) < self.MAX_PASSED
+                and block.block_id in avoid
+                and len(self._free) >= n - len(ids)
+            ):
+                passed.append(block)
+                continue
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
             block.owner = owner
             block.last_access = self._tick
             ids.append(block.block_id)
+        for block in passed:
+            self._free.append(block)
         self.num_allocations += n
         return ids
 

@@ -179,6 +179,8 @@ class UnifiedMemoryPool:
         self._last_sample = float("-inf")
         self._tables: dict[SeqId, BlockTable] = {}
         self._hashes: dict[SeqId, list[bytes]] = {}  # published chain of each sequence
+        self._room: dict[int, SeqId] = {}  # free device block -> sequence it is kept for
+        self._room_of: dict[SeqId, list[int]] = {}
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -235,17 +237,52 @@ class UnifiedMemoryPool:
             if not alloc.can_allocate(need):
                 return False
             # Prefer the blocks right after the sequence's last one: attention then reads
-            # one run of consecutive slots in place instead of gathering pieces.
+            # one run of consecutive slots in place instead of attending piece by piece.
             ids: list[int] = []
             nxt = table[len(table) - 1].block_id + 1 if len(table) else None
             while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
+                self._room.pop(nxt, None)
                 ids.append(nxt)
                 nxt += 1
-            rest = alloc.allocate(need - len(ids), seq) if len(ids) < need else []
-            assert rest is not None  # can_allocate said they fit
-            table.append_blocks("device", ids + rest)
+            if len(ids) < need:
+                rest = alloc.allocate(need - len(ids), seq, avoid=_RoomOfOthers(self._room, seq))
+                assert rest is not None  # can_allocate said they fit
+                for b in rest:
+                    self._forget_room(b)
+                ids += rest
+            table.append_blocks("device", ids)
+            self._keep_room(seq, ids[-1])
         self._tables[seq] = table
         return True
+
+    GROWTH_ROOM_BLOCKS = 8  # free blocks after a sequence that others pass over while they can
+
+    def _keep_room(self, seq: SeqId, last: int) -> None:
+        """Soft-reserve the free blocks after `last` for the growth of `seq`.
+
+        They stay free (usable by anyone once nothing else is left); other sequences' blocks
+        are just taken elsewhere first, so concurrent sequences do not interleave.
+        """
+        alloc = self.allocators["device"]
+        for b in self._room_of.pop(seq, ()):
+            self._room.pop(b, None)
+        room: list[int] = []
+        self._room_of[seq] = room
+        # Room pays while memory is plentiful; once rooms would cover most of the free blocks,
+        # keeping them only makes every allocation pass over them.
+        if len(self._room) + self.GROWTH_ROOM_BLOCKS > alloc.num_free // 2:
+            return
+        for b in range(last + 1, min(last + 1 + self.GROWTH_ROOM_BLOCKS, alloc.num_blocks)):
+            blk = alloc.block(b)
+            if blk.ref_count or blk.block_hash is not None or self._room.get(b, seq) != seq:
+                break
+            self._room[b] = seq
+            room.append(b)
+
+    def _forget_room(self, block_id: int) -> None:
+        owner = self._room.pop(block_id, None)
+        if owner is not None:
+            self._room_of[owner].remove(block_id)
 
     def commit(self, seq: SeqId, num_tokens: int) -> None:
         """Record that `num_tokens` reserved slots of `seq` now hold data."""
@@ -255,6 +292,8 @@ class UnifiedMemoryPool:
         """Release every block of `seq` (its cached prefix blocks stay revivable)."""
         table = self._tables.pop(seq, None)
         self._hashes.pop(seq, None)
+        for b in self._room_of.pop(seq, ()):
+            self._room.pop(b, None)
         if table is None:
             return
         by_tier: dict[str, list[int]] = {}
@@ -432,6 +471,22 @@ class UnifiedMemoryPool:
             raise RuntimeError(
                 f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
             )
+
+
+class _RoomOfOthers:
+    """`block in view`: the block is kept as growth room for a sequence other than `seq`."""
+
+    __slots__ = ("room", "seq")
+
+    def __init__(self, room: dict[int, SeqId], seq: SeqId) -> None:
+        self.room, self.seq = room, seq
+
+    def __contains__(self, block_id: object) -> bool:
+        owner = self.room.get(block_id, self.seq)
+        return owner != self.seq
+
+    def __bool__(self) -> bool:
+        return bool(self.room)
 
 
 class AsyncPool:

@@ -301,3 +301,15 @@ def test_block_table_move_and_truncate() -> None:
     assert (len(t), t.num_tokens) == (2, 5)
     with pytest.raises(ValueError, match="has 5"):
         t.truncate(6)
+
+
+def test_allocate_passes_over_avoided_blocks_while_others_are_free():
+    alloc = TierAllocator("device", 8, 16)
+    assert alloc.allocate(2, "a", avoid={0, 1, 2}) == [3, 4]
+    assert alloc.free_blocks()[-3:] == [0, 1, 2]  # passed-over blocks went to the tail
+    # Only avoided blocks are left for the 4th: pass over while others remain, then take.
+    assert alloc.allocate(4, "b", avoid={0, 1, 2}) == [5, 6, 7, 2]
+    many = TierAllocator("device", 100, 16)
+    avoided = set(range(99))
+    got = many.allocate(1, "c", avoid=avoided)
+    assert got == [TierAllocator.MAX_PASSED]  # the pass-over is bounded, not a scan

@@ -64,17 +64,33 @@ def test_reserve_fails_without_changing_anything():
     assert not pool.can_admit(8) and pool.can_admit(4)
 
 
-def test_runs_split_when_sequences_interleave():
-    pool = make_pool()
+def test_growth_room_keeps_concurrent_sequences_in_one_run():
+    pool = make_pool(device_blocks=40)
     pool.reserve("a", 4)
-    pool.reserve("b", 4)
+    pool.reserve("b", 4)  # placed after a's growth room, not right after a
     fill(pool, "a", 0, 4, 1.0)
     fill(pool, "b", 0, 4, 2.0)
-    pool.reserve("a", 1)  # the block after a's is b's: a continues elsewhere
-    fill(pool, "a", 4, 1, 3.0)
-    runs = pool.slot_runs("a", 5)
-    assert len(runs) == 2 and sum(e - s for s, e in runs) == 5
-    assert read(pool, "a")[0, :, 0].tolist() == [1, 1, 1, 1, 3]
+    for i in range(4, 4 + 4 * 8):  # a grows through its whole room
+        pool.reserve("a", 1)
+        fill(pool, "a", i, 1, 3.0)
+    assert pool.slot_runs("a", 36) == [(0, 36)]
+    assert len(pool.slot_runs("b", 4)) == 1
+    pool.reserve("a", 1)  # past its room, the next block is b's: a continues elsewhere
+    fill(pool, "a", 36, 1, 4.0)
+    runs = pool.slot_runs("a", 37)
+    assert len(runs) == 2 and sum(e - s for s, e in runs) == 37
+    assert read(pool, "a")[0, :, 0].tolist() == [1] * 4 + [3] * 32 + [4]
+    assert read(pool, "b")[0, :, 0].tolist() == [2] * 4
+
+
+def test_growth_room_is_given_up_when_memory_is_short():
+    pool = make_pool(device_blocks=3)
+    pool.reserve("a", 4)  # block 0; blocks 1, 2 kept as its room
+    fill(pool, "a", 0, 4, 1.0)
+    assert pool.reserve("b", 8)  # nothing else is free: b takes a's room
+    assert not pool.reserve("a", 1)
+    pool.free("b")
+    assert pool.reserve("a", 8)
 
 
 def test_move_to_host_and_back_keeps_data():

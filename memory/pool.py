@@ -529,6 +529,16 @@ class AsyncPool:
         async with self._lock:
             return self.pool.attach_prefix(seq, refs)
 
+    async def commit(self, seq: SeqId, num_tokens: int) -> None:
+        """Record that `num_tokens` reserved slots of `seq` now hold data."""
+        async with self._lock:
+            self.pool.commit(seq, num_tokens)
+
+    async def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
+        """Offer the full blocks of `seq` to the prefix cache."""
+        async with self._lock:
+            return self.pool.publish(seq, token_ids)
+
     async def move(self, seq: SeqId, indices: Sequence[int], dst: str) -> bool:
         """Move blocks of `seq` to tier `dst`."""
         async with self._room:

@@ -530,10 +530,3 @@ def _build(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
     )
     return kvstrategies.build(spec, strategy, config, chip, device=model.device)
-
-
-async def generate_many(
-    engine: Engine, prompts: Sequence[str], params: SamplingParams | None = None
-) -> list[Completion]:
-    """Run several prompts concurrently and return their completions in order."""
-    return list(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))

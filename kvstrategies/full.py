@@ -99,4 +99,4 @@ class FullStrategy(KVStrategy):
         return x if x.dtype == dtype else x.to(dtype)
 
     def bytes_used(self) -> int:
-        return sum(t.num_tokens for t in self.pool._tables.values()) * self._bytes_per_token
+        return self.pool.total_tokens() * self._bytes_per_token

@@ -250,8 +250,8 @@ class PoolConfig:
 # -- loading -------------------------------------------------------------------------------
 
 
-def _show(value: object) -> str:
-    """A value as it would be written in TOML (strings in double quotes)."""
+def show_value(value: object) -> str:
+    """A value as it would be written in TOML (strings in double quotes), for error messages."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str | int | float):
@@ -278,13 +278,15 @@ class _Locator:
         return self.source
 
     def bad(self, path: tuple[str, ...], value: object, expected: str) -> ConfigError:
-        return ConfigError(f"{self.where(path)}: {self.key(path)} = {_show(value)}: {expected}")
+        return ConfigError(
+            f"{self.where(path)}: {self.key(path)} = {show_value(value)}: {expected}"
+        )
 
     def unknown(self, path: tuple[str, ...], allowed: tuple[str, ...]) -> ConfigError:
         parent = f"[{'.'.join(path[:-1])}] " if len(path) > 1 else ""
         what = "tier" if path[:-1] == ("tiers",) else "key"
         return ConfigError(
-            f"{self.where(path)}: {parent}unknown {what} {_show(path[-1])}; "
+            f"{self.where(path)}: {parent}unknown {what} {show_value(path[-1])}; "
             f"allowed: {', '.join(allowed)}"
         )
 
@@ -389,7 +391,7 @@ def _build_tiers(tables: object, loc: _Locator, ram_bytes: int | None) -> tuple[
                 via = [v for p, v in loc.env_origin.items() if p[:2] == ("tiers", name)]
                 hint = f" (the tier was set by {', '.join(via)})" if via else ""
                 raise ConfigError(
-                    f"{loc.source}: [tiers.{name}] missing key {_show(key)}{hint}; "
+                    f"{loc.source}: [tiers.{name}] missing key {show_value(key)}{hint}; "
                     f"keys of this tier: {', '.join(_TIER_KEYS[name])}"
                 )
         capacity = _check(

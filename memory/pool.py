@@ -200,6 +200,10 @@ class UnifiedMemoryPool:
         t = self._tables.get(seq)
         return t.num_tokens if t is not None else 0
 
+    def total_tokens(self) -> int:
+        """Token slots filled over all sequences (a shared block counts once per sequence)."""
+        return sum(t.num_tokens for t in self._tables.values())
+
     def capacity_tokens(self, tier: str = "device") -> int:
         """Tokens the whole tier can hold."""
         return self.allocators[tier].num_blocks * self.block_size

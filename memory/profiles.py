@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memory.config import ConfigError, load_config
+from memory.config import ConfigError, load_config, show_value
 
 logger = logging.getLogger(__name__)
 
@@ -210,14 +209,6 @@ def list_profiles(profile_dir: str | os.PathLike[str] = PROFILE_DIR) -> list[str
     return sorted(p.stem for p in Path(profile_dir).glob("*.toml"))
 
 
-def _show(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | int | float):
-        return json.dumps(value)
-    return repr(value)
-
-
 def load_profile(
     name_or_path: str | os.PathLike[str], profile_dir: str | os.PathLike[str] = PROFILE_DIR
 ) -> ChipProfile:
@@ -244,14 +235,16 @@ def load_profile(
 
 def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
     def bad(key: str, value: object, expected: str) -> ConfigError:
-        return ConfigError(f"{src}: {key} = {_show(value)}: {expected}")
+        return ConfigError(f"{src}: {key} = {show_value(value)}: {expected}")
 
     for key in raw:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{src}: unknown key {_show(key)}; allowed: {', '.join(_TOP_KEYS)}")
+            raise ConfigError(
+                f"{src}: unknown key {show_value(key)}; allowed: {', '.join(_TOP_KEYS)}"
+            )
     for key in ("display_name", "bandwidth", "tuned"):
         if key not in raw:
-            raise ConfigError(f"{src}: missing key {_show(key)}")
+            raise ConfigError(f"{src}: missing key {show_value(key)}")
     display = raw["display_name"]
     if not isinstance(display, str) or not display:
         raise bad("display_name", display, "expected a non-empty string")
@@ -287,16 +280,16 @@ def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
     for key in tuned_raw:
         if key not in _TUNED_KEYS:
             raise ConfigError(
-                f"{src}: [tuned] unknown key {_show(key)}; allowed: {', '.join(_TUNED_KEYS)}"
+                f"{src}: [tuned] unknown key {show_value(key)}; allowed: {', '.join(_TUNED_KEYS)}"
             )
     for key in _TUNED_KEYS:
         if key not in tuned_raw:
-            raise ConfigError(f"{src}: [tuned] missing key {_show(key)}")
+            raise ConfigError(f"{src}: [tuned] missing key {show_value(key)}")
     # Checked here too (not only in __post_init__) so the error names the file and TOML key.
     problem = _tuned_problem(tuned_raw)
     if problem is not None:
         key, expected = problem
-        raise ConfigError(f"{src}: [tuned] {key} = {_show(tuned_raw[key])}: {expected}")
+        raise ConfigError(f"{src}: [tuned] {key} = {show_value(tuned_raw[key])}: {expected}")
     return ChipProfile(
         name=name,
         display_name=display,

@@ -115,7 +115,8 @@ def main() -> None:
 
 
 async def _make_engine(model, tok) -> Engine:
-    return Engine(model, tok, max_batch=8, max_step_tokens=512)
+    # Prefix sharing off: the reference recomputes every prompt, so the engine does too.
+    return Engine(model, tok, max_batch=8, max_step_tokens=512, prefix_sharing=False)
 
 
 async def _gather(engine, prompts_, params):

@@ -84,9 +84,8 @@ def main() -> None:
     contiguous = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     paged_kv = compute.run_sync(default_kv, model)
     # Prefix sharing is off for the speed comparison: both engines compute every token.
-    paged_kv.match_prefix = lambda seq_id, token_ids: 0
     engines = {
-        "paged": loop.run_until_complete(_engine(model, tok, paged_kv)),
+        "paged": loop.run_until_complete(_engine(model, tok, paged_kv, prefix_sharing=False)),
         "contiguous": loop.run_until_complete(_engine(model, tok, contiguous)),
     }
 
@@ -161,8 +160,10 @@ async def _all(engine, prompts, params):
     return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
 
-async def _engine(model, tok, kv) -> Engine:
-    return Engine(model, tok, kv=kv, max_batch=8, max_step_tokens=512)
+async def _engine(model, tok, kv, prefix_sharing: bool = True) -> Engine:
+    return Engine(
+        model, tok, kv=kv, max_batch=8, max_step_tokens=512, prefix_sharing=prefix_sharing
+    )
 
 
 if __name__ == "__main__":

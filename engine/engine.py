@@ -88,6 +88,7 @@ class Engine:
         kv: KVCache | None = None,
         max_batch: int = 16,
         max_step_tokens: int = 512,
+        prefix_sharing: bool = True,
     ) -> None:
         if max_batch < 1 or max_step_tokens < 1:
             raise ValueError(
@@ -97,6 +98,8 @@ class Engine:
         self.kv = kv if kv is not None else default_kv(model)
         self.kv_choice = "full (default)" if kv is None else type(kv).__name__
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
+        # Off: every request computes its whole prompt (benchmarks that compare compute).
+        self.prefix_sharing = prefix_sharing
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
@@ -339,7 +342,7 @@ class Engine:
             if self._running and not self.kv.can_admit(len(req.tokens) + 1):
                 return
             self._running.append(self._waiting.popleft())
-            if req.num_computed == 0:
+            if req.num_computed == 0 and self.prefix_sharing:
                 req.num_computed = self.kv.match_prefix(req.rid, req.tokens)
                 req.prefix_hit = max(req.prefix_hit, req.num_computed)
 

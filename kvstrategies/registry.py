@@ -3,7 +3,6 @@ by bandwidth class."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,43 +11,16 @@ import torch
 
 from memory.config import PoolConfig, load_config
 from memory.pool import UnifiedMemoryPool
+from storage.registry import Registry
 
 if TYPE_CHECKING:
     from .base import KVSpec, KVStrategy
 
-_REGISTRY: dict[str, type[KVStrategy]] = {}
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
-_MODULES = ("kvstrategies.full",)
-
-
-def register(cls: type[KVStrategy]) -> type[KVStrategy]:
-    """Class decorator: make a strategy available under `cls.name`."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise RuntimeError(f"two strategies are named {cls.name!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load() -> None:
-    for module in _MODULES:
-        importlib.import_module(module)
-
-
-def available() -> list[str]:
-    """Names of the registered strategies."""
-    _load()
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> type[KVStrategy]:
-    """The strategy class called `name`; a ValueError lists the supported names."""
-    _load()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown strategy {name!r}; supported: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+_strategies: Registry[KVStrategy] = Registry("strategy", ("kvstrategies.full",))
+register = _strategies.register
+available = _strategies.available
+get = _strategies.get
 
 
 def select(bandwidth_class: str, config: PoolConfig) -> tuple[str, str]:

@@ -1,1 +1,31 @@
-"""storage package."""
+"""Persistent block stores: the `BlockStore` ABC, its asyncio facade, the registry, LMDB.
+
+What lives here: re-exports of `storage.base` (ABC, errors, frame) and `storage.registry`. What
+does not: anything about tokens or tiers (`memory/`, `kvstrategies/`). Backends are imported by
+the registry when first asked for, so `import storage` does not open LMDB.
+"""
+
+from .base import (
+    AsyncBlockStore,
+    BlockStore,
+    ChecksumError,
+    StoreFullError,
+    VerifyReport,
+    decode_frame,
+    encode_frame,
+)
+from .registry import available, create_store, get, register
+
+__all__ = [
+    "AsyncBlockStore",
+    "BlockStore",
+    "ChecksumError",
+    "StoreFullError",
+    "VerifyReport",
+    "available",
+    "create_store",
+    "decode_frame",
+    "encode_frame",
+    "get",
+    "register",
+]

@@ -368,22 +368,21 @@ class Engine:
     def _reserve(self, plan: list[_Work]) -> list[_Work]:
         """Reserve KV room for every item, preempting the newest requests when memory is short."""
         ready: list[_Work] = []
-        pending = sorted(plan, key=lambda w: self._running.index(w.req))
-        while pending:
-            work = pending.pop(0)
+        # Oldest first: a victim (the newest running request) is never one already served.
+        for work in sorted(plan, key=lambda w: self._running.index(w.req)):
             if work.req not in self._running:
                 continue  # preempted while making room for an older request
             while not self.kv.reserve(work.req.rid, len(work.tokens)):
                 victim = self._running[-1]
-                if victim is work.req:
-                    if len(self._running) == 1 and not ready:
-                        # Alone and still no room: this request has outgrown the device tier.
-                        self._finish(work.req, "length")
-                    else:
-                        self._preempt(work.req)
+                if victim is not work.req:
+                    self._preempt(victim)
+                elif len(self._running) == 1:
+                    # Alone and still no room: this request has outgrown the device tier.
+                    self._finish(work.req, "length")
                     break
-                self._preempt(victim)
-                ready = [w for w in ready if w.req is not victim]
+                else:
+                    self._preempt(work.req)
+                    break
             else:
                 ready.append(work)
         return ready

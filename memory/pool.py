@@ -245,7 +245,7 @@ class UnifiedMemoryPool:
             ids: list[int] = []
             nxt = table[len(table) - 1].block_id + 1 if len(table) else None
             while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
-                self._room.pop(nxt, None)
+                self._forget_room(nxt)
                 ids.append(nxt)
                 nxt += 1
             if len(ids) < need:
@@ -268,8 +268,7 @@ class UnifiedMemoryPool:
         are just taken elsewhere first, so concurrent sequences do not interleave.
         """
         alloc = self.allocators["device"]
-        for b in self._room_of.pop(seq, ()):
-            self._room.pop(b, None)
+        self._drop_room(seq)
         room: list[int] = []
         self._room_of[seq] = room
         # Room pays while memory is plentiful; once rooms would cover most of the free blocks,
@@ -284,9 +283,15 @@ class UnifiedMemoryPool:
             room.append(b)
 
     def _forget_room(self, block_id: int) -> None:
+        """`block_id` was allocated: it is nobody's growth room any more."""
         owner = self._room.pop(block_id, None)
         if owner is not None:
             self._room_of[owner].remove(block_id)
+
+    def _drop_room(self, seq: SeqId) -> None:
+        """Give up the growth room of `seq`."""
+        for b in self._room_of.pop(seq, ()):
+            del self._room[b]
 
     def commit(self, seq: SeqId, num_tokens: int) -> None:
         """Record that `num_tokens` reserved slots of `seq` now hold data."""
@@ -296,8 +301,7 @@ class UnifiedMemoryPool:
         """Release every block of `seq` (its cached prefix blocks stay revivable)."""
         table = self._tables.pop(seq, None)
         self._hashes.pop(seq, None)
-        for b in self._room_of.pop(seq, ()):
-            self._room.pop(b, None)
+        self._drop_room(seq)
         if table is None:
             return
         by_tier: dict[str, list[int]] = {}

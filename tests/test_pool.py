@@ -202,3 +202,18 @@ def test_oom_predictor_fed_by_usage_samples_turns_health_red():
     report = pool.health()
     assert report.state == "red" and any("OOM" in r for r in report.reasons)
     assert pool.health_monitor.predictor.events
+
+
+def test_growth_room_bookkeeping_stays_consistent():
+    """Every room entry is listed under its owner, through growth, takes and frees."""
+    pool = make_pool(device_blocks=64)
+    for step in range(200):
+        seq = step % 5
+        if step % 37 == 36:
+            pool.free(seq)
+        assert pool.reserve(seq, 3) or pool.usage() > 0.5
+        if pool.table(seq) is not None:
+            pool.commit(seq, min(3, pool.table(seq).num_free_slots))
+        listed = {b: s for s, blocks in pool._room_of.items() for b in blocks}
+        assert listed == pool._room
+        assert all(pool.allocators["device"].ref_count(b) == 0 for b in pool._room)

@@ -409,6 +409,20 @@ def _build_tiers(tables: object, loc: _Locator, ram_bytes: int | None) -> tuple[
     return tuple(tiers)
 
 
+def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """Parse a TOML file; a missing, unreadable or invalid one is a ConfigError naming it."""
+    source = str(path)
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: {what} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read {what}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        # The parser's message carries the line and column.
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -420,17 +434,7 @@ def load_config(
     `env` defaults to `os.environ`; `ram_bytes` (for percentages) to this machine's RAM.
     """
     source = "<defaults>" if path is None else str(path)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: config file not found") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{source}: cannot read config file: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            # The parser's message carries the line and column.
-            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    raw: dict[str, Any] = {} if path is None else read_toml(path, "config file")
     # A file without [tiers] gets the default device tier, so an override that adds, say,
     # an SSD tier does not leave the pool without a device tier.
     raw.setdefault("tiers", {"device": {"capacity": DEFAULT_DEVICE_BYTES}})

@@ -27,13 +27,12 @@ import logging
 import math
 import os
 import time
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memory.config import ConfigError, load_config, show_value
+from memory.config import ConfigError, load_config, read_toml, show_value
 
 logger = logging.getLogger(__name__)
 
@@ -221,16 +220,7 @@ def load_profile(
         if text not in available:
             raise ConfigError(f"unknown chip {text!r}; available: {', '.join(available)}")
         path = Path(profile_dir) / f"{text}.toml"
-    src = str(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{src}: profile file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{src}: cannot read profile: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{src}: invalid TOML: {exc}") from None
-    return _build_profile(path.stem, raw, src)
+    return _build_profile(path.stem, read_toml(path, "profile file"), str(path))
 
 
 def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:

@@ -83,6 +83,8 @@ def build(
     name, reason = select(cls_name, _with_strategy(cfg, strategy))
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
     options = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    if stores is None:
+        stores = _ssd_stores(get(name), spec, cfg, options)
     built = create(name, spec, cfg, options, device, stores)
     return Built(built, name, reason, profile.name, cls_name, gbps, cfg)
 
@@ -91,3 +93,19 @@ def _with_strategy(cfg: PoolConfig, strategy: str | None) -> PoolConfig:
     if strategy is None or strategy == cfg.strategy:
         return cfg
     return PoolConfig(cfg.block_size, cfg.tiers, cfg.chip, strategy, {}, source=cfg.source)
+
+
+def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: dict) -> dict:
+    """An LMDB-backed tier for the config's `[tiers.ssd]`, if it has one."""
+    tc = cfg.tier("ssd")
+    if tc is None:
+        return {}
+    from memory.pool import StoreTier
+    from storage import create_store
+
+    layout = cls.layout(spec, cfg.block_size, cls.check_options(options))
+    num_blocks = tc.capacity_bytes // layout.page_bytes
+    # The map starts small and grows on demand up to the tier's capacity (plus LMDB overhead).
+    limit = 2 * tc.capacity_bytes + (64 << 20)
+    store = create_store("lmdb", path=tc.path, map_size=min(64 << 20, limit), max_map_size=limit)
+    return {"ssd": StoreTier("ssd", layout, num_blocks, store)}

@@ -121,6 +121,54 @@ class TensorTier(Tier):
             t.index_copy_(self._dims[n], idx, data[n].to(self.device, non_blocking=True))
 
 
+class BlockLostError(RuntimeError):
+    """A block could not be read back (missing, or its checksum failed): never served as data."""
+
+
+class StoreTier(Tier):
+    """A tier whose blocks live in a `storage` block store (the SSD tier: LMDB), one value each.
+
+    A value is the block's bytes of every arena, in layout order. The store checksums every
+    value; a block that is missing or corrupt raises `BlockLostError` naming it, so the caller
+    recomputes instead of attending over garbage.
+    """
+
+    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store) -> None:
+        self.name, self.layout, self.num_blocks, self.store = name, layout, num_blocks, store
+
+    @staticmethod
+    def _key(block_id: int) -> bytes:
+        return block_id.to_bytes(8, "little")
+
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        values = self.store.get_many([self._key(b) for b in block_ids])
+        lost = [b for b, v in zip(block_ids, values, strict=True) if v is None]
+        if lost:
+            raise BlockLostError(
+                f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
+            )
+        out: dict[str, list[torch.Tensor]] = {a.name: [] for a in self.layout.arenas}
+        for value in values:
+            offset = 0
+            for a in self.layout.arenas:
+                n = a.bytes_per_block
+                flat = torch.frombuffer(bytearray(value[offset : offset + n]), dtype=torch.uint8)
+                block_shape = tuple(d for d in a.shape if d != BLOCKS)
+                out[a.name].append(flat.view(a.dtype).view(block_shape))
+                offset += n
+        return {a.name: torch.stack(out[a.name], dim=a.block_dim) for a in self.layout.arenas}
+
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        items = []
+        for i, b in enumerate(block_ids):
+            parts = [
+                data[a.name].select(a.block_dim, i).contiguous().cpu().view(torch.uint8)
+                for a in self.layout.arenas
+            ]
+            items.append((self._key(b), b"".join(p.numpy().tobytes() for p in parts)))
+        self.store.put_many(items)  # one transaction: all blocks land, or none
+
+
 class UnifiedMemoryPool:
     """Blocks in tiers, one table per sequence, a prefix cache over full blocks."""
 
@@ -410,10 +458,17 @@ class UnifiedMemoryPool:
         by_src: dict[str, list[tuple[int, int]]] = {}
         for i, new_id in zip(todo, new_ids, strict=True):
             by_src.setdefault(table[i].tier, []).append((i, new_id))
-        for src, pairs in by_src.items():
-            positions = [i for i, _ in pairs]
-            data = self.tiers[src].read([table[i].block_id for i in positions])
-            self.tiers[dst].write([n for _, n in pairs], data)
+        # Copy everything first: a failed read or write leaves the table as it was.
+        copies = []
+        try:
+            for src, pairs in by_src.items():
+                data = self.tiers[src].read([table[i].block_id for i, _ in pairs])
+                self.tiers[dst].write([n for _, n in pairs], data)
+                copies.append((src, pairs))
+        except Exception:
+            self.allocators[dst].free(new_ids)
+            raise
+        for src, pairs in copies:
             for i, new_id in pairs:
                 old = table.move(i, BlockRef(dst, new_id))
                 # The cached copy stays where it was computed; this sequence's copy moves.

@@ -217,3 +217,64 @@ def test_growth_room_bookkeeping_stays_consistent():
         listed = {b: s for s, blocks in pool._room_of.items() for b in blocks}
         assert listed == pool._room
         assert all(pool.allocators["device"].ref_count(b) == 0 for b in pool._room)
+
+
+def make_ssd_pool(tmp_path, device_blocks=8, ssd_blocks=8):
+    from memory.pool import StoreTier
+    from storage import create_store
+
+    store = create_store("lmdb", path=tmp_path / "ssd", map_size=1 << 20)
+    tiers = (
+        TierConfig("device", device_blocks * PAGE),
+        TierConfig("ssd", ssd_blocks * PAGE, path=str(tmp_path / "ssd")),
+    )
+    cfg = PoolConfig(block_size=BS, tiers=tiers)
+    ssd = StoreTier("ssd", LAYOUT, ssd_blocks, store)
+    return UnifiedMemoryPool(cfg, LAYOUT, stores={"ssd": ssd}), store
+
+
+def test_blocks_move_to_the_ssd_tier_and_back_bit_exact(tmp_path):
+    pool, store = make_ssd_pool(tmp_path)
+    pool.reserve("a", 10)
+    data = torch.randn(2, 10, 3)
+    fill(pool, "a", 0, 10, data)
+    assert pool.move("a", [0, 1], "ssd")
+    assert [r.tier for r in pool.table("a")] == ["ssd", "ssd", "device"]
+    assert len(store) == 2 and pool.usage("device") == 1 / 8
+    assert pool.swap_in("a")
+    assert torch.equal(read(pool, "a"), data)
+    store.close()
+
+
+def test_a_lost_ssd_block_is_reported_and_changes_nothing(tmp_path):
+    from memory.pool import BlockLostError
+
+    pool, store = make_ssd_pool(tmp_path)
+    pool.reserve("a", 8)
+    fill(pool, "a", 0, 8, 1.0)
+    assert pool.move("a", [0, 1], "ssd")
+    lost = pool.table("a")[1].block_id
+    store.delete(lost.to_bytes(8, "little"))
+    free_before = pool.allocators["device"].num_free
+    with pytest.raises(BlockLostError, match=rf"\[{lost}\] missing or corrupt"):
+        pool.swap_in("a")
+    assert [r.tier for r in pool.table("a")] == ["ssd", "ssd"]  # the table is untouched
+    assert pool.allocators["device"].num_free == free_before  # nothing leaked
+    store.close()
+
+
+def test_build_makes_the_ssd_tier_from_the_config(tmp_path):
+    import kvstrategies
+
+    cfg_file = tmp_path / "pool.toml"
+    cfg_file.write_text(
+        'strategy = "full"\n[tiers.device]\ncapacity = "8MiB"\n'
+        f'[tiers.ssd]\ncapacity = "16MiB"\npath = "{tmp_path / "kv"}"\n'
+    )
+    spec = kvstrategies.KVSpec(2, 2, 8)
+    built = kvstrategies.build(spec, config=str(cfg_file))
+    pool = built.strategy.pool
+    assert set(pool.tiers) == {"device", "ssd"}
+    assert pool.allocators["ssd"].num_blocks == (16 << 20) // pool.layout.page_bytes
+    assert (tmp_path / "kv").is_dir()
+    pool.tiers["ssd"].store.close()

@@ -103,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--chip", default=None, help="profile name (default: the config's chip)")
     prof.add_argument("--config", default=None, help="memory-tier config file (TOML)")
     prof.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
+    cache = sub.add_parser(
+        "cache",
+        help="inspect, check or empty the SSD tier's block store",
+        description=(
+            "Work on the block store of the config's [tiers.ssd] tier: 'stats' prints its "
+            "counters and sizes, 'verify' checks every block's checksum (exit code 1 if any is "
+            "corrupt), 'clear' removes every block."
+        ),
+    )
+    cache.add_argument("action", choices=["stats", "verify", "clear"])
+    cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
+    cache.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     return p
 
 
@@ -187,6 +200,38 @@ def _profile(args: argparse.Namespace) -> None:
         print(json.dumps(report))
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from memory.config import load_config
+    from storage import create_store
+
+    cfg = load_config(args.config)
+    tier = cfg.tier("ssd")
+    if tier is None:
+        raise ValueError(f"{cfg.source}: no [tiers.ssd] table, so there is no block store")
+    code = 0
+    with create_store("lmdb", path=tier.path) as store:
+        if args.action == "stats":
+            out = store.stats()
+            print(f"store {tier.path}: {len(store)} blocks")
+        elif args.action == "verify":
+            report = store.verify()
+            out = {"checked": report.checked, "bytes_checked": report.bytes_checked,
+                   "corrupted": [k.hex() for k in report.corrupted]}  # fmt: skip
+            print(f"store {tier.path}: {report.checked} blocks checked, "
+                  f"{len(report.corrupted)} corrupt")  # fmt: skip
+            for key in report.corrupted:
+                print(f"  corrupt: {key.hex()}")
+            code = 1 if report.corrupted else 0
+        else:
+            n = len(store)
+            store.clear()
+            out = {"removed": n}
+            print(f"store {tier.path}: removed {n} blocks")
+    if args.json:
+        print(json.dumps(out, default=str))
+    return code
+
+
 def _eval_ppl(args: argparse.Namespace) -> None:
     import kvstrategies
 
@@ -232,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             _eval_ppl(args)
         elif args.command == "profile":
             _profile(args)
+        elif args.command == "cache":
+            return _cache(args)
     except (ValueError, OSError) as e:
         print(f"unikv: error: {e}", file=sys.stderr)
         return 2

@@ -150,3 +150,35 @@ def test_profile_and_strategy_errors_exit_2(tmp_path, capsys):
     assert "not found" in _error(
         ["run", "--prompt", "hi", "--config", str(tmp_path / "no.toml")], capsys
     )
+
+
+def test_cache_stats_verify_clear(tmp_path, capsys):
+    from storage import create_store
+
+    store_dir = tmp_path / "kv"
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text(
+        f'[tiers.device]\ncapacity = "8MiB"\n[tiers.ssd]\ncapacity = "8MiB"\npath = "{store_dir}"\n'
+    )
+    with create_store("lmdb", path=store_dir) as store:
+        store.put_many([(b"a" * 8, b"x" * 5000), (b"b" * 8, b"y" * 5000)])
+    assert main(["cache", "stats", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["entries"] == 2
+    assert main(["cache", "verify", "--config", str(cfg), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["checked"] == 2 and report["corrupted"] == []
+    from .test_storage import _lmdb_corrupt
+
+    _lmdb_corrupt({"path": store_dir}, b"b" * 8)
+    assert main(["cache", "verify", "--config", str(cfg)]) == 1  # corrupt: non-zero exit
+    assert f"corrupt: {(b'b' * 8).hex()}" in capsys.readouterr().out
+    assert main(["cache", "clear", "--config", str(cfg)]) == 0
+    assert "removed 2 blocks" in capsys.readouterr().out
+    with create_store("lmdb", path=store_dir) as store:
+        assert len(store) == 0
+
+
+def test_cache_needs_an_ssd_tier(tmp_path, capsys):
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text('[tiers.device]\ncapacity = "8MiB"\n')
+    assert "no [tiers.ssd]" in _error(["cache", "stats", "--config", str(cfg)], capsys)

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
 
+    def json_arg(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
     run = sub.add_parser(
         "run",
         help="generate text for a prompt, streaming it",
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--tokens", type=_positive_int, default=2048, help="default: 2048")
     ppl.add_argument("--prefill", type=_positive_int, default=256, help="default: 256")
     ppl.add_argument("--chunk", type=_positive_int, default=16, help="default: 16")
-    ppl.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    json_arg(ppl)
 
     prof = sub.add_parser(
         "profile",
@@ -102,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.add_argument("--chip", default=None, help="profile name (default: the config's chip)")
     prof.add_argument("--config", default=None, help="memory-tier config file (TOML)")
-    prof.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    json_arg(prof)
 
     cache = sub.add_parser(
         "cache",
@@ -115,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cache.add_argument("action", choices=["stats", "verify", "clear"])
     cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
-    cache.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    json_arg(cache)
     return p
 
 

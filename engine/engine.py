@@ -122,19 +122,23 @@ class Engine:
         strategy: str | None = None,
         config: str | PoolConfig | None = None,
         chip: str | None = None,
+        strategy_options: dict | None = None,
         kv: KVCache | None = None,
         max_batch: int = 16,
         max_step_tokens: int = 512,
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 
-        `strategy` (a name or "auto"), `config` (a memory-tier TOML file or a `PoolConfig`) and
-        `chip` (a profile name) choose how KV is stored; see `kvstrategies.build`.
+        `strategy` (a name or "auto"), `config` (a memory-tier TOML file or a `PoolConfig`),
+        `chip` (a profile name) and `strategy_options` (over the file's) choose how KV is
+        stored; see `kvstrategies.build`.
         """
         m, tok = await compute.run(load_model, model, dtype, device, progress)
         choice = "given by the caller"
         if kv is None:
-            built = await compute.run(_build, m, strategy, config, chip)
+            built = await compute.run(
+                _build, m, strategy, config, chip, tok, strategy_options, progress
+            )
             kv, choice = built.strategy, f"{built.name} ({built.reason}; chip {built.chip})"
         engine = cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
         engine.kv_choice = choice
@@ -523,12 +527,22 @@ def _build(
     strategy: str | None = None,
     config: str | PoolConfig | None = None,
     chip: str | None = None,
+    tokenizer=None,
+    options: dict | None = None,
+    progress: bool = False,
 ):
-    """The KV strategy (and its pool) for `model` under a strategy name, config and chip."""
+    """The KV strategy (and its pool) for `model` under a strategy name, config and chip.
+
+    With the `tokenizer`, a strategy that needs per-model preparation (a calibration) gets it.
+    """
     import kvstrategies
 
     cfg = model.cfg
     spec = kvstrategies.KVSpec(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
     )
-    return kvstrategies.build(spec, strategy, config, chip, device=model.device)
+    prep = {"model": model, "tokenizer": tokenizer} if tokenizer is not None else {}
+    return kvstrategies.build(
+        spec, strategy, config, chip, device=model.device, options=options, progress=progress,
+        **prep,
+    )  # fmt: skip

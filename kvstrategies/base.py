@@ -52,6 +52,7 @@ class KVStrategy(KVCache):
     tolerance: ClassVar[float] = 1e-5
     lossless: ClassVar[bool] = True
     options: ClassVar[dict[str, Any]] = {}
+    default_block_size: ClassVar[int] = 16  # tokens per pool block when the config sets none
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
         self.pool, self.spec = pool, spec
@@ -75,6 +76,11 @@ class KVStrategy(KVCache):
     @abstractmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
         """What one pool block holds for this strategy (options already checked)."""
+
+    @classmethod
+    def prepare(cls, model, tokenizer, options: dict[str, Any], progress: bool = False) -> dict:
+        """Per-model preparation before construction (e.g. a calibration); returns the options."""
+        return options
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values as attention sees them, per batch sequence [Hkv, S, D], for `layer`.

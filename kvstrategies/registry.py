@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .base import KVSpec, KVStrategy
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
-_strategies: Registry[KVStrategy] = Registry("strategy", ("kvstrategies.full",))
+_strategies: Registry[KVStrategy] = Registry("strategy", ("kvstrategies.full", "kvstrategies.hybrid"))
 register = _strategies.register
 available = _strategies.available
 get = _strategies.get
@@ -42,8 +42,9 @@ def create(
     cls = get(name)
     config = config or load_config(None)
     opts = cls.check_options(config.strategy_options if options is None else options)
-    layout = cls.layout(spec, config.block_size, opts)
-    identity = f"{spec.identity}|{name}|{sorted(opts.items())}|bs{config.block_size}"
+    block_size = config.block_size or cls.default_block_size
+    layout = cls.layout(spec, block_size, opts)
+    identity = f"{spec.identity}|{name}|{sorted(opts.items(), key=str)}|bs{block_size}"
     pool = UnifiedMemoryPool(config, layout, device=device, identity=identity, stores=stores)
     return cls(pool, spec, opts)
 
@@ -68,11 +69,17 @@ def build(
     chip: str | None = None,
     device: torch.device | str = "cpu",
     stores: dict | None = None,
+    options: dict | None = None,
+    model=None,
+    tokenizer=None,
+    progress: bool = False,
 ) -> Built:
     """Resolve config file, chip profile, bandwidth class and strategy; build strategy and pool.
 
     Precedence: an explicit `strategy`/`chip` argument, then the config file (and its UNIKV_
-    environment overrides), then the defaults ("auto" on the `cpu` profile).
+    environment overrides), then the defaults ("auto" on the `cpu` profile). `options` (e.g.
+    from CLI flags) override the file's `[strategy_options]`. With a `model` (and its
+    `tokenizer`), the strategy prepares itself for it first (hybrid_fp16_int4: calibration).
     """
     from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
 
@@ -82,7 +89,9 @@ def build(
     cls_name = profile.pinned_class or bandwidth_class(gbps)
     name, reason = select(cls_name, _with_strategy(cfg, strategy))
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
-    options = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    options = {**(cfg.strategy_options if cfg.strategy in (name, "auto") else {}), **(options or {})}
+    if model is not None:
+        options = get(name).prepare(model, tokenizer, options, progress)
     if stores is None:
         stores = _ssd_stores(get(name), spec, cfg, options)
     built = create(name, spec, cfg, options, device, stores)
@@ -103,7 +112,7 @@ def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: d
     from memory.pool import StoreTier
     from storage import create_store
 
-    layout = cls.layout(spec, cfg.block_size, cls.check_options(options))
+    layout = cls.layout(spec, cfg.block_size or cls.default_block_size, cls.check_options(options))
     num_blocks = tc.capacity_bytes // layout.page_bytes
     # The map starts small and grows on demand up to the tier's capacity (plus LMDB overhead).
     limit = 2 * tc.capacity_bytes + (64 << 20)

@@ -7,7 +7,7 @@ and building the pool from a config (the pool).
 
 File format (TOML, see configs/unikv.toml)::
 
-    block_size = 16            # tokens per block, 1..1024
+    block_size = 16            # tokens per block, 1..1024 (default: the strategy's own)
     chip = "cpu"               # a profile name under configs/profiles/
     strategy = "auto"          # "auto" (by bandwidth class) or a strategy name
     [strategy_options]         # free-form, passed to the strategy, which validates it
@@ -126,7 +126,9 @@ def parse_size(value: int | str, *, ram_bytes: int | None = None) -> int:
         raise ValueError(f"size {value!r}: {exc.expected}") from None
 
 
-def _block_size(value: object) -> int:
+def _block_size(value: object) -> int | None:
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_SIZE:
         raise _Invalid(f"expected an integer from 1 to {MAX_BLOCK_SIZE} (tokens per block)")
     return value
@@ -212,7 +214,7 @@ DEFAULT_TIERS = (TierConfig("device", DEFAULT_DEVICE_BYTES),)
 class PoolConfig:
     """The memory pool's configuration: block size, tiers, chip and strategy choice."""
 
-    block_size: int = 16
+    block_size: int | None = None  # None: the strategy's default block size
     tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
     chip: str = "cpu"
     strategy: str = "auto"

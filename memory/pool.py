@@ -182,12 +182,12 @@ class UnifiedMemoryPool:
         stores: Mapping[str, Tier] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if layout.block_size != config.block_size:
+        if config.block_size is not None and layout.block_size != config.block_size:
             raise ValueError(
                 f"layout block size {layout.block_size} != config block_size {config.block_size}"
             )
         self.config, self.layout, self.identity = config, layout, identity
-        self.block_size = config.block_size
+        self.block_size = layout.block_size
         self.device = torch.device(device)
         self.prefix = PrefixCache()
         self.tiers: dict[str, Tier] = {}

@@ -24,7 +24,7 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
 @pytest.mark.parametrize("name", ["unikv.toml", "offload.toml", "small.toml"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load(ROOT / "configs" / name)
-    assert cfg.tiers[0].name == "device" and cfg.block_size == 16
+    assert cfg.tiers[0].name == "device" and cfg.block_size is None
     assert cfg.source.endswith(name)
 
 

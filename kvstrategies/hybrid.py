@@ -1,0 +1,601 @@
+"""The `hybrid_fp16_int4` strategy: channel-mixed quantized KV, attended on the packed form.
+
+Per layer and KV head, a calibration (`calibration.py`) orders the head's channels by importance:
+the first `fp16_share` stay fp16, the least important `low_share` get `low_bits`, the rest get
+`bits` (int4 by default). Channels are stored in that order; queries are permuted the same way
+and outputs permuted back, so attention never needs the original order.
+
+- Keys are quantized per channel over the tokens of one pool block (outlier channels get their
+  own range), values per token over each class of channels; min/max with fp16 scale and low.
+- A block is quantized when it is complete. Until then its tokens stay fp16 in a small
+  per-sequence side buffer (the "tail"), as do the first `sink_tokens` tokens of the sequence
+  (attention sinks: excluded from block 0's key ranges and attended at fp16).
+- Attention reads packed blocks directly (`hybrid_attend.c`, one call per layer and sequence;
+  a PyTorch path that dequantizes a few blocks at a time does the same where the kernel is not
+  available). The step's own new tokens are attended at full precision from the activations,
+  as they are computed; they are stored quantized for later steps.
+
+One pool block holds, per layer and KV head, one byte record with the fields listed in
+`_Record` (the layout the kernel reads). Bytes reported are the records of quantized blocks plus
+the side buffers' fp16 tokens: every nibble, scale, low, fp16 channel and window byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from engine.kv import StepBatch
+from memory.pool import BLOCKS, ArenaSpec, BlockLayout
+
+from . import kernels
+from .base import KVSpec, KVStrategy
+from .calibration import METHODS
+from .quant import BITS, ChannelPlan, channel_counts, pack, quantize, unpack
+from .registry import register
+
+# The kernel pays for itself on few query rows (decode, small chunks); a long prefill chunk is
+# faster as dequantized blocks times matrix products, and its own tokens through flash attention.
+_KERNEL_MAX_ROWS = 64
+_DENSE_KERNEL_LIMIT = 1 << 16  # rows x dense tokens above which torch attends the new tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Byte layout of one (layer, block, KV head) record; sizes in bytes, in this order."""
+
+    T: int
+    nf: int
+    nm: int
+    nl: int
+    bits: int
+    low_bits: int
+
+    @property
+    def fields(self) -> list[tuple[str, int]]:
+        t, nf, nm, nl = self.T, self.nf, self.nm, self.nl
+        return [
+            ("kfp", 2 * nf * t),  # f16 [nf][T]
+            ("vfp", 2 * t * nf),  # f16 [T][nf]
+            ("ksc", 2 * 2 * (nm + nl)),  # f16 [2][nm + nl]: scale, low
+            ("vsc", 2 * t * 4),  # f16 [T][4]: main scale, low; low-class scale, low
+            ("km", nm * t * self.bits // 8),  # u8 [nm][T * b / 8]
+            ("kl", nl * t * self.low_bits // 8),
+            ("vm", t * nm * self.bits // 8),  # u8 [T][nm * b / 8]
+            ("vl", t * nl * self.low_bits // 8),
+        ]
+
+    @property
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for _, size in self.fields:
+            out.append(at)
+            at += size
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.fields)
+
+
+def _check_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(
+            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; allowed: a number in [0, 1]"
+        )
+    return float(value)
+
+
+def _check_bits(name: str, value: Any) -> int:
+    if isinstance(value, bool) or value not in BITS:
+        raise ValueError(
+            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; "
+            f"allowed: {', '.join(map(str, BITS))}"
+        )
+    return int(value)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(
+            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; "
+            f"allowed: an integer in [{low}, {high}]"
+        )
+    return value
+
+
+@register
+class HybridStrategy(KVStrategy):
+    """fp16 important channels + int4 (and optionally int2) packed channels, per pool block."""
+
+    name = "hybrid_fp16_int4"
+    tolerance = 0.5  # |attend - exact| with int2 channels on the contract tests N(0, 1) data
+    lossless = False
+    default_block_size = 64
+    options: ClassVar[dict[str, Any]] = {
+        "fp16_share": 0.0625,  # channels kept fp16, per layer, head and K/V
+        "bits": 4,  # width of the main class
+        "low_share": 0.5625,  # least important channels stored at low_bits
+        "low_bits": 2,
+        "sink_tokens": 4,  # first tokens kept fp16
+        "method": "score_error",  # channel-importance method of the calibration
+        "calibration": None,  # calibration file; None: per-model file in the cache dir
+        "calibration_text": None,  # warm-up text; None: the bundled warm-up text
+        "calibration_samples": 100,
+        "calibration_window": 256,
+        "recalibrate": False,  # recompute the calibration file even if one exists
+    }
+
+    @classmethod
+    def check_options(cls, options: dict | None) -> dict[str, Any]:
+        opts = super().check_options(options)
+        opts["fp16_share"] = _check_share("fp16_share", opts["fp16_share"])
+        opts["low_share"] = _check_share("low_share", opts["low_share"])
+        opts["bits"] = _check_bits("bits", opts["bits"])
+        opts["low_bits"] = _check_bits("low_bits", opts["low_bits"])
+        if opts["low_bits"] > opts["bits"]:
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': option low_bits = {opts['low_bits']} is wider "
+                f"than bits = {opts['bits']}; allowed: low_bits <= bits"
+            )
+        if opts["fp16_share"] + opts["low_share"] > 1:
+            raise ValueError(
+                "strategy 'hybrid_fp16_int4': options fp16_share + low_share = "
+                f"{opts['fp16_share'] + opts['low_share']:g}; allowed: at most 1"
+            )
+        opts["sink_tokens"] = _check_int("sink_tokens", opts["sink_tokens"], 0, 1024)
+        opts["calibration_samples"] = _check_int(
+            "calibration_samples", opts["calibration_samples"], 1, 100_000
+        )
+        opts["calibration_window"] = _check_int(
+            "calibration_window", opts["calibration_window"], 2, 1 << 20
+        )
+        if opts["method"] not in METHODS:
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': option method = {opts['method']!r}; "
+                f"allowed: {', '.join(METHODS)}"
+            )
+        for key in ("calibration", "calibration_text"):
+            if opts[key] is not None and not isinstance(opts[key], str | Path):
+                raise ValueError(
+                    f"strategy 'hybrid_fp16_int4': option {key} = {opts[key]!r}; allowed: a path"
+                )
+        if not isinstance(opts["recalibrate"], bool):
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': option recalibrate = {opts['recalibrate']!r}; "
+                "allowed: true or false"
+            )
+        return opts
+
+    @classmethod
+    def _record(cls, spec: KVSpec, block_size: int, opts: dict[str, Any]) -> _Record:
+        nf, nm, nl = channel_counts(
+            spec.head_dim, opts["fp16_share"], opts["low_share"], opts["bits"], opts["low_bits"]
+        )
+        if block_size * opts["low_bits"] % 8 or block_size * opts["bits"] % 8:
+            raise ValueError(f"strategy 'hybrid_fp16_int4': block_size {block_size} must be a "
+                             "multiple of 4 (codes are packed along a block's tokens)")
+        if opts["sink_tokens"] > block_size:
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': option sink_tokens = {opts['sink_tokens']}; "
+                f"allowed: at most the block size ({block_size})"
+            )
+        return _Record(block_size, nf, nm, nl, opts["bits"], opts["low_bits"])
+
+    @classmethod
+    def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
+        rec = cls._record(spec, block_size, options)
+        shape = (spec.num_layers, BLOCKS, spec.num_kv_heads, rec.nbytes)
+        return BlockLayout(block_size, (ArenaSpec("kv", torch.uint8, shape),))
+
+    @classmethod
+    def prepare(cls, model, tokenizer, options: dict[str, Any], progress: bool = False) -> dict:
+        """Make sure a calibration file for `model` exists; return options naming it."""
+        from .calibration import ensure_calibration
+
+        opts = cls.check_options(options)
+        path = ensure_calibration(model, tokenizer, opts, progress=progress)
+        return {**options, "calibration": str(path), "recalibrate": False}
+
+    def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
+        super().__init__(pool, spec, options)
+        o = self.opts
+        self.T = pool.block_size
+        self.rec = self._record(spec, self.T, o)
+        self.S = o["sink_tokens"]
+        self.plan = self._load_plan(spec, o)
+        self.scale = spec.head_dim**-0.5
+        self._arena = pool.arena("kv")  # [L, NB, H, REC] uint8
+        dev = self._arena.device
+        self._k_order = self.plan.k_order.to(dev)
+        self._v_inverse = self.plan.v_order.argsort(-1).to(dev)
+        self._v_order = self.plan.v_order.to(dev)
+        self._offsets = torch.tensor(self.rec.offsets, dtype=torch.long)
+        # Per sequence: fp16 [L, 2, H, S + T, D], sinks at [0, S), the block being filled after.
+        self._dense: dict[int, torch.Tensor] = {}
+        self._sink_cache: dict[tuple[int, ...], torch.Tensor] = {}  # first tokens -> sinks
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernel = kernels.hybrid_kernel() if dev.type == "cpu" else None
+
+    def _load_plan(self, spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
+        from .calibration import ChannelStats
+        from .quant import plan_from_scores
+
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if o["calibration"] is None:
+            # No model to calibrate on (the transformers adapter, unit tests): channel order.
+            flat = torch.arange(spec.head_dim, 0, -1, dtype=torch.float32).expand(shape)
+            ks = vs = flat
+        else:
+            stats = ChannelStats.load(o["calibration"], spec.identity, shape)
+            ks, vs = stats.scores(o["method"])
+        return plan_from_scores(ks, vs, o["fp16_share"], o["bits"], o["low_share"], o["low_bits"])
+
+    # ---- storage -----------------------------------------------------------------------------
+
+    def _dense_buf(self, sid: int) -> torch.Tensor:
+        buf = self._dense.get(sid)
+        if buf is None:
+            s = self.spec
+            shape = (s.num_layers, 2, s.num_kv_heads, self.S + self.T, s.head_dim)
+            buf = self._dense[sid] = torch.zeros(shape, dtype=torch.float16, device=self._arena.device)
+        return buf
+
+    def _prepare(self, batch: StepBatch) -> None:
+        for sid in batch.seq_ids:
+            self._dense_buf(sid)
+        self._pending.clear()
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self._batch
+        n, h, d = k.shape
+        # Channels into stored order: [N, H, D] gathered along D by each head's permutation.
+        kp = torch.gather(k.float(), 2, self._k_order[layer].expand(n, h, d))
+        vp = torch.gather(v.float(), 2, self._v_order[layer].expand(n, h, d))
+        self._pending[layer] = (kp, vp)
+        # Blocks completed by this step are quantized now: the packed blocks this step attends
+        # were all complete before it, so writing them does not change this step's attention.
+        for i, sid in enumerate(b.seq_ids):
+            past, rows = self._past[i], b.rows(i)
+            first = past // self.T  # first block not yet packed
+            done = (past + b.query_lens[i]) // self.T
+            if done == first:
+                continue
+            tail = past - first * self.T
+            dense = self._dense[sid][layer]  # [2, H, S + T, D]
+            need = (done - first) * self.T - tail  # new tokens that go into packed blocks
+            # keys/values of the completed blocks: [H, nblk * T, D]
+            kb = torch.cat([dense[0, :, self.S : self.S + tail].float(), kp[rows][:need].transpose(0, 1)], 1)
+            vb = torch.cat([dense[1, :, self.S : self.S + tail].float(), vp[rows][:need].transpose(0, 1)], 1)
+            nblk = done - first
+            kb = kb.view(h, nblk, self.T, d).transpose(0, 1)  # [nblk, H, T, D]
+            vb = vb.view(h, nblk, self.T, d).transpose(0, 1)
+            mask0 = self.S if first == 0 else 0
+            recs = self._quantize(kb, vb, mask0)  # [nblk, H, REC]
+            ids = self.pool.table(sid).block_ids()[first:done]
+            idx = torch.tensor(ids, dtype=torch.long, device=self._arena.device)
+            self._arena[layer].index_copy_(0, idx, recs)
+
+    def _flush(self, layer: int) -> None:
+        """Move this step's new tokens of `layer` into the side buffers (sinks, tail)."""
+        kp, vp = self._pending.pop(layer)
+        b = self._batch
+        for i, sid in enumerate(b.seq_ids):
+            past, n, rows = self._past[i], b.query_lens[i], b.rows(i)
+            dense = self._dense[sid][layer]
+            new_k, new_v = kp[rows].transpose(0, 1), vp[rows].transpose(0, 1)  # [H, n, D]
+            if past < self.S:  # sinks
+                m = min(self.S, past + n) - past
+                dense[0, :, past : past + m] = new_k[:, :m]
+                dense[1, :, past : past + m] = new_v[:, :m]
+            end = past + n
+            start = max(past, end // self.T * self.T)  # the tail after this step
+            if end // self.T > past // self.T:
+                dense_from = 0  # a new block begins: the old tail is packed now
+            else:
+                dense_from = start - end // self.T * self.T
+            m = end - start
+            if m:
+                at = self.S + dense_from
+                dense[0, :, at : at + m] = new_k[:, n - m :]
+                dense[1, :, at : at + m] = new_v[:, n - m :]
+
+    def _quantize(self, k: torch.Tensor, v: torch.Tensor, mask0: int) -> torch.Tensor:
+        """Records [B, H, REC] uint8 of blocks k, v: [B, H, T, D] in stored channel order;
+        `mask0` leading tokens of the first block are sinks, left out of its key ranges."""
+        r = self.rec
+        nf, nm, nl = r.nf, r.nm, r.nl
+        bsz, h, t, _ = k.shape
+        parts = {}
+        parts["kfp"] = k[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
+        parts["vfp"] = v[..., :nf].half()  # [B, H, T, nf]
+        k_sc, k_codes = [], []
+        v_sc = torch.zeros(bsz, h, t, 4, dtype=torch.float16, device=k.device)
+        for j, (lo, hi, bits, name) in enumerate(((nf, nf + nm, r.bits, "m"), (nf + nm, nf + nm + nl, r.low_bits, "l"))):
+            if hi == lo:
+                parts["k" + name] = torch.zeros(bsz, h, 0, dtype=torch.uint8, device=k.device)
+                parts["v" + name] = parts["k" + name]
+                continue
+            # Keys: per channel over the block's tokens, sinks left out of the range.
+            kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
+            codes, scale, low = _quantize_range(kc, mask0, bits)
+            k_sc.append((scale.squeeze(-1), low.squeeze(-1)))
+            parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
+            vcodes, vscale, vlow = quantize(v[..., lo:hi], bits, -1)  # per token
+            v_sc[..., 2 * j] = vscale.squeeze(-1)
+            v_sc[..., 2 * j + 1] = vlow.squeeze(-1)
+            parts["v" + name] = pack(vcodes, bits)  # [B, H, T, C * bits / 8]
+        if k_sc:
+            parts["ksc"] = torch.stack([torch.cat([s for s, _ in k_sc], -1), torch.cat([lw for _, lw in k_sc], -1)], -2)
+        else:
+            parts["ksc"] = torch.zeros(bsz, h, 0, dtype=torch.float16, device=k.device)
+        parts["vsc"] = v_sc
+        return torch.cat([_bytes(parts[name], bsz, h) for name, _ in r.fields], -1)
+
+    def _records(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [B, H, T, D] (stored channel order) of blocks `ids`."""
+        r = self.rec
+        raw = self._arena[layer].index_select(0, ids)  # [B, H, REC]
+        bsz, h, _ = raw.shape
+        t, nf, nm, nl = r.T, r.nf, r.nm, r.nl
+        f = {}
+        for (name, size), at in zip(r.fields, r.offsets, strict=True):
+            f[name] = raw[..., at : at + size]
+        half = lambda x, *shape: x.contiguous().view(torch.float16).view(bsz, h, *shape).float()  # noqa: E731
+        kfp, vfp = half(f["kfp"], nf, t), half(f["vfp"], t, nf)
+        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], t, 4)
+        kparts, vparts = [kfp.transpose(-1, -2)], [vfp]
+        if nm:
+            codes = unpack(f["km"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
+            kparts.append((codes * ksc[..., 0, :nm, None] + ksc[..., 1, :nm, None]).transpose(-1, -2))
+            vc = unpack(f["vm"].reshape(bsz, h, t, -1), r.bits).float()
+            vparts.append(vc * vsc[..., 0:1] + vsc[..., 1:2])
+        if nl:
+            codes = unpack(f["kl"].reshape(bsz, h, nl, -1), r.low_bits).float()
+            kparts.append((codes * ksc[..., 0, nm:, None] + ksc[..., 1, nm:, None]).transpose(-1, -2))
+            vc = unpack(f["vl"].reshape(bsz, h, t, -1), r.low_bits).float()
+            vparts.append(vc * vsc[..., 2:3] + vsc[..., 3:4])
+        return torch.cat(kparts, -1), torch.cat(vparts, -1)
+
+    # ---- attention ---------------------------------------------------------------------------
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b = self._batch
+        kp, vp = self._pending[layer]
+        out = torch.empty_like(q)
+        t_all, hq, d = q.shape
+        h = self.spec.num_kv_heads
+        g = hq // h
+        for i, sid in enumerate(b.seq_ids):
+            rows, n, past = b.rows(i), b.query_lens[i], self._past[i]
+            # q: [n, Hq, D] -> [H, G * n, D] rows (g, t), channels in key order, scaled
+            qg = q[rows].float().view(n, h, g, d).permute(1, 2, 0, 3).reshape(h, g * n, d)
+            qg = torch.gather(qg, 2, self._k_order[layer][:, None, :].expand(h, g * n, d))
+            qg = (qg * self.scale).contiguous()
+            nb = past // self.T
+            tail = past - nb * self.T
+            dense = self._dense[sid][layer]  # [2, H, S + T, D]
+            lo = 0 if nb else self.S  # with no packed block the sinks are part of the tail
+            dk, dv = dense[0, :, lo : self.S + tail], dense[1, :, lo : self.S + tail]
+            ids = self.pool.table(sid).block_ids()[:nb]
+            ck, cv = kp[rows], vp[rows]  # [n, H, D]
+            o = self._attend_one(layer, qg, ids, dk, dv, ck, cv, n)  # [H, G * n, D]
+            o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
+            out[rows] = o.view(h, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+        self._flush(layer)
+        return out
+
+    def _attend_one(self, layer, qg, ids, dk, dv, ck, cv, n) -> torch.Tensor:
+        h, rows, d = qg.shape
+        mask0 = self.S if ids else 0
+        big = rows * (dk.shape[1] + n) > _DENSE_KERNEL_LIMIT
+        if self._kernel is None or rows > _KERNEL_MAX_ROWS:
+            o, lse = self._attend_torch(layer, qg, ids, dk, dv, mask0)
+        else:
+            o, lse = self._attend_kernel(layer, qg, ids, dk, dv, mask0, None if big else (ck, cv))
+            if not big:
+                return o
+        # The step's own tokens (causal), merged with the stored part by log-sum-exp.
+        o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
+        return _merge([(o, lse), (o2, lse2)])
+
+    def _attend_kernel(self, layer, qg, ids, dk, dv, mask0, current):
+        h, rows, d = qg.shape
+        r = self.rec
+        out = torch.empty(h, rows, d)
+        lse = torch.empty(h, rows)
+        blocks = torch.tensor(ids, dtype=torch.int64)
+        arena = self._arena[layer]
+        ck = cv = None
+        tq, cstride = 0, 0
+        if current is not None:
+            ck, cv = (x.contiguous() for x in current)
+            tq, cstride = ck.shape[0], h * d
+        self._kernel.hybrid_attend(
+            arena.data_ptr(), blocks.data_ptr(), len(ids), mask0, r.T, r.nf, r.nm, r.nl,
+            r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, rows, d, qg.data_ptr(),
+            dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d, kernels.ptr(ck),
+            kernels.ptr(cv), cstride, tq, out.data_ptr(), lse.data_ptr(),
+        )  # fmt: skip
+        return out, lse
+
+    def _attend_torch(self, layer, qg, ids, dk, dv, mask0, chunk: int = 16):
+        """Stored part by PyTorch: a few packed blocks dequantized at a time, then the dense."""
+        parts = []
+        for c in range(0, len(ids), chunk):
+            idx = torch.tensor(ids[c : c + chunk], dtype=torch.long, device=self._arena.device)
+            k, v = self._records(layer, idx)  # [B, H, T, D]
+            bsz, h, t, d = k.shape
+            k = k.transpose(0, 1).reshape(h, bsz * t, d)
+            v = v.transpose(0, 1).reshape(h, bsz * t, d)
+            scores = qg @ k.transpose(1, 2)  # [H, R, B*T]
+            if c == 0 and mask0:
+                scores[..., :mask0] = float("-inf")
+            parts.append(_softmax_part(scores, v))
+        if dk.shape[1]:
+            parts.append(_softmax_part(qg @ dk.float().transpose(1, 2), dv.float()))
+        if not parts:
+            h, rows, d = qg.shape
+            return qg.new_zeros(h, rows, d), qg.new_full((h, rows), float("-inf"))
+        return _merge(parts), torch.stack([p[1] for p in parts]).logsumexp(0)
+
+    def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ks, vs = self._reconstruct(layer)
+        self._flush(layer)
+        return ks, vs
+
+    def _reconstruct(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What `attend` of this step sees, as [H, S, D] K/V per sequence in model order."""
+        b = self._batch
+        kp, vp = self._pending[layer]
+        ks, vs = [], []
+        for i, sid in enumerate(b.seq_ids):
+            past, rows = self._past[i], b.rows(i)
+            nb = past // self.T
+            tail = past - nb * self.T
+            dense = self._dense[sid][layer].float()
+            pieces_k, pieces_v = [], []
+            if nb:
+                idx = torch.tensor(self.pool.table(sid).block_ids()[:nb], device=self._arena.device)
+                k, v = self._records(layer, idx)  # [B, H, T, D]
+                h, d = k.shape[1], k.shape[3]
+                k = k.transpose(0, 1).reshape(h, -1, d).clone()
+                v = v.transpose(0, 1).reshape(h, -1, d).clone()
+                k[:, : self.S], v[:, : self.S] = dense[0, :, : self.S], dense[1, :, : self.S]
+                pieces_k.append(k)
+                pieces_v.append(v)
+            pieces_k += [dense[0, :, self.S : self.S + tail], kp[rows].transpose(0, 1)]
+            pieces_v += [dense[1, :, self.S : self.S + tail], vp[rows].transpose(0, 1)]
+            k, v = torch.cat(pieces_k, 1), torch.cat(pieces_v, 1)
+            # Back to the model's channel order.
+            inv_k = self.plan.k_order[layer].argsort(-1).to(k.device)
+            ks.append(torch.gather(k, 2, inv_k[:, None, :].expand_as(k)))
+            vs.append(torch.gather(v, 2, self._v_inverse[layer][:, None, :].expand_as(v)))
+        return ks, vs
+
+    def end_step(self) -> None:
+        for layer in list(self._pending):
+            self._flush(layer)
+        super().end_step()
+
+    def abort_step(self) -> None:
+        self._pending.clear()
+        super().abort_step()
+
+    # ---- sequences and accounting ------------------------------------------------------------
+
+    def free(self, seq_id: int) -> None:
+        self._dense.pop(seq_id, None)
+        super().free(seq_id)
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        super().publish(seq_id, token_ids)
+        if self.S and seq_id in self._dense and len(token_ids) >= self.T:
+            # Sequences that attach these blocks need the fp16 sinks that block 0 leaves out.
+            key = tuple(token_ids[: self.S])
+            self._sink_cache.pop(key, None)
+            self._sink_cache[key] = self._dense[seq_id][:, :, :, : self.S].clone()
+            while len(self._sink_cache) > 64:
+                self._sink_cache.pop(next(iter(self._sink_cache)))
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        sinks = self._sink_cache.get(tuple(token_ids[: self.S])) if self.S else None
+        if self.S and sinks is None:
+            return 0  # without the sinks' fp16 KV the shared blocks cannot be attended
+        reused = super().match_prefix(seq_id, token_ids)
+        if reused:
+            self._dense_buf(seq_id)[:, :, :, : self.S] = sinks
+        return reused
+
+    def _dense_tokens(self, seq_id: int) -> int:
+        n = self.pool.num_tokens(seq_id)
+        nb = n // self.T
+        return (min(self.S, n) if nb else 0) + n - nb * self.T
+
+    def bytes_used(self) -> int:
+        s = self.spec
+        per_dense_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * 2
+        packed, dense = set(), 0
+        for sid in self._dense:
+            table = self.pool.table(sid)
+            if table is None:
+                continue
+            n = table.num_tokens
+            packed.update((r.tier, r.block_id) for r in table.refs[: n // self.T])
+            dense += self._dense_tokens(sid) * per_dense_token
+        return len(packed) * self.pool.layout.page_bytes + dense
+
+    def bytes_reserved(self) -> int:
+        side = sum(buf.numel() * buf.element_size() for buf in self._dense.values())
+        return super().bytes_reserved() + side
+
+    def stats(self) -> dict:
+        out = super().stats()
+        r = self.rec
+        out["channels"] = {"fp16": r.nf, f"int{r.bits}": r.nm, f"int{r.low_bits}": r.nl}
+        out["kernel"] = "c" if self._kernel is not None else f"torch ({kernels.KERNEL_ERROR})"
+        return out
+
+
+def _quantize_range(x: torch.Tensor, skip: int, bits: int):
+    """`quantize` along the last axis of x [B, ..., T]; the first `skip` tokens of block 0 (the
+    sinks, stored apart) are left out of its min/max."""
+    levels = (1 << bits) - 1
+    if skip:
+        out = torch.zeros(x.shape[0], *([1] * (x.dim() - 2)), x.shape[-1], dtype=torch.bool)
+        out[0, ..., :skip] = True
+        lo = x.masked_fill(out, float("inf")).amin(-1, keepdim=True)
+        hi = x.masked_fill(out, float("-inf")).amax(-1, keepdim=True)
+    else:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(2.0**-14).half()
+    low = lo.half()
+    codes = ((x - low.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale, low
+
+
+def _bytes(x: torch.Tensor, bsz: int, h: int) -> torch.Tensor:
+    """A field as raw bytes [B, H, nbytes]."""
+    if x.numel() == 0:
+        return torch.zeros(bsz, h, 0, dtype=torch.uint8, device=x.device)
+    x = x.contiguous()
+    if x.dtype != torch.uint8:
+        x = x.view(torch.uint8)
+    return x.reshape(bsz, h, -1)
+
+
+def _softmax_part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalized output, log-sum-exp) of scores [H, R, S] over values [H, S, D]."""
+    lse = scores.logsumexp(-1)  # [H, R]
+    p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return p @ v, lse
+
+
+def _attend_dense(q, k, v, n):
+    """Causal attention of rows (g, t) of q [H, G*n, D] over the step's tokens k, v [H, n, D]."""
+    h, rows, d = q.shape
+    g = rows // n
+    if q.device.type != "cpu":
+        scores = q @ k.transpose(1, 2)  # [H, G*n, n]
+        t = torch.arange(rows, device=q.device) % n
+        scores.masked_fill_(torch.arange(n, device=q.device)[None, :] > t[:, None], float("-inf"))
+        return _softmax_part(scores, v)
+    # Flash attention with a plain causal mask: query heads as the head axis, K/V repeated.
+    qh = q.view(1, h * g, n, d)  # rows (g, t) per KV head -> heads (h, g)
+    kh = k.repeat_interleave(g, 0).unsqueeze(0)  # [1, H*G, n, D]
+    vh = v.repeat_interleave(g, 0).unsqueeze(0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, True, scale=1.0
+    )
+    return out.reshape(h, rows, d), lse.reshape(h, rows)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine partial softmax results by their log-sum-exp weights."""
+    lse = torch.stack([p[1] for p in parts])  # [P, H, R]
+    w = torch.softmax(lse, 0).nan_to_num_(0.0).unsqueeze(-1)
+    return (w * torch.stack([p[0] for p in parts])).sum(0)
+

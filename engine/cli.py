@@ -1,4 +1,5 @@
-"""The `unikv` command line: `run` (stream an answer), `eval ppl` (perplexity protocol).
+"""The `unikv` command line: `run` (stream an answer), `eval ppl` (perplexity protocol),
+`profile` (chip and class), `calibrate` (channel importance), `cache` (the SSD tier's store).
 
 User mistakes end with one line on stderr and exit code 2, never a traceback.
 """
@@ -55,6 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
             "config file's, else auto)",
         )
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
+        kv_option_args(sp)
+
+    def kv_option_args(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_argument_group(
+            "hybrid_fp16_int4 options",
+            "override the config file's [strategy_options] (see README: Strategies)",
+        )
+        g.add_argument("--fp16-share", type=float, help="share of channels kept fp16, 0..1")
+        g.add_argument("--bits", type=int, help="bit width of the main channels: 2, 4 or 8")
+        g.add_argument("--low-share", type=float, help="share of channels at --low-bits, 0..1")
+        g.add_argument("--low-bits", type=int, help="bit width of the least important channels")
+        g.add_argument("--sink-tokens", type=int, help="first tokens kept fp16 (default 4)")
+        g.add_argument("--calibration", help="calibration file (default: per-model, cached)")
+        g.add_argument(
+            "--recalibrate", action="store_true", default=None, help="recompute the calibration"
+        )
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="end stdout with one JSON object")
@@ -116,6 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
             "corrupt), 'clear' removes every block."
         ),
     )
+    cal = sub.add_parser(
+        "calibrate",
+        help="rank KV channels by importance on warm-up text (for hybrid_fp16_int4)",
+        description=(
+            "Prefill --samples windows of --window tokens of the text(s) and write the "
+            "channel-importance statistics that hybrid_fp16_int4 uses to choose its fp16, main "
+            "and low-width channels. Later runs of the model reuse the file."
+        ),
+        epilog=EPILOG,
+    )
+    cal.add_argument(
+        "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
+    )
+    cal.add_argument("--text", nargs="+", default=None, help="warm-up text file(s) (default: "
+                     "the bundled warm-up text)")  # fmt: skip
+    cal.add_argument("--out", default=None, help="file to write (default: the per-model file)")
+    cal.add_argument("--samples", type=_positive_int, default=100, help="windows (default: 100)")
+    cal.add_argument("--window", type=_positive_int, default=256, help="tokens (default: 256)")
+    json_arg(cal)
+
     cache.add_argument("action", choices=["stats", "verify", "clear"])
     cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
     json_arg(cache)
@@ -138,7 +175,12 @@ async def _run(args: argparse.Namespace) -> None:
         raise ValueError("prompt is empty")
     _check_kv_args(args)
     engine = await Engine.create(
-        args.model, dtype=args.dtype, progress=True, strategy=args.strategy, config=args.config
+        args.model,
+        dtype=args.dtype,
+        progress=True,
+        strategy=args.strategy,
+        config=args.config,
+        strategy_options=_kv_options(args),
     )
     try:
         t0 = time.perf_counter()
@@ -169,7 +211,19 @@ def _check_kv_args(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     name = args.strategy or cfg.strategy
     if name != "auto":
-        kvstrategies.get(name)
+        opts = cfg.strategy_options if cfg.strategy == name else {}
+        kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
+
+
+_KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "sink_tokens", "calibration")
+
+
+def _kv_options(args: argparse.Namespace) -> dict:
+    """Strategy options given as flags (those left out keep the config file's values)."""
+    opts = {k: getattr(args, k) for k in _KV_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "recalibrate", None):
+        opts["recalibrate"] = True
+    return opts
 
 
 def _memory_lines(mem: dict) -> str:
@@ -248,11 +302,11 @@ def _eval_ppl(args: argparse.Namespace) -> None:
     model, tok = load_model(args.model, args.dtype, progress=True)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
-    cfg = model.cfg
-    spec = kvstrategies.KVSpec(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
-    )
-    built = kvstrategies.build(spec, args.strategy, args.config)
+    spec = kvstrategies.KVSpec.for_model(model)
+    built = kvstrategies.build(
+        spec, args.strategy, args.config, options=_kv_options(args), model=model,
+        tokenizer=tok, progress=True,
+    )  # fmt: skip
     res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
     out = res.to_dict() | {
         "model": args.model,
@@ -270,6 +324,30 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         print(json.dumps(out))
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    from kvstrategies.calibration import WARMUP_TEXT, collect, default_path
+
+    from .evaluate import read_text
+    from .model import load_model
+
+    paths = args.text or [str(WARMUP_TEXT)]
+    text = "\n\n".join(read_text(p) for p in paths)  # unreadable text fails before the load
+    model, tok = load_model(args.model, progress=True)
+    ids = tok.encode(text)
+    t0 = time.perf_counter()
+    stats = collect(model, ids, args.samples, args.window, progress=True)
+    out = args.out or default_path(model.cfg.identity)
+    stats.save(out)
+    print(
+        f"calibration of {model.cfg.identity}: {args.samples} windows of {args.window} tokens "
+        f"from {len(ids)} tokens in {time.perf_counter() - t0:.1f}s -> {out}"
+    )
+    if args.json:
+        print(json.dumps({"path": str(out), "identity": model.cfg.identity,
+                          "samples": args.samples, "window": args.window,
+                          "text_tokens": len(ids)}))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `unikv` console script."""
     args = build_parser().parse_args(argv)
@@ -280,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             _eval_ppl(args)
         elif args.command == "profile":
             _profile(args)
+        elif args.command == "calibrate":
+            _calibrate(args)
         elif args.command == "cache":
             return _cache(args)
     except (ValueError, OSError) as e:

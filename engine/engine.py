@@ -537,10 +537,7 @@ def _build(
     """
     import kvstrategies
 
-    cfg = model.cfg
-    spec = kvstrategies.KVSpec(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, cfg.identity
-    )
+    spec = kvstrategies.KVSpec.for_model(model)
     prep = {"model": model, "tokenizer": tokenizer} if tokenizer is not None else {}
     return kvstrategies.build(
         spec, strategy, config, chip, device=model.device, options=options, progress=progress,

@@ -27,11 +27,19 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32  # the compute dtype of queries and outputs
     identity: str = ""  # model identity for prefix hashes
+    query_group: int = 0  # query heads per KV head, when known (kernels specialise on it)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def for_model(cls, model) -> KVSpec:
+        """The KV shape of a loaded unikv model."""
+        c = model.cfg
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, c.identity,
+                   c.num_heads // c.num_kv_heads)  # fmt: skip
 
     @property
     def elements_per_token(self) -> int:

@@ -172,7 +172,9 @@ def collect(
     rec = _Recorder(model, block)
     span = len(ids) - window
     starts = [round(i * span / max(samples - 1, 1)) for i in range(samples)]
-    for i, start in enumerate(tqdm(starts, desc="calibrating", unit="window", disable=not progress)):
+    for i, start in enumerate(
+        tqdm(starts, desc="calibrating", unit="window", disable=not progress)
+    ):
         toks = torch.tensor(ids[start : start + window], device=model.device)
         pos = torch.arange(window, device=model.device)
         model.forward(toks, pos, rec, StepBatch([i], [window]), torch.tensor([window - 1]))

@@ -44,6 +44,18 @@ _DENSE_KERNEL_LIMIT = 1 << 16  # rows x dense tokens above which torch attends t
 
 
 @dataclass(frozen=True, slots=True)
+class _Seq:
+    """One batch sequence's view of its storage for the current step."""
+
+    nb: int  # packed blocks (complete before the step)
+    ids_list: list[int]
+    ids: torch.Tensor  # their block ids, int64
+    mask0: int  # leading tokens of the first packed block attended from the dense sinks
+    lo: int  # dense tokens: [lo, hi) of the side buffer's token axis
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Record:
     """Byte layout of one (layer, block, KV head) record; sizes in bytes, in this order."""
 
@@ -58,14 +70,15 @@ class _Record:
     def fields(self) -> list[tuple[str, int]]:
         t, nf, nm, nl = self.T, self.nf, self.nm, self.nl
         return [
+            # All channel-major: [channels][T], codes packed along the block's tokens.
             ("kfp", 2 * nf * t),  # f16 [nf][T]
-            ("vfp", 2 * t * nf),  # f16 [T][nf]
-            ("ksc", 2 * 2 * (nm + nl)),  # f16 [2][nm + nl]: scale, low
-            ("vsc", 2 * t * 4),  # f16 [T][4]: main scale, low; low-class scale, low
+            ("vfp", 2 * nf * t),  # f16 [nf][T]
+            ("ksc", 2 * 2 * (nm + nl)),  # f16 [2][nm + nl]: scale, low per key channel
+            ("vsc", 2 * 4 * t),  # f16 [4][T]: per token scale, low (main class, low class)
             ("km", nm * t * self.bits // 8),  # u8 [nm][T * b / 8]
             ("kl", nl * t * self.low_bits // 8),
-            ("vm", t * nm * self.bits // 8),  # u8 [T][nm * b / 8]
-            ("vl", t * nl * self.low_bits // 8),
+            ("vm", nm * t * self.bits // 8),
+            ("vl", nl * t * self.low_bits // 8),
         ]
 
     @property
@@ -176,8 +189,10 @@ class HybridStrategy(KVStrategy):
             spec.head_dim, opts["fp16_share"], opts["low_share"], opts["bits"], opts["low_bits"]
         )
         if block_size * opts["low_bits"] % 8 or block_size * opts["bits"] % 8:
-            raise ValueError(f"strategy 'hybrid_fp16_int4': block_size {block_size} must be a "
-                             "multiple of 4 (codes are packed along a block's tokens)")
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': block_size {block_size} must be a "
+                "multiple of 4 (codes are packed along a block's tokens)"
+            )
         if opts["sink_tokens"] > block_size:
             raise ValueError(
                 f"strategy 'hybrid_fp16_int4': option sink_tokens = {opts['sink_tokens']}; "
@@ -218,7 +233,10 @@ class HybridStrategy(KVStrategy):
         self._dense: dict[int, torch.Tensor] = {}
         self._sink_cache: dict[tuple[int, ...], torch.Tensor] = {}  # first tokens -> sinks
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._kernel = kernels.hybrid_kernel() if dev.type == "cpu" else None
+        r = self.rec
+        shape = {"T": r.T, "D": spec.head_dim, "NF": r.nf, "NM": r.nm, "NL": r.nl,
+                 "B": r.bits, "LB": r.low_bits, "G": spec.query_group}  # fmt: skip
+        self._kernel = kernels.hybrid_kernel(shape) if dev.type == "cpu" else None
 
     def _load_plan(self, spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
         from .calibration import ChannelStats
@@ -241,13 +259,24 @@ class HybridStrategy(KVStrategy):
         if buf is None:
             s = self.spec
             shape = (s.num_layers, 2, s.num_kv_heads, self.S + self.T, s.head_dim)
-            buf = self._dense[sid] = torch.zeros(shape, dtype=torch.float16, device=self._arena.device)
+            buf = self._dense[sid] = torch.zeros(
+                shape, dtype=torch.float16, device=self._arena.device
+            )
         return buf
 
     def _prepare(self, batch: StepBatch) -> None:
-        for sid in batch.seq_ids:
-            self._dense_buf(sid)
         self._pending.clear()
+        self._seqs = []
+        for sid, past in zip(batch.seq_ids, self._past, strict=True):
+            self._dense_buf(sid)
+            nb = past // self.T
+            ids = self.pool.table(sid).block_ids()[:nb]
+            # Dense tokens: sinks + the block being filled; with no packed block yet the sinks
+            # are simply the first tokens of that block.
+            lo = 0 if nb else self.S
+            hi = self.S + past - nb * self.T
+            tensor = torch.tensor(ids, dtype=torch.int64, device=self._arena.device)
+            self._seqs.append(_Seq(nb, ids, tensor, self.S if nb else 0, lo, hi))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         b = self._batch
@@ -268,8 +297,12 @@ class HybridStrategy(KVStrategy):
             dense = self._dense[sid][layer]  # [2, H, S + T, D]
             need = (done - first) * self.T - tail  # new tokens that go into packed blocks
             # keys/values of the completed blocks: [H, nblk * T, D]
-            kb = torch.cat([dense[0, :, self.S : self.S + tail].float(), kp[rows][:need].transpose(0, 1)], 1)
-            vb = torch.cat([dense[1, :, self.S : self.S + tail].float(), vp[rows][:need].transpose(0, 1)], 1)
+            kb = torch.cat(
+                [dense[0, :, self.S : self.S + tail].float(), kp[rows][:need].transpose(0, 1)], 1
+            )
+            vb = torch.cat(
+                [dense[1, :, self.S : self.S + tail].float(), vp[rows][:need].transpose(0, 1)], 1
+            )
             nblk = done - first
             kb = kb.view(h, nblk, self.T, d).transpose(0, 1)  # [nblk, H, T, D]
             vb = vb.view(h, nblk, self.T, d).transpose(0, 1)
@@ -293,10 +326,8 @@ class HybridStrategy(KVStrategy):
                 dense[1, :, past : past + m] = new_v[:, :m]
             end = past + n
             start = max(past, end // self.T * self.T)  # the tail after this step
-            if end // self.T > past // self.T:
-                dense_from = 0  # a new block begins: the old tail is packed now
-            else:
-                dense_from = start - end // self.T * self.T
+            # When a block was completed the old tail is packed now: the new tail starts at 0.
+            dense_from = 0 if end // self.T > past // self.T else start - end // self.T * self.T
             m = end - start
             if m:
                 at = self.S + dense_from
@@ -311,10 +342,12 @@ class HybridStrategy(KVStrategy):
         bsz, h, t, _ = k.shape
         parts = {}
         parts["kfp"] = k[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
-        parts["vfp"] = v[..., :nf].half()  # [B, H, T, nf]
-        k_sc, k_codes = [], []
-        v_sc = torch.zeros(bsz, h, t, 4, dtype=torch.float16, device=k.device)
-        for j, (lo, hi, bits, name) in enumerate(((nf, nf + nm, r.bits, "m"), (nf + nm, nf + nm + nl, r.low_bits, "l"))):
+        parts["vfp"] = v[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
+        k_sc = []
+        v_sc = torch.zeros(bsz, h, 4, t, dtype=torch.float16, device=k.device)
+        for j, (lo, hi, bits, name) in enumerate(
+            ((nf, nf + nm, r.bits, "m"), (nf + nm, nf + nm + nl, r.low_bits, "l"))
+        ):
             if hi == lo:
                 parts["k" + name] = torch.zeros(bsz, h, 0, dtype=torch.uint8, device=k.device)
                 parts["v" + name] = parts["k" + name]
@@ -325,11 +358,13 @@ class HybridStrategy(KVStrategy):
             k_sc.append((scale.squeeze(-1), low.squeeze(-1)))
             parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
             vcodes, vscale, vlow = quantize(v[..., lo:hi], bits, -1)  # per token
-            v_sc[..., 2 * j] = vscale.squeeze(-1)
-            v_sc[..., 2 * j + 1] = vlow.squeeze(-1)
-            parts["v" + name] = pack(vcodes, bits)  # [B, H, T, C * bits / 8]
+            v_sc[..., 2 * j, :] = vscale.squeeze(-1)
+            v_sc[..., 2 * j + 1, :] = vlow.squeeze(-1)
+            parts["v" + name] = pack(vcodes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
         if k_sc:
-            parts["ksc"] = torch.stack([torch.cat([s for s, _ in k_sc], -1), torch.cat([lw for _, lw in k_sc], -1)], -2)
+            parts["ksc"] = torch.stack(
+                [torch.cat([s for s, _ in k_sc], -1), torch.cat([lw for _, lw in k_sc], -1)], -2
+            )
         else:
             parts["ksc"] = torch.zeros(bsz, h, 0, dtype=torch.float16, device=k.device)
         parts["vsc"] = v_sc
@@ -345,19 +380,23 @@ class HybridStrategy(KVStrategy):
         for (name, size), at in zip(r.fields, r.offsets, strict=True):
             f[name] = raw[..., at : at + size]
         half = lambda x, *shape: x.contiguous().view(torch.float16).view(bsz, h, *shape).float()  # noqa: E731
-        kfp, vfp = half(f["kfp"], nf, t), half(f["vfp"], t, nf)
-        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], t, 4)
-        kparts, vparts = [kfp.transpose(-1, -2)], [vfp]
+        kfp, vfp = half(f["kfp"], nf, t), half(f["vfp"], nf, t)
+        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], 4, t)
+        kparts, vparts = [kfp.transpose(-1, -2)], [vfp.transpose(-1, -2)]
         if nm:
             codes = unpack(f["km"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
-            kparts.append((codes * ksc[..., 0, :nm, None] + ksc[..., 1, :nm, None]).transpose(-1, -2))
-            vc = unpack(f["vm"].reshape(bsz, h, t, -1), r.bits).float()
-            vparts.append(vc * vsc[..., 0:1] + vsc[..., 1:2])
+            kparts.append(
+                (codes * ksc[..., 0, :nm, None] + ksc[..., 1, :nm, None]).transpose(-1, -2)
+            )
+            vc = unpack(f["vm"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
+            vparts.append((vc * vsc[..., 0:1, :] + vsc[..., 1:2, :]).transpose(-1, -2))
         if nl:
             codes = unpack(f["kl"].reshape(bsz, h, nl, -1), r.low_bits).float()
-            kparts.append((codes * ksc[..., 0, nm:, None] + ksc[..., 1, nm:, None]).transpose(-1, -2))
-            vc = unpack(f["vl"].reshape(bsz, h, t, -1), r.low_bits).float()
-            vparts.append(vc * vsc[..., 2:3] + vsc[..., 3:4])
+            kparts.append(
+                (codes * ksc[..., 0, nm:, None] + ksc[..., 1, nm:, None]).transpose(-1, -2)
+            )
+            vc = unpack(f["vl"].reshape(bsz, h, nl, -1), r.low_bits).float()
+            vparts.append((vc * vsc[..., 2:3, :] + vsc[..., 3:4, :]).transpose(-1, -2))
         return torch.cat(kparts, -1), torch.cat(vparts, -1)
 
     # ---- attention ---------------------------------------------------------------------------
@@ -365,65 +404,64 @@ class HybridStrategy(KVStrategy):
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b = self._batch
         kp, vp = self._pending[layer]
+        q = q.float().contiguous()
         out = torch.empty_like(q)
-        t_all, hq, d = q.shape
-        h = self.spec.num_kv_heads
-        g = hq // h
-        for i, sid in enumerate(b.seq_ids):
-            rows, n, past = b.rows(i), b.query_lens[i], self._past[i]
-            # q: [n, Hq, D] -> [H, G * n, D] rows (g, t), channels in key order, scaled
-            qg = q[rows].float().view(n, h, g, d).permute(1, 2, 0, 3).reshape(h, g * n, d)
-            qg = torch.gather(qg, 2, self._k_order[layer][:, None, :].expand(h, g * n, d))
-            qg = (qg * self.scale).contiguous()
-            nb = past // self.T
-            tail = past - nb * self.T
+        h, d = self.spec.num_kv_heads, self.spec.head_dim
+        g = q.shape[1] // h
+        for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
+            rows, n = b.rows(i), b.query_lens[i]
             dense = self._dense[sid][layer]  # [2, H, S + T, D]
-            lo = 0 if nb else self.S  # with no packed block the sinks are part of the tail
-            dk, dv = dense[0, :, lo : self.S + tail], dense[1, :, lo : self.S + tail]
-            ids = self.pool.table(sid).block_ids()[:nb]
-            ck, cv = kp[rows], vp[rows]  # [n, H, D]
-            o = self._attend_one(layer, qg, ids, dk, dv, ck, cv, n)  # [H, G * n, D]
+            dk, dv = dense[0, :, seq.lo : seq.hi], dense[1, :, seq.lo : seq.hi]
+            ck, cv = kp[rows], vp[rows]  # [n, H, D], contiguous slices of the step's tokens
+            if self._kernel is not None and g * n <= _KERNEL_MAX_ROWS:
+                small = g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT
+                if small:  # everything in one call, output written in the model's layout
+                    self._call_kernel(layer, q[rows], seq, dk, dv, ck, cv, out[rows])
+                    continue
+                o, lse = self._call_kernel(layer, q[rows], seq, dk, dv, None, None, None)
+            else:
+                o, lse = self._attend_torch(layer, self._queries(layer, q[rows]), seq.ids_list,
+                                            dk, dv, seq.mask0)  # fmt: skip
+            # The step's own tokens (causal), merged with the stored part by log-sum-exp.
+            qg = self._queries(layer, q[rows])
+            o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
+            o = _merge([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
             o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
-            out[rows] = o.view(h, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+            out[rows] = o.view(h, g, n, d).permute(2, 0, 1, 3).reshape(n, h * g, d)
         self._flush(layer)
-        return out
+        return out.to(self.spec.dtype)
 
-    def _attend_one(self, layer, qg, ids, dk, dv, ck, cv, n) -> torch.Tensor:
-        h, rows, d = qg.shape
-        mask0 = self.S if ids else 0
-        big = rows * (dk.shape[1] + n) > _DENSE_KERNEL_LIMIT
-        if self._kernel is None or rows > _KERNEL_MAX_ROWS:
-            o, lse = self._attend_torch(layer, qg, ids, dk, dv, mask0)
-        else:
-            o, lse = self._attend_kernel(layer, qg, ids, dk, dv, mask0, None if big else (ck, cv))
-            if not big:
-                return o
-        # The step's own tokens (causal), merged with the stored part by log-sum-exp.
-        o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
-        return _merge([(o, lse), (o2, lse2)])
+    def _queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [n, Hq, D] -> [H, G * n, D], rows (g, t), channels in key order, scaled."""
+        n, hq, d = q.shape
+        h = self.spec.num_kv_heads
+        qg = q.view(n, h, hq // h, d).permute(1, 2, 0, 3).reshape(h, -1, d)
+        qg = torch.gather(qg, 2, self._k_order[layer][:, None, :].expand_as(qg))
+        return qg * self.scale
 
-    def _attend_kernel(self, layer, qg, ids, dk, dv, mask0, current):
-        h, rows, d = qg.shape
+    def _call_kernel(self, layer, q, seq, dk, dv, ck, cv, out_raw):
+        """The C kernel on one sequence; with `out_raw` it writes the final output there,
+        otherwise it returns (out [H, G*n, D] in stored value order, lse [H, G*n])."""
         r = self.rec
-        out = torch.empty(h, rows, d)
-        lse = torch.empty(h, rows)
-        blocks = torch.tensor(ids, dtype=torch.int64)
-        arena = self._arena[layer]
-        ck = cv = None
-        tq, cstride = 0, 0
-        if current is not None:
-            ck, cv = (x.contiguous() for x in current)
-            tq, cstride = ck.shape[0], h * d
+        n, hq, d = q.shape
+        h = self.spec.num_kv_heads
+        out = lse = None
+        if out_raw is None:
+            out = torch.empty(h, hq // h * n, d)
+            lse = torch.empty(h, hq // h * n)
         self._kernel.hybrid_attend(
-            arena.data_ptr(), blocks.data_ptr(), len(ids), mask0, r.T, r.nf, r.nm, r.nl,
-            r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, rows, d, qg.data_ptr(),
-            dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d, kernels.ptr(ck),
-            kernels.ptr(cv), cstride, tq, out.data_ptr(), lse.data_ptr(),
+            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.T, r.nf,
+            r.nm, r.nl, r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, hq // h, n, d,
+            q.data_ptr(), self._k_order[layer].data_ptr(), self._v_order[layer].data_ptr(),
+            self.scale, dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d,
+            kernels.ptr(ck), kernels.ptr(cv), h * d, 0 if ck is None else n,
+            kernels.ptr(out_raw), kernels.ptr(out), kernels.ptr(lse),
         )  # fmt: skip
         return out, lse
 
-    def _attend_torch(self, layer, qg, ids, dk, dv, mask0, chunk: int = 16):
-        """Stored part by PyTorch: a few packed blocks dequantized at a time, then the dense."""
+    def _attend_torch(self, layer, qg, ids, dk, dv, mask0, chunk: int = 32):
+        """Stored part by PyTorch: `chunk` packed blocks dequantized at a time (never the whole
+        cache), each attended with its log-sum-exp, then the dense tokens."""
         parts = []
         for c in range(0, len(ids), chunk):
             idx = torch.tensor(ids[c : c + chunk], dtype=torch.long, device=self._arena.device)
@@ -431,12 +469,9 @@ class HybridStrategy(KVStrategy):
             bsz, h, t, d = k.shape
             k = k.transpose(0, 1).reshape(h, bsz * t, d)
             v = v.transpose(0, 1).reshape(h, bsz * t, d)
-            scores = qg @ k.transpose(1, 2)  # [H, R, B*T]
-            if c == 0 and mask0:
-                scores[..., :mask0] = float("-inf")
-            parts.append(_softmax_part(scores, v))
+            parts.append(_attend_full(qg, k, v, mask0 if c == 0 else 0))
         if dk.shape[1]:
-            parts.append(_softmax_part(qg @ dk.float().transpose(1, 2), dv.float()))
+            parts.append(_attend_full(qg, dk.float(), dv.float(), 0))
         if not parts:
             h, rows, d = qg.shape
             return qg.new_zeros(h, rows, d), qg.new_full((h, rows), float("-inf"))
@@ -574,6 +609,23 @@ def _softmax_part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
     return p @ v, lse
 
 
+def _attend_full(q, k, v, mask0: int):
+    """Rows q [H, R, D] (scaled) over all of k, v [H, S, D] but their first `mask0` tokens:
+    (normalized output, log-sum-exp)."""
+    if q.device.type != "cpu" or q.shape[1] * k.shape[1] < 4096:
+        scores = q @ k.transpose(1, 2)  # [H, R, S]
+        scores[..., :mask0] = float("-inf")
+        return _softmax_part(scores, v)
+    mask = None
+    if mask0:
+        mask = torch.zeros(q.shape[1], k.shape[1], dtype=q.dtype)
+        mask[:, :mask0] = float("-inf")
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, attn_mask=mask, scale=1.0
+    )
+    return out[0], lse[0]
+
+
 def _attend_dense(q, k, v, n):
     """Causal attention of rows (g, t) of q [H, G*n, D] over the step's tokens k, v [H, n, D]."""
     h, rows, d = q.shape
@@ -598,4 +650,3 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     lse = torch.stack([p[1] for p in parts])  # [P, H, R]
     w = torch.softmax(lse, 0).nan_to_num_(0.0).unsqueeze(-1)
     return (w * torch.stack([p[0] for p in parts])).sum(0)
-

@@ -5,14 +5,16 @@
  *
  * One pool block holds, per KV head, one record of `rec` bytes (offsets in `off`, channels in
  * the calibrated order: nf fp16 channels, nm main-width channels, nl low-width channels):
- *   kfp  f16 [nf][T]       key fp16 channels, channel-major
- *   vfp  f16 [T][nf]       value fp16 channels
+ *   kfp  f16 [nf][T]       key fp16 channels
+ *   vfp  f16 [nf][T]       value fp16 channels
  *   ksc  f16 [2][nm+nl]    key scale and low, per channel of the block
- *   vsc  f16 [T][4]        value scale, low of the main class; scale, low of the low class
- *   km   u8  [nm][T*b/8]   key codes, per channel, packed along tokens in split order
+ *   vsc  f16 [4][T]        value scale, low per token: main class, then low class
+ *   km   u8  [nm][T*b/8]   key codes
  *   kl   u8  [nl][T*lb/8]
- *   vm   u8  [T][nm*b/8]   value codes, per token, packed along channels in split order
- *   vl   u8  [T][nl*lb/8]
+ *   vm   u8  [nm][T*b/8]   value codes
+ *   vl   u8  [nl][T*lb/8]
+ * Everything is channel-major, codes packed along the block's tokens (keys are quantized per
+ * channel, values per token, but both are read one channel row at a time).
  * A value is code * scale + low. Split order: byte j of a run of m bytes holds elements
  * j, j + m, j + 2m, ... so one shift unpacks a contiguous run.
  *
@@ -32,32 +34,120 @@
 
 #define CHUNK 8 /* packed blocks per work item */
 
+/* kernels.py compiles one library per record shape (-DKT=64 -DKD=64 -DKNF=4 ...): the block
+ * size, head dim, class sizes and widths are then constants, and the hot loops below run on
+ * registers of 16 floats with no remainder handling. */
+#if !defined(KT) || !defined(KD) || !defined(KNF) || !defined(KNM) || !defined(KNL) || \
+    !defined(KB) || !defined(KLB)
+#error "compile with -DKT= -DKD= -DKNF= -DKNM= -DKNL= -DKB= -DKLB= (see kernels.py)"
+#endif
+#if KT % 16 || KD % 16
+#error "KT and KD must be multiples of 16"
+#endif
+typedef float v16 __attribute__((vector_size(64)));
+typedef int v16i __attribute__((vector_size(64)));
+
+/* Sum and max of the 16 lanes as a tree (a plain loop would add them one after another). */
+#if defined(__clang__)
+#define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUF(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
+static inline float hsum16(v16 v) {
+    v += SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+static inline v16 vmax(v16 a, v16 b) {
+    const v16i gt = a > b; /* lanes of all ones where a > b */
+    return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
+}
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float hmax16(v16 v) {
+    v = vmax(v, SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+/* Query rows per register block: the query heads of one KV head (decode: one row each). */
+#if defined(KG) && KG >= 1 && KG <= 8
+#define RB KG
+#else
+#define RB 4
+#endif
+
 enum { OFF_KFP, OFF_VFP, OFF_KSC, OFF_VSC, OFF_KM, OFF_KL, OFF_VM, OFF_VL };
 
-static inline void unpack(const uint8_t *p, int n, int bits, float *out) {
-    const int per = 8 / bits, m = n / per, mask = (1 << bits) - 1;
-    for (int i = 0; i < per; i++)
-        for (int j = 0; j < m; j++) out[i * m + j] = (float)((p[j] >> (bits * i)) & mask);
+/* Codes to floats, one function per width so that the shifts are constants and the loops
+ * vectorize. */
+static inline void unpack(const uint8_t *restrict p, int n, int bits, float *restrict out) {
+    if (bits == 4) {
+        const int m = n / 2;
+        for (int j = 0; j < m; j++) {
+            out[j] = (float)(p[j] & 15);
+            out[j + m] = (float)(p[j] >> 4);
+        }
+    } else if (bits == 2) {
+        const int m = n / 4;
+        for (int j = 0; j < m; j++) {
+            out[j] = (float)(p[j] & 3);
+            out[j + m] = (float)((p[j] >> 2) & 3);
+            out[j + 2 * m] = (float)((p[j] >> 4) & 3);
+            out[j + 3 * m] = (float)(p[j] >> 6);
+        }
+    } else {
+        for (int j = 0; j < n; j++) out[j] = (float)p[j];
+    }
 }
 
-static inline void h2f(const _Float16 *p, int n, float *out) {
+static inline void h2f(const _Float16 *restrict p, int n, float *restrict out) {
     for (int i = 0; i < n; i++) out[i] = (float)p[i];
 }
 
+/* exp(x) for x <= 0 to about 2e-7 relative: 2^(x log2 e) split into an integer power (built in
+ * the exponent bits) and a degree-5 polynomial on [0, 1). Unlike expf it vectorizes; x below
+ * -87 (masked scores, -inf) gives a denormal-free ~1e-38, i.e. no weight. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504f;
+    const float fi = floorf(t);
+    const float f = t - fi;
+    float p = 0.0018951086f;
+    p = p * f + 0.0089462250f;
+    p = p * f + 0.0558632575f;
+    p = p * f + 0.2401407808f;
+    p = p * f + 0.6931546330f;
+    p = p * f + 0.9999998808f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)fi + 127) << 23};
+    return p * scale.f;
+}
+
 /* Online-softmax update of one row with scores s[0..n) and return the weights in s. */
-static inline void softmax_update(float *s, int n, float *m, float *l, float *acc, int d) {
-    float mx = *m;
-    for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+static void softmax_update(float *s, int n, float *m, float *l, float *acc, int d) {
+    const int n16 = n / 16 * 16;
+    v16 vm = {0};
+    vm -= INFINITY;
+    for (int t = 0; t < n16; t += 16) vm = vmax(vm, load16(s + t));
+    float mx = n16 ? hmax16(vm) : -INFINITY;
+    mx = *m > mx ? *m : mx;
+    for (int t = n16; t < n; t++) mx = s[t] > mx ? s[t] : mx;
     if (mx == -INFINITY) { /* nothing visible in this piece */
         for (int t = 0; t < n; t++) s[t] = 0.0f;
         return;
     }
-    const float corr = expf(*m - mx);
-    float sum = 0.0f;
-    for (int t = 0; t < n; t++) {
-        s[t] = expf(s[t] - mx);
-        sum += s[t];
-    }
+    const float corr = exp_neg(*m - mx);
+    for (int t = 0; t < n; t++) s[t] = exp_neg(s[t] - mx);
+    v16 vs = {0};
+    for (int t = 0; t < n16; t += 16) vs += load16(s + t);
+    float sum = n16 ? hsum16(vs) : 0.0f;
+    for (int t = n16; t < n; t++) sum += s[t];
     if (corr != 1.0f)
         for (int c = 0; c < d; c++) acc[c] *= corr;
     *l = *l * corr + sum;
@@ -70,67 +160,76 @@ typedef struct {
     const long *off;
 } Shape;
 
-/* One packed block of one head into the running (m, l, acc) of all R rows. */
+/* Codes of one run of n elements, dequantized: out[i] = code_i * scale + low. */
+static inline void dequant(const uint8_t *restrict p, int n, int bits, float scale, float low,
+                           float *restrict out) {
+    unpack(p, n, bits, out);
+    for (int i = 0; i < n; i++) out[i] = out[i] * scale + low;
+}
+
+/* One packed block of one head into the running (m, l, acc) of all R rows. Each key channel
+ * (and then each value token) is dequantized once into a 64-float row and multiplied into up to
+ * RB query rows whose partial results live in v16 registers. */
 static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, int mask0,
-                         float *s, float *tmp, float *qs, float *m, float *l, float *acc) {
-    const int T = sh->T, nf = sh->nf, nm = sh->nm, nl = sh->nl, R = sh->R, D = sh->D;
-    const int nq = nm + nl;
+                         float *s, float *row, float *m, float *l, float *acc) {
+    enum { T = KT, D = KD, NF = KNF, NM = KNM, NL = KNL, NQ = KNM + KNL };
+    const int R = sh->R;
     const _Float16 *kfp = (const _Float16 *)(blk + sh->off[OFF_KFP]);
     const _Float16 *vfp = (const _Float16 *)(blk + sh->off[OFF_VFP]);
     const _Float16 *ksc = (const _Float16 *)(blk + sh->off[OFF_KSC]);
     const _Float16 *vsc = (const _Float16 *)(blk + sh->off[OFF_VSC]);
     const uint8_t *km = blk + sh->off[OFF_KM], *kl = blk + sh->off[OFF_KL];
     const uint8_t *vm = blk + sh->off[OFF_VM], *vl = blk + sh->off[OFF_VL];
-    /* Scores: s[r][t] = sum_c q[r][c] k[c][t]. */
-    for (int r = 0; r < R; r++) {
-        const float *qr = q + (long)r * D;
-        float z = 0.0f;
-        for (int c = 0; c < nq; c++) {
-            qs[r * nq + c] = qr[nf + c] * (float)ksc[c];
-            z += qr[nf + c] * (float)ksc[nq + c];
+    float vs[4 * T]; /* value scale, low per token: main, low class */
+    h2f(vsc, 4 * T, vs);
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        const int rn = R - r0 < RB ? R - r0 : RB;
+        /* Scores of rows r0.. over the block's T tokens: sum over channels of q * key row. */
+        v16 sc[RB][T / 16] = {0};
+        for (int c = 0; c < D; c++) {
+            if (c < NF) {
+                h2f(kfp + c * T, T, row);
+            } else if (c < NF + NM) {
+                dequant(km + (c - NF) * (T * KB / 8), T, KB, (float)ksc[c - NF],
+                        (float)ksc[NQ + c - NF], row);
+            } else {
+                dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, (float)ksc[c - NF],
+                        (float)ksc[NQ + c - NF], row);
+            }
+            for (int i = 0; i < RB; i++) {
+                const float w = i < rn ? q[(long)(r0 + i) * D + c] : 0.0f;
+#pragma GCC unroll 16
+                for (int j = 0; j < T / 16; j++) sc[i][j] += w * load16(row + 16 * j);
+            }
         }
-        for (int t = 0; t < T; t++) s[r * T + t] = z;
-    }
-    for (int c = 0; c < nf; c++) {
-        h2f(kfp + (long)c * T, T, tmp);
-        for (int r = 0; r < R; r++) {
-            const float w = q[(long)r * D + c];
-            float *sr = s + r * T;
-            for (int t = 0; t < T; t++) sr[t] += w * tmp[t];
+        for (int i = 0; i < rn; i++) {
+            float *sr = s + (long)(r0 + i) * T;
+            memcpy(sr, sc[i], sizeof(float) * T);
+            for (int t = 0; t < mask0; t++) sr[t] = -INFINITY;
+            softmax_update(sr, T, m + r0 + i, l + r0 + i, acc + (long)(r0 + i) * D, D);
         }
-    }
-    for (int c = 0; c < nq; c++) {
-        const int low = c >= nm;
-        const int bits = low ? sh->lb : sh->b;
-        const uint8_t *codes = low ? kl + (long)(c - nm) * (T * bits / 8) : km + (long)c * (T * bits / 8);
-        unpack(codes, T, bits, tmp);
-        for (int r = 0; r < R; r++) {
-            const float w = qs[r * nq + c];
-            float *sr = s + r * T;
-            for (int t = 0; t < T; t++) sr[t] += w * tmp[t];
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        for (int t = 0; t < mask0; t++) s[r * T + t] = -INFINITY;
-        softmax_update(s + r * T, T, m + r, l + r, acc + (long)r * D, D);
-    }
-    /* Values: acc[r][c] += p[r][t] * (code * scale + low). */
-    const int mb = nm * sh->b / 8, lbb = nl * sh->lb / 8;
-    for (int t = 0; t < T; t++) {
-        h2f(vfp + (long)t * nf, nf, tmp);
-        if (nm) unpack(vm + (long)t * mb, nm, sh->b, tmp + nf);
-        if (nl) unpack(vl + (long)t * lbb, nl, sh->lb, tmp + nf + nm);
-        const float ms = (float)vsc[t * 4], ml = (float)vsc[t * 4 + 1];
-        const float ls = (float)vsc[t * 4 + 2], ll = (float)vsc[t * 4 + 3];
-        for (int r = 0; r < R; r++) {
-            const float p = s[r * T + t];
-            if (p == 0.0f) continue;
-            float *ar = acc + (long)r * D;
-            for (int c = 0; c < nf; c++) ar[c] += p * tmp[c];
-            const float a = p * ms, z = p * ml;
-            for (int c = nf; c < nf + nm; c++) ar[c] += a * tmp[c] + z;
-            const float a2 = p * ls, z2 = p * ll;
-            for (int c = nf + nm; c < D; c++) ar[c] += a2 * tmp[c] + z2;
+        /* Outputs of rows r0..: o[r][c] = sum over tokens of p[r][t] * value[c][t]. */
+        v16 p[RB][T / 16];
+        for (int i = 0; i < RB; i++)
+            for (int j = 0; j < T / 16; j++)
+                p[i][j] = i < rn ? load16(s + (long)(r0 + i) * T + 16 * j) : (v16){0};
+        for (int c = 0; c < D; c++) {
+            if (c < NF) {
+                h2f(vfp + c * T, T, row);
+            } else {
+                const int low = c >= NF + NM;
+                const uint8_t *codes = low ? vl + (c - NF - NM) * (T * KLB / 8)
+                                           : vm + (c - NF) * (T * KB / 8);
+                unpack(codes, T, low ? KLB : KB, row);
+                const float *sc = vs + (low ? 2 : 0) * T, *lo = vs + (low ? 3 : 1) * T;
+                for (int t = 0; t < T; t++) row[t] = row[t] * sc[t] + lo[t];
+            }
+            for (int i = 0; i < rn; i++) {
+                v16 dot = p[i][0] * load16(row);
+#pragma GCC unroll 16
+                for (int j = 1; j < T / 16; j++) dot += p[i][j] * load16(row + 16 * j);
+                acc[(long)(r0 + i) * D + c] += hsum16(dot);
+            }
         }
     }
 }
@@ -174,19 +273,35 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
     }
 }
 
-/* out[h][r][:] (normalized) and lse[h][r] over packed blocks + dense tokens.
+/* Attention of one sequence's query rows over its packed blocks and dense tokens.
  *   arena: this layer's records, block b head h at arena + b * H * rec + h * rec
  *   blocks[nb]: the sequence's packed blocks in token order; mask0 leading positions of the
  *     sequence's first block are not attended (the sinks, which are dense)
- *   q: [H][R][D] query rows in key channel order, already multiplied by the softmax scale
+ *   q_raw: [nq][H * G][D] the step's queries in the model's layout; korder/vorder [H][D] the
+ *     stored channel order of keys/values (stored channel c is model channel order[c]); rows
+ *     are r = g * nq + t per KV head, R = G * nq
  *   ak/av: [H][na_stride][D] fp16 dense tokens; ck/cv: current tokens, head h token j at
- *     ck + j * cstride + h * D (the step's [T, H, D] activations)
+ *     ck + j * cstride + h * D (the step's [T, H, D] activations, stored channel order)
+ *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][D];
+ *     otherwise out [H][R][D] (stored value order) and lse [H][R] for a merge by the caller.
  */
 void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask0, int T,
                    int nf, int nm, int nl, int b, int lb, long rec, const long *off, int H,
-                   int R, int D, const float *q, const _Float16 *ak, const _Float16 *av,
+                   int G, int nq, int D, const float *q_raw, const int64_t *korder,
+                   const int64_t *vorder, float scale, const _Float16 *ak, const _Float16 *av,
                    int na, long na_stride, const float *ck, const float *cv, long cstride,
-                   int tq, float *out, float *lse) {
+                   int tq, float *out_raw, float *out, float *lse) {
+    const int R = G * nq;
+    float *q = malloc(sizeof(float) * H * R * D);
+    for (int h = 0; h < H; h++)
+        for (int g = 0; g < G; g++)
+            for (int t = 0; t < nq; t++) {
+                const float *src = q_raw + ((long)t * H * G + h * G + g) * D;
+                float *dst = q + ((long)h * R + g * nq + t) * D;
+                for (int c = 0; c < D; c++) dst[c] = src[korder[h * D + c]] * scale;
+            }
+    float *o = out_raw ? malloc(sizeof(float) * H * R * D) : out;
+    float *l_out = out_raw ? malloc(sizeof(float) * H * R) : lse;
     const Shape sh = {T, nf, nm, nl, b, lb, H, R, D, rec, off};
     const int nchunks = (nb + CHUNK - 1) / CHUNK;
     const int has_dense = na + tq > 0;
@@ -195,14 +310,14 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
     /* Per item: m[R], l[R], acc[R][D]. */
     const long item_floats = (long)R * (D + 2);
     float *part = malloc(sizeof(float) * item_floats * (items ? items : 1));
-    const long scratch_n = (long)R * (T > na + tq ? T : na + tq) + (long)R * (nm + nl) + D + T;
+    const long scratch_n = (long)R * (T > na + tq ? T : na + tq) + 2L * D + T + 16;
 
 #pragma omp parallel
     {
         float *scratch = malloc(sizeof(float) * scratch_n);
         float *s = scratch;
-        float *qs = s + (long)R * (T > na + tq ? T : na + tq);
-        float *tmp = qs + (long)R * (nm + nl);
+        float *row = s + (long)R * (T > na + tq ? T : na + tq);
+        float *tmp = row + (T > D ? T : D);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             const int h = it / per_head, c = it % per_head;
@@ -214,7 +329,7 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
                 const int end = (c + 1) * CHUNK < nb ? (c + 1) * CHUNK : nb;
                 for (int i = c * CHUNK; i < end; i++) {
                     const uint8_t *blk = arena + (blocks[i] * H + h) * rec;
-                    packed_block(&sh, blk, qh, i == 0 ? mask0 : 0, s, tmp, qs, m, l, acc);
+                    packed_block(&sh, blk, qh, i == 0 ? mask0 : 0, s, row, m, l, acc);
                 }
             } else {
                 dense(&sh, ak + (long)h * na_stride * D, av + (long)h * na_stride * D, na,
@@ -230,21 +345,33 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
                 const float mi = part[(h * per_head + c) * item_floats + r];
                 mx = mi > mx ? mi : mx;
             }
-            float *o = out + ((long)h * R + r) * D;
-            memset(o, 0, sizeof(float) * D);
+            float *orow = o + ((long)h * R + r) * D;
+            memset(orow, 0, sizeof(float) * D);
             float denom = 0.0f;
             for (int c = 0; c < per_head && mx != -INFINITY; c++) {
                 const float *m = part + (h * per_head + c) * item_floats;
                 if (m[r] == -INFINITY) continue;
-                const float w = expf(m[r] - mx);
+                const float w = exp_neg(m[r] - mx);
                 denom += w * m[R + r];
                 const float *acc = m + 2 * R + (long)r * D;
-                for (int d = 0; d < D; d++) o[d] += w * acc[d];
+                for (int d = 0; d < D; d++) orow[d] += w * acc[d];
             }
             if (denom > 0.0f)
-                for (int d = 0; d < D; d++) o[d] /= denom;
-            lse[h * R + r] = denom > 0.0f ? mx + logf(denom) : -INFINITY;
+                for (int d = 0; d < D; d++) orow[d] /= denom;
+            l_out[h * R + r] = denom > 0.0f ? mx + logf(denom) : -INFINITY;
         }
     }
     free(part);
+    free(q);
+    if (out_raw) {
+        for (int h = 0; h < H; h++)
+            for (int g = 0; g < G; g++)
+                for (int t = 0; t < nq; t++) {
+                    const float *src = o + ((long)h * R + g * nq + t) * D;
+                    float *dst = out_raw + ((long)t * H * G + h * G + g) * D;
+                    for (int c = 0; c < D; c++) dst[vorder[h * D + c]] = src[c];
+                }
+        free(o);
+        free(l_out);
+    }
 }

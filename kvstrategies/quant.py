@@ -20,7 +20,9 @@ BITS = (2, 4, 8)  # widths that pack a whole number of codes into a byte
 _MIN_SCALE = 2.0**-14  # fp16's smallest normal: a constant group gets this scale, codes 0
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max quantize `x` in groups along `dim`.
 
     Returns (codes uint8 shaped like x, scale fp16, low fp16), the last two with `dim` kept as

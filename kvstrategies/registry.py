@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from .base import KVSpec, KVStrategy
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
-_strategies: Registry[KVStrategy] = Registry("strategy", ("kvstrategies.full", "kvstrategies.hybrid"))
+_strategies: Registry[KVStrategy] = Registry(
+    "strategy", ("kvstrategies.full", "kvstrategies.hybrid")
+)
 register = _strategies.register
 available = _strategies.available
 get = _strategies.get
@@ -89,7 +91,10 @@ def build(
     cls_name = profile.pinned_class or bandwidth_class(gbps)
     name, reason = select(cls_name, _with_strategy(cfg, strategy))
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
-    options = {**(cfg.strategy_options if cfg.strategy in (name, "auto") else {}), **(options or {})}
+    options = {
+        **(cfg.strategy_options if cfg.strategy in (name, "auto") else {}),
+        **(options or {}),
+    }
     if model is not None:
         options = get(name).prepare(model, tokenizer, options, progress)
     if stores is None:

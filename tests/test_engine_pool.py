@@ -19,8 +19,7 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def spec_of(model):
-    c = model.cfg
-    return kvstrategies.KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, c.identity)
+    return kvstrategies.KVSpec.for_model(model)
 
 
 def pool_kv(model, device_blocks, host_blocks=0):

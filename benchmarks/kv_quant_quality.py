@@ -1,0 +1,188 @@
+"""Quality per bit of `hybrid_fp16_int4` against the full cache and transformers' quanto caches.
+
+DESIGN.md protocol on SmolLM2-135M: the first 2048 tokens of the text, prefill 256, then chunks
+of 16, every token after the prefill scored. For each setting: PPL, its change against the full
+cache of the same engine, mean KL and top-1 agreement against the full cache's logits, and bits
+per element from the bytes actually stored. The peer, transformers' `QuantizedCache` with the
+quanto backend (int4 and int2, groups of 64, 128-token full-precision residual), runs on the
+same model (transformers' Llama loaded from the same GGUF) and text in the same process; its
+bits count the bytes of its quantized tensors plus the residual window at the end of the run.
+Also compares the channel-importance methods at two settings. Writes a PNG of PPL change
+against bits per element.
+
+    python benchmarks/kv_quant_quality.py [--text PATH] [--png docs/kv_quant_curve.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvstrategies  # noqa: E402
+from benchmarks.common import report  # noqa: E402
+from engine.evaluate import perplexity, read_text  # noqa: E402
+from engine.gguf_loader import resolve_model_path  # noqa: E402
+from engine.model import load_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# (fp16_share, bits, low_share): from near-lossless down to 2 bits; the default is the first.
+SETTINGS = [
+    (0.0625, 4, 0.5625),
+    (0.0, 8, 0.0),
+    (0.03125, 4, 0.0),
+    (0.0, 4, 0.0),
+    (0.0625, 4, 0.75),
+    (0.0, 4, 0.75),
+    (0.0, 4, 0.8125),
+    (0.125, 2, 0.0),
+    (0.0, 2, 0.0),
+]
+METHOD_SETTINGS = [(0.0625, 4, 0.5625), (0.125, 2, 0.0)]
+
+
+def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(ref || logits) and top-1 agreement over the scored tokens."""
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(logits, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    return kl, (ref.argmax(-1) == logits.argmax(-1)).float().mean().item()
+
+
+def engine_run(model, tok, ids, name, options=None):
+    spec = kvstrategies.KVSpec.for_model(model)
+    kv = kvstrategies.build(spec, name, options=options, model=model, tokenizer=tok).strategy
+    logits = []
+    res = perplexity(model, ids, kv, logits_out=logits)
+    return res, torch.cat(logits)
+
+
+def quanto_run(ids, nbits: int, prefill=256, chunk=16):
+    """The protocol through transformers' Llama with QuantizedCache(quanto)."""
+    from transformers import AutoModelForCausalLM, QuantizedCache
+
+    path = resolve_model_path("smollm2")
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    cache = QuantizedCache(
+        backend="quanto", config=hf.config, nbits=nbits, q_group_size=64, residual_length=128
+    )
+    out, nll, scored = [], 0.0, 0
+    starts = [0, *range(prefill, len(ids), chunk)]
+    with torch.inference_mode():
+        for i, start in enumerate(starts):
+            end = prefill if i == 0 else min(start + chunk, len(ids))
+            x = torch.tensor([ids[start:end]])
+            logits = hf(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+            first = end - 1 if i == 0 else start
+            last = min(end, len(ids) - 1)
+            rows = logits[first - start : last - start]
+            if len(rows):
+                t = torch.tensor(ids[first + 1 : last + 1])
+                nll -= torch.log_softmax(rows, -1).gather(1, t[:, None]).sum().item()
+                scored += len(t)
+                out.append(rows)
+    stored = 0
+    for layer in cache.layers:
+        for name in ("_quantized_keys", "_quantized_values"):
+            stored += _tensor_bytes(getattr(layer, name, None))
+        stored += layer.keys.numel() * layer.keys.element_size() * 2  # the residual window
+    cfg = hf.config
+    elems = (
+        len(ids)
+        * cfg.num_hidden_layers
+        * 2
+        * cfg.num_key_value_heads
+        * (cfg.hidden_size // cfg.num_attention_heads)
+    )
+    return float(torch.tensor(nll / scored).exp()), torch.cat(out), stored * 8 / elems
+
+
+def _tensor_bytes(t) -> int:
+    """Bytes of a (possibly quanto-subclassed) tensor: the sum of its inner plain tensors."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ours = sorted((r for r in rows if r["cache"] == "hybrid_fp16_int4"), key=lambda r: r["bits"])
+    ax.plot([r["bits"] for r in ours], [r["dppl_pct"] for r in ours], "o-", label="unikv hybrid")
+    for r in ours:
+        ax.annotate(r["setting"], (r["bits"], r["dppl_pct"]), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")  # fmt: skip
+    peers = [r for r in rows if r["cache"].startswith("quanto")]
+    ax.plot([r["bits"] for r in peers], [r["dppl_pct"] for r in peers], "s", color="C3",
+            label="transformers QuantizedCache (quanto)")  # fmt: skip
+    for r in peers:
+        ax.annotate(r["cache"], (r["bits"], r["dppl_pct"]), fontsize=7, xytext=(3, -10),
+                    textcoords="offset points")  # fmt: skip
+    ax.axhline(0.5, color="grey", lw=0.6, ls="--")
+    ax.axhline(2.0, color="grey", lw=0.6, ls=":")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("bits per element (real bytes stored)")
+    ax.set_ylabel("PPL change vs full cache (%)")
+    ax.set_title("SmolLM2-135M, GPL-3, 2048 tokens (DESIGN.md protocol)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--text", default=str(ROOT.parent / "shared" / "texts" / "GPL-3.txt"))
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--png", default=str(ROOT / "docs" / "kv_quant_curve.png"))
+    ap.add_argument("--no-peer", action="store_true", help="skip the quanto runs")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2", progress=False)
+    ids = tok.encode(read_text(args.text))[: args.tokens]
+    full, ref = engine_run(model, tok, ids, "full")
+    rows = [{"cache": "full", "setting": "fp32", "method": "", "ppl": full.ppl, "dppl_pct": 0.0,
+             "kl": 0.0, "top1": 1.0, "bits": full.bits_per_element}]  # fmt: skip
+
+    def add(cache, setting, method, ppl, logits, bits):
+        kl, top1 = compare(ref, logits)
+        rows.append({"cache": cache, "setting": setting, "method": method, "ppl": ppl,
+                     "dppl_pct": (ppl / full.ppl - 1) * 100, "kl": kl, "top1": top1,
+                     "bits": bits})  # fmt: skip
+        print(rows[-1], flush=True)
+
+    for fp16, bits, low in SETTINGS:
+        opts = {"fp16_share": fp16, "bits": bits, "low_share": low}
+        res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts)
+        setting = f"fp16 {fp16:g}, int{bits}" + (f", int2 {low:g}" if low else "")
+        add("hybrid_fp16_int4", setting, "score_error", res.ppl, logits, res.bits_per_element)
+    for fp16, bits, low in METHOD_SETTINGS:
+        for method in ("magnitude", "outlier"):
+            opts = {"fp16_share": fp16, "bits": bits, "low_share": low, "method": method}
+            res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts)
+            setting = f"fp16 {fp16:g}, int{bits}" + (f", int2 {low:g}" if low else "")
+            add("hybrid (method)", setting, method, res.ppl, logits, res.bits_per_element)
+    if not args.no_peer:
+        for nbits in (4, 2):
+            ppl, logits, bits = quanto_run(ids, nbits)
+            add(f"quanto int{nbits}", "g64, residual 128", "", ppl, logits, bits)
+    plot(rows, Path(args.png))
+    report("kv_quant_quality", rows,
+           ["cache", "setting", "method", "ppl", "dppl_pct", "kl", "top1", "bits"],
+           {"png": args.png})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

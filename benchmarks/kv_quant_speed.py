@@ -1,0 +1,146 @@
+"""Decode speed and memory of `hybrid_fp16_int4` against `full`, same model, same process.
+
+For each context length: both strategies prefill the same text (chunks of 512 tokens, as the
+engine's step budget does), then decode `--new-tokens` greedy tokens; only the decode is timed.
+Rounds alternate full, hybrid, full, ... after a warm-up round; tokens/s is the median.
+Also reports KV bytes after the prefill (against what an fp16 cache of the same tokens needs)
+and, with `--rss`, the peak RSS growth of an 8K prefill measured in a fresh child process.
+
+    python benchmarks/kv_quant_speed.py [--contexts 2048 8192] [--new-tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvstrategies  # noqa: E402
+from benchmarks.common import report  # noqa: E402
+from engine.evaluate import read_text  # noqa: E402
+from engine.kv import StepBatch  # noqa: E402
+from engine.model import load_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT.parent / "shared" / "texts" / "GPL-3.txt"
+FALLBACK = ROOT / "kvstrategies" / "data" / "warmup.txt"
+
+
+def context_ids(tok, n: int) -> list[int]:
+    """n tokens of English text (the GPL-3 text repeated, or the bundled warm-up text)."""
+    text = read_text(str(TEXT if TEXT.exists() else FALLBACK))
+    ids = tok.encode(text)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def build(model, tok, name: str, tokens: int):
+    spec = kvstrategies.KVSpec.for_model(model)
+    return kvstrategies.build(spec, name, model=model, tokenizer=tok).strategy
+
+
+def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        toks = torch.tensor(part)
+        pos = torch.arange(start, start + len(part))
+        logits = model.forward(
+            toks, pos, kv, StepBatch([seq], [len(part)]), torch.tensor([len(part) - 1])
+        )
+    return int(logits[0].argmax())
+
+
+def decode(model, kv, first: int, start: int, n: int, seq: int) -> float:
+    """Seconds for n greedy decode steps."""
+    token = first
+    t0 = time.perf_counter()
+    for i in range(n):
+        logits = model.forward(
+            torch.tensor([token]), torch.tensor([start + i]), kv, StepBatch([seq], [1])
+        )
+        token = int(logits[0].argmax())
+    return time.perf_counter() - t0
+
+
+def rss_child(name: str, n: int) -> None:
+    """In a fresh process: peak RSS growth of prefilling n tokens with strategy `name`."""
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2", progress=False)
+    kv = build(model, tok, name, n)
+    ids = context_ids(tok, min(n, model.cfg.context_length))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    prefill(model, kv, ids, 0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"strategy": name, "tokens": n, "rss_growth": peak - base,
+                      "kv_bytes": kv.bytes_used()}))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rss", action="store_true", help="also measure peak RSS of an 8K prefill")
+    ap.add_argument("--rss-child", nargs=2, metavar=("STRATEGY", "TOKENS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child[0], int(args.rss_child[1]))
+        return
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2", progress=False)
+    cfg = model.cfg
+    fp16_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    rows = []
+    for n in args.contexts:
+        n = min(n, cfg.context_length - args.new_tokens)  # room to decode inside the context
+        ids = context_ids(tok, n)
+        names = ("full", "hybrid_fp16_int4")
+        kvs = {name: build(model, tok, name, n) for name in names}
+        samples = {name: [] for name in names}
+        kv_bytes = {}
+        for rnd in range(args.repeats + 1):  # round 0 is the warm-up
+            for name in names:
+                kv = kvs[name]
+                first = prefill(model, kv, ids, rnd)
+                kv_bytes[name] = kv.bytes_used()
+                secs = decode(model, kv, first, n, args.new_tokens, rnd)
+                kv.free(rnd)
+                if rnd:
+                    samples[name].append(args.new_tokens / secs)
+        tps = {name: statistics.median(s) for name, s in samples.items()}
+        rows.append({
+            "context": n,
+            "full_tok_s": tps["full"],
+            "hybrid_tok_s": tps["hybrid_fp16_int4"],
+            "ratio": tps["hybrid_fp16_int4"] / tps["full"],
+            "hybrid_kv_MiB": kv_bytes["hybrid_fp16_int4"] / 2**20,
+            "fp16_kv_MiB": n * fp16_bytes_per_token / 2**20,
+            "fp16_over_hybrid": n * fp16_bytes_per_token / kv_bytes["hybrid_fp16_int4"],
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+        del kvs
+    extra = {}
+    if args.rss:
+        n = 8192
+        for name in ("hybrid_fp16_int4", "full"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", name, str(n)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            extra[f"rss_{name}"] = json.loads(out.stdout.strip().splitlines()[-1])
+        extra["fp16_cache_bytes_8k"] = n * fp16_bytes_per_token
+    cols = ["context", "full_tok_s", "hybrid_tok_s", "ratio", "hybrid_kv_MiB", "fp16_kv_MiB",
+            "fp16_over_hybrid"]  # fmt: skip
+    report("kv_quant_speed", rows, cols, extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""hybrid_fp16_int4: quantization primitives, attention on the packed form against attention over
+the strategy's own reconstruction (C kernel and PyTorch path), calibration files, bad options,
+and quality on the real model."""
+
+import math
+
+import pytest
+import torch
+
+import kvstrategies
+from engine.evaluate import perplexity
+from engine.kv import StepBatch
+from kvstrategies import kernels
+from kvstrategies.calibration import CalibrationMismatch, ChannelStats, collect, ensure_calibration
+from kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
+from memory.config import PoolConfig, TierConfig
+
+from .conftest import make_english
+
+NAME = "hybrid_fp16_int4"
+LAYERS, HEADS, QHEADS, DIM, BS = 2, 2, 6, 32, 16
+SPEC = kvstrategies.KVSpec(LAYERS, HEADS, DIM, torch.float32, "unit", QHEADS // HEADS)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_roundtrip_and_quantization_error(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(3, 5, 64, generator=g) * 4
+    codes, scale, low = quantize(x, bits, -1)
+    assert codes.max() <= 2**bits - 1
+    assert torch.equal(unpack(pack(codes, bits), bits), codes)
+    assert pack(codes, bits).shape[-1] == 64 * bits // 8
+    err = (dequantize(codes, scale, low) - x).abs()
+    # Rounding error is at most half a step (plus fp16 rounding of scale and low).
+    assert (err <= scale.float() * 0.5 + 1e-2 * x.abs().amax(-1, keepdim=True)).all()
+
+
+def test_channel_counts_pack_into_whole_bytes():
+    for share in (0.0, 0.03, 0.0625, 0.2, 1.0):
+        for low in (0.0, 0.5, 0.8):
+            if share + low > 1:
+                continue
+            nf, nm, nl = channel_counts(64, share, low, 4, 2)
+            assert nf + nm + nl == 64 and nm % 2 == 0 and nl % 4 == 0
+
+
+def make(options=None, kernel=True, blocks=64):
+    cls = kvstrategies.get(NAME)
+    opts = cls.check_options(options)
+    layout = cls.layout(SPEC, BS, opts)
+    cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", blocks * layout.page_bytes),))
+    s = kvstrategies.create(NAME, SPEC, cfg, options)
+    if not kernel:
+        s._kernel = None
+    return s
+
+
+def reference(q, k, v, num_past):
+    """Exact causal attention; q: [T, Hq, D], k, v: [Hkv, S, D]."""
+    t = q.shape[0]
+    k = k.repeat_interleave(QHEADS // HEADS, 0)
+    v = v.repeat_interleave(QHEADS // HEADS, 0)
+    scores = torch.einsum("thd,hsd->hts", q, k) / math.sqrt(DIM)
+    mask = torch.arange(k.shape[1])[None, :] > (num_past + torch.arange(t))[:, None]
+    return torch.einsum("hts,hsd->thd", scores.masked_fill(mask, -math.inf).softmax(-1), v)
+
+
+STEPS = [([0], [13]), ([0, 1], [1, 21])] + [([1, 0], [1, 1])] * 10 + [([0], [5]), ([1], [40])]
+
+
+def drive(s, seed=0):
+    """Feed random steps; return (max error vs own reconstruction, vs exact, kernel outputs)."""
+    g = torch.Generator().manual_seed(seed)
+    hist, e_rec, e_exact, outs = {}, 0.0, 0.0, []
+    for sids, lens in STEPS:
+        b = StepBatch(sids, lens)
+        for sid, n in zip(sids, lens, strict=True):
+            assert s.reserve(sid, n)
+        s.begin_step(b)
+        for layer in range(LAYERS):
+            n = b.num_tokens
+            k = torch.randn(n, HEADS, DIM, generator=g) * 2
+            v = torch.randn(n, HEADS, DIM, generator=g)
+            q = torch.randn(n, QHEADS, DIM, generator=g)
+            s.append(layer, k, v)
+            ks, vs = s._reconstruct(layer)
+            out = s.attend(layer, q)
+            outs.append(out)
+            for i, sid in enumerate(sids):
+                rows, past = b.rows(i), s._past[i]
+                pk, pv = hist.get((sid, layer), (torch.empty(HEADS, 0, DIM),) * 2)
+                pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
+                pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
+                hist[(sid, layer)] = (pk, pv)
+                assert ks[i].shape == pk.shape
+                rec = reference(q[rows], ks[i], vs[i], past)
+                e_rec = max(e_rec, (out[rows] - rec).abs().max().item())
+                e_exact = max(
+                    e_exact, (out[rows] - reference(q[rows], pk, pv, past)).abs().max().item()
+                )
+        s.end_step()
+    return e_rec, e_exact, outs
+
+
+OPTION_SETS = [
+    {},
+    {"low_share": 0.0},
+    {"fp16_share": 0.0, "low_share": 0.0, "bits": 8},
+    {"fp16_share": 0.25, "bits": 2, "low_share": 0.0},
+    {"sink_tokens": 0},
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_attends_exactly_over_its_own_reconstruction(options):
+    """Attention on the packed form equals exact attention over what the strategy stores."""
+    e_rec, _, torch_outs = drive(make(options, kernel=False))
+    assert e_rec < 1e-5
+    s = make(options, kernel=True)
+    if s._kernel is None:
+        pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
+    e_rec_k, _, kernel_outs = drive(s)
+    assert e_rec_k < 1e-5
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(torch_outs, kernel_outs, strict=True)) < 1e-5
+    )
+
+
+def test_more_bits_less_error():
+    errors = [drive(make({"fp16_share": 0.0, "low_share": 0.0, "bits": b}))[1] for b in (2, 4, 8)]
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 0.02
+
+
+def test_bytes_count_every_field():
+    s = make({"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2})
+    b = StepBatch([0], [2 * BS + 3])
+    assert s.reserve(0, 2 * BS + 3)
+    s.begin_step(b)
+    for layer in range(LAYERS):
+        s.append(layer, torch.randn(2 * BS + 3, HEADS, DIM), torch.randn(2 * BS + 3, HEADS, DIM))
+        s.attend(layer, torch.randn(2 * BS + 3, QHEADS, DIM))
+    s.end_step()
+    # Per block, layer and head: key codes + key scale/low per channel + value codes + value
+    # scale/low per token for two classes (fp16), plus 2 sinks and 3 tail tokens at fp16.
+    rec = DIM * BS // 2 + 2 * 2 * DIM + BS * DIM // 2 + 2 * BS * 4
+    dense = (2 + 3) * LAYERS * 2 * HEADS * DIM * 2
+    assert s.bytes_used() == 2 * LAYERS * HEADS * rec + dense
+    s.free(0)
+    assert s.bytes_used() == 0 and s.bytes_reserved() == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fp16_share": 1.5}, r"option fp16_share = 1.5; allowed: a number in \[0, 1\]"),
+        ({"low_share": -0.1}, "option low_share = -0.1"),
+        ({"bits": 3}, "option bits = 3; allowed: 2, 4, 8"),
+        ({"low_bits": 4, "bits": 2}, "low_bits = 4 is wider than bits = 2"),
+        ({"fp16_share": 0.6, "low_share": 0.6}, "fp16_share \\+ low_share"),
+        ({"method": "vibes"}, "option method = 'vibes'; allowed: score_error"),
+        ({"sink_tokens": -1}, "option sink_tokens = -1"),
+    ],
+)
+def test_bad_options_name_the_key(options, message):
+    with pytest.raises(ValueError, match=message):
+        kvstrategies.get(NAME).check_options(options)
+
+
+def test_bad_option_in_a_config_file_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('strategy = "hybrid_fp16_int4"\n[strategy_options]\nfp16_share = 2\n')
+    with pytest.raises(ValueError, match=r"bad.toml.*fp16_share = 2"):
+        kvstrategies.build(SPEC, None, path)
+
+
+@pytest.fixture(scope="module")
+def calibration(model, tokenizer, tmp_path_factory):
+    ids = tokenizer.encode(make_english(60, seed=11))
+    stats = collect(model, ids, samples=4, window=128, block=64)
+    path = tmp_path_factory.mktemp("cal") / "smollm2.pt"
+    stats.save(path)
+    return path
+
+
+def test_calibration_file_roundtrip_and_mismatch(model, calibration, tmp_path):
+    cfg = model.cfg
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    stats = ChannelStats.load(calibration, cfg.identity, shape)
+    assert stats.tokens == 4 * 128 and stats.k_blocks == 4 * 2
+    for method in ("score_error", "magnitude", "outlier"):
+        k, v = stats.scores(method)
+        assert k.shape == v.shape == shape and (k >= 0).all()
+    with pytest.raises(CalibrationMismatch, match="made for model .* recompute it"):
+        ChannelStats.load(calibration, "another-model", shape)
+    with pytest.raises(CalibrationMismatch, match="KV shape"):
+        ChannelStats.load(calibration, cfg.identity, (2, 2, 2))
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a calibration")
+    with pytest.raises(CalibrationMismatch, match="not readable"):
+        ChannelStats.load(junk, cfg.identity, shape)
+
+
+def test_ensure_calibration_computes_once_and_refuses_another_models_file(
+    model, tokenizer, tmp_path
+):
+    text = tmp_path / "warm.txt"
+    text.write_text(make_english(30, seed=5))
+    opts = {"calibration": str(tmp_path / "c.pt"), "calibration_text": str(text),
+            "calibration_samples": 2, "calibration_window": 64}  # fmt: skip
+    path = ensure_calibration(model, tokenizer, opts)
+    mtime = path.stat().st_mtime_ns
+    assert ensure_calibration(model, tokenizer, opts) == path
+    assert path.stat().st_mtime_ns == mtime  # reused, not recomputed
+    stats = ChannelStats.load(path, model.cfg.identity, (30, 3, 64))
+    stats.identity = "other"
+    stats.save(path)
+    with pytest.raises(CalibrationMismatch):
+        ensure_calibration(model, tokenizer, opts)
+    ensure_calibration(model, tokenizer, {**opts, "recalibrate": True})  # recomputed on request
+    ChannelStats.load(path, model.cfg.identity, (30, 3, 64))
+
+
+def test_real_model_quality_and_size(model, tokenizer, calibration):
+    """On real text, the default setting stays close to the full cache at under 4.5 bits."""
+    spec = kvstrategies.KVSpec.for_model(model)
+    ids = tokenizer.encode(make_english(120, seed=2))[:640]
+    full = perplexity(model, ids, kvstrategies.build(spec, "full").strategy, prefill=128)
+    hybrid = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
+    res = perplexity(model, ids, hybrid, prefill=128)
+    assert res.bits_per_element < 4.5
+    assert abs(res.ppl / full.ppl - 1) < 0.03
+    low = kvstrategies.build(
+        spec,
+        NAME,
+        options={
+            "calibration": str(calibration),
+            "fp16_share": 0.0,
+            "bits": 2,
+            "low_share": 0.0,
+        },  # fmt: skip
+    ).strategy
+    worse = perplexity(model, ids, low, prefill=128)
+    assert worse.bits_per_element < res.bits_per_element
+    assert worse.ppl > res.ppl  # fewer bits cost quality: the measurement can tell them apart
+
+
+def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, calibration):
+    from transformers import DynamicCache
+
+    from kvstrategies.hf_cache import StrategyCache
+
+    c = hf_model.config
+    spec = kvstrategies.KVSpec(c.num_hidden_layers, c.num_key_value_heads,
+                               c.hidden_size // c.num_attention_heads)  # fmt: skip
+    strategy = kvstrategies.build(spec, NAME).strategy  # no model: channel order, still valid
+    ids = torch.tensor([tokenizer.encode(make_english(20, seed=4))[:150]])
+    with torch.inference_mode():
+        ref = hf_model(input_ids=ids, past_key_values=DynamicCache(config=c)).logits
+        cache = StrategyCache(strategy, c.num_hidden_layers)
+        out = hf_model(input_ids=ids[:, :100], past_key_values=cache).logits
+        out2 = hf_model(input_ids=ids[:, 100:], past_key_values=cache).logits
+    got = torch.cat([out, out2], 1)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.9

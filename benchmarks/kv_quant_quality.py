@@ -52,9 +52,12 @@ def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     return kl, (ref.argmax(-1) == logits.argmax(-1)).float().mean().item()
 
 
-def engine_run(model, tok, ids, name, options=None):
+def engine_run(model, tok, ids, name, options=None, block_size=None):
+    from memory.config import PoolConfig
+
     spec = kvstrategies.KVSpec.for_model(model)
-    kv = kvstrategies.build(spec, name, options=options, model=model, tokenizer=tok).strategy
+    cfg = PoolConfig(block_size=block_size)
+    kv = kvstrategies.build(spec, name, cfg, options=options, model=model, tokenizer=tok).strategy
     logits = []
     res = perplexity(model, ids, kv, logits_out=logits)
     return res, torch.cat(logits)
@@ -148,6 +151,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--png", default=str(ROOT / "docs" / "kv_quant_curve.png"))
     ap.add_argument("--no-peer", action="store_true", help="skip the quanto runs")
+    ap.add_argument(
+        "--ablations", action="store_true",
+        help="only the design choices: sinks, block size (the key group), at the default",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
@@ -163,6 +170,19 @@ def main() -> None:
                      "bits": bits})  # fmt: skip
         print(rows[-1], flush=True)
 
+    if args.ablations:
+        for label, opts, block in (
+            ("default (4 sinks, block 64)", {}, None),
+            ("no sinks", {"sink_tokens": 0}, None),
+            ("16 sinks", {"sink_tokens": 16}, None),
+            ("block 32", {}, 32),
+            ("block 128", {}, 128),
+        ):
+            res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts, block)
+            add("hybrid (ablation)", label, "score_error", res.ppl, logits, res.bits_per_element)
+        report("kv_quant_ablations", rows, ["cache", "setting", "ppl", "dppl_pct", "kl", "top1",
+                                            "bits"])  # fmt: skip
+        return
     for fp16, bits, low in SETTINGS:
         opts = {"fp16_share": fp16, "bits": bits, "low_share": low}
         res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts)

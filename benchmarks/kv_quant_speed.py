@@ -12,11 +12,13 @@ and, with `--rss`, the peak RSS growth of an 8K prefill measured in a fresh chil
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,16 +72,32 @@ def decode(model, kv, first: int, start: int, n: int, seq: int) -> float:
     return time.perf_counter() - t0
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def rss_child(name: str, n: int) -> None:
-    """In a fresh process: peak RSS growth of prefilling n tokens with strategy `name`."""
+    """In a fresh process: peak RSS growth while prefilling n tokens with strategy `name`
+    (RSS sampled every millisecond by a thread; the model load's own peak is excluded)."""
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
     kv = build(model, tok, name, n)
     ids = context_ids(tok, min(n, model.cfg.context_length))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gc.collect()
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     prefill(model, kv, ids, 0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"strategy": name, "tokens": n, "rss_growth": peak - base,
+    done.set()
+    sampler.join()
+    print(json.dumps({"strategy": name, "tokens": len(ids), "rss_growth": peak[0] - base,
                       "kv_bytes": kv.bytes_used()}))  # fmt: skip
 
 

@@ -74,12 +74,17 @@ class _Record:
             ("kfp", 2 * nf * t),  # f16 [nf][T]
             ("vfp", 2 * nf * t),  # f16 [nf][T]
             ("ksc", 2 * 2 * (nm + nl)),  # f16 [2][nm + nl]: scale, low per key channel
-            ("vsc", 2 * 4 * t),  # f16 [4][T]: per token scale, low (main class, low class)
+            ("vsc", 2 * 2 * self.classes * t),  # f16 [2 * classes][T]: per token scale, low
             ("km", nm * t * self.bits // 8),  # u8 [nm][T * b / 8]
             ("kl", nl * t * self.low_bits // 8),
             ("vm", nm * t * self.bits // 8),
             ("vl", nl * t * self.low_bits // 8),
         ]
+
+    @property
+    def classes(self) -> int:
+        """Quantized channel classes present (main, low): each has per-token value scales."""
+        return (self.nm > 0) + (self.nl > 0)
 
     @property
     def offsets(self) -> list[int]:
@@ -344,9 +349,11 @@ class HybridStrategy(KVStrategy):
         parts["kfp"] = k[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
         parts["vfp"] = v[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
         k_sc = []
-        v_sc = torch.zeros(bsz, h, 4, t, dtype=torch.float16, device=k.device)
-        for j, (lo, hi, bits, name) in enumerate(
-            ((nf, nf + nm, r.bits, "m"), (nf + nm, nf + nm + nl, r.low_bits, "l"))
+        v_sc = torch.zeros(bsz, h, 2 * r.classes, t, dtype=torch.float16, device=k.device)
+        j = 0  # index of the class among those present
+        for lo, hi, bits, name in (
+            (nf, nf + nm, r.bits, "m"),
+            (nf + nm, nf + nm + nl, r.low_bits, "l"),
         ):
             if hi == lo:
                 parts["k" + name] = torch.zeros(bsz, h, 0, dtype=torch.uint8, device=k.device)
@@ -361,6 +368,7 @@ class HybridStrategy(KVStrategy):
             v_sc[..., 2 * j, :] = vscale.squeeze(-1)
             v_sc[..., 2 * j + 1, :] = vlow.squeeze(-1)
             parts["v" + name] = pack(vcodes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
+            j += 1
         if k_sc:
             parts["ksc"] = torch.stack(
                 [torch.cat([s for s, _ in k_sc], -1), torch.cat([lw for _, lw in k_sc], -1)], -2
@@ -381,7 +389,7 @@ class HybridStrategy(KVStrategy):
             f[name] = raw[..., at : at + size]
         half = lambda x, *shape: x.contiguous().view(torch.float16).view(bsz, h, *shape).float()  # noqa: E731
         kfp, vfp = half(f["kfp"], nf, t), half(f["vfp"], nf, t)
-        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], 4, t)
+        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], 2 * r.classes, t)
         kparts, vparts = [kfp.transpose(-1, -2)], [vfp.transpose(-1, -2)]
         if nm:
             codes = unpack(f["km"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
@@ -396,7 +404,10 @@ class HybridStrategy(KVStrategy):
                 (codes * ksc[..., 0, nm:, None] + ksc[..., 1, nm:, None]).transpose(-1, -2)
             )
             vc = unpack(f["vl"].reshape(bsz, h, nl, -1), r.low_bits).float()
-            vparts.append((vc * vsc[..., 2:3, :] + vsc[..., 3:4, :]).transpose(-1, -2))
+            at = 2 if nm else 0  # the low class's rows follow the main class's
+            vparts.append(
+                (vc * vsc[..., at : at + 1, :] + vsc[..., at + 1 : at + 2, :]).transpose(-1, -2)
+            )
         return torch.cat(kparts, -1), torch.cat(vparts, -1)
 
     # ---- attention ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@
  *   kfp  f16 [nf][T]       key fp16 channels
  *   vfp  f16 [nf][T]       value fp16 channels
  *   ksc  f16 [2][nm+nl]    key scale and low, per channel of the block
- *   vsc  f16 [4][T]        value scale, low per token: main class, then low class
+ *   vsc  f16 [2*cls][T]    value scale, low per token: main class, then low class (cls of
+ *                          them present: a class with no channels has no rows)
  *   km   u8  [nm][T*b/8]   key codes
  *   kl   u8  [nl][T*lb/8]
  *   vm   u8  [nm][T*b/8]   value codes
@@ -180,8 +181,9 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
     const _Float16 *vsc = (const _Float16 *)(blk + sh->off[OFF_VSC]);
     const uint8_t *km = blk + sh->off[OFF_KM], *kl = blk + sh->off[OFF_KL];
     const uint8_t *vm = blk + sh->off[OFF_VM], *vl = blk + sh->off[OFF_VL];
+    enum { LOWROW = KNM ? 2 : 0, CLASSES = (KNM > 0) + (KNL > 0) };
     float vs[4 * T]; /* value scale, low per token: main, low class */
-    h2f(vsc, 4 * T, vs);
+    h2f(vsc, 2 * CLASSES * T, vs);
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int rn = R - r0 < RB ? R - r0 : RB;
         /* Scores of rows r0.. over the block's T tokens: sum over channels of q * key row. */
@@ -221,7 +223,7 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
                 const uint8_t *codes = low ? vl + (c - NF - NM) * (T * KLB / 8)
                                            : vm + (c - NF) * (T * KB / 8);
                 unpack(codes, T, low ? KLB : KB, row);
-                const float *sc = vs + (low ? 2 : 0) * T, *lo = vs + (low ? 3 : 1) * T;
+                const float *sc = vs + (low ? LOWROW : 0) * T, *lo = sc + T;
                 for (int t = 0; t < T; t++) row[t] = row[t] * sc[t] + lo[t];
             }
             for (int i = 0; i < rn; i++) {

@@ -91,10 +91,12 @@ def build(
     cls_name = profile.pinned_class or bandwidth_class(gbps)
     name, reason = select(cls_name, _with_strategy(cfg, strategy))
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
-    options = {
-        **(cfg.strategy_options if cfg.strategy in (name, "auto") else {}),
-        **(options or {}),
-    }
+    from_file = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    try:
+        get(name).check_options(from_file)
+    except ValueError as e:
+        raise ValueError(f"{cfg.source}: [strategy_options] {e}") from None
+    options = {**from_file, **(options or {})}
     if model is not None:
         options = get(name).prepare(model, tokenizer, options, progress)
     if stores is None:

@@ -142,8 +142,8 @@ def test_bytes_count_every_field():
         s.attend(layer, torch.randn(2 * BS + 3, QHEADS, DIM))
     s.end_step()
     # Per block, layer and head: key codes + key scale/low per channel + value codes + value
-    # scale/low per token for two classes (fp16), plus 2 sinks and 3 tail tokens at fp16.
-    rec = DIM * BS // 2 + 2 * 2 * DIM + BS * DIM // 2 + 2 * BS * 4
+    # scale/low per token (one class, fp16), plus 2 sinks and 3 tail tokens at fp16.
+    rec = DIM * BS // 2 + 2 * 2 * DIM + BS * DIM // 2 + 2 * BS * 2
     dense = (2 + 3) * LAYERS * 2 * HEADS * DIM * 2
     assert s.bytes_used() == 2 * LAYERS * HEADS * rec + dense
     s.free(0)

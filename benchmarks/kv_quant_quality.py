@@ -30,19 +30,35 @@ from engine.gguf_loader import resolve_model_path  # noqa: E402
 from engine.model import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# (fp16_share, bits, low_share): from near-lossless down to 2 bits; the default is the first.
+# Settings from near-lossless down to 2 bits (options of the strategy; the first is the default).
 SETTINGS = [
-    (0.0625, 4, 0.5625),
-    (0.0, 8, 0.0),
-    (0.03125, 4, 0.0),
-    (0.0, 4, 0.0),
-    (0.0625, 4, 0.75),
-    (0.0, 4, 0.75),
-    (0.0, 4, 0.8125),
-    (0.125, 2, 0.0),
-    (0.0, 2, 0.0),
+    {},
+    {"fp16_share": 0.0, "low_share": 0.0, "bits": 8},
+    {"fp16_share": 0.03125, "low_share": 0.0, "v_fp16_share": 0.03125},
+    {"fp16_share": 0.0, "low_share": 0.0},
+    {"fp16_share": 0.0, "low_share": 0.25},
+    {"fp16_share": 0.0625, "low_share": 0.5625, "v_fp16_share": 0.0625, "v_low_share": 0.5625},
+    {"fp16_share": 0.0, "low_share": 0.75, "v_low_share": 0.75},
+    {"fp16_share": 0.0, "low_share": 0.8125, "v_low_share": 0.75},
+    {"fp16_share": 0.0, "low_share": 0.8125, "v_low_share": 0.8125},
+    {"fp16_share": 0.125, "low_share": 0.0, "v_fp16_share": 0.125, "bits": 2},
+    {"fp16_share": 0.0, "low_share": 0.0, "bits": 2},
 ]
-METHOD_SETTINGS = [(0.0625, 4, 0.5625), (0.125, 2, 0.0)]
+METHOD_SETTINGS = [SETTINGS[0], SETTINGS[9]]
+
+
+def label(options: dict) -> str:
+    """The channel classes of a setting, e.g. 'K 4f+28i4+32i2 / V 64i4' (of 64 channels)."""
+    from kvstrategies.quant import channel_counts
+
+    o = kvstrategies.get("hybrid_fp16_int4").check_options(options)
+    out = []
+    for kind, f, lw in (("K", "fp16_share", "low_share"), ("V", "v_fp16_share", "v_low_share")):
+        nf, nm, nl = channel_counts(64, o[f], o[lw], o["bits"], o["low_bits"])
+        parts = [f"{nf}f" if nf else "", f"{nm}i{o['bits']}" if nm else "",
+                 f"{nl}i{o['low_bits']}" if nl else ""]  # fmt: skip
+        out.append(f"{kind} " + "+".join(p for p in parts if p))
+    return " / ".join(out)
 
 
 def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -125,7 +141,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ours = sorted((r for r in rows if r["cache"] == "hybrid_fp16_int4"), key=lambda r: r["bits"])
     ax.plot([r["bits"] for r in ours], [r["dppl_pct"] for r in ours], "o-", label="unikv hybrid")
     for r in ours:
-        ax.annotate(r["setting"], (r["bits"], r["dppl_pct"]), fontsize=6, xytext=(3, 3),
+        ax.annotate(r["setting"], (r["bits"], r["dppl_pct"]), fontsize=5, xytext=(3, 3),
                     textcoords="offset points")  # fmt: skip
     peers = [r for r in rows if r["cache"].startswith("quanto")]
     ax.plot([r["bits"] for r in peers], [r["dppl_pct"] for r in peers], "s", color="C3",
@@ -183,17 +199,15 @@ def main() -> None:
         report("kv_quant_ablations", rows, ["cache", "setting", "ppl", "dppl_pct", "kl", "top1",
                                             "bits"])  # fmt: skip
         return
-    for fp16, bits, low in SETTINGS:
-        opts = {"fp16_share": fp16, "bits": bits, "low_share": low}
+    for opts in SETTINGS:
         res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts)
-        setting = f"fp16 {fp16:g}, int{bits}" + (f", int2 {low:g}" if low else "")
-        add("hybrid_fp16_int4", setting, "score_error", res.ppl, logits, res.bits_per_element)
-    for fp16, bits, low in METHOD_SETTINGS:
+        add("hybrid_fp16_int4", label(opts), "score_error", res.ppl, logits, res.bits_per_element)
+    for opts in METHOD_SETTINGS:
         for method in ("magnitude", "outlier"):
-            opts = {"fp16_share": fp16, "bits": bits, "low_share": low, "method": method}
-            res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts)
-            setting = f"fp16 {fp16:g}, int{bits}" + (f", int2 {low:g}" if low else "")
-            add("hybrid (method)", setting, method, res.ppl, logits, res.bits_per_element)
+            res, logits = engine_run(
+                model, tok, ids, "hybrid_fp16_int4", {**opts, "method": method}
+            )
+            add("hybrid (method)", label(opts), method, res.ppl, logits, res.bits_per_element)
     if not args.no_peer:
         for nbits in (4, 2):
             ppl, logits, bits = quanto_run(ids, nbits)

@@ -60,31 +60,30 @@ class _Record:
     """Byte layout of one (layer, block, KV head) record; sizes in bytes, in this order."""
 
     T: int
-    nf: int
-    nm: int
-    nl: int
+    k: tuple[int, int, int]  # key channels: (fp16, main width, low width)
+    v: tuple[int, int, int]  # value channels
     bits: int
     low_bits: int
 
     @property
     def fields(self) -> list[tuple[str, int]]:
-        t, nf, nm, nl = self.T, self.nf, self.nm, self.nl
+        t, (kf, km, kl), (vf, vm, vl) = self.T, self.k, self.v
         return [
             # All channel-major: [channels][T], codes packed along the block's tokens.
-            ("kfp", 2 * nf * t),  # f16 [nf][T]
-            ("vfp", 2 * nf * t),  # f16 [nf][T]
-            ("ksc", 2 * 2 * (nm + nl)),  # f16 [2][nm + nl]: scale, low per key channel
-            ("vsc", 2 * 2 * self.classes * t),  # f16 [2 * classes][T]: per token scale, low
-            ("km", nm * t * self.bits // 8),  # u8 [nm][T * b / 8]
-            ("kl", nl * t * self.low_bits // 8),
-            ("vm", nm * t * self.bits // 8),
-            ("vl", nl * t * self.low_bits // 8),
+            ("kfp", 2 * kf * t),  # f16 [kf][T]
+            ("vfp", 2 * vf * t),  # f16 [vf][T]
+            ("ksc", 2 * 2 * (km + kl)),  # f16 [2][km + kl]: scale, low per key channel
+            ("vsc", 2 * 2 * self.v_classes * t),  # f16 [2 * classes][T]: per token scale, low
+            ("km", km * t * self.bits // 8),  # u8 [km][T * b / 8]
+            ("kl", kl * t * self.low_bits // 8),
+            ("vm", vm * t * self.bits // 8),
+            ("vl", vl * t * self.low_bits // 8),
         ]
 
     @property
-    def classes(self) -> int:
-        """Quantized channel classes present (main, low): each has per-token value scales."""
-        return (self.nm > 0) + (self.nl > 0)
+    def v_classes(self) -> int:
+        """Quantized value classes present (main, low): each has per-token scales."""
+        return (self.v[1] > 0) + (self.v[2] > 0)
 
     @property
     def offsets(self) -> list[int]:
@@ -134,10 +133,14 @@ class HybridStrategy(KVStrategy):
     lossless = False
     default_block_size = 64
     options: ClassVar[dict[str, Any]] = {
-        "fp16_share": 0.0625,  # channels kept fp16, per layer, head and K/V
+        "fp16_share": 0.0625,  # key channels kept fp16, per layer and head
         "bits": 4,  # width of the main class
-        "low_share": 0.5625,  # least important channels stored at low_bits
+        "low_share": 0.5,  # least important key channels stored at low_bits
         "low_bits": 2,
+        # Values: a second class costs per-token scales (0.5 bit/element), so by default
+        # values are one int4 class; None = the same shares as the keys.
+        "v_fp16_share": 0.0,
+        "v_low_share": 0.0,
         "sink_tokens": 4,  # first tokens kept fp16
         "method": "score_error",  # channel-importance method of the calibration
         "calibration": None,  # calibration file; None: per-model file in the cache dir
@@ -152,6 +155,8 @@ class HybridStrategy(KVStrategy):
         opts = super().check_options(options)
         opts["fp16_share"] = _check_share("fp16_share", opts["fp16_share"])
         opts["low_share"] = _check_share("low_share", opts["low_share"])
+        for key, base in (("v_fp16_share", "fp16_share"), ("v_low_share", "low_share")):
+            opts[key] = opts[base] if opts[key] is None else _check_share(key, opts[key])
         opts["bits"] = _check_bits("bits", opts["bits"])
         opts["low_bits"] = _check_bits("low_bits", opts["low_bits"])
         if opts["low_bits"] > opts["bits"]:
@@ -159,11 +164,12 @@ class HybridStrategy(KVStrategy):
                 f"strategy 'hybrid_fp16_int4': option low_bits = {opts['low_bits']} is wider "
                 f"than bits = {opts['bits']}; allowed: low_bits <= bits"
             )
-        if opts["fp16_share"] + opts["low_share"] > 1:
-            raise ValueError(
-                "strategy 'hybrid_fp16_int4': options fp16_share + low_share = "
-                f"{opts['fp16_share'] + opts['low_share']:g}; allowed: at most 1"
-            )
+        for f, lw in (("fp16_share", "low_share"), ("v_fp16_share", "v_low_share")):
+            if opts[f] + opts[lw] > 1:
+                raise ValueError(
+                    f"strategy 'hybrid_fp16_int4': options {f} + {lw} = "
+                    f"{opts[f] + opts[lw]:g}; allowed: at most 1"
+                )
         opts["sink_tokens"] = _check_int("sink_tokens", opts["sink_tokens"], 0, 1024)
         opts["calibration_samples"] = _check_int(
             "calibration_samples", opts["calibration_samples"], 1, 100_000
@@ -190,9 +196,9 @@ class HybridStrategy(KVStrategy):
 
     @classmethod
     def _record(cls, spec: KVSpec, block_size: int, opts: dict[str, Any]) -> _Record:
-        nf, nm, nl = channel_counts(
-            spec.head_dim, opts["fp16_share"], opts["low_share"], opts["bits"], opts["low_bits"]
-        )
+        d, b, lb = spec.head_dim, opts["bits"], opts["low_bits"]
+        k = channel_counts(d, opts["fp16_share"], opts["low_share"], b, lb)
+        v = channel_counts(d, opts["v_fp16_share"], opts["v_low_share"], b, lb)
         if block_size * opts["low_bits"] % 8 or block_size * opts["bits"] % 8:
             raise ValueError(
                 f"strategy 'hybrid_fp16_int4': block_size {block_size} must be a "
@@ -203,7 +209,7 @@ class HybridStrategy(KVStrategy):
                 f"strategy 'hybrid_fp16_int4': option sink_tokens = {opts['sink_tokens']}; "
                 f"allowed: at most the block size ({block_size})"
             )
-        return _Record(block_size, nf, nm, nl, opts["bits"], opts["low_bits"])
+        return _Record(block_size, k, v, b, lb)
 
     @classmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
@@ -239,8 +245,9 @@ class HybridStrategy(KVStrategy):
         self._sink_cache: dict[tuple[int, ...], torch.Tensor] = {}  # first tokens -> sinks
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         r = self.rec
-        shape = {"T": r.T, "D": spec.head_dim, "NF": r.nf, "NM": r.nm, "NL": r.nl,
-                 "B": r.bits, "LB": r.low_bits, "G": spec.query_group}  # fmt: skip
+        shape = {"T": r.T, "D": spec.head_dim, "NF": r.k[0], "NM": r.k[1], "NL": r.k[2],
+                 "VF": r.v[0], "VM": r.v[1], "VL": r.v[2], "B": r.bits, "LB": r.low_bits,
+                 "G": spec.query_group}  # fmt: skip
         self._kernel = kernels.hybrid_kernel(shape) if dev.type == "cpu" else None
 
     def _load_plan(self, spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
@@ -255,7 +262,7 @@ class HybridStrategy(KVStrategy):
         else:
             stats = ChannelStats.load(o["calibration"], spec.identity, shape)
             ks, vs = stats.scores(o["method"])
-        return plan_from_scores(ks, vs, o["fp16_share"], o["bits"], o["low_share"], o["low_bits"])
+        return plan_from_scores(ks, vs)
 
     # ---- storage -----------------------------------------------------------------------------
 
@@ -343,39 +350,31 @@ class HybridStrategy(KVStrategy):
         """Records [B, H, REC] uint8 of blocks k, v: [B, H, T, D] in stored channel order;
         `mask0` leading tokens of the first block are sinks, left out of its key ranges."""
         r = self.rec
-        nf, nm, nl = r.nf, r.nm, r.nl
         bsz, h, t, _ = k.shape
-        parts = {}
-        parts["kfp"] = k[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
-        parts["vfp"] = v[..., :nf].transpose(-1, -2).half()  # [B, H, nf, T]
+        parts = {"kfp": k[..., : r.k[0]].transpose(-1, -2).half()}  # [B, H, kf, T]
+        parts["vfp"] = v[..., : r.v[0]].transpose(-1, -2).half()  # [B, H, vf, T]
         k_sc = []
-        v_sc = torch.zeros(bsz, h, 2 * r.classes, t, dtype=torch.float16, device=k.device)
-        j = 0  # index of the class among those present
-        for lo, hi, bits, name in (
-            (nf, nf + nm, r.bits, "m"),
-            (nf + nm, nf + nm + nl, r.low_bits, "l"),
-        ):
+        for (lo, hi), bits, name in zip(_classes(r.k), (r.bits, r.low_bits), "ml", strict=True):
             if hi == lo:
-                parts["k" + name] = torch.zeros(bsz, h, 0, dtype=torch.uint8, device=k.device)
-                parts["v" + name] = parts["k" + name]
+                parts["k" + name] = k.new_zeros(bsz, h, 0, dtype=torch.uint8)
                 continue
             # Keys: per channel over the block's tokens, sinks left out of the range.
             kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
             codes, scale, low = _quantize_range(kc, mask0, bits)
-            k_sc.append((scale.squeeze(-1), low.squeeze(-1)))
+            k_sc.append(torch.cat([scale, low], -1))  # [B, H, C, 2]
             parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
-            vcodes, vscale, vlow = quantize(v[..., lo:hi], bits, -1)  # per token
-            v_sc[..., 2 * j, :] = vscale.squeeze(-1)
-            v_sc[..., 2 * j + 1, :] = vlow.squeeze(-1)
-            parts["v" + name] = pack(vcodes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
-            j += 1
-        if k_sc:
-            parts["ksc"] = torch.stack(
-                [torch.cat([s for s, _ in k_sc], -1), torch.cat([lw for _, lw in k_sc], -1)], -2
-            )
-        else:
-            parts["ksc"] = torch.zeros(bsz, h, 0, dtype=torch.float16, device=k.device)
-        parts["vsc"] = v_sc
+        empty = k.new_zeros(bsz, h, 2, 0, dtype=torch.float16)
+        parts["ksc"] = torch.cat(k_sc, -2).transpose(-1, -2) if k_sc else empty  # [B, H, 2, kq]
+        v_sc = []
+        for (lo, hi), bits, name in zip(_classes(r.v), (r.bits, r.low_bits), "ml", strict=True):
+            if hi == lo:
+                parts["v" + name] = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
+                continue
+            # Values: per token over the class's channels.
+            codes, scale, low = quantize(v[..., lo:hi], bits, -1)  # codes [B, H, T, C]
+            v_sc += [scale.squeeze(-1), low.squeeze(-1)]  # rows of [B, H, 2 * classes, T]
+            parts["v" + name] = pack(codes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
+        parts["vsc"] = torch.stack(v_sc, -2) if v_sc else v.new_zeros(bsz, h, 0, t).half()
         return torch.cat([_bytes(parts[name], bsz, h) for name, _ in r.fields], -1)
 
     def _records(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,31 +382,31 @@ class HybridStrategy(KVStrategy):
         r = self.rec
         raw = self._arena[layer].index_select(0, ids)  # [B, H, REC]
         bsz, h, _ = raw.shape
-        t, nf, nm, nl = r.T, r.nf, r.nm, r.nl
+        t, (kf, km, kl), (vf, vm, vl) = r.T, r.k, r.v
         f = {}
         for (name, size), at in zip(r.fields, r.offsets, strict=True):
             f[name] = raw[..., at : at + size]
-        half = lambda x, *shape: x.contiguous().view(torch.float16).view(bsz, h, *shape).float()  # noqa: E731
-        kfp, vfp = half(f["kfp"], nf, t), half(f["vfp"], nf, t)
-        ksc, vsc = half(f["ksc"], 2, nm + nl), half(f["vsc"], 2 * r.classes, t)
-        kparts, vparts = [kfp.transpose(-1, -2)], [vfp.transpose(-1, -2)]
-        if nm:
-            codes = unpack(f["km"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
-            kparts.append(
-                (codes * ksc[..., 0, :nm, None] + ksc[..., 1, :nm, None]).transpose(-1, -2)
-            )
-            vc = unpack(f["vm"].reshape(bsz, h, nm, -1), r.bits).float()  # [B, H, nm, T]
-            vparts.append((vc * vsc[..., 0:1, :] + vsc[..., 1:2, :]).transpose(-1, -2))
-        if nl:
-            codes = unpack(f["kl"].reshape(bsz, h, nl, -1), r.low_bits).float()
-            kparts.append(
-                (codes * ksc[..., 0, nm:, None] + ksc[..., 1, nm:, None]).transpose(-1, -2)
-            )
-            vc = unpack(f["vl"].reshape(bsz, h, nl, -1), r.low_bits).float()
-            at = 2 if nm else 0  # the low class's rows follow the main class's
-            vparts.append(
-                (vc * vsc[..., at : at + 1, :] + vsc[..., at + 1 : at + 2, :]).transpose(-1, -2)
-            )
+
+        def half(x: torch.Tensor, *shape: int) -> torch.Tensor:
+            return x.contiguous().view(torch.float16).view(bsz, h, *shape).float()
+
+        ksc, vsc = half(f["ksc"], 2, km + kl), half(f["vsc"], 2 * r.v_classes, t)
+        kparts = [half(f["kfp"], kf, t).transpose(-1, -2)]
+        vparts = [half(f["vfp"], vf, t).transpose(-1, -2)]
+        at = 0  # key scale column / value scale row of the class
+        for n, bits, name in ((km, r.bits, "m"), (kl, r.low_bits, "l")):
+            if n:
+                codes = unpack(f["k" + name].reshape(bsz, h, n, -1), bits).float()  # [B, H, n, T]
+                sc = ksc[..., at : at + n, None]  # [B, H, 2, n, 1]
+                kparts.append((codes * sc[..., 0, :, :] + sc[..., 1, :, :]).transpose(-1, -2))
+                at += n
+        at = 0
+        for n, bits, name in ((vm, r.bits, "m"), (vl, r.low_bits, "l")):
+            if n:
+                codes = unpack(f["v" + name].reshape(bsz, h, n, -1), bits).float()
+                scale, low = vsc[..., at : at + 1, :], vsc[..., at + 1 : at + 2, :]
+                vparts.append((codes * scale + low).transpose(-1, -2))
+                at += 2
         return torch.cat(kparts, -1), torch.cat(vparts, -1)
 
     # ---- attention ---------------------------------------------------------------------------
@@ -461,8 +460,9 @@ class HybridStrategy(KVStrategy):
             out = torch.empty(h, hq // h * n, d)
             lse = torch.empty(h, hq // h * n)
         self._kernel.hybrid_attend(
-            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.T, r.nf,
-            r.nm, r.nl, r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, hq // h, n, d,
+            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.T, r.k[0],
+            r.k[1], r.k[2], r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, hq // h, n,
+            d,
             q.data_ptr(), self._k_order[layer].data_ptr(), self._v_order[layer].data_ptr(),
             self.scale, dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d,
             kernels.ptr(ck), kernels.ptr(cv), h * d, 0 if ck is None else n,
@@ -581,9 +581,18 @@ class HybridStrategy(KVStrategy):
     def stats(self) -> dict:
         out = super().stats()
         r = self.rec
-        out["channels"] = {"fp16": r.nf, f"int{r.bits}": r.nm, f"int{r.low_bits}": r.nl}
+        out["channels"] = {
+            kind: {"fp16": c[0], f"int{r.bits}": c[1], f"int{r.low_bits}": c[2]}
+            for kind, c in (("keys", r.k), ("values", r.v))
+        }
         out["kernel"] = "c" if self._kernel is not None else f"torch ({kernels.KERNEL_ERROR})"
         return out
+
+
+def _classes(counts: tuple[int, int, int]) -> list[tuple[int, int]]:
+    """Channel ranges [lo, hi) of the main and the low class after the fp16 channels."""
+    nf, nm, nl = counts
+    return [(nf, nf + nm), (nf + nm, nf + nm + nl)]
 
 
 def _quantize_range(x: torch.Tensor, skip: int, bits: int):

@@ -4,7 +4,8 @@
  * path in kvstrategies/hybrid.py computes the same thing and is what the tests compare against.
  *
  * One pool block holds, per KV head, one record of `rec` bytes (offsets in `off`, channels in
- * the calibrated order: nf fp16 channels, nm main-width channels, nl low-width channels):
+ * the calibrated order: nf fp16 channels, nm main-width channels, nl low-width channels; keys
+ * and values each have their own three counts):
  *   kfp  f16 [nf][T]       key fp16 channels
  *   vfp  f16 [nf][T]       value fp16 channels
  *   ksc  f16 [2][nm+nl]    key scale and low, per channel of the block
@@ -39,8 +40,8 @@
  * size, head dim, class sizes and widths are then constants, and the hot loops below run on
  * registers of 16 floats with no remainder handling. */
 #if !defined(KT) || !defined(KD) || !defined(KNF) || !defined(KNM) || !defined(KNL) || \
-    !defined(KB) || !defined(KLB)
-#error "compile with -DKT= -DKD= -DKNF= -DKNM= -DKNL= -DKB= -DKLB= (see kernels.py)"
+    !defined(KVF) || !defined(KVM) || !defined(KVL) || !defined(KB) || !defined(KLB)
+#error "compile with -DKT= -DKD= -DKNF= -DKNM= -DKNL= -DKVF= -DKVM= -DKVL= -DKB= -DKLB="
 #endif
 #if KT % 16 || KD % 16
 #error "KT and KD must be multiples of 16"
@@ -181,7 +182,7 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
     const _Float16 *vsc = (const _Float16 *)(blk + sh->off[OFF_VSC]);
     const uint8_t *km = blk + sh->off[OFF_KM], *kl = blk + sh->off[OFF_KL];
     const uint8_t *vm = blk + sh->off[OFF_VM], *vl = blk + sh->off[OFF_VL];
-    enum { LOWROW = KNM ? 2 : 0, CLASSES = (KNM > 0) + (KNL > 0) };
+    enum { VF = KVF, VM = KVM, VL = KVL, LOWROW = KVM ? 2 : 0, CLASSES = (KVM > 0) + (KVL > 0) };
     float vs[4 * T]; /* value scale, low per token: main, low class */
     h2f(vsc, 2 * CLASSES * T, vs);
     for (int r0 = 0; r0 < R; r0 += RB) {
@@ -216,12 +217,12 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
             for (int j = 0; j < T / 16; j++)
                 p[i][j] = i < rn ? load16(s + (long)(r0 + i) * T + 16 * j) : (v16){0};
         for (int c = 0; c < D; c++) {
-            if (c < NF) {
+            if (c < VF) {
                 h2f(vfp + c * T, T, row);
             } else {
-                const int low = c >= NF + NM;
-                const uint8_t *codes = low ? vl + (c - NF - NM) * (T * KLB / 8)
-                                           : vm + (c - NF) * (T * KB / 8);
+                const int low = c >= VF + VM;
+                const uint8_t *codes = low ? vl + (c - VF - VM) * (T * KLB / 8)
+                                           : vm + (c - VF) * (T * KB / 8);
                 unpack(codes, T, low ? KLB : KB, row);
                 const float *sc = vs + (low ? LOWROW : 0) * T, *lo = sc + T;
                 for (int t = 0; t < T; t++) row[t] = row[t] * sc[t] + lo[t];

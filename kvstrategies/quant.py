@@ -6,8 +6,9 @@ one fp16 `scale` and one fp16 `low` per group, and read back as q * scale + low.
 (m = n * b // 8), so that unpacking with one shift yields a contiguous run of elements. That is
 what lets the attention kernel (`kvstrategies/kernels.py`) read packed blocks with plain loops.
 
-`ChannelPlan` says which channels of each layer and KV head stay fp16, which get the main bit
-width and which the low one; the channel-importance evaluator (`calibration.py`) makes it.
+`ChannelPlan` orders the channels of each layer and KV head by importance (from the
+channel-importance evaluator, `calibration.py`); `channel_counts` says how many of them stay
+fp16, get the main bit width, or the low one.
 """
 
 from __future__ import annotations
@@ -65,29 +66,13 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class ChannelPlan:
-    """Channel classes per (layer, KV head), for keys and for values.
-
-    `k_order`/`v_order`: [layers, kv_heads, head_dim] permutations listing the fp16 channels
-    first, then the `bits` channels, then the `low_bits` channels. Storage keeps channels in
-    this order; queries are permuted the same way for keys, outputs are permuted back for values.
-    """
+    """Stored channel order per (layer, KV head): `k_order`/`v_order` are [layers, kv_heads,
+    head_dim] permutations, most important channel first. Storage keeps channels in this order
+    (the fp16 class first, then the main width, then the low width); queries are permuted the
+    same way for keys, outputs are permuted back for values."""
 
     k_order: torch.Tensor
     v_order: torch.Tensor
-    n_fp16: int
-    n_main: int
-    n_low: int
-    bits: int
-    low_bits: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_fp16 + self.n_main + self.n_low
-
-    def stored_bits(self) -> float:
-        """Bits per channel of the codes alone (no scales), averaged over a head's channels."""
-        codes = 16 * self.n_fp16 + self.bits * self.n_main + self.low_bits * self.n_low
-        return codes / self.head_dim
 
 
 def channel_counts(head_dim: int, fp16_share: float, low_share: float, bits: int, low_bits: int):
@@ -104,17 +89,8 @@ def channel_counts(head_dim: int, fp16_share: float, low_share: float, bits: int
     return n_fp16, rest - n_fp16, n_low
 
 
-def plan_from_scores(
-    k_scores: torch.Tensor,
-    v_scores: torch.Tensor,
-    fp16_share: float,
-    bits: int,
-    low_share: float = 0.0,
-    low_bits: int = 2,
-) -> ChannelPlan:
-    """Rank channels by importance ([layers, kv_heads, head_dim], higher = keep more precision)."""
-    d = k_scores.shape[-1]
-    n_f, n_m, n_l = channel_counts(d, fp16_share, low_share, bits, low_bits)
+def plan_from_scores(k_scores: torch.Tensor, v_scores: torch.Tensor) -> ChannelPlan:
+    """Order channels by importance ([layers, kv_heads, head_dim], higher = keep more precision)."""
     k_order = torch.argsort(k_scores, dim=-1, descending=True, stable=True)
     v_order = torch.argsort(v_scores, dim=-1, descending=True, stable=True)
-    return ChannelPlan(k_order, v_order, n_f, n_m, n_l, bits, low_bits)
+    return ChannelPlan(k_order, v_order)

@@ -104,6 +104,7 @@ def drive(s, seed=0):
 
 OPTION_SETS = [
     {},
+    {"v_fp16_share": 0.25, "v_low_share": 0.5, "fp16_share": 0.0},
     {"low_share": 0.0},
     {"fp16_share": 0.0, "low_share": 0.0, "bits": 8},
     {"fp16_share": 0.25, "bits": 2, "low_share": 0.0},
@@ -158,6 +159,7 @@ def test_bytes_count_every_field():
         ({"bits": 3}, "option bits = 3; allowed: 2, 4, 8"),
         ({"low_bits": 4, "bits": 2}, "low_bits = 4 is wider than bits = 2"),
         ({"fp16_share": 0.6, "low_share": 0.6}, "fp16_share \\+ low_share"),
+        ({"v_low_share": 2}, r"option v_low_share = 2; allowed: a number in \[0, 1\]"),
         ({"method": "vibes"}, "option method = 'vibes'; allowed: score_error"),
         ({"sink_tokens": -1}, "option sink_tokens = -1"),
     ],

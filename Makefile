@@ -23,6 +23,11 @@ $(VENV)/.deps-test: $(VENV)/.deps-run
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
+# Benchmark extras (the quanto peer, matplotlib for the charts).
+$(VENV)/.deps-bench: $(VENV)/.deps-test
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]'
+	touch $@
+
 run: $(VENV)/.deps-run
 	$(VENV)/bin/unikv run --prompt "$(PROMPT)" --chat
 
@@ -37,6 +42,11 @@ lint: $(VENV)/.deps-test
 format: $(VENV)/.deps-test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+bench: $(VENV)/.deps-bench
+	@echo "benchmark dependencies installed; run one at a time (see BENCHMARKS.md), e.g."
+	@echo "  $(PY) benchmarks/kv_quant_quality.py"
+	@echo "  $(PY) benchmarks/kv_quant_speed.py --rss"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -187,7 +187,7 @@ def main() -> None:
         print(rows[-1], flush=True)
 
     if args.ablations:
-        for label, opts, block in (
+        for what, opts, block in (
             ("default (4 sinks, block 64)", {}, None),
             ("no sinks", {"sink_tokens": 0}, None),
             ("16 sinks", {"sink_tokens": 16}, None),
@@ -195,7 +195,7 @@ def main() -> None:
             ("block 128", {}, 128),
         ):
             res, logits = engine_run(model, tok, ids, "hybrid_fp16_int4", opts, block)
-            add("hybrid (ablation)", label, "score_error", res.ppl, logits, res.bits_per_element)
+            add("hybrid (ablation)", what, "score_error", res.ppl, logits, res.bits_per_element)
         report("kv_quant_ablations", rows, ["cache", "setting", "ppl", "dppl_pct", "kl", "top1",
                                             "bits"])  # fmt: skip
         return

@@ -63,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
             "hybrid_fp16_int4 options",
             "override the config file's [strategy_options] (see README: Strategies)",
         )
-        g.add_argument("--fp16-share", type=float, help="share of channels kept fp16, 0..1")
+        g.add_argument("--fp16-share", type=float, help="share of key channels kept fp16, 0..1")
         g.add_argument("--bits", type=int, help="bit width of the main channels: 2, 4 or 8")
-        g.add_argument("--low-share", type=float, help="share of channels at --low-bits, 0..1")
+        g.add_argument("--low-share", type=float, help="share of key channels at --low-bits")
         g.add_argument("--low-bits", type=int, help="bit width of the least important channels")
+        g.add_argument("--v-fp16-share", type=float, help="value channels kept fp16 (default 0)")
+        g.add_argument("--v-low-share", type=float, help="value channels at --low-bits (default 0)")
         g.add_argument("--sink-tokens", type=int, help="first tokens kept fp16 (default 4)")
         g.add_argument("--calibration", help="calibration file (default: per-model, cached)")
         g.add_argument(
@@ -215,7 +217,8 @@ def _check_kv_args(args: argparse.Namespace) -> None:
         kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
 
 
-_KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "sink_tokens", "calibration")
+_KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "v_fp16_share", "v_low_share",
+             "sink_tokens", "calibration")  # fmt: skip
 
 
 def _kv_options(args: argparse.Namespace) -> dict:

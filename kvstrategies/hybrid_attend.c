@@ -240,8 +240,13 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
 /* Dense tokens of one head: `na` fp16 tokens seen by all rows, then `tq` float causal tokens. */
 static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int na,
                   const float *ck, const float *cv, long cstride, int tq, const float *q,
-                  float *s, float *tmp, float *m, float *l, float *acc) {
-    const int R = sh->R, D = sh->D, n = na + tq;
+                  float *s, float *m, float *l, float *acc) {
+    enum { D = KD };
+    const int R = sh->R, n = na + tq;
+    /* The fp16 tokens once as floats (a head's tokens are contiguous rows of D). */
+    float *kf = malloc(sizeof(float) * (2L * na * D + 1)), *vf = kf + (long)na * D;
+    h2f(ak, na * D, kf);
+    h2f(av, na * D, vf);
     for (int r = 0; r < R; r++) {
         const float *qr = q + (long)r * D;
         float *sr = s + (long)r * n;
@@ -251,29 +256,20 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
                 sr[j] = -INFINITY;
                 continue;
             }
-            float dot = 0.0f;
-            if (j < na) {
-                h2f(ak + (long)j * D, D, tmp);
-                for (int c = 0; c < D; c++) dot += qr[c] * tmp[c];
-            } else {
-                const float *k = ck + (long)(j - na) * cstride;
-                for (int c = 0; c < D; c++) dot += qr[c] * k[c];
-            }
-            sr[j] = dot;
+            const float *k = j < na ? kf + (long)j * D : ck + (long)(j - na) * cstride;
+            v16 dot = load16(qr) * load16(k);
+            for (int i = 1; i < D / 16; i++) dot += load16(qr + 16 * i) * load16(k + 16 * i);
+            sr[j] = hsum16(dot);
         }
         softmax_update(sr, n, m + r, l + r, acc + (long)r * D, D);
         float *ar = acc + (long)r * D;
         for (int j = 0; j < visible; j++) {
             const float p = sr[j];
-            if (j < na) {
-                h2f(av + (long)j * D, D, tmp);
-                for (int c = 0; c < D; c++) ar[c] += p * tmp[c];
-            } else {
-                const float *v = cv + (long)(j - na) * cstride;
-                for (int c = 0; c < D; c++) ar[c] += p * v[c];
-            }
+            const float *v = j < na ? vf + (long)j * D : cv + (long)(j - na) * cstride;
+            for (int c = 0; c < D; c++) ar[c] += p * v[c];
         }
     }
+    free(kf);
 }
 
 /* Attention of one sequence's query rows over its packed blocks and dense tokens.
@@ -320,7 +316,6 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
         float *scratch = malloc(sizeof(float) * scratch_n);
         float *s = scratch;
         float *row = s + (long)R * (T > na + tq ? T : na + tq);
-        float *tmp = row + (T > D ? T : D);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             const int h = it / per_head, c = it % per_head;
@@ -336,7 +331,7 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
                 }
             } else {
                 dense(&sh, ak + (long)h * na_stride * D, av + (long)h * na_stride * D, na,
-                      ck + (long)h * D, cv + (long)h * D, cstride, tq, qh, s, tmp, m, l, acc);
+                      ck + (long)h * D, cv + (long)h * D, cstride, tq, qh, s, m, l, acc);
             }
         }
         free(scratch);

@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.cli import main
 
 from .conftest import make_english
 
 
-@pytest.mark.parametrize("argv", [[], ["run"], ["eval"], ["eval", "ppl"]])
+@pytest.mark.parametrize("argv", [[], ["run"], ["eval"], ["eval", "ppl"], ["calibrate"]])
 def test_help_explains_every_command(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--help"])
@@ -182,3 +183,30 @@ def test_cache_needs_an_ssd_tier(tmp_path, capsys):
     cfg = tmp_path / "pool.toml"
     cfg.write_text('[tiers.device]\ncapacity = "8MiB"\n')
     assert "no [tiers.ssd]" in _error(["cache", "stats", "--config", str(cfg)], capsys)
+
+
+def test_hybrid_option_errors_exit_2_before_the_model_loads(text_file, tmp_path, capsys):
+    base = ["eval", "ppl", "--text", str(text_file), "--strategy", "hybrid_fp16_int4"]
+    assert "option fp16_share = 2.0" in _error([*base, "--fp16-share", "2"], capsys)
+    assert "option bits = 3; allowed: 2, 4, 8" in _error([*base, "--bits", "3"], capsys)
+    assert "not found" in _error(["calibrate", "--text", str(tmp_path / "nope.txt")], capsys)
+
+
+def test_calibrate_then_eval_with_the_hybrid_strategy(text_file, tmp_path, capsys):
+    out = tmp_path / "cal.pt"
+    argv = ["calibrate", "--text", str(text_file), "--samples", "2", "--window", "64"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    made = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert made["path"] == str(out) and out.exists() and made["samples"] == 2
+    ppl = ["eval", "ppl", "--text", str(text_file), "--tokens", "320", "--prefill", "64"]
+    hybrid = ["--strategy", "hybrid_fp16_int4", "--calibration", str(out), "--json"]
+    assert main([*ppl, *hybrid]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["strategy"] == "hybrid_fp16_int4" and result["bits_per_element"] < 5
+    # A calibration file made for another model is refused, naming what it was made for.
+    stats = torch.load(out, weights_only=True)
+    stats["identity"] = "some-other-model"
+    torch.save(stats, out)
+    assert main([*ppl, *hybrid]) == 2  # found once the model is loaded: after its progress bar
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("unikv: error: calibration file") and "'some-other-model'" in last

@@ -258,10 +258,10 @@ def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, cal
     strategy = kvstrategies.build(spec, NAME).strategy  # no model: channel order, still valid
     ids = torch.tensor([tokenizer.encode(make_english(20, seed=4))[:150]])
     with torch.inference_mode():
-        ref = hf_model(input_ids=ids, past_key_values=DynamicCache(config=c)).logits
+        ref = hf_model(input_ids=ids, cache=DynamicCache(config=c)).logits
         cache = StrategyCache(strategy, c.num_hidden_layers)
-        out = hf_model(input_ids=ids[:, :100], past_key_values=cache).logits
-        out2 = hf_model(input_ids=ids[:, 100:], past_key_values=cache).logits
+        out = hf_model(input_ids=ids[:, :100], cache=cache).logits
+        out2 = hf_model(input_ids=ids[:, 100:], cache=cache).logits
     got = torch.cat([out, out2], 1)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.9

@@ -21,7 +21,7 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
     return load_config(path, env=env or {}, ram_bytes=RAM)
 
 
-@pytest.mark.parametrize("name", ["unikv.toml", "offload.toml", "small.toml"])
+@pytest.mark.parametrize("name", ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load(ROOT / "configs" / name)
     assert cfg.tiers[0].name == "device" and cfg.block_size is None

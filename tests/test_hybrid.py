@@ -265,3 +265,26 @@ def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, cal
     got = torch.cat([out, out2], 1)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.9
+
+
+async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calibration):
+    """Concurrent requests through the engine; a prompt served again from its published blocks
+    (with the sinks' fp16 KV from the sink cache) gives the same greedy tokens."""
+    import asyncio
+
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    spec = kvstrategies.KVSpec.for_model(model)
+    kv = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
+    ids = tokenizer.encode(make_english(40, seed=9))
+    prompt, others = ids[:150], [ids[200:260], ids[300:330]]
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    async with Engine(model, tokenizer, kv=kv) as e:
+        first = await e.generate(prompt, greedy)
+        again = e.submit(prompt, greedy)
+        rest = await asyncio.gather(again.result(), *(e.generate(p, greedy) for p in others))
+    assert again._req.prefix_hit == 128  # two full 64-token blocks reused
+    assert rest[0].token_ids == first.token_ids
+    assert all(len(c.token_ids) == 12 for c in rest)
+    assert kv.bytes_used() == 0  # every request finished and freed its blocks and side buffers

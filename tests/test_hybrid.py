@@ -288,3 +288,33 @@ async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calib
     assert rest[0].token_ids == first.token_ids
     assert all(len(c.token_ids) == 12 for c in rest)
     assert kv.bytes_used() == 0  # every request finished and freed its blocks and side buffers
+
+
+async def test_preemption_by_swap_changes_no_output(model, tokenizer, calibration):
+    """A device tier too small for all requests: swapped-out sequences come back with their
+    packed blocks (moved through the host tier) and their fp16 side buffers intact."""
+    import asyncio
+
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    spec = kvstrategies.KVSpec.for_model(model)
+    opts = {"calibration": str(calibration)}
+    page = kvstrategies.get(NAME).layout(spec, 64, kvstrategies.get(NAME).check_options(opts))
+    ids = tokenizer.encode(make_english(60, seed=12))
+    prompts = [ids[i * 50 : i * 50 + 120] for i in range(4)]
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    async def serve(device_blocks, host_blocks=0):
+        tiers = [TierConfig("device", device_blocks * page.page_bytes)]
+        if host_blocks:
+            tiers.append(TierConfig("host", host_blocks * page.page_bytes))
+        kv = kvstrategies.build(spec, NAME, PoolConfig(tiers=tuple(tiers)), options=opts).strategy
+        async with Engine(model, tokenizer, kv=kv, prefix_sharing=False) as e:
+            outs = await asyncio.gather(*(e.generate(p, greedy) for p in prompts))
+            return [c.token_ids for c in outs], e.memory_report()
+
+    roomy, _ = await serve(64)
+    tight, report = await serve(8, host_blocks=32)  # 4 requests need 12 blocks at the end
+    assert report["pool"]["preemptions"] > 0 and report["pool"]["moves"]
+    assert tight == roomy

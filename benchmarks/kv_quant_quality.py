@@ -43,6 +43,11 @@ SETTINGS = [
     {"fp16_share": 0.0, "low_share": 0.8125, "v_low_share": 0.8125},
     {"fp16_share": 0.125, "low_share": 0.0, "v_fp16_share": 0.125, "bits": 2},
     {"fp16_share": 0.0, "low_share": 0.0, "bits": 2},
+    # fp8 scale + int8 zero point headers: half the scale overhead, for the low-bit settings
+    {"scales": "fp8"},
+    {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.5625, "v_low_share": 0.6875},
+    {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.625, "v_low_share": 0.625},
+    {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.75, "v_low_share": 0.8125},
 ]
 METHOD_SETTINGS = [SETTINGS[0], SETTINGS[9]]
 
@@ -58,7 +63,7 @@ def label(options: dict) -> str:
         parts = [f"{nf}f" if nf else "", f"{nm}i{o['bits']}" if nm else "",
                  f"{nl}i{o['low_bits']}" if nl else ""]  # fmt: skip
         out.append(f"{kind} " + "+".join(p for p in parts if p))
-    return " / ".join(out)
+    return " / ".join(out) + (", fp8 headers" if o["scales"] == "fp8" else "")
 
 
 def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--v-fp16-share", type=float, help="value channels kept fp16 (default 0)")
         g.add_argument("--v-low-share", type=float, help="value channels at --low-bits (default 0)")
         g.add_argument("--sink-tokens", type=int, help="first tokens kept fp16 (default 4)")
+        g.add_argument("--scales", choices=["fp16", "fp8"], help="group header format")
         g.add_argument("--calibration", help="calibration file (default: per-model, cached)")
         g.add_argument(
             "--recalibrate", action="store_true", default=None, help="recompute the calibration"
@@ -218,7 +219,7 @@ def _check_kv_args(args: argparse.Namespace) -> None:
 
 
 _KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "v_fp16_share", "v_low_share",
-             "sink_tokens", "calibration")  # fmt: skip
+             "sink_tokens", "scales", "calibration")  # fmt: skip
 
 
 def _kv_options(args: argparse.Namespace) -> dict:

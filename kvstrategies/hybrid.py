@@ -34,7 +34,7 @@ from memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from . import kernels
 from .base import KVSpec, KVStrategy
 from .calibration import METHODS
-from .quant import BITS, ChannelPlan, channel_counts, pack, quantize, unpack
+from .quant import BITS, SCALES, ChannelPlan, channel_counts, header_low, pack, quantize, unpack
 from .registry import register
 
 # The kernel pays for itself on few query rows (decode, small chunks); a long prefill chunk is
@@ -64,16 +64,18 @@ class _Record:
     v: tuple[int, int, int]  # value channels
     bits: int
     low_bits: int
+    scales: str = "fp16"  # group headers: fp16 scale + low, or fp8 scale + int8 zero point
 
     @property
     def fields(self) -> list[tuple[str, int]]:
         t, (kf, km, kl), (vf, vm, vl) = self.T, self.k, self.v
+        hb = 2 if self.scales == "fp16" else 1  # bytes of one header entry
         return [
             # All channel-major: [channels][T], codes packed along the block's tokens.
             ("kfp", 2 * kf * t),  # f16 [kf][T]
             ("vfp", 2 * vf * t),  # f16 [vf][T]
-            ("ksc", 2 * 2 * (km + kl)),  # f16 [2][km + kl]: scale, low per key channel
-            ("vsc", 2 * 2 * self.v_classes * t),  # f16 [2 * classes][T]: per token scale, low
+            ("ksc", hb * 2 * (km + kl)),  # [2][km + kl]: scale, low (or zero) per key channel
+            ("vsc", hb * 2 * self.v_classes * t),  # [2 * classes][T]: per token scale, low
             ("km", km * t * self.bits // 8),  # u8 [km][T * b / 8]
             ("kl", kl * t * self.low_bits // 8),
             ("vm", vm * t * self.bits // 8),
@@ -141,6 +143,7 @@ class HybridStrategy(KVStrategy):
         # values are one int4 class; None = the same shares as the keys.
         "v_fp16_share": 0.0,
         "v_low_share": 0.0,
+        "scales": "fp16",  # group headers: "fp16" (scale, low) or "fp8" (scale, int8 zero)
         "sink_tokens": 4,  # first tokens kept fp16
         "method": "score_error",  # channel-importance method of the calibration
         "calibration": None,  # calibration file; None: per-model file in the cache dir
@@ -177,6 +180,11 @@ class HybridStrategy(KVStrategy):
         opts["calibration_window"] = _check_int(
             "calibration_window", opts["calibration_window"], 2, 1 << 20
         )
+        if opts["scales"] not in SCALES:
+            raise ValueError(
+                f"strategy 'hybrid_fp16_int4': option scales = {opts['scales']!r}; "
+                f"allowed: {', '.join(SCALES)}"
+            )
         if opts["method"] not in METHODS:
             raise ValueError(
                 f"strategy 'hybrid_fp16_int4': option method = {opts['method']!r}; "
@@ -209,7 +217,7 @@ class HybridStrategy(KVStrategy):
                 f"strategy 'hybrid_fp16_int4': option sink_tokens = {opts['sink_tokens']}; "
                 f"allowed: at most the block size ({block_size})"
             )
-        return _Record(block_size, k, v, b, lb)
+        return _Record(block_size, k, v, b, lb, opts["scales"])
 
     @classmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
@@ -247,7 +255,7 @@ class HybridStrategy(KVStrategy):
         r = self.rec
         shape = {"T": r.T, "D": spec.head_dim, "NF": r.k[0], "NM": r.k[1], "NL": r.k[2],
                  "VF": r.v[0], "VM": r.v[1], "VL": r.v[2], "B": r.bits, "LB": r.low_bits,
-                 "G": spec.query_group}  # fmt: skip
+                 "G": spec.query_group, "SF": int(r.scales == "fp8")}  # fmt: skip
         self._kernel = kernels.hybrid_kernel(shape) if dev.type == "cpu" else None
 
     def _load_plan(self, spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
@@ -360,21 +368,24 @@ class HybridStrategy(KVStrategy):
                 continue
             # Keys: per channel over the block's tokens, sinks left out of the range.
             kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
-            codes, scale, low = _quantize_range(kc, mask0, bits)
-            k_sc.append(torch.cat([scale, low], -1))  # [B, H, C, 2]
+            codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0)
+            k_sc.append(torch.cat([_bytes1(scale), _bytes1(low)], -1))  # [B, H, C, 2 * hb]
             parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
-        empty = k.new_zeros(bsz, h, 2, 0, dtype=torch.float16)
-        parts["ksc"] = torch.cat(k_sc, -2).transpose(-1, -2) if k_sc else empty  # [B, H, 2, kq]
+        # [B, H, C, 2 * hb] -> rows [scales][lows] of [B, H, 2, C * hb]
+        ksc = torch.cat(k_sc, -2) if k_sc else k.new_zeros(bsz, h, 0, 2, dtype=torch.uint8)
+        hb = ksc.shape[-1] // 2
+        parts["ksc"] = ksc.view(bsz, h, -1, 2, hb).transpose(2, 3).reshape(bsz, h, 2, -1)
         v_sc = []
         for (lo, hi), bits, name in zip(_classes(r.v), (r.bits, r.low_bits), "ml", strict=True):
             if hi == lo:
                 parts["v" + name] = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
                 continue
             # Values: per token over the class's channels.
-            codes, scale, low = quantize(v[..., lo:hi], bits, -1)  # codes [B, H, T, C]
-            v_sc += [scale.squeeze(-1), low.squeeze(-1)]  # rows of [B, H, 2 * classes, T]
+            codes, scale, low = quantize(v[..., lo:hi], bits, -1, r.scales)  # [B, H, T, C]
+            v_sc += [_bytes1(scale), _bytes1(low)]  # rows of [B, H, 2 * classes, T * hb]
             parts["v" + name] = pack(codes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
-        parts["vsc"] = torch.stack(v_sc, -2) if v_sc else v.new_zeros(bsz, h, 0, t).half()
+        empty = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
+        parts["vsc"] = torch.stack([x.reshape(bsz, h, -1) for x in v_sc], -2) if v_sc else empty
         return torch.cat([_bytes(parts[name], bsz, h) for name, _ in r.fields], -1)
 
     def _records(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +401,16 @@ class HybridStrategy(KVStrategy):
         def half(x: torch.Tensor, *shape: int) -> torch.Tensor:
             return x.contiguous().view(torch.float16).view(bsz, h, *shape).float()
 
-        ksc, vsc = half(f["ksc"], 2, km + kl), half(f["vsc"], 2 * r.v_classes, t)
+        def header(x: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+            """[B, H, rows, n] float: scale rows, then low rows (from fp16 or fp8 + zero)."""
+            x = x.contiguous().view(bsz, h, rows // 2, 2, -1)
+            if r.scales == "fp16":
+                return x.view(torch.float16).view(bsz, h, rows, n).float()
+            scale = x[..., 0, :].view(torch.float8_e4m3fn).float()
+            low = header_low(scale, x[..., 1, :].view(torch.int8))
+            return torch.stack([scale, low], -2).view(bsz, h, rows, n)
+
+        ksc, vsc = header(f["ksc"], 2, km + kl), header(f["vsc"], 2 * r.v_classes, t)
         kparts = [half(f["kfp"], kf, t).transpose(-1, -2)]
         vparts = [half(f["vfp"], vf, t).transpose(-1, -2)]
         at = 0  # key scale column / value scale row of the class
@@ -595,21 +615,9 @@ def _classes(counts: tuple[int, int, int]) -> list[tuple[int, int]]:
     return [(nf, nf + nm), (nf + nm, nf + nm + nl)]
 
 
-def _quantize_range(x: torch.Tensor, skip: int, bits: int):
-    """`quantize` along the last axis of x [B, ..., T]; the first `skip` tokens of block 0 (the
-    sinks, stored apart) are left out of its min/max."""
-    levels = (1 << bits) - 1
-    if skip:
-        out = torch.zeros(x.shape[0], *([1] * (x.dim() - 2)), x.shape[-1], dtype=torch.bool)
-        out[0, ..., :skip] = True
-        lo = x.masked_fill(out, float("inf")).amin(-1, keepdim=True)
-        hi = x.masked_fill(out, float("-inf")).amax(-1, keepdim=True)
-    else:
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale = ((hi - lo) / levels).clamp_min(2.0**-14).half()
-    low = lo.half()
-    codes = ((x - low.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
-    return codes, scale, low
+def _bytes1(x: torch.Tensor) -> torch.Tensor:
+    """A header tensor [..., n, 1] (fp16, fp8 or int8) as raw bytes [..., n, itemsize]."""
+    return x.contiguous().view(torch.uint8)
 
 
 def _bytes(x: torch.Tensor, bsz: int, h: int) -> torch.Tensor:

@@ -46,6 +46,11 @@
 #if KT % 16 || KD % 16
 #error "KT and KD must be multiples of 16"
 #endif
+#ifndef KSF
+#define KSF 0 /* group headers: 0 = fp16 scale + fp16 low, 1 = fp8 (e4m3) scale + int8 zero */
+#endif
+#define HB (KSF ? 1 : 2) /* bytes of one header entry */
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int v16i __attribute__((vector_size(64)));
 
@@ -169,6 +174,27 @@ static inline void dequant(const uint8_t *restrict p, int n, int bits, float sca
     for (int i = 0; i < n; i++) out[i] = out[i] * scale + low;
 }
 
+/* e4m3 (no infinities) byte -> float; filled once, the same by every thread. */
+static float fp8_table[256];
+static void fp8_init(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+        fp8_table[b] = b & 128 ? -v : v;
+    }
+}
+
+/* One header row pair of n groups: scales, then the additive lows (-zero * scale for fp8). */
+static inline void header_rows(const uint8_t *p, int n, float *scale, float *low) {
+#if KSF
+    for (int i = 0; i < n; i++) scale[i] = fp8_table[p[i]];
+    for (int i = 0; i < n; i++) low[i] = -(float)(int8_t)p[n + i] * scale[i];
+#else
+    h2f((const _Float16 *)p, n, scale);
+    h2f((const _Float16 *)p + n, n, low);
+#endif
+}
+
 /* One packed block of one head into the running (m, l, acc) of all R rows. Each key channel
  * (and then each value token) is dequantized once into a 64-float row and multiplied into up to
  * RB query rows whose partial results live in v16 registers. */
@@ -178,13 +204,14 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
     const int R = sh->R;
     const _Float16 *kfp = (const _Float16 *)(blk + sh->off[OFF_KFP]);
     const _Float16 *vfp = (const _Float16 *)(blk + sh->off[OFF_VFP]);
-    const _Float16 *ksc = (const _Float16 *)(blk + sh->off[OFF_KSC]);
-    const _Float16 *vsc = (const _Float16 *)(blk + sh->off[OFF_VSC]);
+    const uint8_t *ksc = blk + sh->off[OFF_KSC], *vsc = blk + sh->off[OFF_VSC];
     const uint8_t *km = blk + sh->off[OFF_KM], *kl = blk + sh->off[OFF_KL];
     const uint8_t *vm = blk + sh->off[OFF_VM], *vl = blk + sh->off[OFF_VL];
     enum { VF = KVF, VM = KVM, VL = KVL, LOWROW = KVM ? 2 : 0, CLASSES = (KVM > 0) + (KVL > 0) };
     float vs[4 * T]; /* value scale, low per token: main, low class */
-    h2f(vsc, 2 * CLASSES * T, vs);
+    for (int j = 0; j < CLASSES; j++) header_rows(vsc + j * 2 * T * HB, T, vs + 2 * j * T, vs + (2 * j + 1) * T);
+    float ks[NQ + 1], kl0[NQ + 1]; /* key scale, low per channel */
+    header_rows(ksc, NQ, ks, kl0);
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int rn = R - r0 < RB ? R - r0 : RB;
         /* Scores of rows r0.. over the block's T tokens: sum over channels of q * key row. */
@@ -193,11 +220,9 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
             if (c < NF) {
                 h2f(kfp + c * T, T, row);
             } else if (c < NF + NM) {
-                dequant(km + (c - NF) * (T * KB / 8), T, KB, (float)ksc[c - NF],
-                        (float)ksc[NQ + c - NF], row);
+                dequant(km + (c - NF) * (T * KB / 8), T, KB, ks[c - NF], kl0[c - NF], row);
             } else {
-                dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, (float)ksc[c - NF],
-                        (float)ksc[NQ + c - NF], row);
+                dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, ks[c - NF], kl0[c - NF], row);
             }
             for (int i = 0; i < RB; i++) {
                 const float w = i < rn ? q[(long)(r0 + i) * D + c] : 0.0f;
@@ -291,6 +316,7 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
                    int na, long na_stride, const float *ck, const float *cv, long cstride,
                    int tq, float *out_raw, float *out, float *lse) {
     const int R = G * nq;
+    if (KSF && fp8_table[0x38] == 0.0f) fp8_init(); /* 0x38 is 1.0 */
     float *q = malloc(sizeof(float) * H * R * D);
     for (int h = 0; h < H; h++)
         for (int g = 0; g < G; g++)

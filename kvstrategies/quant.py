@@ -21,18 +21,38 @@ BITS = (2, 4, 8)  # widths that pack a whole number of codes into a byte
 _MIN_SCALE = 2.0**-14  # fp16's smallest normal: a constant group gets this scale, codes 0
 
 
+SCALES = ("fp16", "fp8")  # group header formats: fp16 scale + fp16 low (32 bits), or
+# an fp8 (e4m3) scale + an int8 zero point (16 bits): half the overhead, for the low-bit settings
+
+
 def quantize(
-    x: torch.Tensor, bits: int, dim: int
+    x: torch.Tensor, bits: int, dim: int, scales: str = "fp16", skip: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max quantize `x` in groups along `dim`.
 
-    Returns (codes uint8 shaped like x, scale fp16, low fp16), the last two with `dim` kept as
-    size 1. The codes are computed against the fp16-rounded scale and low, so that
-    `dequantize(*quantize(x))` is exactly what a reader of the stored bytes gets.
+    Returns (codes uint8 shaped like x, scale, low) with `dim` kept as size 1 in the last two:
+    fp16 scale and fp16 low, or (scales="fp8") a float8_e4m3fn scale and an int8 zero point
+    (value = (code - zero) * scale). The codes are computed against the stored (rounded) header,
+    so `dequantize(*quantize(x))` is exactly what a reader of the stored bytes gets. With
+    `skip`, the first `skip` elements of group 0 along the leading axis (attention sinks, stored
+    apart) are left out of the min/max.
     """
     levels = (1 << bits) - 1
-    lo = x.amin(dim, keepdim=True)
-    hi = x.amax(dim, keepdim=True)
+    if skip:
+        out = torch.zeros_like(x, dtype=torch.bool)
+        out.narrow(0, 0, 1).narrow(dim, 0, skip).fill_(True)
+        lo = x.masked_fill(out, float("inf")).amin(dim, keepdim=True)
+        hi = x.masked_fill(out, float("-inf")).amax(dim, keepdim=True)
+    else:
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    if scales == "fp8":
+        # The zero point must fit an int8: a group far from 0 gets a coarser scale. Rounded up
+        # (x 1.07 > one e4m3 half-step) so that the codes still cover [lo, hi].
+        s = torch.maximum((hi - lo) / levels, lo.abs() / 127).clamp(2.0**-9, 400.0)
+        scale = (s * 1.07).to(torch.float8_e4m3fn)
+        zero = torch.round(-lo / scale.float()).clamp_(-128, 127)
+        codes = (x / scale.float() + zero).round_().clamp_(0, levels).to(torch.uint8)
+        return codes, scale, zero.to(torch.int8)
     scale = ((hi - lo) / levels).clamp_min(_MIN_SCALE).half()
     low = lo.half()
     codes = ((x - low.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
@@ -40,8 +60,14 @@ def quantize(
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """codes * scale + low in float32 (scale and low broadcast over the group axis)."""
-    return codes.float() * scale.float() + low.float()
+    """The values of `quantize`'s output in float32 (header broadcast over the group axis)."""
+    s = scale.float()
+    return codes.float() * s + header_low(s, low)
+
+
+def header_low(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The additive term of a group header: its fp16 low, or -zero * scale for an int8 zero."""
+    return -low.float() * scale if low.dtype == torch.int8 else low.float()
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

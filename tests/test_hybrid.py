@@ -22,11 +22,12 @@ LAYERS, HEADS, QHEADS, DIM, BS = 2, 2, 6, 32, 16
 SPEC = kvstrategies.KVSpec(LAYERS, HEADS, DIM, torch.float32, "unit", QHEADS // HEADS)
 
 
+@pytest.mark.parametrize("scales", ["fp16", "fp8"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_pack_roundtrip_and_quantization_error(bits):
+def test_pack_roundtrip_and_quantization_error(bits, scales):
     g = torch.Generator().manual_seed(bits)
-    x = torch.randn(3, 5, 64, generator=g) * 4
-    codes, scale, low = quantize(x, bits, -1)
+    x = torch.randn(3, 5, 64, generator=g) * 4 + 3
+    codes, scale, low = quantize(x, bits, -1, scales)
     assert codes.max() <= 2**bits - 1
     assert torch.equal(unpack(pack(codes, bits), bits), codes)
     assert pack(codes, bits).shape[-1] == 64 * bits // 8
@@ -109,6 +110,7 @@ OPTION_SETS = [
     {"fp16_share": 0.0, "low_share": 0.0, "bits": 8},
     {"fp16_share": 0.25, "bits": 2, "low_share": 0.0},
     {"sink_tokens": 0},
+    {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.625, "v_low_share": 0.625},
 ]
 
 
@@ -161,6 +163,7 @@ def test_bytes_count_every_field():
         ({"fp16_share": 0.6, "low_share": 0.6}, "fp16_share \\+ low_share"),
         ({"v_low_share": 2}, r"option v_low_share = 2; allowed: a number in \[0, 1\]"),
         ({"method": "vibes"}, "option method = 'vibes'; allowed: score_error"),
+        ({"scales": "fp4"}, "option scales = 'fp4'; allowed: fp16, fp8"),
         ({"sink_tokens": -1}, "option sink_tokens = -1"),
     ],
 )

@@ -44,7 +44,7 @@ def context_ids(tok, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def build(model, tok, name: str, tokens: int):
+def build(model, tok, name: str):
     spec = kvstrategies.KVSpec.for_model(model)
     return kvstrategies.build(spec, name, model=model, tokenizer=tok).strategy
 
@@ -82,7 +82,7 @@ def rss_child(name: str, n: int) -> None:
     (RSS sampled every millisecond by a thread; the model load's own peak is excluded)."""
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
-    kv = build(model, tok, name, n)
+    kv = build(model, tok, name)
     ids = context_ids(tok, min(n, model.cfg.context_length))
     gc.collect()
     base, peak, done = _rss(), [0], threading.Event()
@@ -121,7 +121,7 @@ def main() -> None:
         n = min(n, cfg.context_length - args.new_tokens)  # room to decode inside the context
         ids = context_ids(tok, n)
         names = ("full", "hybrid_fp16_int4")
-        kvs = {name: build(model, tok, name, n) for name in names}
+        kvs = {name: build(model, tok, name) for name in names}
         samples = {name: [] for name in names}
         kv_bytes = {}
         for rnd in range(args.repeats + 1):  # round 0 is the warm-up

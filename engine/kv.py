@@ -198,10 +198,19 @@ def attention_runs(
         outs.append(out)
         lses.append(lse)
         start += s
-    lse = torch.stack(lses)  # [R, 1, Hkv, G*T]
-    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # exp(lse_r - logsumexp_r lse_r)
-    out = (weights * torch.stack(outs)).sum(0)  # [1, Hkv, G*T, D]
+    out, _ = merge_partials(list(zip(outs, lses, strict=True)))  # [1, Hkv, G*T, D]
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+def merge_partials(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over disjoint pieces of the keys: (normalized out [..., D], lse [...])
+    per piece -> (out, lse) over all of them, each piece weighted by exp(lse_r - lse).
+    A row that saw nothing in any piece (all lse -inf) comes out as zeros."""
+    lse = torch.stack([p[1] for p in parts])  # [P, ...]
+    weights = torch.softmax(lse, dim=0).nan_to_num_(0.0).unsqueeze(-1)
+    return (weights * torch.stack([p[0] for p in parts])).sum(0), lse.logsumexp(0)
 
 
 class ContiguousKVCache(KVCache):

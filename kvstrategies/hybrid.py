@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.kv import StepBatch
+from engine.kv import StepBatch, merge_partials
 from memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from . import kernels
@@ -48,7 +48,6 @@ class _Seq:
     """One batch sequence's view of its storage for the current step."""
 
     nb: int  # packed blocks (complete before the step)
-    ids_list: list[int]
     ids: torch.Tensor  # their block ids, int64
     mask0: int  # leading tokens of the first packed block attended from the dense sinks
     lo: int  # dense tokens: [lo, hi) of the side buffer's token axis
@@ -245,6 +244,7 @@ class HybridStrategy(KVStrategy):
         self._arena = pool.arena("kv")  # [L, NB, H, REC] uint8
         dev = self._arena.device
         self._k_order = self.plan.k_order.to(dev)
+        self._k_inverse = self.plan.k_order.argsort(-1).to(dev)
         self._v_inverse = self.plan.v_order.argsort(-1).to(dev)
         self._v_order = self.plan.v_order.to(dev)
         self._offsets = torch.tensor(self.rec.offsets, dtype=torch.long)
@@ -296,7 +296,7 @@ class HybridStrategy(KVStrategy):
             lo = 0 if nb else self.S
             hi = self.S + past - nb * self.T
             tensor = torch.tensor(ids, dtype=torch.int64, device=self._arena.device)
-            self._seqs.append(_Seq(nb, ids, tensor, self.S if nb else 0, lo, hi))
+            self._seqs.append(_Seq(nb, tensor, self.S if nb else 0, lo, hi))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         b = self._batch
@@ -448,14 +448,14 @@ class HybridStrategy(KVStrategy):
                 if small:  # everything in one call, output written in the model's layout
                     self._call_kernel(layer, q[rows], seq, dk, dv, ck, cv, out[rows])
                     continue
+            qg = self._queries(layer, q[rows])
+            if self._kernel is not None and g * n <= _KERNEL_MAX_ROWS:
                 o, lse = self._call_kernel(layer, q[rows], seq, dk, dv, None, None, None)
             else:
-                o, lse = self._attend_torch(layer, self._queries(layer, q[rows]), seq.ids_list,
-                                            dk, dv, seq.mask0)  # fmt: skip
+                o, lse = self._attend_torch(layer, qg, seq.ids, dk, dv, seq.mask0)
             # The step's own tokens (causal), merged with the stored part by log-sum-exp.
-            qg = self._queries(layer, q[rows])
             o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
-            o = _merge([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
+            o, _ = merge_partials([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
             o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
             out[rows] = o.view(h, g, n, d).permute(2, 0, 1, 3).reshape(n, h * g, d)
         self._flush(layer)
@@ -480,13 +480,12 @@ class HybridStrategy(KVStrategy):
             out = torch.empty(h, hq // h * n, d)
             lse = torch.empty(h, hq // h * n)
         self._kernel.hybrid_attend(
-            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.T, r.k[0],
-            r.k[1], r.k[2], r.bits, r.low_bits, r.nbytes, self._offsets.data_ptr(), h, hq // h, n,
-            d,
-            q.data_ptr(), self._k_order[layer].data_ptr(), self._v_order[layer].data_ptr(),
-            self.scale, dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d,
-            kernels.ptr(ck), kernels.ptr(cv), h * d, 0 if ck is None else n,
-            kernels.ptr(out_raw), kernels.ptr(out), kernels.ptr(lse),
+            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.nbytes,
+            self._offsets.data_ptr(), h, hq // h, n, q.data_ptr(),
+            self._k_order[layer].data_ptr(), self._v_order[layer].data_ptr(), self.scale,
+            dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d, kernels.ptr(ck),
+            kernels.ptr(cv), h * d, 0 if ck is None else n, kernels.ptr(out_raw),
+            kernels.ptr(out), kernels.ptr(lse),
         )  # fmt: skip
         return out, lse
 
@@ -495,8 +494,7 @@ class HybridStrategy(KVStrategy):
         cache), each attended with its log-sum-exp, then the dense tokens."""
         parts = []
         for c in range(0, len(ids), chunk):
-            idx = torch.tensor(ids[c : c + chunk], dtype=torch.long, device=self._arena.device)
-            k, v = self._records(layer, idx)  # [B, H, T, D]
+            k, v = self._records(layer, ids[c : c + chunk])  # [B, H, T, D]
             bsz, h, t, d = k.shape
             k = k.transpose(0, 1).reshape(h, bsz * t, d)
             v = v.transpose(0, 1).reshape(h, bsz * t, d)
@@ -506,7 +504,7 @@ class HybridStrategy(KVStrategy):
         if not parts:
             h, rows, d = qg.shape
             return qg.new_zeros(h, rows, d), qg.new_full((h, rows), float("-inf"))
-        return _merge(parts), torch.stack([p[1] for p in parts]).logsumexp(0)
+        return merge_partials(parts)
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ks, vs = self._reconstruct(layer)
@@ -518,15 +516,13 @@ class HybridStrategy(KVStrategy):
         b = self._batch
         kp, vp = self._pending[layer]
         ks, vs = [], []
-        for i, sid in enumerate(b.seq_ids):
+        for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
             past, rows = self._past[i], b.rows(i)
-            nb = past // self.T
-            tail = past - nb * self.T
+            tail = past - seq.nb * self.T
             dense = self._dense[sid][layer].float()
             pieces_k, pieces_v = [], []
-            if nb:
-                idx = torch.tensor(self.pool.table(sid).block_ids()[:nb], device=self._arena.device)
-                k, v = self._records(layer, idx)  # [B, H, T, D]
+            if seq.nb:
+                k, v = self._records(layer, seq.ids)  # [B, H, T, D]
                 h, d = k.shape[1], k.shape[3]
                 k = k.transpose(0, 1).reshape(h, -1, d).clone()
                 v = v.transpose(0, 1).reshape(h, -1, d).clone()
@@ -537,8 +533,7 @@ class HybridStrategy(KVStrategy):
             pieces_v += [dense[1, :, self.S : self.S + tail], vp[rows].transpose(0, 1)]
             k, v = torch.cat(pieces_k, 1), torch.cat(pieces_v, 1)
             # Back to the model's channel order.
-            inv_k = self.plan.k_order[layer].argsort(-1).to(k.device)
-            ks.append(torch.gather(k, 2, inv_k[:, None, :].expand_as(k)))
+            ks.append(torch.gather(k, 2, self._k_inverse[layer][:, None, :].expand_as(k)))
             vs.append(torch.gather(v, 2, self._v_inverse[layer][:, None, :].expand_as(v)))
         return ks, vs
 
@@ -671,10 +666,3 @@ def _attend_dense(q, k, v, n):
         qh, kh, vh, 0.0, True, scale=1.0
     )
     return out.reshape(h, rows, d), lse.reshape(h, rows)
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine partial softmax results by their log-sum-exp weights."""
-    lse = torch.stack([p[1] for p in parts])  # [P, H, R]
-    w = torch.softmax(lse, 0).nan_to_num_(0.0).unsqueeze(-1)
-    return (w * torch.stack([p[0] for p in parts])).sum(0)

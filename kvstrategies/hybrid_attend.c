@@ -162,9 +162,8 @@ static void softmax_update(float *s, int n, float *m, float *l, float *acc, int 
 }
 
 typedef struct {
-    int T, nf, nm, nl, b, lb, H, R, D;
-    long rec;
-    const long *off;
+    int R;           /* query rows per KV head */
+    const long *off; /* field offsets in a record */
 } Shape;
 
 /* Codes of one run of n elements, dequantized: out[i] = code_i * scale + low. */
@@ -309,12 +308,12 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
  *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][D];
  *     otherwise out [H][R][D] (stored value order) and lse [H][R] for a merge by the caller.
  */
-void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask0, int T,
-                   int nf, int nm, int nl, int b, int lb, long rec, const long *off, int H,
-                   int G, int nq, int D, const float *q_raw, const int64_t *korder,
+void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask0, long rec,
+                   const long *off, int H, int G, int nq, const float *q_raw, const int64_t *korder,
                    const int64_t *vorder, float scale, const _Float16 *ak, const _Float16 *av,
                    int na, long na_stride, const float *ck, const float *cv, long cstride,
                    int tq, float *out_raw, float *out, float *lse) {
+    enum { T = KT, D = KD }; /* the shape is compiled in (record sizes come from kernels.py) */
     const int R = G * nq;
     if (KSF && fp8_table[0x38] == 0.0f) fp8_init(); /* 0x38 is 1.0 */
     float *q = malloc(sizeof(float) * H * R * D);
@@ -327,7 +326,7 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
             }
     float *o = out_raw ? malloc(sizeof(float) * H * R * D) : out;
     float *l_out = out_raw ? malloc(sizeof(float) * H * R) : lse;
-    const Shape sh = {T, nf, nm, nl, b, lb, H, R, D, rec, off};
+    const Shape sh = {R, off};
     const int nchunks = (nb + CHUNK - 1) / CHUNK;
     const int has_dense = na + tq > 0;
     const int per_head = nchunks + has_dense;

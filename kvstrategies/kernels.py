@@ -86,8 +86,7 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
         return None
     fn = lib.hybrid_attend
     i, lng, p, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [p, p, i, i, i, i, i, i, i, i, lng, p, i, i, i, i, p, p, p, f, p, p, i, lng]
-    fn.argtypes += [p, p, lng, i, p, p, p]
+    fn.argtypes = [p, p, i, i, lng, p, i, i, i, p, p, p, f, p, p, i, lng, p, p, lng, i, p, p, p]
     fn.restype = None
     _libs[key] = lib
     return lib

@@ -60,11 +60,13 @@ def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:
     return int(logits[0].argmax())
 
 
-def decode(model, kv, first: int, start: int, n: int, seq: int) -> float:
-    """Seconds for n greedy decode steps."""
+def decode(model, kv, first: int, start: int, n: int, seq: int, before_step=None) -> float:
+    """Seconds for n greedy decode steps (`before_step()` runs before each, timed with it)."""
     token = first
     t0 = time.perf_counter()
     for i in range(n):
+        if before_step is not None:
+            before_step()
         logits = model.forward(
             torch.tensor([token]), torch.tensor([start + i]), kv, StepBatch([seq], [1])
         )

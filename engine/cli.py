@@ -75,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(
             "--recalibrate", action="store_true", default=None, help="recompute the calibration"
         )
+        h = sp.add_argument_group(
+            "hierarchical_offload options",
+            "override the config file's [strategy_options]; tiers come from the config file",
+        )
+        h.add_argument("--device-window", type=int, help="newest tokens on the device (1024)")
+        h.add_argument("--host-window", type=int, help="next newest tokens in host RAM (2048)")
+        h.add_argument(
+            "--prefetch-depth", type=int, help="layers fetched ahead (default: the chip's)"
+        )
+        h.add_argument(
+            "--no-persist-prefix",
+            dest="persist_prefix",
+            action="store_false",
+            default=None,
+            help="do not write prompt blocks through to the SSD tier",
+        )
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="end stdout with one JSON object")
@@ -219,7 +235,8 @@ def _check_kv_args(args: argparse.Namespace) -> None:
 
 
 _KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "v_fp16_share", "v_low_share",
-             "sink_tokens", "scales", "calibration")  # fmt: skip
+             "sink_tokens", "scales", "calibration", "device_window", "host_window",
+             "prefetch_depth", "persist_prefix")  # fmt: skip
 
 
 def _kv_options(args: argparse.Namespace) -> dict:
@@ -247,6 +264,18 @@ def _memory_lines(mem: dict) -> str:
         lines.append(
             f"[prefix cache: {px['hits']}/{px['queries']} block hits; preemptions "
             f"{pool['preemptions']}; health {pool['health']['state']}]"
+        )
+    pf = mem.get("prefetch")
+    if pf and pf["layers_fetched"]:
+        lines.append(
+            f"[prefetch: depth {pf['depth']}, {pf['hits']}/{pf['layers_fetched']} layers ready "
+            f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited]"
+        )
+    disk = mem.get("disk_prefix_hits")
+    if disk is not None:
+        lines.append(
+            f"[SSD prefix cache: {disk['requests']} requests hit ({disk['blocks']} blocks); "
+            f"{mem['blocks_written_through']} blocks written through]"
         )
     return "\n".join(lines)
 

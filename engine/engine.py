@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memory.config import PoolConfig
+from memory.pool import BlockLostError
 
 from . import compute
 from .kv import KVCache, StepBatch
@@ -97,6 +98,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.kv = kv if kv is not None else default_kv(model)
         self.kv_choice = "full (default)" if kv is None else type(kv).__name__
+        self.owns_kv = kv is None  # a cache the caller gives stays the caller's to close
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         # Off: every request computes its whole prompt (benchmarks that compare compute).
         self.prefix_sharing = prefix_sharing
@@ -142,6 +144,7 @@ class Engine:
             kv, choice = built.strategy, f"{built.name} ({built.reason}; chip {built.chip})"
         engine = cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
         engine.kv_choice = choice
+        engine.owns_kv = choice != "given by the caller"
         return engine
 
     async def __aenter__(self) -> Engine:
@@ -201,6 +204,8 @@ class Engine:
                 self._cancel(req)
         self._wakeup.set()
         await self._loop_task
+        if self.owns_kv:
+            await compute.run(self.kv.close)
 
     # ---- submission and cancellation --------------------------------------------------------
 
@@ -317,6 +322,8 @@ class Engine:
                 continue
             if req.cancelled:
                 self._finish(req, "cancelled")
+            elif isinstance(outcome, BlockLostError):
+                self._recompute(req, outcome)
             elif isinstance(outcome, BaseException):
                 self._finish(req, "error", outcome)
             else:
@@ -400,6 +407,17 @@ class Engine:
             return
         self.kv.free(req.rid)
         self.kv.record_preemption()
+        req.num_computed = 0
+        self._waiting.appendleft(req)
+
+    def _recompute(self, req: _Request, error: BlockLostError) -> None:
+        """Part of `req`'s KV could not be read back (a lost or corrupt block on disk): drop
+        all of it and compute the request's tokens again; its output so far is kept."""
+        log.warning("request %d: %s; recomputing its KV", req.rid, error)
+        self._running.remove(req)
+        self.kv.free(req.rid)
+        self.kv.record_preemption()
+        self.preemptions += 1
         req.num_computed = 0
         self._waiting.appendleft(req)
 

@@ -7,6 +7,8 @@ forward pass (`engine.model`) and the tokenizer (`engine.tokenizer`).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,7 @@ class ModelConfig:
     rope_scaling_type: str = "none"  # "none" | "linear"
     rope_scaling_factor: float = 1.0
     tie_embeddings: bool = True
+    fingerprint: str = ""  # digest of the weights file: KV cached on disk is only reused for it
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,10 +72,11 @@ class ModelConfig:
     @property
     def identity(self) -> str:
         """A short string naming the model's shape, used in cache keys."""
-        return (
+        shape = (
             f"{self.architecture}:{self.name}:L{self.num_layers}:H{self.num_heads}"
             f":KV{self.num_kv_heads}:D{self.head_dim}:V{self.vocab_size}"
         )
+        return f"{shape}:W{self.fingerprint}" if self.fingerprint else shape
 
 
 def resolve_model_path(model: str) -> Path:
@@ -156,6 +160,16 @@ def read_config(reader, path: Path) -> ModelConfig:
     )
 
 
+def file_fingerprint(path: Path) -> str:
+    """A digest of a weights file's bytes (blake2b-128; 0.13 s for the 98 MB SmolLM2 file).
+
+    Part of the model identity, so KV persisted on disk by one set of weights (a prefix cache
+    block, a calibration) is never served to another set under the same name and shape.
+    """
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
 def open_gguf(path: Path):
     """Open a GGUF file with the `gguf` package, turning its failures into a `ModelLoadError`."""
     import gguf
@@ -175,7 +189,7 @@ def load_gguf(
     from gguf import GGMLQuantizationType, quants
 
     reader = open_gguf(path)
-    cfg = read_config(reader, path)
+    cfg = dataclasses.replace(read_config(reader, path), fingerprint=file_fingerprint(path))
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
         qtype = GGMLQuantizationType(t.tensor_type)

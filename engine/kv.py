@@ -120,6 +120,10 @@ class KVCache(ABC):
         """Note that a sequence was dropped to be recomputed later."""
         return None
 
+    def close(self) -> None:
+        """Release what the store holds besides memory (threads, files); idempotent."""
+        return None
+
     def stats(self) -> dict:
         """Memory statistics for reports (JSON-ready)."""
         return {"kv_bytes_used": self.bytes_used(), "kv_bytes_reserved": self.bytes_reserved()}

@@ -61,6 +61,10 @@ class KVStrategy(KVCache):
     lossless: ClassVar[bool] = True
     options: ClassVar[dict[str, Any]] = {}
     default_block_size: ClassVar[int] = 16  # tokens per pool block when the config sets none
+    # Options that change the bytes a block holds (None: all of them); part of prefix hashes.
+    content_options: ClassVar[tuple[str, ...] | None] = None
+    # Options the contract tests run with (small sizes that exercise the whole strategy).
+    contract_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
         self.pool, self.spec = pool, spec
@@ -89,6 +93,16 @@ class KVStrategy(KVCache):
     def prepare(cls, model, tokenizer, options: dict[str, Any], progress: bool = False) -> dict:
         """Per-model preparation before construction (e.g. a calibration); returns the options."""
         return options
+
+    @classmethod
+    def from_profile(cls, profile, options: dict[str, Any]) -> dict[str, Any]:
+        """Options completed from the chip profile (e.g. a prefetch depth); default: as given."""
+        return options
+
+    @classmethod
+    def store_parts(cls, spec: KVSpec) -> int:
+        """Values per block in a store tier: 1, or e.g. one per layer to read layers apart."""
+        return 1
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values as attention sees them, per batch sequence [Hkv, S, D], for `layer`.
@@ -160,8 +174,8 @@ class KVStrategy(KVCache):
         self.pool.record_preemption()
 
     def bytes_reserved(self) -> int:
-        alloc = self.pool.allocators["device"]
-        return alloc.num_used * self.pool.layout.page_bytes
+        used = sum(a.num_used for a in self.pool.allocators.values())
+        return used * self.pool.layout.page_bytes
 
     def stats(self) -> dict:
         return {

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
 _strategies: Registry[KVStrategy] = Registry(
-    "strategy", ("kvstrategies.full", "kvstrategies.hybrid")
+    "strategy", ("kvstrategies.full", "kvstrategies.hybrid", "kvstrategies.offload")
 )
 register = _strategies.register
 available = _strategies.available
@@ -46,9 +46,23 @@ def create(
     opts = cls.check_options(config.strategy_options if options is None else options)
     block_size = config.block_size or cls.default_block_size
     layout = cls.layout(spec, block_size, opts)
-    identity = f"{spec.identity}|{name}|{sorted(opts.items(), key=str)}|bs{block_size}"
-    pool = UnifiedMemoryPool(config, layout, device=device, identity=identity, stores=stores)
+    if stores is None:
+        stores = _ssd_stores(cls, spec, config, opts)
+    pool = UnifiedMemoryPool(
+        config, layout, device=device, identity=content_identity(cls, spec, opts, layout),
+        stores=stores,
+    )  # fmt: skip
     return cls(pool, spec, opts)
+
+
+def content_identity(cls: type[KVStrategy], spec: KVSpec, opts: dict, layout) -> str:
+    """What the bytes of a block depend on besides its tokens: model (with its weights
+    fingerprint), compute dtype, strategy, the options that change stored bytes, and the block
+    layout. Prefix hashes include it, so blocks persisted by one setting never serve another."""
+    keys = sorted(opts) if cls.content_options is None else cls.content_options
+    arenas = ";".join(f"{a.name}:{a.dtype}:{a.shape}" for a in layout.arenas)
+    shown = [(k, opts[k]) for k in keys]
+    return f"{spec.identity}|{spec.dtype}|{cls.name}|{shown}|bs{layout.block_size}|{arenas}"
 
 
 @dataclass(slots=True)
@@ -97,10 +111,9 @@ def build(
     except ValueError as e:
         raise ValueError(f"{cfg.source}: [strategy_options] {e}") from None
     options = {**from_file, **(options or {})}
+    options = get(name).from_profile(profile, options)
     if model is not None:
         options = get(name).prepare(model, tokenizer, options, progress)
-    if stores is None:
-        stores = _ssd_stores(get(name), spec, cfg, options)
     built = create(name, spec, cfg, options, device, stores)
     return Built(built, name, reason, profile.name, cls_name, gbps, cfg)
 
@@ -123,5 +136,10 @@ def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: d
     num_blocks = tc.capacity_bytes // layout.page_bytes
     # The map starts small and grows on demand up to the tier's capacity (plus LMDB overhead).
     limit = 2 * tc.capacity_bytes + (64 << 20)
-    store = create_store("lmdb", path=tc.path, map_size=min(64 << 20, limit), max_map_size=limit)
-    return {"ssd": StoreTier("ssd", layout, num_blocks, store)}
+    try:
+        store = create_store(
+            "lmdb", path=tc.path, map_size=min(64 << 20, limit), max_map_size=limit
+        )
+    except ValueError as e:
+        raise ValueError(f"{cfg.source}: [tiers.ssd] path = {tc.path!r}: {e}") from None
+    return {"ssd": StoreTier("ssd", layout, num_blocks, store, parts=cls.store_parts(spec))}

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from memory.allocator import BlockTable, TierAllocator
@@ -126,47 +128,144 @@ class BlockLostError(RuntimeError):
 
 
 class StoreTier(Tier):
-    """A tier whose blocks live in a `storage` block store (the SSD tier: LMDB), one value each.
+    """A tier whose blocks live in a `storage` block store (the SSD tier: LMDB).
 
-    A value is the block's bytes of every arena, in layout order. The store checksums every
-    value; a block that is missing or corrupt raises `BlockLostError` naming it, so the caller
-    recomputes instead of attending over garbage.
+    Values: with `parts` = 1, one value per block (its bytes of every arena, in layout order).
+    With `parts` = P > 1, every arena's first axis has P entries (a KV layout's layers) and each
+    (block, part) is its own value, so a strategy can read one layer of many blocks while the
+    previous layer computes (`read_part`).
+
+    Keys: a block written by `write` is keyed by this pool session and its id (`transient`,
+    deleted when the block is released). A block `assign`ed a content key (its prefix chain
+    hash) is stored under that key instead: content is written once, shared by every block
+    that holds it, survives the process, and is found again by `has_content` (the persistent
+    prefix cache). The store checksums every value; a missing or corrupt block raises
+    `BlockLostError` naming it, and a corrupt content entry is deleted so it is not hit again.
     """
 
-    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store) -> None:
+    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store, parts: int = 1):
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        for a in layout.arenas:
+            if parts > 1 and (a.shape[0] != parts or a.block_dim == 0):
+                raise ValueError(
+                    f"arena {a.name!r} (shape {a.shape}) cannot be split into {parts} parts "
+                    "along its first axis"
+                )
         self.name, self.layout, self.num_blocks, self.store = name, layout, num_blocks, store
+        self.parts = parts
+        self._session = os.urandom(8)
+        self._content: dict[int, bytes] = {}  # block id -> content key (else transient)
+        # Per arena: the shape of one part of one block, and the block axis within a part.
+        self._part_shape = {
+            a.name: tuple(d for d in a.shape[1 if parts > 1 else 0 :] if d != BLOCKS)
+            for a in layout.arenas
+        }
+        self._part_dim = {a.name: a.block_dim - (1 if parts > 1 else 0) for a in layout.arenas}
+        self.part_bytes = layout.page_bytes // parts
 
-    @staticmethod
-    def _key(block_id: int) -> bytes:
-        return block_id.to_bytes(8, "little")
+    # -- keys ------------------------------------------------------------------------------
+
+    def assign(self, block_id: int, content_key: bytes) -> None:
+        """Key block `block_id` by content from now on (before `write`, or to attach stored
+        content without writing: see `has_content`)."""
+        self._content[block_id] = content_key
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """The blocks were freed: delete their transient values; content stays stored."""
+        transient = [b for b in block_ids if self._content.pop(b, None) is None]
+        keys = [self._key(b, p) for b in transient for p in range(self.parts)]
+        if keys:
+            self.store.delete_many(keys)
+
+    def has_content(self, content_key: bytes) -> bool:
+        """Whether the store holds a block under `content_key` (written whole, all parts)."""
+        return self.store.contains(content_key + _part(0))
+
+    def _key(self, block_id: int, part: int) -> bytes:
+        content = self._content.get(block_id)
+        if content is None:
+            content = b"t" + self._session + block_id.to_bytes(8, "little")
+        return content + _part(part)
+
+    # -- data ------------------------------------------------------------------------------
 
     def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        values = self.store.get_many([self._key(b) for b in block_ids])
-        lost = [b for b, v in zip(block_ids, values, strict=True) if v is None]
-        if lost:
+        if self.parts == 1:
+            return self._decode(block_ids, 0, None)
+        per_part = [self.read_part(block_ids, p) for p in range(self.parts)]
+        return {n: torch.stack([d[n] for d in per_part]) for n in per_part[0]}
+
+    def read_part(self, block_ids: Sequence[int], part: int) -> dict[str, torch.Tensor]:
+        """Part `part` of the blocks, per arena with the block axis holding `block_ids`."""
+        return self._decode(block_ids, part, part)
+
+    def _decode(self, block_ids: Sequence[int], part: int, one: int | None):
+        keys = [self._key(b, part) for b in block_ids]
+        values = self.store.get_many(keys)
+        bad = [i for i, v in enumerate(values) if v is None or len(v) != self._value_bytes(one)]
+        if bad:
+            lost = [block_ids[i] for i in bad]
+            # A content entry that failed its checksum (or has another layout's length) would
+            # be hit again by every later lookup: remove it, so the next request recomputes.
+            stale = [
+                self._content[block_ids[i]] + _part(p)
+                for i in bad
+                if block_ids[i] in self._content
+                for p in range(self.parts)
+            ]
+            if stale:
+                self.store.delete_many(stale)
             raise BlockLostError(
                 f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
             )
-        out: dict[str, list[torch.Tensor]] = {a.name: [] for a in self.layout.arenas}
-        for value in values:
-            offset = 0
-            for a in self.layout.arenas:
-                n = a.bytes_per_block
-                flat = torch.frombuffer(bytearray(value[offset : offset + n]), dtype=torch.uint8)
-                block_shape = tuple(d for d in a.shape if d != BLOCKS)
-                out[a.name].append(flat.view(a.dtype).view(block_shape))
-                offset += n
-        return {a.name: torch.stack(out[a.name], dim=a.block_dim) for a in self.layout.arenas}
+        # numpy, not torch: this runs on I/O threads, where a torch op could start a second
+        # OpenMP team and slow the compute thread's parallel regions (engine/compute.py).
+        out = {}
+        offset = 0
+        for a in self.layout.arenas:
+            shape = (
+                self._part_shape[a.name]
+                if one is not None
+                else tuple(d for d in a.shape if d != BLOCKS)
+            )
+            n = math.prod(shape) * a.dtype.itemsize
+            dim = self._part_dim[a.name] if one is not None else a.block_dim
+            full = list(shape)
+            full.insert(dim, len(values))
+            t = torch.empty(full, dtype=a.dtype)
+            raw = t.view(torch.uint8).numpy()  # last axis in bytes
+            byte_shape = (*shape[:-1], shape[-1] * a.dtype.itemsize)
+            for i, value in enumerate(values):
+                src = np.frombuffer(value, np.uint8, n, offset).reshape(byte_shape)
+                raw[(slice(None),) * dim + (i,)] = src
+            out[a.name] = t
+            offset += n
+        return out
+
+    def _value_bytes(self, part: int | None) -> int:
+        return self.part_bytes if part is not None or self.parts > 1 else self.layout.page_bytes
 
     def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
         items = []
         for i, b in enumerate(block_ids):
-            parts = [
-                data[a.name].select(a.block_dim, i).contiguous().cpu().view(torch.uint8)
-                for a in self.layout.arenas
-            ]
-            items.append((self._key(b), b"".join(p.numpy().tobytes() for p in parts)))
-        self.store.put_many(items)  # one transaction: all blocks land, or none
+            content = self._content.get(b)
+            if content is not None and self.has_content(content):
+                continue  # the same content is stored already (written through, or shared)
+            for p in range(self.parts):
+                parts = []
+                for a in self.layout.arenas:
+                    x = data[a.name].select(a.block_dim, i)
+                    if self.parts > 1:
+                        x = x[p]
+                    parts.append(x.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                items.append((self._key(b, p), b"".join(parts)))
+        if items:
+            self.store.put_many(items)  # one transaction: all blocks land, or none
+
+
+def _part(part: int) -> bytes:
+    return part.to_bytes(2, "little")
 
 
 class UnifiedMemoryPool:
@@ -217,7 +316,8 @@ class UnifiedMemoryPool:
                 num_blocks,
                 self.block_size,
                 low_watermark=tc.low_watermark,
-                prefix_cache=self.prefix if tc.name == "device" else None,
+                # Device and host blocks can be found by content; a store tier is its own index.
+                prefix_cache=self.prefix if isinstance(tier, TensorTier) else None,
             )
         if stores:
             raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
@@ -291,7 +391,8 @@ class UnifiedMemoryPool:
             # Prefer the blocks right after the sequence's last one: attention then reads
             # one run of consecutive slots in place instead of attending piece by piece.
             ids: list[int] = []
-            nxt = table[len(table) - 1].block_id + 1 if len(table) else None
+            last = table[len(table) - 1] if len(table) else None
+            nxt = last.block_id + 1 if last is not None and last.tier == "device" else None
             while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
                 self._forget_room(nxt)
                 ids.append(nxt)
@@ -356,7 +457,13 @@ class UnifiedMemoryPool:
         for ref in table:
             by_tier.setdefault(ref.tier, []).append(ref.block_id)
         for tier, ids in by_tier.items():
-            self.allocators[tier].free(ids)
+            self._release(tier, ids)
+
+    def _release(self, tier: str, ids: list[int]) -> None:
+        self.allocators[tier].free(ids)
+        t = self.tiers[tier]
+        if isinstance(t, StoreTier):
+            t.release([b for b in ids if self.allocators[tier].ref_count(b) == 0])
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Keep the first `num_tokens` slots of `seq`; trailing blocks go back to the pool."""
@@ -366,7 +473,7 @@ class UnifiedMemoryPool:
         if hashes is not None:
             del hashes[num_tokens // self.block_size :]
         for ref in dropped:
-            self.allocators[ref.tier].free([ref.block_id])
+            self._release(ref.tier, [ref.block_id])
 
     def slot_ids(self, seq: SeqId, start: int, end: int) -> torch.Tensor:
         """Device-arena slot index (block_id * block_size + offset) of tokens [start, end)."""
@@ -421,6 +528,52 @@ class UnifiedMemoryPool:
         self._tables[seq], self._hashes[seq] = table, hashes
         return table.num_tokens
 
+    def stored_prefix(
+        self, token_ids: Sequence[int], after: Sequence[BlockRef] = (), tier: str = "ssd"
+    ) -> list[bytes]:
+        """Content hashes of the blocks of `token_ids` that follow the blocks `after` (a
+        `match_prefix` result) and are held by the store tier `tier` (stored by an earlier
+        process, or written through by this one): the longest such chain."""
+        t = self.tiers.get(tier)
+        if not isinstance(t, StoreTier):
+            return []
+        bs = self.block_size
+        parent = self.prefix.hash_of(after[-1]) if after else None
+        if after and parent is None:
+            return []
+        found: list[bytes] = []
+        for start in range(len(after) * bs, len(token_ids) - bs + 1, bs):
+            h = block_hash(parent, token_ids[start : start + bs], self.identity)
+            if not t.has_content(h):
+                break
+            found.append(h)
+            parent = h
+        return found
+
+    def attach_stored(self, seq: SeqId, hashes: Sequence[bytes], tier: str = "ssd") -> int:
+        """Append to `seq` (new, or just attached) blocks of the store tier `tier` that hold
+        the stored content `hashes`, without reading them; return the tokens of `seq`.
+        Nothing changes (0 is returned) when the tier has no room for them."""
+        t = self.tiers[tier]
+        assert isinstance(t, StoreTier)
+        table = self._tables.get(seq) or BlockTable(seq, self.block_size)
+        if table.num_free_slots:
+            raise RuntimeError(f"sequence {seq!r} ends in a partial block; cannot attach more")
+        ids = self.allocators[tier].allocate(len(hashes), seq) if hashes else []
+        if ids is None:
+            return table.num_tokens if seq in self._tables else 0
+        for b, h in zip(ids, hashes, strict=True):
+            t.assign(b, h)
+        table.append_blocks(tier, ids)
+        table.append_tokens(len(ids) * self.block_size)
+        self._tables[seq] = table
+        self._hashes.setdefault(seq, []).extend(hashes)
+        return table.num_tokens
+
+    def content_hashes(self, seq: SeqId) -> list[bytes]:
+        """The published chain of `seq`: one content hash per full block, in order."""
+        return list(self._hashes.get(seq, ()))
+
     def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
         """Offer the full blocks of `seq` (holding `token_ids`) to the prefix cache.
 
@@ -430,13 +583,13 @@ class UnifiedMemoryPool:
         table = self._require(seq)
         hashes = self._hashes.setdefault(seq, [])
         full = min(table.num_tokens, len(token_ids)) // self.block_size
-        alloc = self.allocators["device"]
         for i in range(len(hashes), full):
             ref = table[i]
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hashes[-1] if hashes else None
             h = None
-            if ref.tier == "device":
+            alloc = self.allocators[ref.tier]
+            if alloc.prefix_cache is not None:
                 h = alloc.cache_block(ref.block_id, parent, tokens, self.identity)
             # Another block may already hold this content; the chain continues either way.
             hashes.append(h or block_hash(parent, tokens, self.identity))
@@ -444,17 +597,35 @@ class UnifiedMemoryPool:
 
     # ---- moves between tiers ------------------------------------------------------------------
 
-    def move(self, seq: SeqId, indices: Sequence[int], dst: str) -> bool:
-        """Move blocks at table positions `indices` of `seq` to tier `dst`; False if no room."""
+    def move(
+        self, seq: SeqId, indices: Sequence[int], dst: str, relocate_cache: bool = False
+    ) -> bool:
+        """Move blocks at table positions `indices` of `seq` to tier `dst`; False if no room.
+
+        By default a block cached for prefix sharing keeps its cached copy where it was (it
+        stays revivable there). With `relocate_cache`, the cache follows a block that only
+        `seq` uses, so the source block is freed for good (recency tiering: the content now
+        lives, and is found, in `dst`). Blocks of `seq` with a published content hash are
+        stored by that hash in a store tier: content stored before is not written again.
+        """
         table = self._require(seq)
         if dst not in self.tiers:
             raise ValueError(f"no tier {dst!r} in this pool (tiers: {', '.join(self.tiers)})")
         todo = [i for i in indices if table[i].tier != dst]
         if not todo:
             return True
-        new_ids = self.allocators[dst].allocate(len(todo), seq)
+        new_ids = self._allocate_near(dst, seq, table, todo)
         if new_ids is None:
             return False
+        if dst == "device":
+            for b in new_ids:
+                self._forget_room(b)
+        dst_tier = self.tiers[dst]
+        if isinstance(dst_tier, StoreTier):
+            hashes = self._hashes.get(seq, [])
+            for i, new_id in zip(todo, new_ids, strict=True):
+                if i < len(hashes):
+                    dst_tier.assign(new_id, hashes[i])
         by_src: dict[str, list[tuple[int, int]]] = {}
         for i, new_id in zip(todo, new_ids, strict=True):
             by_src.setdefault(table[i].tier, []).append((i, new_id))
@@ -466,15 +637,46 @@ class UnifiedMemoryPool:
                 self.tiers[dst].write([n for _, n in pairs], data)
                 copies.append((src, pairs))
         except Exception:
-            self.allocators[dst].free(new_ids)
+            self._release(dst, new_ids)
             raise
         for src, pairs in copies:
             for i, new_id in pairs:
                 old = table.move(i, BlockRef(dst, new_id))
-                # The cached copy stays where it was computed; this sequence's copy moves.
-                self.allocators[src].free([old.block_id])
+                if relocate_cache:
+                    self._relocate(old, BlockRef(dst, new_id))
+                self._release(src, [old.block_id])
             self.stats.record_move(src, dst, len(pairs))
         return True
+
+    def _allocate_near(
+        self, tier: str, seq: SeqId, table: BlockTable, todo: list[int]
+    ) -> list[int] | None:
+        """Blocks of `tier` for table positions `todo`, continuing after the sequence's last
+        block in that tier where free: runs of consecutive slots are attended in one piece."""
+        alloc = self.allocators[tier]
+        if not alloc.can_allocate(len(todo)):
+            return None
+        ids: list[int] = []
+        before = [r.block_id for r in table.refs[: todo[0]] if r.tier == tier]
+        nxt = before[-1] + 1 if before else None
+        while nxt is not None and len(ids) < len(todo) and alloc.take(nxt, seq):
+            ids.append(nxt)
+            nxt += 1
+        if len(ids) < len(todo):
+            ids += alloc.allocate(len(todo) - len(ids), seq)
+        return ids
+
+    def _relocate(self, old: BlockRef, new: BlockRef) -> None:
+        """Let the prefix cache entry of `old` (if only its sequence uses it) point at `new`."""
+        src = self.allocators[old.tier]
+        h = self.prefix.hash_of(old)
+        if h is None or src.ref_count(old.block_id) != 1:
+            return
+        entry = self.prefix.get(h)
+        src.uncache(old.block_id)
+        dst = self.allocators[new.tier]
+        if dst.prefix_cache is not None:
+            dst.cache_block(new.block_id, entry.parent, entry.token_ids, entry.identity)
 
     def swap_out(self, seq: SeqId, dst: str = "host") -> bool:
         """Move every device block of `seq` to `dst` (preemption by swapping)."""
@@ -530,7 +732,8 @@ class UnifiedMemoryPool:
 
     @staticmethod
     def _check_on_device(table: BlockTable) -> None:
-        if len(table) and table[len(table) - 1].tier != "device":
+        # Only the last block is ever written into, and only while it has free slots.
+        if len(table) and table.num_free_slots and table[len(table) - 1].tier != "device":
             raise RuntimeError(
                 f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
             )

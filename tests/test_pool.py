@@ -254,7 +254,7 @@ def test_a_lost_ssd_block_is_reported_and_changes_nothing(tmp_path):
     fill(pool, "a", 0, 8, 1.0)
     assert pool.move("a", [0, 1], "ssd")
     lost = pool.table("a")[1].block_id
-    store.delete(lost.to_bytes(8, "little"))
+    store.delete(pool.tiers["ssd"]._key(lost, 0))
     free_before = pool.allocators["device"].num_free
     with pytest.raises(BlockLostError, match=rf"\[{lost}\] missing or corrupt"):
         pool.swap_in("a")

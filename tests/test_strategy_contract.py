@@ -29,11 +29,29 @@ def reference(q, k, v, num_past):
     return torch.einsum("hts,hsd->thd", scores.masked_fill(mask, -math.inf).softmax(-1), v)
 
 
-def make(name, blocks=64):
-    cls = kvstrategies.get(name)
-    layout = cls.layout(SPEC, BS, cls.check_options({}))
-    cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", blocks * layout.page_bytes),))
-    return kvstrategies.create(name, SPEC, cfg)
+@pytest.fixture
+def make(tmp_path):
+    """make(name, blocks): the strategy over a pool of `blocks` device blocks, with host and SSD
+    tiers too (a strategy that offloads uses them at its `contract_options` sizes)."""
+    built = []
+
+    def make(name, blocks=64):
+        cls = kvstrategies.get(name)
+        opts = cls.check_options(cls.contract_options)
+        page = cls.layout(SPEC, BS, opts).page_bytes
+        tiers = (
+            TierConfig("device", blocks * page),
+            TierConfig("host", 64 * page),
+            TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd{len(built)}")),
+        )
+        cfg = PoolConfig(block_size=BS, tiers=tiers)
+        s = kvstrategies.create(name, SPEC, cfg, opts)
+        built.append(s)
+        return s
+
+    yield make
+    for s in built:
+        getattr(s, "close", lambda: None)()
 
 
 class Driver:
@@ -77,7 +95,7 @@ def name(request):
     return request.param
 
 
-def test_attends_like_exact_attention(name):
+def test_attends_like_exact_attention(name, make):
     s = make(name)
     d = Driver(s)
     tol = type(s).tolerance
@@ -89,7 +107,7 @@ def test_attends_like_exact_attention(name):
     assert s.stored_tokens(0) <= 13 + 1 + 10 + 5
 
 
-def test_frees_every_block_and_accounts_bytes(name):
+def test_frees_every_block_and_accounts_bytes(name, make):
     s = make(name)
     d = Driver(s)
     d.step([0, 1, 2], [9, 17, 3])
@@ -102,10 +120,10 @@ def test_frees_every_block_and_accounts_bytes(name):
     for sid in (0, 1, 2):
         s.free(sid)
     assert s.bytes_used() == 0 and s.bytes_reserved() == 0
-    assert s.pool.allocators["device"].num_used == 0
+    assert all(a.num_used == 0 for a in s.pool.allocators.values())
 
 
-def test_shared_prefix_attends_like_recomputed(name):
+def test_shared_prefix_attends_like_recomputed(name, make):
     """A sequence started on another's published blocks sees exactly that KV."""
     s = make(name)
     d = Driver(s, seed=3)
@@ -120,10 +138,10 @@ def test_shared_prefix_attends_like_recomputed(name):
     s.free(0)
     assert d.step([5], [1]) <= type(s).tolerance  # the shared blocks outlive their first owner
     s.free(5)
-    assert s.pool.allocators["device"].num_used == 0
+    assert all(a.num_used == 0 for a in s.pool.allocators.values())
 
 
-def test_reserve_reports_a_full_pool(name):
+def test_reserve_reports_a_full_pool(name, make):
     s = make(name, blocks=4)
     assert s.reserve(0, 4 * BS)
     assert not s.reserve(1, 1)

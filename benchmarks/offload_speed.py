@@ -14,14 +14,18 @@ round; the step time is the median over rounds.
 - ssd: the default windows (1,024 device / 2,048 host / the rest on SSD, LMDB in a temporary
   directory on this machine's disk), the store's pages left in the page cache;
 - ssd_cold: the same, with the store's file evicted from the page cache before every step
-  (timed with the step): every SSD block is read from the disk each step.
+  (after the fetches in flight finish; the eviction itself is not timed): every SSD block is
+  read from the disk each step.
 
 "I/O only" is the time to fetch the ssd_cold step's SSD blocks, every layer, from a cold cache
-with the same thread count and nothing else running: the pure I/O time for the bytes read.
+through the store with the prefetcher's thread count and nothing else running: the pure I/O
+time for the bytes read. "raw" is the disk's own ceiling for the same number of reads of the
+same size (O_DIRECT, 16 threads, benchmarks/store_bandwidth.py), for context.
 Goals (issue 5), reported, never asserted: host <= 1.05 x device; ssd_cold <= 1.1 x
 max(device, I/O only).
 
     python benchmarks/offload_speed.py [--contexts 4096 8192] [--new-tokens 16] [--repeats 5]
+        [--threads 2] [--prefetch-depth N] [--io-threads N]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
+from benchmarks.store_bandwidth import raw_read  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
@@ -57,15 +62,26 @@ CASES = {  # name -> (options, evict the store's pages before each step)
 }
 
 
-def build(model, store_dir: Path, options: dict, depth: int | None):
+def build(model, store_dir: Path, options: dict, depth: int | None, threads: int | None = None):
     tiers = (TierConfig("device", 4 << 30), TierConfig("host", 4 << 30),
              TierConfig("ssd", 8 << 30, path=str(store_dir)))  # fmt: skip
     opts = {**options, "persist_prefix": False}
     if depth is not None:
         opts["prefetch_depth"] = depth
+    if threads is not None:
+        opts["io_threads"] = threads
     spec = kvstrategies.KVSpec.for_model(model)
-    built = kvstrategies.build(spec, NAME, PoolConfig(block_size=16, tiers=tiers), options=opts)
+    built = kvstrategies.build(spec, NAME, PoolConfig(tiers=tiers), options=opts)
     return built.strategy
+
+
+def evict(kv) -> float:
+    """Evict the store's pages before a step: wait (timed) for the fetches in flight, then
+    evict (untimed: set-up of the measurement, not work a deployment does per step)."""
+    kv.prefetcher.drain()
+    t0 = time.perf_counter()
+    kv.ssd.store.drop_page_cache()
+    return time.perf_counter() - t0
 
 
 def io_only(kv, seq: int, threads: int) -> tuple[float, int]:
@@ -81,11 +97,17 @@ def io_only(kv, seq: int, threads: int) -> tuple[float, int]:
     return seconds, len(ids) * kv.ssd.part_bytes * kv.spec.num_layers
 
 
+def raw_mbps(kv) -> float:
+    """The disk's O_DIRECT bandwidth for reads of one SSD value's size (16 threads)."""
+    count = sum(r.tier == "ssd" for r in kv.pool.table(0).refs) * kv.spec.num_layers
+    return raw_read(kv.ssd.store.path / "data.mdb", kv.ssd.part_bytes, count, 16)[0]
+
+
 def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
     ids = context_ids(tok, n)
     caches, firsts = {}, {}
     for name, (options, _) in CASES.items():
-        kv = build(model, root / f"{n}-{name}", options, args.prefetch_depth)
+        kv = build(model, root / f"{n}-{name}", options, args.prefetch_depth, args.io_threads)
         firsts[name] = prefill(model, kv, ids, seq=0)
         caches[name] = kv
     pos = {name: n for name in CASES}
@@ -95,7 +117,7 @@ def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
     for r in range(args.repeats + 1):  # round 0 warms up
         for name, (_, cold) in CASES.items():
             kv = caches[name]
-            hook = kv.ssd.store.drop_page_cache if cold else None
+            hook = (lambda kv=kv: evict(kv)) if cold else None
             sec = decode(model, kv, firsts[name], pos[name], args.new_tokens, 0, hook)
             pos[name] += args.new_tokens
             if r:
@@ -105,6 +127,7 @@ def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
             io.append(sec)
     step = {name: statistics.median(s) for name, s in samples.items()}
     io_s = statistics.median(io)
+    raw = statistics.median(raw_mbps(caches["ssd_cold"]) for _ in range(3))
     rows = []
     for name, kv in caches.items():
         stats = kv.stats()
@@ -127,7 +150,9 @@ def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
             bound = max(step["device"], io_s)
             row["io_only_ms"] = io_s * 1000
             row["io_MBps"] = io_bytes / io_s / 1e6
+            row["raw_MBps"] = raw
             row["vs_bound"] = step[name] / bound
+            row["vs_raw_bound"] = step[name] / max(step["device"], io_bytes / raw / 1e6)
         rows.append(row)
         kv.close()
     caches.clear()
@@ -143,8 +168,10 @@ def main() -> None:
     p.add_argument("--prefetch-depth", type=int, default=None,
                    help="layers fetched ahead (default: the cpu profile's)")  # fmt: skip
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    p.add_argument("--io-threads", type=int, default=None, help="SSD reader threads")
+    p.add_argument("--threads", type=int, default=2, help="torch compute threads (default 2)")
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2", progress=False)
     root = Path(tempfile.mkdtemp(prefix="unikv-offload-", dir=args.dir))
     rows = []
@@ -175,8 +202,10 @@ def main() -> None:
             "wait_ms_per_step",
             "io_only_ms",
             "io_MBps",
+            "raw_MBps",
             "vs_bound",
-        ],  # fmt: skip
+            "vs_raw_bound",
+        ],
         {"goals": goals, "new_tokens": args.new_tokens, "repeats": args.repeats},
     )
 

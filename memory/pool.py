@@ -202,8 +202,23 @@ class StoreTier(Tier):
 
     def _decode(self, block_ids: Sequence[int], part: int, one: int | None):
         keys = [self._key(b, part) for b in block_ids]
-        values = self.store.get_many(keys)
-        bad = [i for i, v in enumerate(values) if v is None or len(v) != self._value_bytes(one)]
+        # Per arena: the output tensor with the block axis, and for each value the contiguous
+        # byte runs of its block's slice, in the value's order: the store reads straight into
+        # them. numpy, not torch, for the slicing: this runs on I/O threads, where a torch op
+        # could start a second OpenMP team and slow the compute thread (engine/compute.py).
+        out, targets = {}, [[] for _ in keys]
+        for a in self.layout.arenas:
+            shape = list(self._part_shape[a.name] if one is not None else a.shape)
+            if one is None:
+                shape.remove(BLOCKS)
+            dim = self._part_dim[a.name] if one is not None else a.block_dim
+            shape.insert(dim, len(keys))
+            t = out[a.name] = torch.empty(shape, dtype=a.dtype)
+            raw = t.view(torch.uint8).numpy()
+            for i, runs in enumerate(targets):
+                runs += _chunks(raw[(slice(None),) * dim + (i,)])
+        found = self.store.read_into(keys, targets)
+        bad = [i for i, ok in enumerate(found) if not ok]
         if bad:
             lost = [block_ids[i] for i in bad]
             # A content entry that failed its checksum (or has another layout's length) would
@@ -219,32 +234,7 @@ class StoreTier(Tier):
             raise BlockLostError(
                 f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
             )
-        # numpy, not torch: this runs on I/O threads, where a torch op could start a second
-        # OpenMP team and slow the compute thread's parallel regions (engine/compute.py).
-        out = {}
-        offset = 0
-        for a in self.layout.arenas:
-            shape = (
-                self._part_shape[a.name]
-                if one is not None
-                else tuple(d for d in a.shape if d != BLOCKS)
-            )
-            n = math.prod(shape) * a.dtype.itemsize
-            dim = self._part_dim[a.name] if one is not None else a.block_dim
-            full = list(shape)
-            full.insert(dim, len(values))
-            t = torch.empty(full, dtype=a.dtype)
-            raw = t.view(torch.uint8).numpy()  # last axis in bytes
-            byte_shape = (*shape[:-1], shape[-1] * a.dtype.itemsize)
-            for i, value in enumerate(values):
-                src = np.frombuffer(value, np.uint8, n, offset).reshape(byte_shape)
-                raw[(slice(None),) * dim + (i,)] = src
-            out[a.name] = t
-            offset += n
         return out
-
-    def _value_bytes(self, part: int | None) -> int:
-        return self.part_bytes if part is not None or self.parts > 1 else self.layout.page_bytes
 
     def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
         items = []
@@ -262,6 +252,13 @@ class StoreTier(Tier):
                 items.append((self._key(b, p), b"".join(parts)))
         if items:
             self.store.put_many(items)  # one transaction: all blocks land, or none
+
+
+def _chunks(a: np.ndarray) -> list[memoryview]:
+    """The bytes of array `a` as the fewest contiguous runs, in C order."""
+    if a.flags.c_contiguous:
+        return [memoryview(a).cast("B")]
+    return [c for sub in a for c in _chunks(sub)]
 
 
 def _part(part: int) -> bytes:

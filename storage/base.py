@@ -16,7 +16,7 @@ import errno
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -79,16 +79,34 @@ def check_frame(key: bytes, frame: Buffer) -> int:
     """The payload length of a stored frame; a ChecksumError if the frame is damaged."""
     if len(frame) < HEADER_BYTES:
         raise ChecksumError(key, f"{len(frame)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, _flags, crc, length = _HEADER.unpack_from(frame)
-    if magic != _MAGIC or version != FRAME_VERSION:
-        raise ChecksumError(key, f"bad header (magic {magic!r}, version {version})")
-    if length != len(frame) - HEADER_BYTES:
-        raise ChecksumError(key, f"length {length} in header, {len(frame) - HEADER_BYTES} stored")
     # The CRC runs on the buffer in place (zlib releases the GIL on large buffers), so reading
     # straight out of a memory map faults the pages in without holding other threads up.
-    if zlib.crc32(memoryview(frame)[HEADER_BYTES:], _seed(key, length)) != crc:
+    check_parts(key, frame, [memoryview(frame)[HEADER_BYTES:]])
+    return len(frame) - HEADER_BYTES
+
+
+def check_parts(key: bytes, header: Buffer, parts: Sequence[Buffer]) -> None:
+    """Check a frame read in pieces (its header, then the payload scattered over `parts`, in
+    order); a ChecksumError if it is damaged."""
+    magic, version, _flags, crc, length = _HEADER.unpack_from(header)
+    if magic != _MAGIC or version != FRAME_VERSION:
+        raise ChecksumError(key, f"bad header (magic {magic!r}, version {version})")
+    stored = sum(len(p) for p in parts)
+    if length != stored:
+        raise ChecksumError(key, f"length {length} in header, {stored} stored")
+    c = _seed(key, length)
+    for p in parts:
+        c = zlib.crc32(p, c)
+    if c != crc:
         raise ChecksumError(key, "checksum mismatch")
-    return length
+
+
+def scatter(payload: memoryview, buffers: Sequence[memoryview]) -> None:
+    """Copy `payload` into `buffers` in order (their sizes add up to its length)."""
+    offset = 0
+    for b in buffers:
+        b[:] = payload[offset : offset + len(b)]
+        offset += len(b)
 
 
 def decode_frame(key: bytes, frame: Buffer) -> bytes:
@@ -188,6 +206,19 @@ class BlockStore(ABC):
     def delete(self, key: bytes) -> bool:
         """Remove `key`; whether it was present."""
         return self.delete_many([key]) == 1
+
+    def read_into(self, keys: Iterable[bytes], buffers: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Copy each key's payload into its writable `buffers` (filled in order; their sizes
+        add up to the payload's); False where absent, corrupt or of another size. Backends
+        read straight into the buffers where they can (LMDB: one `preadv` per value)."""
+        found = []
+        for value, bufs in zip(self.get_many(keys), buffers, strict=True):
+            views = [memoryview(b).cast("B") for b in bufs]
+            ok = value is not None and len(value) == sum(len(b) for b in views)
+            if ok:
+                scatter(memoryview(value), views)
+            found.append(ok)
+        return found
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and self.contains(key)

@@ -153,6 +153,15 @@ def test_batched_operations(store: BlockStore):
     assert store.get_many([]) == [] and store.delete_many([]) == 0
 
 
+def test_read_into_fills_scattered_buffers(store: BlockStore):
+    store.put_many({key(i): value(i, 5000) for i in range(4)})
+    bufs = [[bytearray(1000), bytearray(4000)], [bytearray(5000)], [bytearray(5000)],
+            [bytearray(10)]]  # fmt: skip
+    found = store.read_into([key(2), key(99), key(0), key(1)], bufs)
+    assert found == [True, False, True, False]  # absent; of another size
+    assert bytes(bufs[0][0] + bufs[0][1]) == value(2, 5000) and bytes(bufs[2][0]) == value(0, 5000)
+
+
 def test_failed_batch_leaves_nothing_of_it(store: BlockStore):
     store.put(key(0), value(0))
     bad = [(key(1), value(1)), (key(2), value(2)), (key(3), 42)]

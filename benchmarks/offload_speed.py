@@ -104,6 +104,8 @@ def raw_mbps(kv) -> float:
 
 
 def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
+    # Decoding must stay inside the model's context (8,192 for SmolLM2: "8K" is 8,096 + 96).
+    n = min(n, model.cfg.context_length - (args.repeats + 1) * args.new_tokens)
     ids = context_ids(tok, n)
     caches, firsts = {}, {}
     for name, (options, _) in CASES.items():
@@ -181,7 +183,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     goals = {}
-    for n in args.contexts:
+    for n in dict.fromkeys(r["context"] for r in rows):
         by = {r["case"]: r for r in rows if r["context"] == n}
         goals[n] = {
             "host_vs_device": by["host"]["vs_device"],

@@ -9,11 +9,13 @@ For each prompt length, rounds alternate (median of `--repeats`, after a warm-up
 - ssd_hit: a fresh engine and cache (as a new process has) over the store a previous run wrote
   through, with the store's file evicted from the page cache: the blocks are attached from
   disk and read by the prefetcher for the last token's attention.
-Each time is one `Engine.generate` of one token, from submit to completion. The break-even is
+Each time is one `Engine.generate` of one token, from submit to completion. Lengths are one
+more than a multiple of the 64-token block, so a hit covers all but the last token (at 1,024
+tokens a hit would leave the last, partial block's 64 tokens to compute). The break-even is
 the prompt length below which an SSD hit is slower than recomputing (interpolated between the
 measured lengths); `min_disk_hit_tokens` should be set to it on this kind of machine.
 
-    python benchmarks/prefix_ttft.py [--lengths 32 64 128 256 512 1024 4096] [--repeats 3]
+    python benchmarks/prefix_ttft.py [--lengths 65 129 257 513 1025 4097] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def break_even(rows: list[dict]) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 4096])
+    p.add_argument("--lengths", type=int, nargs="+", default=[65, 129, 257, 513, 1025, 4097])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     args = p.parse_args()

@@ -9,8 +9,9 @@ then, for each thread count, in interleaved rounds (median of the repeats):
   neighbours is charged for it instead of turning into later cache hits), the threads sharing
   one store, with the page cache dropped before each run (see `drop_cache`), under three
   settings: readahead off + location-hint prefetch (the default; once with `get`, once with
-  `get_many` of 8 keys per call), readahead on without hints (LMDB's own default), readahead
-  off without hints.
+  `get_many` of 8 keys per call, once with `read_into` of 8 keys per call: one `preadv` per
+  value straight into the caller's buffer, what the SSD tier uses), readahead on without hints
+  (LMDB's own default), readahead off without hints.
 Reports MB/s of payload, the store's fraction of raw at the same thread count, and the read
 amplification (bytes the device read, from /proc/diskstats, per payload byte).
 
@@ -45,6 +46,7 @@ GOAL = 0.80
 CONFIGS = {  # name -> (LmdbBlockStore options, keys per get_many call; 1 = plain `get`)
     "hints": ({"readahead": False, "prefetch": True}, 1),
     "hints_b8": ({"readahead": False, "prefetch": True}, 8),
+    "into_b8": ({"readahead": False, "prefetch": True}, -8),  # read_into, 8 keys per call
     "ra_on": ({"readahead": True, "prefetch": False}, 1),
     "ra_off": ({"readahead": False, "prefetch": False}, 1),
 }
@@ -117,10 +119,15 @@ def store_read(
     with LmdbBlockStore(path, **opts) as store:
 
         def work(share: list[bytes]) -> None:
-            for i in range(0, len(share), batch):
-                chunk = share[i : i + batch]
-                got = [store.get(chunk[0])] if batch == 1 else store.get_many(chunk)
-                if any(v is None or len(v) != size for v in got):
+            bufs = [[bytearray(size)] for _ in range(abs(batch))]
+            for i in range(0, len(share), abs(batch)):
+                chunk = share[i : i + abs(batch)]
+                if batch < 0:  # read_into: straight into buffers allocated once per thread
+                    ok = store.read_into(chunk, bufs[: len(chunk)])
+                else:
+                    got = [store.get(chunk[0])] if batch == 1 else store.get_many(chunk)
+                    ok = [v is not None and len(v) == size for v in got]
+                if not all(ok):
                     raise RuntimeError(f"a block of {[k.hex() for k in chunk]} did not read back")
 
         before = device_reads(path)

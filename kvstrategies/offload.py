@@ -144,12 +144,18 @@ class HierarchicalOffloadStrategy(FullStrategy):
         self.prefetcher = Prefetcher(self._fetch, spec.num_layers, depth, o["io_threads"])
         self.writer = Writer()
         self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
-        self.disk_hits = {"requests": 0, "blocks": 0, "skipped_short": 0}
+        self.disk_hits = {"requests": 0, "blocks": 0, "skipped_short": 0, "skipped_slow": 0}
+        # Measured rates for the disk-hit decision (EMA): prefill seconds per token, and SSD
+        # read bytes per second; None until first seen.
+        self.prefill_s_per_token: float | None = None
+        self.read_bytes_per_s: float | None = None
+        self._step_t0 = 0.0
         self.demotion_failures = 0
 
     # ---- the step ----------------------------------------------------------------------------
 
     def begin_step(self, batch: StepBatch) -> None:
+        self._step_t0 = time.perf_counter()
         self.writer.wait_snapshots()  # blocks being persisted must not be reused before
         for sid in batch.seq_ids:
             if self.pool.table(sid) is not None:
@@ -220,9 +226,13 @@ class HierarchicalOffloadStrategy(FullStrategy):
         return ks, vs
 
     def end_step(self) -> None:
+        b = self._batch
         self._pending_persist = {
-            sid for sid, n in zip(self._batch.seq_ids, self._batch.query_lens, strict=True) if n > 1
+            sid for sid, n in zip(b.seq_ids, b.query_lens, strict=True) if n > 1
         }
+        if b.num_tokens >= self.pool.block_size:  # a prefill chunk: what recomputing costs
+            rate = (time.perf_counter() - self._step_t0) / b.num_tokens
+            self.prefill_s_per_token = _ema(self.prefill_s_per_token, rate)
         super().end_step()
 
     def abort_step(self) -> None:
@@ -267,7 +277,12 @@ class HierarchicalOffloadStrategy(FullStrategy):
     def _fetch(self, layer: int, plan) -> list[list[torch.Tensor]]:
         """Staged [2, Hkv, S, D] tensors per sequence of `plan`, for `layer`."""
         ssd_ids = [b for _, staged in plan for tier, ids in staged if tier == "ssd" for b in ids]
-        data = self.ssd.read_part(ssd_ids, layer)["kv"] if ssd_ids else None  # [2,H,nb,bs,D]
+        data = None
+        if ssd_ids:
+            t0 = time.perf_counter()
+            data = self.ssd.read_part(ssd_ids, layer)["kv"]  # [2, H, nb, bs, D]
+            rate = len(ssd_ids) * self.ssd.part_bytes / max(time.perf_counter() - t0, 1e-6)
+            self.read_bytes_per_s = _ema(self.read_bytes_per_s, rate)
         out, at = [], 0
         for _, staged in plan:
             pieces = []
@@ -305,12 +320,23 @@ class HierarchicalOffloadStrategy(FullStrategy):
             if stored and len(stored) * pool.block_size < self.opts["min_disk_hit_tokens"]:
                 self.disk_hits["skipped_short"] += 1
                 stored = []
+            elif stored and not self._disk_beats_compute(len(stored)):
+                self.disk_hits["skipped_slow"] += 1
+                stored = []
         n = pool.attach_prefix(seq_id, refs) if refs else 0
         if stored:
             n = pool.attach_stored(seq_id, stored)
             self.disk_hits["requests"] += 1
             self.disk_hits["blocks"] += len(stored)
         return n
+
+    def _disk_beats_compute(self, blocks: int) -> bool:
+        """Whether reading `blocks` from the SSD tier is expected to be quicker than computing
+        them again, by the rates measured in this process (True until both are known)."""
+        if self.prefill_s_per_token is None or self.read_bytes_per_s is None:
+            return True
+        read_s = blocks * self.pool.layout.page_bytes / self.read_bytes_per_s
+        return read_s < blocks * self.pool.block_size * self.prefill_s_per_token
 
     def publish(self, seq_id: int, token_ids: list[int]) -> None:
         table = self.pool.table(seq_id)
@@ -385,6 +411,10 @@ class HierarchicalOffloadStrategy(FullStrategy):
             "blocks_written_through": self.writer.blocks_written,
             "demotion_failures": self.demotion_failures,
         }
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _segments(refs) -> list[tuple[str, list[int]]]:

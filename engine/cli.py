@@ -340,7 +340,10 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         spec, args.strategy, args.config, options=_kv_options(args), model=model,
         tokenizer=tok, progress=True,
     )  # fmt: skip
-    res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
+    try:
+        res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
+    finally:
+        built.strategy.close()  # pending SSD writes land, the store is closed
     out = res.to_dict() | {
         "model": args.model,
         "dtype": args.dtype,

@@ -210,3 +210,23 @@ def test_calibrate_then_eval_with_the_hybrid_strategy(text_file, tmp_path, capsy
     assert main([*ppl, *hybrid]) == 2  # found once the model is loaded: after its progress bar
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("unikv: error: calibration file") and "'some-other-model'" in last
+
+
+def test_offload_flags_errors_and_a_lossless_eval(text_file, tmp_path, capsys):
+    cfg = tmp_path / "offload.toml"
+    cfg.write_text(
+        'strategy = "hierarchical_offload"\n[tiers.device]\ncapacity = "256MiB"\n'
+        '[tiers.host]\ncapacity = "256MiB"\n'
+        f'[tiers.ssd]\ncapacity = "1GiB"\npath = "{tmp_path / "store"}"\n'
+    )
+    base = ["eval", "ppl", "--text", str(text_file), "--config", str(cfg)]
+    assert "device_window = 0; expected >= 1" in _error([*base, "--device-window", "0"], capsys)
+    ppl = [*base, "--tokens", "320", "--prefill", "64", "--json"]
+    assert main([*ppl, "--strategy", "full"]) == 0
+    full = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main([*ppl, "--device-window", "64", "--host-window", "64"]) == 0
+    off = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert off["strategy"] == "hierarchical_offload"
+    assert off["ppl"] == pytest.approx(full["ppl"], rel=1e-6)
+    code = main(["cache", "verify", "--config", str(cfg)])
+    assert code == 0, capsys.readouterr().err

@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--prefill", type=_positive_int, default=256, help="default: 256")
     ppl.add_argument("--chunk", type=_positive_int, default=16, help="default: 16")
     json_arg(ppl)
+    pk = evsub.add_parser(
+        "passkey",
+        help="passkey retrieval through the cache (DESIGN.md protocol)",
+        description=(
+            "Hide a 5-digit key in filler text at 10%%, 50%% and 90%% depth (cycling over the "
+            "samples), ask for it at the end of a raw prompt of --length tokens, and count the "
+            "8-token greedy answers that contain it."
+        ),
+        epilog=EPILOG,
+    )
+    pk.add_argument("--length", type=_positive_int, default=1024, help="prompt tokens (1024)")
+    pk.add_argument("--samples", type=_positive_int, default=30, help="prompts to run (30)")
+    pk.add_argument("--seed", type=int, default=0, help="seed for the keys (0)")
+    model_args(pk)
+    json_arg(pk)
 
     prof = sub.add_parser(
         "profile",
@@ -360,6 +375,37 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         print(json.dumps(out))
 
 
+def _eval_passkey(args: argparse.Namespace) -> None:
+    import kvstrategies
+
+    from .model import load_model
+    from .passkey import MIN_LENGTH, passkey
+
+    if args.length < MIN_LENGTH:
+        raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {args.length}")
+    _check_kv_args(args)
+    model, tok = load_model(args.model, args.dtype, progress=True)
+    built = kvstrategies.build(
+        kvstrategies.KVSpec.for_model(model), args.strategy, args.config,
+        options=_kv_options(args), model=model, tokenizer=tok, progress=True,
+    )  # fmt: skip
+    try:
+        res = passkey(model, tok, built.strategy, args.length, args.samples, args.seed,
+                      progress=True)  # fmt: skip
+    finally:
+        built.strategy.close()
+    depths = ", ".join(f"{d} {a:.2f}" for d, a in res.by_depth.items())
+    print(
+        f"passkey accuracy {res.accuracy:.2f} over {res.samples} samples of {res.length} tokens "
+        f"(by depth: {depths}); strategy {built.name}; kept {res.kept_ratio:.0%}; "
+        f"{res.seconds:.1f}s"
+    )
+    if args.json:
+        out = res.to_dict() | {"model": args.model, "strategy": built.name,
+                               "strategy_reason": built.reason, "chip": built.chip}  # fmt: skip
+        print(json.dumps(out))
+
+
 def _calibrate(args: argparse.Namespace) -> None:
     from kvstrategies.calibration import WARMUP_TEXT, collect, default_path
 
@@ -392,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_run(args))
         elif args.command == "eval" and args.eval_command == "ppl":
             _eval_ppl(args)
+        elif args.command == "eval" and args.eval_command == "passkey":
+            _eval_passkey(args)
         elif args.command == "profile":
             _profile(args)
         elif args.command == "calibrate":

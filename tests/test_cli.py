@@ -13,7 +13,9 @@ from engine.cli import main
 from .conftest import make_english
 
 
-@pytest.mark.parametrize("argv", [[], ["run"], ["eval"], ["eval", "ppl"], ["calibrate"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["run"], ["eval"], ["eval", "ppl"], ["eval", "passkey"], ["calibrate"]]
+)
 def test_help_explains_every_command(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--help"])
@@ -230,3 +232,13 @@ def test_offload_flags_errors_and_a_lossless_eval(text_file, tmp_path, capsys):
     assert off["ppl"] == pytest.approx(full["ppl"], rel=1e-6)
     code = main(["cache", "verify", "--config", str(cfg)])
     assert code == 0, capsys.readouterr().err
+
+
+def test_eval_passkey_json(capsys):
+    assert "at least 128 tokens" in _error(["eval", "passkey", "--length", "50"], capsys)
+    argv = ["eval", "passkey", "--length", "512", "--samples", "3", "--strategy", "full"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    # The full cache finds the key at every depth (DESIGN.md: 1.00 at 512 tokens).
+    assert out["accuracy"] == 1.0 and out["samples"] == 3 and out["strategy"] == "full"
+    assert 480 <= out["length"] <= 512 and set(out["by_depth"]) == {"10%", "50%", "90%"}

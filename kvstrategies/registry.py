@@ -41,7 +41,18 @@ def create(
     stores: dict | None = None,
 ) -> KVStrategy:
     """Build strategy `name` and the pool it stores into."""
-    cls = get(name)
+    return create_with(get(name), spec, config, options, device, stores)
+
+
+def create_with(
+    cls: type[KVStrategy],
+    spec: KVSpec,
+    config: PoolConfig | None = None,
+    options: dict | None = None,
+    device: torch.device | str = "cpu",
+    stores: dict | None = None,
+) -> KVStrategy:
+    """Build the strategy class `cls` (registered or not) and the pool it stores into."""
     config = config or load_config(None)
     opts = cls.check_options(config.strategy_options if options is None else options)
     block_size = config.block_size or cls.default_block_size

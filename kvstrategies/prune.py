@@ -1,0 +1,203 @@
+"""Token pruning: evict the tokens a scorer ranks lowest, and compact the cache (issue 6).
+
+Groundwork for the `learned_prune` strategy. What is here: the eviction and compaction
+machinery over `full`'s layout, and the in-house baseline scorers that the learned head must
+beat under the same interface, at the same kept ratio. What is not yet: the learned head and
+its training (`unikv tune --kv_optimization=learned_prune`). Until the head lands, the class is
+not in the registry's module list, so `auto` does not pick it; `PruneStrategy.create` builds it.
+
+Eviction is per token, the same for every layer and KV head, so a sequence stays one run of
+slots in its blocks: after a step, when a sequence holds at least one block of tokens more
+than its budget (`kept_ratio` x tokens seen, never below sinks + recent window), the lowest
+scored tokens between the first `sink_tokens` and the newest `recent_window` are dropped, the
+kept ones are moved down to fill the holes (one gather per layer) and the freed trailing blocks
+go back to the pool (`pool.truncate`): the reported bytes are real. Keys are stored after RoPE,
+so kept tokens keep their positions; new tokens get their true positions from the engine.
+
+Scorers (a token's score is per sequence; higher is kept):
+- `streaming`: its position (StreamingLLM: sinks + the most recent tokens);
+- `random`: drawn when written;
+- `knorm`: minus its key norm, mean over layers and KV heads (kvpress's Knorm keeps low norms);
+- `h2o`: attention it has received so far, summed over query rows, heads and layers;
+- `tova`: attention it received from the step's last query (replaced every step).
+Prefix sharing is off for pruned sequences: a compacted block no longer holds the tokens its
+position says.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from engine.kv import StepBatch
+
+from .full import FullStrategy
+
+SCORERS = ("streaming", "random", "knorm", "h2o", "tova")
+
+
+class PruneStrategy(FullStrategy):
+    """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
+
+    name = "learned_prune"
+    tolerance = 1e-5  # over the kept tokens (see `read`)
+    lossless = False
+    options = {
+        "dtype": None,
+        "scorer": "streaming",
+        "kept_ratio": 0.5,  # share of the tokens seen that keep their KV (0, 1]
+        "sink_tokens": 4,  # first tokens always kept
+        "recent_window": 64,  # newest tokens always kept
+        "seed": 0,  # for the random scorer
+    }
+
+    @classmethod
+    def create(cls, spec, config=None, options: dict | None = None, device="cpu"):
+        """The strategy and its pool (what `kvstrategies.create` does for registered names)."""
+        from .registry import create_with
+
+        return create_with(cls, spec, config, options, device)
+
+    @classmethod
+    def check_options(cls, options: dict | None) -> dict[str, Any]:
+        opts = super().check_options(options)
+        if opts["scorer"] not in SCORERS:
+            raise ValueError(
+                f"strategy {cls.name!r}: option scorer = {opts['scorer']!r}; "
+                f"allowed: {', '.join(SCORERS)}"
+            )
+        r = opts["kept_ratio"]
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
+            raise ValueError(
+                f"strategy {cls.name!r}: option kept_ratio = {r!r}; expected a number in (0, 1]"
+            )
+        for key in ("sink_tokens", "recent_window", "seed"):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(
+                    f"strategy {cls.name!r}: option {key} = {v!r}; expected an integer >= 0"
+                )
+        return opts
+
+    def __init__(self, pool, spec, options: dict | None = None) -> None:
+        super().__init__(pool, spec, options)
+        o = self.opts
+        self.scorer = o["scorer"]
+        self._scores: dict[int, torch.Tensor] = {}  # per sequence, one per stored token
+        self._seen: dict[int, int] = {}  # tokens each sequence has been fed
+        self._gen = torch.Generator().manual_seed(o["seed"])
+        self.evicted = 0
+        self._last_lens: dict[int, int] = {}
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _prepare(self, batch: StepBatch) -> None:
+        super()._prepare(batch)
+        for sid, past, n in zip(batch.seq_ids, self._past, batch.query_lens, strict=True):
+            old = self._scores.get(sid, torch.empty(0))[:past]
+            if self.scorer == "streaming":  # its position in the sequence
+                new = torch.arange(n, dtype=torch.float32) + self._seen.get(sid, 0)
+            elif self.scorer == "random":
+                new = torch.rand(n, generator=self._gen)
+            else:
+                new = torch.zeros(n)
+            self._scores[sid] = torch.cat([old, new])
+            if self.scorer == "tova":
+                self._scores[sid].zero_()
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().append(layer, k, v)
+        if self.scorer == "knorm":
+            norms = -k.float().norm(dim=-1).mean(dim=1) / self.spec.num_layers  # [N]
+            b = self._batch
+            for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
+                self._scores[sid][past:] += norms[b.rows(i)]
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        out = super().attend(layer, q)
+        if self.scorer in ("h2o", "tova"):
+            self._observe(layer, q)
+        return out
+
+    def _observe(self, layer: int, q: torch.Tensor) -> None:
+        """Add the attention each stored token receives from this step's queries (h2o: every
+        query row; tova: the last one) to its score."""
+        ks, _ = self.read(layer)
+        b = self._batch
+        g = q.shape[1] // self.spec.num_kv_heads
+        for i, (k, past) in enumerate(zip(ks, self._past, strict=True)):
+            qi = q[b.rows(i)]
+            if self.scorer == "tova":
+                qi = qi[-1:]
+            t = qi.shape[0]
+            kk = k.repeat_interleave(g, 0).float()  # [Hq, S, D]
+            scores = torch.einsum("thd,hsd->hts", qi.float(), kk) * self.scale
+            s = kk.shape[1]
+            first = past + b.query_lens[i] - t  # position of the first query row kept
+            mask = torch.arange(s)[None, :] > (first + torch.arange(t))[:, None]
+            probs = scores.masked_fill(mask, -math.inf).softmax(-1)  # [Hq, T, S]
+            self._scores[b.seq_ids[i]] += probs.sum((0, 1)) / self.spec.num_layers
+
+    def end_step(self) -> None:
+        b = self._batch
+        for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
+            self._seen[sid] = self._seen.get(sid, 0) + n
+        super().end_step()
+        for sid in b.seq_ids:
+            self._evict(sid)
+
+    # ---- eviction and compaction -------------------------------------------------------------
+
+    def budget(self, seq_id: int) -> int:
+        """Tokens `seq_id` may keep now."""
+        o = self.opts
+        floor = o["sink_tokens"] + o["recent_window"]
+        return max(floor, math.ceil(o["kept_ratio"] * self._seen[seq_id]))
+
+    def _evict(self, seq_id: int) -> None:
+        o, pool = self.opts, self.pool
+        n = pool.num_tokens(seq_id)
+        excess = n - self.budget(seq_id)
+        # Amortized: after a prefill chunk at once, while decoding once a block's worth is due.
+        if excess <= 0 or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
+            return
+        lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - o["recent_window"])
+        middle = self._scores[seq_id][lo:hi]
+        drop = torch.topk(middle, min(excess, middle.numel()), largest=False).indices + lo
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[drop] = False
+        kept = keep.nonzero().squeeze(1)
+        slots = pool.slot_ids(seq_id, 0, n)
+        src, dst = slots[kept], slots[: kept.numel()]
+        for a in self._layers:  # [2, heads, slots, dim]: move the kept tokens down
+            a.index_copy_(2, dst, a.index_select(2, src))
+        pool.truncate(seq_id, kept.numel())
+        self._scores[seq_id] = self._scores[seq_id][kept]
+        self.evicted += n - kept.numel()
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
+        super().begin_step(batch)
+
+    def free(self, seq_id: int) -> None:
+        self._scores.pop(seq_id, None)
+        self._seen.pop(seq_id, None)
+        super().free(seq_id)
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        return 0  # compacted blocks do not hold the tokens their position says
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        return None
+
+    def stats(self) -> dict:
+        seen = sum(self._seen.values())
+        return super().stats() | {
+            "scorer": self.scorer,
+            "tokens_evicted": self.evicted,
+            "kept_ratio": self.pool.total_tokens() / seen if seen else 1.0,
+        }

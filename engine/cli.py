@@ -187,6 +187,35 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--window", type=_positive_int, default=256, help="tokens (default: 256)")
     json_arg(cal)
 
+    tune = sub.add_parser(
+        "tune",
+        help="adapt to a KV optimization: train the pruning head (learned_prune)",
+        description=(
+            "--kv_optimization=learned_prune trains the pruning head against the frozen model "
+            "on the given text: windows of --window tokens are read, the attention each token "
+            "receives from later queries is the target, and the head file is written to "
+            "--out/prune_head.pt. (Quantization-aware tuning for hybrid_fp16_int4 is issue 7.)"
+        ),
+        epilog=EPILOG,
+    )
+    tune.add_argument("--kv_optimization", "--kv-optimization", dest="kv_optimization",
+                      required=True, help="what to tune for: learned_prune")  # fmt: skip
+    tune.add_argument(
+        "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
+    )
+    tune.add_argument("--text", nargs="+", required=True, help="training text file(s)")
+    tune.add_argument("--out", required=True, help="output directory")
+    tune.add_argument("--windows", type=_positive_int, default=48, help="text windows (48)")
+    tune.add_argument("--window", type=_positive_int, default=512, help="tokens each (512)")
+    tune.add_argument("--epochs", type=_positive_int, default=6, help="passes (6)")
+    tune.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (2e-3)")
+    tune.add_argument(
+        "--gap", type=int, default=64, help="queries this far after a token are its future (64)"
+    )
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--resume", action="store_true", help="overwrite an existing --out")
+    json_arg(tune)
+
     cache.add_argument("action", choices=["stats", "verify", "clear"])
     cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
     json_arg(cache)
@@ -406,6 +435,48 @@ def _eval_passkey(args: argparse.Namespace) -> None:
         print(json.dumps(out))
 
 
+TUNE_TARGETS = ("learned_prune",)
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .evaluate import read_text
+    from .model import load_model
+
+    if args.kv_optimization not in TUNE_TARGETS:
+        raise ValueError(
+            f"--kv_optimization={args.kv_optimization!r}; allowed: {', '.join(TUNE_TARGETS)} "
+            "(hybrid_fp16_int4 tuning arrives with issue 7)"
+        )
+    out = Path(args.out)
+    target = out / "prune_head.pt"
+    if target.exists() and not args.resume:
+        raise ValueError(f"{target} exists; pass --resume to replace it, or another --out")
+    text = "\n\n".join(read_text(p) for p in args.text)  # unreadable text fails first
+    from kvstrategies.prune_head import train
+
+    model, tok = load_model(args.model, progress=True)
+    ids = tok.encode(text)
+    res = train(model, ids, windows=args.windows, window=args.window, epochs=args.epochs,
+                lr=args.lr, gap=args.gap, seed=args.seed, progress=True)  # fmt: skip
+    cfg = model.cfg
+    meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.window,
+            "epochs": args.epochs, "gap": args.gap, "val_loss": res.val_loss,
+            "val_corr": res.val_corr}  # fmt: skip
+    res.head.save(target, cfg.identity, cfg.num_kv_heads, meta)
+    print(
+        f"pruning head for {cfg.identity}: {res.head.num_parameters} parameters, "
+        f"{res.samples} training samples, held-out MSE {res.val_loss:.3f} (per-layer mean: "
+        f"{res.baseline_loss:.3f}), correlation {res.val_corr:.3f}; {res.seconds:.0f}s -> {target}"
+    )
+    if args.json:
+        print(json.dumps({"path": str(target), "parameters": res.head.num_parameters,
+                          "samples": res.samples, "val_loss": res.val_loss,
+                          "baseline_loss": res.baseline_loss, "val_corr": res.val_corr,
+                          "seconds": res.seconds}))  # fmt: skip
+
+
 def _calibrate(args: argparse.Namespace) -> None:
     from kvstrategies.calibration import WARMUP_TEXT, collect, default_path
 
@@ -444,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             _profile(args)
         elif args.command == "calibrate":
             _calibrate(args)
+        elif args.command == "tune":
+            _tune(args)
         elif args.command == "cache":
             return _cache(args)
     except (ValueError, OSError) as e:

@@ -35,7 +35,7 @@ from engine.kv import StepBatch
 
 from .full import FullStrategy
 
-SCORERS = ("streaming", "random", "knorm", "h2o", "tova")
+SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova")
 
 
 class PruneStrategy(FullStrategy):
@@ -50,7 +50,10 @@ class PruneStrategy(FullStrategy):
         "kept_ratio": 0.5,  # share of the tokens seen that keep their KV (0, 1]
         "sink_tokens": 4,  # first tokens always kept
         "recent_window": 64,  # newest tokens always kept
+        "recent_share": 0.0,  # share of the budget given to the newest tokens (H2O: 0.5)
         "seed": 0,  # for the random scorer
+        "head": None,  # the head file (scorer "head"); a PruneHead object is accepted too
+        "aggregate": "max",  # how (layer, head) predictions make a token's score: max or mean
     }
 
     @classmethod
@@ -73,6 +76,16 @@ class PruneStrategy(FullStrategy):
             raise ValueError(
                 f"strategy {cls.name!r}: option kept_ratio = {r!r}; expected a number in (0, 1]"
             )
+        rs = opts["recent_share"]
+        if isinstance(rs, bool) or not isinstance(rs, int | float) or not 0 <= rs <= 1:
+            raise ValueError(
+                f"strategy {cls.name!r}: option recent_share = {rs!r}; expected a number in [0, 1]"
+            )
+        if opts["aggregate"] not in ("max", "mean"):
+            agg = opts["aggregate"]
+            raise ValueError(
+                f"strategy {cls.name!r}: option aggregate = {agg!r}; allowed: max, mean"
+            )
         for key in ("sink_tokens", "recent_window", "seed"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -88,6 +101,13 @@ class PruneStrategy(FullStrategy):
         self._scores: dict[int, torch.Tensor] = {}  # per sequence, one per stored token
         self._seen: dict[int, int] = {}  # tokens each sequence has been fed
         self._gen = torch.Generator().manual_seed(o["seed"])
+        self.head = None
+        if self.scorer == "head":
+            from .prune_head import PruneHead
+
+            h = o["head"]
+            shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+            self.head = h if isinstance(h, PruneHead) else PruneHead.load(h, spec.identity, shape)
         self.evicted = 0
         self._last_lens: dict[int, int] = {}
 
@@ -109,6 +129,12 @@ class PruneStrategy(FullStrategy):
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().append(layer, k, v)
+        if self.head is not None:
+            pred = self.head.score(layer, k, v)  # [N, Hkv] predicted log attention
+            pred = pred.amax(1) if self.opts["aggregate"] == "max" else pred.mean(1)
+            b = self._batch
+            for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
+                self._scores[sid][past:] += pred[b.rows(i)] / self.spec.num_layers
         if self.scorer == "knorm":
             norms = -k.float().norm(dim=-1).mean(dim=1) / self.spec.num_layers  # [N]
             b = self._batch
@@ -163,7 +189,8 @@ class PruneStrategy(FullStrategy):
         # Amortized: after a prefill chunk at once, while decoding once a block's worth is due.
         if excess <= 0 or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
             return
-        lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - o["recent_window"])
+        recent = max(o["recent_window"], int(o["recent_share"] * self.budget(seq_id)))
+        lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - recent)
         middle = self._scores[seq_id][lo:hi]
         drop = torch.topk(middle, min(excess, middle.numel()), largest=False).indices + lo
         keep = torch.ones(n, dtype=torch.bool)

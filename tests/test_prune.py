@@ -1,6 +1,7 @@
 """Token pruning (groundwork for `learned_prune`): eviction to the budget, physical compaction,
 exact attention over the kept tokens, the baseline scorers, and option errors."""
 
+import json
 import math
 
 import pytest
@@ -48,7 +49,10 @@ def step(s, n, g, hist):
 
 @pytest.mark.parametrize("scorer", SCORERS)
 def test_evicts_to_the_budget_and_attends_exactly_over_what_it_keeps(scorer):
-    s = make(scorer=scorer, kept_ratio=0.5)
+    from kvstrategies.prune_head import PruneHead
+
+    head = PruneHead(SPEC.num_layers, SPEC.head_dim) if scorer == "head" else None  # untrained
+    s = make(scorer=scorer, kept_ratio=0.5, head=head)
     g = torch.Generator().manual_seed(0)
     hist = []
     step(s, 60, g, hist)  # a prefill chunk compacts at once
@@ -81,10 +85,12 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"scorer": "magic"}, "scorer = 'magic'; allowed: streaming, random, knorm, h2o, tova"),
+        ({"scorer": "magic"}, "scorer = .magic.; allowed: head, streaming, random, knorm"),
         ({"kept_ratio": 0}, r"kept_ratio = 0; expected a number in \(0, 1\]"),
         ({"kept_ratio": 1.5}, r"kept_ratio = 1.5"),
         ({"recent_window": -1}, "recent_window = -1; expected an integer >= 0"),
+        ({"recent_share": 2}, r"recent_share = 2; expected a number in \[0, 1\]"),
+        ({"aggregate": "sum"}, "aggregate = 'sum'; allowed: max, mean"),
     ],
 )
 def test_bad_options_name_the_option(options, match):
@@ -108,3 +114,31 @@ def test_real_model_keeps_half_the_kv_and_stays_sane(model, tokenizer):
     # A sanity bound, not a quality target: this generated text repeats a small vocabulary, so
     # copying from far back matters and dropping half of it costs a lot (measured +53%).
     assert ref.ppl < got.ppl < 2 * ref.ppl
+
+
+@pytest.mark.slow
+def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
+    from engine.cli import main
+    from kvstrategies.prune_head import HeadMismatch, PruneHead
+
+    text = tmp_path / "train.txt"
+    text.write_text(make_english(80, seed=9))
+    out = tmp_path / "head"
+    argv = ["tune", "--kv_optimization=learned_prune", "--text", str(text), "--out", str(out)]
+    small = ["--windows", "4", "--window", "160", "--epochs", "1", "--gap", "16", "--json"]
+    assert main([*argv, *small]) == 0
+    made = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert 100_000 <= made["parameters"] <= 140_000 and made["samples"] > 0
+    assert main([*argv, *small]) == 2  # exists: needs --resume
+    assert "--resume" in capsys.readouterr().err
+    assert main(["tune", "--kv_optimization=magic", "--text", str(text), "--out", "x"]) == 2
+    assert "allowed: learned_prune" in capsys.readouterr().err
+    spec = kvstrategies.KVSpec.for_model(model)
+    shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    head = PruneHead.load(out / "prune_head.pt", spec.identity, shape)
+    s = PruneStrategy.create(spec, options={"scorer": "head", "head": str(out / "prune_head.pt")})
+    assert s.head is not None and head.num_parameters == made["parameters"]
+    with pytest.raises(HeadMismatch, match="was trained for .* this model is 'other'"):
+        PruneHead.load(out / "prune_head.pt", "other", shape)
+    with pytest.raises(ValueError, match="not found"):
+        PruneHead.load(tmp_path / "nope.pt", spec.identity, shape)

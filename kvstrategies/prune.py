@@ -54,6 +54,7 @@ class PruneStrategy(FullStrategy):
         "seed": 0,  # for the random scorer
         "head": None,  # the head file (scorer "head"); a PruneHead object is accepted too
         "aggregate": "max",  # how (layer, head) predictions make a token's score: max or mean
+        "recency": 1.0,  # head scorer: weight of -log(age) added to the predicted log attention
     }
 
     @classmethod
@@ -86,6 +87,9 @@ class PruneStrategy(FullStrategy):
             raise ValueError(
                 f"strategy {cls.name!r}: option aggregate = {agg!r}; allowed: max, mean"
             )
+        rc = opts["recency"]
+        if isinstance(rc, bool) or not isinstance(rc, int | float) or rc < 0:
+            raise ValueError(f"strategy {cls.name!r}: option recency = {rc!r}; expected >= 0")
         for key in ("sink_tokens", "recent_window", "seed"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -99,6 +103,7 @@ class PruneStrategy(FullStrategy):
         o = self.opts
         self.scorer = o["scorer"]
         self._scores: dict[int, torch.Tensor] = {}  # per sequence, one per stored token
+        self._pos: dict[int, torch.Tensor] = {}  # the position of each stored token
         self._seen: dict[int, int] = {}  # tokens each sequence has been fed
         self._gen = torch.Generator().manual_seed(o["seed"])
         self.head = None
@@ -124,6 +129,9 @@ class PruneStrategy(FullStrategy):
             else:
                 new = torch.zeros(n)
             self._scores[sid] = torch.cat([old, new])
+            seen = self._seen.get(sid, 0)
+            pos = torch.arange(seen, seen + n, dtype=torch.float32)
+            self._pos[sid] = torch.cat([self._pos.get(sid, torch.empty(0))[:past], pos])
             if self.scorer == "tova":
                 self._scores[sid].zero_()
 
@@ -192,6 +200,11 @@ class PruneStrategy(FullStrategy):
         recent = max(o["recent_window"], int(o["recent_share"] * self.budget(seq_id)))
         lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - recent)
         middle = self._scores[seq_id][lo:hi]
+        if self.head is not None and o["recency"]:
+            # The head predicts how much attention a token draws from far queries; how much of
+            # that is still ahead shrinks with its age, as a power law: score - r * log(age).
+            age = self._seen[seq_id] - self._pos[seq_id][lo:hi]
+            middle = middle - o["recency"] * torch.log1p(age)
         drop = torch.topk(middle, min(excess, middle.numel()), largest=False).indices + lo
         keep = torch.ones(n, dtype=torch.bool)
         keep[drop] = False
@@ -202,6 +215,7 @@ class PruneStrategy(FullStrategy):
             a.index_copy_(2, dst, a.index_select(2, src))
         pool.truncate(seq_id, kept.numel())
         self._scores[seq_id] = self._scores[seq_id][kept]
+        self._pos[seq_id] = self._pos[seq_id][kept]
         self.evicted += n - kept.numel()
 
     # ---- hooks -------------------------------------------------------------------------------
@@ -212,6 +226,7 @@ class PruneStrategy(FullStrategy):
 
     def free(self, seq_id: int) -> None:
         self._scores.pop(seq_id, None)
+        self._pos.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         super().free(seq_id)
 

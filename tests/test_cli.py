@@ -14,7 +14,8 @@ from .conftest import make_english
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["run"], ["eval"], ["eval", "ppl"], ["eval", "passkey"], ["calibrate"]]
+    "argv",
+    [[], ["run"], ["eval"], ["eval", "ppl"], ["eval", "passkey"], ["calibrate"], ["tune"]],
 )
 def test_help_explains_every_command(argv, capsys):
     with pytest.raises(SystemExit) as exc:

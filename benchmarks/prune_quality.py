@@ -62,6 +62,9 @@ def main() -> None:
     p.add_argument("--scorers", nargs="+", default=[s for s in SCORERS if s != "head"])
     p.add_argument("--head", default=None, help="a pruning head file: run the head too")
     p.add_argument("--recency", type=float, default=None, help="the head's recency weight")
+    p.add_argument(
+        "--recent-share", type=float, default=0.0, help="budget share for the newest tokens"
+    )
     p.add_argument("--chart", default=None, help="write a PNG chart here")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -76,7 +79,7 @@ def main() -> None:
     scorers = list(args.scorers) + (["head"] if args.head else [])
     for scorer in scorers:
         for ratio in args.ratios:
-            opts = {"scorer": scorer, "kept_ratio": ratio}
+            opts = {"scorer": scorer, "kept_ratio": ratio, "recent_share": args.recent_share}
             if scorer == "head":
                 opts["head"] = args.head
                 if args.recency is not None:

@@ -120,6 +120,16 @@ class KVCache(ABC):
         """Note that a sequence was dropped to be recomputed later."""
         return None
 
+    # A cache that sets this gets `observe_logprobs` after each forward step (the model then
+    # computes the next-token distribution of every row, not only of the rows it returns).
+    wants_token_logprobs: bool = False
+
+    def observe_logprobs(
+        self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> None:
+        """The step's token ids [N] and each row's next-token log-probabilities [N, V]."""
+        return None
+
     def close(self) -> None:
         """Release what the store holds besides memory (threads, files); idempotent."""
         return None

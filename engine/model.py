@@ -150,6 +150,12 @@ class LlamaModel:
             kv.abort_step()
             raise
         kv.end_step()
+        if kv.wants_token_logprobs:
+            # A cache that scores tokens by their surprisal sees every row's next-token
+            # distribution (the whole step's logits: costs one lm_head pass per prefill token).
+            logits = self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))
+            kv.observe_logprobs(batch, tokens, torch.log_softmax(logits.float(), dim=-1))
+            return logits if logits_rows is None else logits[logits_rows]
         if logits_rows is not None:
             x = x[logits_rows]
         return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))

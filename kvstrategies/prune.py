@@ -19,7 +19,10 @@ Scorers (a token's score is per sequence; higher is kept):
 - `random`: drawn when written;
 - `knorm`: minus its key norm, mean over layers and KV heads (kvpress's Knorm keeps low norms);
 - `h2o`: attention it has received so far, summed over query rows, heads and layers;
-- `tova`: attention it received from the step's last query (replaced every step).
+- `tova`: attention it received from the step's last query (replaced every step);
+- `surprisal`: its negative log-likelihood under the model when it was written (DESIGN.md's
+  write-time rule: a surprising token is likely to be asked about). The model hands the cache
+  every row's next-token distribution (`wants_token_logprobs`); eviction then waits for it.
 Prefix sharing is off for pruned sequences: a compacted block no longer holds the tokens its
 position says.
 """
@@ -35,7 +38,7 @@ from engine.kv import StepBatch
 
 from .full import FullStrategy
 
-SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova")
+SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")
 
 
 class PruneStrategy(FullStrategy):
@@ -115,6 +118,8 @@ class PruneStrategy(FullStrategy):
             self.head = h if isinstance(h, PruneHead) else PruneHead.load(h, spec.identity, shape)
         self.evicted = 0
         self._last_lens: dict[int, int] = {}
+        self.wants_token_logprobs = self.scorer == "surprisal"
+        self._last_lp: dict[int, torch.Tensor] = {}  # each sequence's last next-token log-probs
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -179,7 +184,24 @@ class PruneStrategy(FullStrategy):
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
         super().end_step()
-        for sid in b.seq_ids:
+        if not self.wants_token_logprobs:  # else after the scores arrive (observe_logprobs)
+            for sid in b.seq_ids:
+                self._evict(sid)
+
+    def observe_logprobs(self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor):
+        """Surprisal scores of the step's tokens: token r+1's NLL is read off row r; a step's
+        first token off the sequence's last row of the step before (0 for a sequence's first)."""
+        for i, sid in enumerate(batch.seq_ids):
+            rows = batch.rows(i)
+            tok, lp = tokens[rows], logprobs[rows]
+            nll = torch.zeros(tok.shape[0])
+            prev = self._last_lp.get(sid)
+            if prev is not None:
+                nll[0] = -prev[tok[0]]
+            nll[1:] = -lp[:-1].gather(1, tok[1:, None]).squeeze(1).cpu()
+            n = tok.shape[0]
+            self._scores[sid][-n:] = nll
+            self._last_lp[sid] = lp[-1].cpu()
             self._evict(sid)
 
     # ---- eviction and compaction -------------------------------------------------------------
@@ -227,6 +249,7 @@ class PruneStrategy(FullStrategy):
     def free(self, seq_id: int) -> None:
         self._scores.pop(seq_id, None)
         self._pos.pop(seq_id, None)
+        self._last_lp.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         super().free(seq_id)
 

@@ -45,6 +45,9 @@ def step(s, n, g, hist):
         if layer == 0:
             hist.append(k.transpose(0, 1))
     s.end_step()
+    if s.wants_token_logprobs:  # what the model hands a surprisal-scoring cache
+        tokens = torch.randint(0, 50, (n,), generator=g)
+        s.observe_logprobs(b, tokens, torch.randn(n, 50, generator=g).log_softmax(-1))
 
 
 @pytest.mark.parametrize("scorer", SCORERS)
@@ -85,7 +88,7 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"scorer": "magic"}, "scorer = .magic.; allowed: head, streaming, random, knorm"),
+        ({"scorer": "magic"}, "scorer = 'magic'; allowed: head, streaming, random, knorm"),
         ({"kept_ratio": 0}, r"kept_ratio = 0; expected a number in \(0, 1\]"),
         ({"kept_ratio": 1.5}, r"kept_ratio = 1.5"),
         ({"recent_window": -1}, "recent_window = -1; expected an integer >= 0"),
@@ -142,3 +145,19 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
         PruneHead.load(out / "prune_head.pt", "other", shape)
     with pytest.raises(ValueError, match="not found"):
         PruneHead.load(tmp_path / "nope.pt", spec.identity, shape)
+
+
+@pytest.mark.slow
+def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
+    """At half the KV, the write-time surprisal rule finds the passkey at every depth; a
+    recency window of the same size loses the needle placed early in the prompt."""
+    from engine.passkey import passkey
+
+    spec = kvstrategies.KVSpec.for_model(model)
+    opts = {"kept_ratio": 0.5, "recent_share": 0.75}
+    sur = PruneStrategy.create(spec, options={"scorer": "surprisal", **opts})
+    assert sur.wants_token_logprobs
+    got = passkey(model, tokenizer, sur, 512, 3)
+    assert got.accuracy == 1.0 and 0.45 <= got.kept_ratio <= 0.56
+    streaming = PruneStrategy.create(spec, options={"scorer": "streaming", "kept_ratio": 0.5})
+    assert passkey(model, tokenizer, streaming, 512, 3).by_depth["10%"] == 0.0

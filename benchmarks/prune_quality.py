@@ -9,6 +9,7 @@ by `unikv tune --kv_optimization=learned_prune`) the head runs too; `--chart PNG
 curves (needs matplotlib: `make bench`).
 
     python benchmarks/prune_quality.py [--ratios 0.5 0.59 0.75] [--samples 12] [--head F]
+        [--scorers streaming surprisal:recent_share=0.5 ...]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def chart(rows: list[dict], path: str) -> None:
     for scorer in dict.fromkeys(r["scorer"] for r in rows):
         pts = sorted((r["kept"], r["ppl_change_%"], r["passkey"]) for r in rows
                      if r["scorer"] == scorer)  # fmt: skip
-        style = "o-" if scorer == "head" else ".--"
+        style = "o-" if scorer.startswith("head") else ".--"
         a.plot([p[0] for p in pts], [p[1] for p in pts], style, label=scorer)
         b.plot([p[0] for p in pts], [p[2] for p in pts], style, label=scorer)
     a.set(xlabel="kept ratio", ylabel="PPL change vs full (%)", title="perplexity (GPL-3)")
@@ -59,7 +60,12 @@ def main() -> None:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.59, 0.75])
     p.add_argument("--length", type=int, default=1024, help="passkey prompt tokens")
     p.add_argument("--samples", type=int, default=12, help="passkey prompts per point")
-    p.add_argument("--scorers", nargs="+", default=[s for s in SCORERS if s != "head"])
+    p.add_argument(
+        "--scorers",
+        nargs="+",
+        default=[s for s in SCORERS if s != "head"],
+        help="scorer names, each optionally NAME:key=value,... (strategy options)",
+    )
     p.add_argument("--head", default=None, help="a pruning head file: run the head too")
     p.add_argument("--recency", type=float, default=None, help="the head's recency weight")
     p.add_argument(
@@ -77,9 +83,12 @@ def main() -> None:
     rows = [{"scorer": "full", "kept": 1.0, "ppl": base.ppl, "ppl_change_%": 0.0,
              "passkey": base_pk.accuracy}]  # fmt: skip
     scorers = list(args.scorers) + (["head"] if args.head else [])
-    for scorer in scorers:
+    for spec_ in scorers:
+        scorer, _, extra = spec_.partition(":")
+        given = {k: float(v) for k, v in (kv.split("=") for kv in extra.split(",") if kv)}
         for ratio in args.ratios:
             opts = {"scorer": scorer, "kept_ratio": ratio, "recent_share": args.recent_share}
+            opts |= given
             if scorer == "head":
                 opts["head"] = args.head
                 if args.recency is not None:
@@ -88,7 +97,7 @@ def main() -> None:
             res = perplexity(model, ids, s)
             pk = passkey(model, tok, s, args.length, args.samples)
             rows.append({
-                "scorer": scorer, "kept": round(res.kept_ratio, 3), "ppl": res.ppl,
+                "scorer": spec_, "kept": round(res.kept_ratio, 3), "ppl": res.ppl,
                 "ppl_change_%": (res.ppl / base.ppl - 1) * 100, "passkey": pk.accuracy,
                 "passkey_kept": round(pk.kept_ratio, 3),
             })  # fmt: skip

@@ -30,6 +30,7 @@ position says.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from engine.kv import StepBatch
 
 from .full import FullStrategy
 
+# Made by `unikv tune --kv_optimization=learned_prune --text ../shared/texts/GPL-2.txt --out DIR`
+# for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
+SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
 SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")
 
 
@@ -55,9 +59,12 @@ class PruneStrategy(FullStrategy):
         "recent_window": 64,  # newest tokens always kept
         "recent_share": 0.0,  # share of the budget given to the newest tokens (H2O: 0.5)
         "seed": 0,  # for the random scorer
-        "head": None,  # the head file (scorer "head"); a PruneHead object is accepted too
+        "head": None,  # head file (scorer "head"); None: the shipped one; or a PruneHead
         "aggregate": "max",  # how (layer, head) predictions make a token's score: max or mean
-        "recency": 1.0,  # head scorer: weight of -log(age) added to the predicted log attention
+        # Head scorer: score = prediction - recency * log(age) + surprisal_weight * NLL. The
+        # defaults were chosen on GPL-2 (the head's training text), never on GPL-3.
+        "recency": 1.0,
+        "surprisal_weight": 0.5,
     }
 
     @classmethod
@@ -90,9 +97,10 @@ class PruneStrategy(FullStrategy):
             raise ValueError(
                 f"strategy {cls.name!r}: option aggregate = {agg!r}; allowed: max, mean"
             )
-        rc = opts["recency"]
-        if isinstance(rc, bool) or not isinstance(rc, int | float) or rc < 0:
-            raise ValueError(f"strategy {cls.name!r}: option recency = {rc!r}; expected >= 0")
+        for key in ("recency", "surprisal_weight"):
+            w = opts[key]
+            if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
+                raise ValueError(f"strategy {cls.name!r}: option {key} = {w!r}; expected >= 0")
         for key in ("sink_tokens", "recent_window", "seed"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -113,12 +121,14 @@ class PruneStrategy(FullStrategy):
         if self.scorer == "head":
             from .prune_head import PruneHead
 
-            h = o["head"]
+            h = o["head"] if o["head"] is not None else SHIPPED_HEAD
             shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
             self.head = h if isinstance(h, PruneHead) else PruneHead.load(h, spec.identity, shape)
         self.evicted = 0
         self._last_lens: dict[int, int] = {}
-        self.wants_token_logprobs = self.scorer == "surprisal"
+        self.wants_token_logprobs = self.scorer == "surprisal" or (
+            self.scorer == "head" and o["surprisal_weight"] > 0
+        )
         self._last_lp: dict[int, torch.Tensor] = {}  # each sequence's last next-token log-probs
 
     # ---- the step ----------------------------------------------------------------------------
@@ -200,7 +210,10 @@ class PruneStrategy(FullStrategy):
                 nll[0] = -prev[tok[0]]
             nll[1:] = -lp[:-1].gather(1, tok[1:, None]).squeeze(1).cpu()
             n = tok.shape[0]
-            self._scores[sid][-n:] = nll
+            if self.scorer == "surprisal":
+                self._scores[sid][-n:] = nll
+            else:  # the head's prediction plus the weighted surprisal
+                self._scores[sid][-n:] += self.opts["surprisal_weight"] * nll
             self._last_lp[sid] = lp[-1].cpu()
             self._evict(sid)
 

@@ -161,3 +161,17 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
     assert got.accuracy == 1.0 and 0.45 <= got.kept_ratio <= 0.56
     streaming = PruneStrategy.create(spec, options={"scorer": "streaming", "kept_ratio": 0.5})
     assert passkey(model, tokenizer, streaming, 512, 3).by_depth["10%"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model):
+    from kvstrategies.prune import SHIPPED_HEAD
+    from kvstrategies.prune_head import HeadMismatch
+
+    spec = kvstrategies.KVSpec.for_model(model)
+    s = PruneStrategy.create(spec, options={"scorer": "head"})  # head None: the shipped file
+    assert s.head is not None and s.head.num_parameters < 140_000 and SHIPPED_HEAD.is_file()
+    other = kvstrategies.KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                identity="another-model")  # fmt: skip
+    with pytest.raises(HeadMismatch, match="another-model"):
+        PruneStrategy.create(other, options={"scorer": "head"})

@@ -118,6 +118,7 @@ class PruneStrategy(FullStrategy):
         self._seen: dict[int, int] = {}  # tokens each sequence has been fed
         self._gen = torch.Generator().manual_seed(o["seed"])
         self.head = None
+        self._step_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.scorer == "head":
             from .prune_head import PruneHead
 
@@ -153,11 +154,7 @@ class PruneStrategy(FullStrategy):
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().append(layer, k, v)
         if self.head is not None:
-            pred = self.head.score(layer, k, v)  # [N, Hkv] predicted log attention
-            pred = pred.amax(1) if self.opts["aggregate"] == "max" else pred.mean(1)
-            b = self._batch
-            for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
-                self._scores[sid][past:] += pred[b.rows(i)] / self.spec.num_layers
+            self._step_kv.append((k, v))  # scored once for all layers, at the end of the step
         if self.scorer == "knorm":
             norms = -k.float().norm(dim=-1).mean(dim=1) / self.spec.num_layers  # [N]
             b = self._batch
@@ -189,8 +186,26 @@ class PruneStrategy(FullStrategy):
             probs = scores.masked_fill(mask, -math.inf).softmax(-1)  # [Hq, T, S]
             self._scores[b.seq_ids[i]] += probs.sum((0, 1)) / self.spec.num_layers
 
+    def _score_with_head(self) -> None:
+        """One head call for every layer's new K/V of the step (30 small calls would cost more
+        in dispatch than the MLP itself): predicted log attention, max (or mean) over a
+        token's KV heads, mean over layers, added to the tokens' scores."""
+        k = torch.stack([k for k, _ in self._step_kv])  # [L, N, Hkv, D]
+        v = torch.stack([v for _, v in self._step_kv])
+        self._step_kv = []
+        layers = torch.arange(k.shape[0]).view(-1, 1, 1).expand(k.shape[:-1])
+        with torch.no_grad():
+            pred = self.head(torch.cat([k, v], dim=-1).float(), layers)  # [L, N, Hkv]
+        pred = pred.amax(2) if self.opts["aggregate"] == "max" else pred.mean(2)
+        pred = pred.mean(0)  # [N]
+        b = self._batch
+        for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
+            self._scores[sid][past:] += pred[b.rows(i)]
+
     def end_step(self) -> None:
         b = self._batch
+        if self.head is not None and self._step_kv:
+            self._score_with_head()
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
         super().end_step()
@@ -254,6 +269,10 @@ class PruneStrategy(FullStrategy):
         self.evicted += n - kept.numel()
 
     # ---- hooks -------------------------------------------------------------------------------
+
+    def abort_step(self) -> None:
+        self._step_kv = []
+        super().abort_step()
 
     def begin_step(self, batch: StepBatch) -> None:
         self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))

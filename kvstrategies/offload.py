@@ -189,19 +189,27 @@ class HierarchicalOffloadStrategy(FullStrategy):
         self._plan = tuple(plan) if any(staged for _, staged in plan) else None
         self.prefetcher.start_step(self._plan)
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        staged = self.prefetcher.get(layer) if self._plan is not None else None
-        dev = self._layers[layer]
-        host = self._host_layers[layer] if self.host is not None else None
-        out = torch.empty_like(q)
+    def _sequence_kv(self, layer: int, count: bool) -> list[list[torch.Tensor]]:
+        """Per batch sequence, its [2, Hkv, S_r, D] pieces of `layer` in token order: views of
+        the device (and, in place, host) arena runs, and the prefetched staged tensors."""
+        staged = self.prefetcher.get(layer, count) if self._plan is not None else None
+        arenas = {"device": self._layers[layer]}
+        if self.host is not None:
+            arenas["host"] = self._host_layers[layer]
+        out = []
         for i, pieces in enumerate(self._pieces):
             kv = []
             for kind, what in pieces:
                 if kind == "staged":
                     kv.append(staged[i][what])
                 else:
-                    arena = dev if kind == "device" else host
-                    kv.extend(arena[:, :, s:e] for s, e in what)
+                    kv.extend(arenas[kind][:, :, s:e] for s, e in what)
+            out.append(kv)
+        return out
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i, kv in enumerate(self._sequence_kv(layer, count=True)):
             kv = [self._cast(x, q.dtype) for x in kv]
             rows = self._batch.rows(i)
             out[rows] = attention_runs(
@@ -210,16 +218,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
         return out
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        staged = self.prefetcher.get(layer, count=False) if self._plan is not None else None
         ks, vs = [], []
-        for i, pieces in enumerate(self._pieces):
-            kv = []
-            for kind, what in pieces:
-                if kind == "staged":
-                    kv.append(staged[i][what])
-                else:
-                    arena = self._layers[layer] if kind == "device" else self._host_layers[layer]
-                    kv.extend(arena[:, :, s:e] for s, e in what)
+        for kv in self._sequence_kv(layer, count=False):
             kv = torch.cat(kv, dim=2)
             ks.append(kv[0])
             vs.append(kv[1])

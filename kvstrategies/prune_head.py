@@ -131,10 +131,10 @@ class _Recorder(ContiguousKVCache):
     """A plain cache that also keeps, per layer, the stored K/V and the attention each token
     receives from later queries (mean over queries of the max over the group's query heads)."""
 
-    def __init__(self, model, min_later: int, gap: int) -> None:
+    def __init__(self, model, gap: int) -> None:
         cfg = model.cfg
         super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-        self.min_later, self.gap = min_later, gap
+        self.gap = gap
         self.kv: list[torch.Tensor] = []  # per layer [T, Hkv, 2D]
         self.target: list[torch.Tensor] = []  # per layer [T, Hkv]
 
@@ -174,7 +174,7 @@ def collect(model, ids: list[int], windows: int, window: int, per_window: int, m
     usable = window - min_later
     for i, start in enumerate(tqdm(starts, desc="attention targets", unit="window",
                                    disable=not progress)):  # fmt: skip
-        rec = _Recorder(model, min_later, gap)
+        rec = _Recorder(model, gap)
         toks = torch.tensor(ids[start : start + window], device=model.device)
         model.forward(toks, torch.arange(window, device=model.device), rec,
                       StepBatch([i], [window]), torch.tensor([window - 1]))  # fmt: skip

@@ -1,9 +1,10 @@
 """Decode step time of the pruning head against a zero-cost scorer, same run (issue 6).
 
 Two pruning caches at the same kept ratio prefill the same text, then decode rounds alternate
-between them after a warm-up round: one ranks tokens with the shipped head (its MLP on every
-layer's new K/V, and the surprisal term, which needs the step's log-probabilities), the other
-with `streaming` (a position: no work at all). The median step-time ratio is the head's
+between them after a warm-up round (which goes first alternates too): one ranks tokens with
+the shipped head (its MLP over every layer's K/V of the tokens not yet scored, when an eviction
+is due, and the surprisal term, which needs every step's log-probabilities), the other with
+`streaming` (a position: no work at all). The median step-time ratio is the head's
 overhead; the goal (issue 6) is at most 2%.
 
     python benchmarks/prune_overhead.py [--context 1024] [--new-tokens 32] [--repeats 5]
@@ -43,8 +44,8 @@ def main() -> None:
         kv = PruneStrategy.create(spec, options={"scorer": name, "kept_ratio": args.kept})
         cases[name] = [kv, prefill(model, kv, ids, seq=0), args.context]
     samples: dict[str, list[float]] = {n: [] for n in cases}
-    for r in range(args.repeats + 1):  # round 0 warms up
-        for name, case in cases.items():
+    for r in range(args.repeats + 1):  # round 0 warms up; the order alternates by round
+        for name, case in sorted(cases.items(), reverse=bool(r % 2)):
             kv, first, pos = case
             sec = decode(model, kv, first, pos, args.new_tokens, 0)
             case[2] += args.new_tokens

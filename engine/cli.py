@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--low-bits", type=int, help="bit width of the least important channels")
         g.add_argument("--v-fp16-share", type=float, help="value channels kept fp16 (default 0)")
         g.add_argument("--v-low-share", type=float, help="value channels at --low-bits (default 0)")
-        g.add_argument("--sink-tokens", type=int, help="first tokens kept fp16 (default 4)")
+        g.add_argument(
+            "--sink-tokens",
+            type=int,
+            help="first tokens kept fp16 (hybrid_fp16_int4) or never evicted (learned_prune); "
+            "default 4",
+        )
         g.add_argument("--scales", choices=["fp16", "fp8"], help="group header format")
         g.add_argument("--calibration", help="calibration file (default: per-model, cached)")
         g.add_argument(
@@ -90,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_false",
             default=None,
             help="do not write prompt blocks through to the SSD tier",
+        )
+        lp = sp.add_argument_group(
+            "learned_prune options", "override the config file's [strategy_options]"
+        )
+        lp.add_argument(
+            "--kept-ratio", type=float, help="share of the tokens whose KV is kept, (0, 1] (0.5)"
+        )
+        lp.add_argument("--recent-window", type=int, help="newest tokens always kept (64)")
+        lp.add_argument(
+            "--scorer",
+            help="what ranks tokens: head (default), or a baseline: streaming, random, knorm, "
+            "h2o, tova, surprisal",
+        )
+        lp.add_argument(
+            "--prune-head", dest="head", help="pruning head file (default: the shipped one)"
         )
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
@@ -280,7 +300,8 @@ def _check_kv_args(args: argparse.Namespace) -> None:
 
 _KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "v_fp16_share", "v_low_share",
              "sink_tokens", "scales", "calibration", "device_window", "host_window",
-             "prefetch_depth", "persist_prefix")  # fmt: skip
+             "prefetch_depth", "persist_prefix", "kept_ratio", "recent_window", "scorer",
+             "head")  # fmt: skip
 
 
 def _kv_options(args: argparse.Namespace) -> dict:

@@ -59,6 +59,9 @@ class KVStrategy(KVCache):
     name: ClassVar[str]
     tolerance: ClassVar[float] = 1e-5
     lossless: ClassVar[bool] = True
+    # Evicts tokens: attention is exact over the tokens it keeps (what `read` returns), and
+    # no prefix sharing (a compacted block no longer holds the tokens its position says).
+    evicts: ClassVar[bool] = False
     options: ClassVar[dict[str, Any]] = {}
     default_block_size: ClassVar[int] = 16  # tokens per pool block when the config sets none
     # Options that change the bytes a block holds (None: all of them); part of prefix hashes.

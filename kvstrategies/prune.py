@@ -1,24 +1,26 @@
 """Token pruning: evict the tokens a scorer ranks lowest, and compact the cache (issue 6).
 
-Groundwork for the `learned_prune` strategy. What is here: the eviction and compaction
-machinery over `full`'s layout, and the in-house baseline scorers that the learned head must
-beat under the same interface, at the same kept ratio. What is not yet: the learned head and
-its training (`unikv tune --kv_optimization=learned_prune`). Until the head lands, the class is
-not in the registry's module list, so `auto` does not pick it; `PruneStrategy.create` builds it.
+The `learned_prune` strategy: the eviction and compaction machinery over `full`'s layout, the
+learned head's scorer (`prune_head.py`; trained by `unikv tune --kv_optimization=learned_prune`)
+and the in-house baseline scorers it is measured against under the same interface, at the same
+kept ratio.
 
-Eviction is per token, the same for every layer and KV head, so a sequence stays one run of
-slots in its blocks: after a step, when a sequence holds at least one block of tokens more
-than its budget (`kept_ratio` x tokens seen, never below sinks + recent window), the lowest
-scored tokens between the first `sink_tokens` and the newest `recent_window` are dropped, the
-kept ones are moved down to fill the holes (one gather per layer) and the freed trailing blocks
-go back to the pool (`pool.truncate`): the reported bytes are real. Keys are stored after RoPE,
-so kept tokens keep their positions; new tokens get their true positions from the engine.
+Eviction is per layer and KV head (`granularity = "head"`, the default): every (layer, KV
+head) keeps the same number of tokens, its own choice of them, so a sequence stays one run of
+slots in its blocks. After a step, when a sequence holds at least one block of tokens more than
+its budget (`kept_ratio` x tokens seen, never below sinks + recent window), each (layer, head)
+drops its lowest scored tokens between the first `sink_tokens` and the newest ones (the recent
+window), the kept ones are moved down to fill the holes (one gather per layer) and the freed
+trailing blocks go back to the pool (`pool.truncate`): the reported bytes are real. Keys are
+stored after RoPE, so kept tokens keep their positions; new tokens get their true positions
+from the engine. With `granularity = "token"` every layer and head drops the same tokens (a
+token's score: max over heads, mean over layers).
 
-Scorers (a token's score is per sequence; higher is kept):
+Scorers (a score per layer, KV head and stored token; higher is kept):
 - `streaming`: its position (StreamingLLM: sinks + the most recent tokens);
 - `random`: drawn when written;
-- `knorm`: minus its key norm, mean over layers and KV heads (kvpress's Knorm keeps low norms);
-- `h2o`: attention it has received so far, summed over query rows, heads and layers;
+- `knorm`: minus its key norm (kvpress's Knorm keeps low norms);
+- `h2o`: attention it has received so far, summed over query rows and the heads of its group;
 - `tova`: attention it received from the step's last query (replaced every step);
 - `surprisal`: its negative log-likelihood under the model when it was written (DESIGN.md's
   write-time rule: a surprising token is likely to be asked about). The model hands the cache
@@ -29,6 +31,7 @@ position says.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,9 @@ import torch
 from engine.kv import StepBatch
 
 from .full import FullStrategy
+from .registry import register
+
+log = logging.getLogger(__name__)
 
 # Made by `unikv tune --kv_optimization=learned_prune --text ../shared/texts/GPL-2.txt --out DIR`
 # for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
@@ -45,31 +51,36 @@ SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
 SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")
 
 
+@register
 class PruneStrategy(FullStrategy):
     """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
 
     name = "learned_prune"
     tolerance = 1e-5  # over the kept tokens (see `read`)
     lossless = False
+    evicts = True
     options = {
         "dtype": None,
-        "scorer": "streaming",
+        "scorer": "head",
         "kept_ratio": 0.5,  # share of the tokens seen that keep their KV (0, 1]
         "sink_tokens": 4,  # first tokens always kept
         "recent_window": 64,  # newest tokens always kept
-        "recent_share": 0.0,  # share of the budget given to the newest tokens (H2O: 0.5)
+        "recent_share": 0.75,  # share of the budget kept for the newest tokens (H2O: 0.5)
         "seed": 0,  # for the random scorer
         "head": None,  # head file (scorer "head"); None: the shipped one; or a PruneHead
-        "aggregate": "max",  # how (layer, head) predictions make a token's score: max or mean
-        # Head scorer: score = prediction - recency * log(age) + surprisal_weight * NLL. The
-        # defaults were chosen on GPL-2 (the head's training text), never on GPL-3.
-        "recency": 1.0,
+        "granularity": "head",  # "head": each (layer, KV head) keeps its own; "token": shared
+        # Head scorer: score = prediction + surprisal_weight * NLL - recency * log(1 + age).
+        # Defaults chosen on GPL-2 (the head's training text) and passkey, never on GPL-3.
+        "recency": 0.0,
         "surprisal_weight": 0.5,
     }
 
+    # Small budgets so the contract's short sequences are pruned; knorm differs per head.
+    contract_options = {"scorer": "knorm", "sink_tokens": 2, "recent_window": 4}
+
     @classmethod
     def create(cls, spec, config=None, options: dict | None = None, device="cpu"):
-        """The strategy and its pool (what `kvstrategies.create` does for registered names)."""
+        """The strategy and its pool (what `kvstrategies.create("learned_prune", ...)` does)."""
         from .registry import create_with
 
         return create_with(cls, spec, config, options, device)
@@ -92,10 +103,10 @@ class PruneStrategy(FullStrategy):
             raise ValueError(
                 f"strategy {cls.name!r}: option recent_share = {rs!r}; expected a number in [0, 1]"
             )
-        if opts["aggregate"] not in ("max", "mean"):
-            agg = opts["aggregate"]
+        if opts["granularity"] not in ("head", "token"):
+            gr = opts["granularity"]
             raise ValueError(
-                f"strategy {cls.name!r}: option aggregate = {agg!r}; allowed: max, mean"
+                f"strategy {cls.name!r}: option granularity = {gr!r}; allowed: head, token"
             )
         for key in ("recency", "surprisal_weight"):
             w = opts[key]
@@ -118,48 +129,71 @@ class PruneStrategy(FullStrategy):
         self._seen: dict[int, int] = {}  # tokens each sequence has been fed
         self._gen = torch.Generator().manual_seed(o["seed"])
         self.head = None
-        self._step_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scored: dict[int, int] = {}  # per sequence: stored tokens the head has scored
         if self.scorer == "head":
-            from .prune_head import PruneHead
-
-            h = o["head"] if o["head"] is not None else SHIPPED_HEAD
-            shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-            self.head = h if isinstance(h, PruneHead) else PruneHead.load(h, spec.identity, shape)
+            self.head = self._load_head(o["head"], spec)
+            if self.head is None:
+                self.scorer = "surprisal"
         self.evicted = 0
         self._last_lens: dict[int, int] = {}
         self.wants_token_logprobs = self.scorer == "surprisal" or (
             self.scorer == "head" and o["surprisal_weight"] > 0
         )
         self._last_lp: dict[int, torch.Tensor] = {}  # each sequence's last next-token log-probs
+        self._pending: list[int] = []  # sequences whose eviction waits for log-probabilities
+
+    @staticmethod
+    def _load_head(head, spec):
+        """The given head (an error if it does not fit the model), or the shipped one; None when
+        no head was given and the shipped one is for another model: then the surprisal rule
+        ranks, with a warning."""
+        from .prune_head import HeadMismatch, PruneHead
+
+        if isinstance(head, PruneHead):
+            return head
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if head is not None:
+            return PruneHead.load(head, spec.identity, shape)
+        try:
+            return PruneHead.load(SHIPPED_HEAD, spec.identity, shape)
+        except HeadMismatch:
+            log.warning(
+                "learned_prune: the shipped pruning head is for the packaged SmolLM2, not this "
+                "model; ranking by surprisal instead (train a head with "
+                "`unikv tune --kv_optimization=learned_prune`)"
+            )
+            return None
 
     # ---- the step ----------------------------------------------------------------------------
+    # Per sequence, `_scores` and `_pos` (each stored token's position) are [layers, kv_heads,
+    # stored tokens]: after per-head eviction the same slot holds other tokens in other heads.
 
     def _prepare(self, batch: StepBatch) -> None:
         super()._prepare(batch)
+        shape = (self.spec.num_layers, self.spec.num_kv_heads)
         for sid, past, n in zip(batch.seq_ids, self._past, batch.query_lens, strict=True):
-            old = self._scores.get(sid, torch.empty(0))[:past]
+            seen = self._seen.get(sid, 0)
+            pos = torch.arange(seen, seen + n, dtype=torch.float32)
             if self.scorer == "streaming":  # its position in the sequence
-                new = torch.arange(n, dtype=torch.float32) + self._seen.get(sid, 0)
+                new = pos
             elif self.scorer == "random":
                 new = torch.rand(n, generator=self._gen)
             else:
                 new = torch.zeros(n)
-            self._scores[sid] = torch.cat([old, new])
-            seen = self._seen.get(sid, 0)
-            pos = torch.arange(seen, seen + n, dtype=torch.float32)
-            self._pos[sid] = torch.cat([self._pos.get(sid, torch.empty(0))[:past], pos])
-            if self.scorer == "tova":
-                self._scores[sid].zero_()
+            old = self._scores.get(sid, torch.empty(*shape, 0))[..., :past]
+            if self.scorer == "tova":  # only the newest query's attention counts
+                old = torch.zeros_like(old)
+            self._scores[sid] = torch.cat([old, new.expand(*shape, n)], dim=-1)
+            old_pos = self._pos.get(sid, torch.empty(*shape, 0))[..., :past]
+            self._pos[sid] = torch.cat([old_pos, pos.expand(*shape, n)], dim=-1)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().append(layer, k, v)
-        if self.head is not None:
-            self._step_kv.append((k, v))  # scored once for all layers, at the end of the step
         if self.scorer == "knorm":
-            norms = -k.float().norm(dim=-1).mean(dim=1) / self.spec.num_layers  # [N]
+            norms = -k.float().norm(dim=-1).T  # [Hkv, N]
             b = self._batch
             for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
-                self._scores[sid][past:] += norms[b.rows(i)]
+                self._scores[sid][layer, :, past:] = norms[:, b.rows(i)]
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         out = super().attend(layer, q)
@@ -169,10 +203,11 @@ class PruneStrategy(FullStrategy):
 
     def _observe(self, layer: int, q: torch.Tensor) -> None:
         """Add the attention each stored token receives from this step's queries (h2o: every
-        query row; tova: the last one) to its score."""
+        query row; tova: the last one), summed over the query heads of its KV group."""
         ks, _ = self.read(layer)
         b = self._batch
-        g = q.shape[1] // self.spec.num_kv_heads
+        hkv = self.spec.num_kv_heads
+        g = q.shape[1] // hkv
         for i, (k, past) in enumerate(zip(ks, self._past, strict=True)):
             qi = q[b.rows(i)]
             if self.scorer == "tova":
@@ -184,32 +219,33 @@ class PruneStrategy(FullStrategy):
             first = past + b.query_lens[i] - t  # position of the first query row kept
             mask = torch.arange(s)[None, :] > (first + torch.arange(t))[:, None]
             probs = scores.masked_fill(mask, -math.inf).softmax(-1)  # [Hq, T, S]
-            self._scores[b.seq_ids[i]] += probs.sum((0, 1)) / self.spec.num_layers
+            self._scores[b.seq_ids[i]][layer] += probs.sum(1).view(hkv, g, s).sum(1)
 
-    def _score_with_head(self) -> None:
-        """One head call for every layer's new K/V of the step (30 small calls would cost more
-        in dispatch than the MLP itself): predicted log attention, max (or mean) over a
-        token's KV heads, mean over layers, added to the tokens' scores."""
-        k = torch.stack([k for k, _ in self._step_kv])  # [L, N, Hkv, D]
-        v = torch.stack([v for _, v in self._step_kv])
-        self._step_kv = []
-        layers = torch.arange(k.shape[0]).view(-1, 1, 1).expand(k.shape[:-1])
+    def _score_with_head(self, seq_id: int) -> None:
+        """Add the head's prediction (log attention per layer, KV head and token) to the scores
+        of the tokens it has not scored yet: the newest ones, read back from the arena. Called
+        only when an eviction is due, so while decoding one head call covers a block's worth
+        of steps and every layer (one call per layer and step would cost more in dispatch than
+        the MLP itself)."""
+        n, done = self.pool.num_tokens(seq_id), self._scored.get(seq_id, 0)
+        if n == done:
+            return
+        slots = self.pool.slot_ids(seq_id, done, n)
+        kv = torch.stack([a.index_select(2, slots) for a in self._layers])  # [L, 2, H, T, D]
+        kv = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).float()  # [L, H, T, 2D]
+        layers = torch.arange(kv.shape[0]).view(-1, 1, 1).expand(kv.shape[:-1])
         with torch.no_grad():
-            pred = self.head(torch.cat([k, v], dim=-1).float(), layers)  # [L, N, Hkv]
-        pred = pred.amax(2) if self.opts["aggregate"] == "max" else pred.mean(2)
-        pred = pred.mean(0)  # [N]
-        b = self._batch
-        for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
-            self._scores[sid][past:] += pred[b.rows(i)]
+            self._scores[seq_id][..., done:] += self.head(kv, layers)
+        self._scored[seq_id] = n
 
     def end_step(self) -> None:
         b = self._batch
-        if self.head is not None and self._step_kv:
-            self._score_with_head()
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
         super().end_step()
-        if not self.wants_token_logprobs:  # else after the scores arrive (observe_logprobs)
+        if self.wants_token_logprobs:  # after the scores arrive (observe_logprobs) ...
+            self._pending = list(b.seq_ids)  # ... or, from a caller that has none, next step
+        else:
             for sid in b.seq_ids:
                 self._evict(sid)
 
@@ -218,24 +254,25 @@ class PruneStrategy(FullStrategy):
         first token off the sequence's last row of the step before (0 for a sequence's first)."""
         for i, sid in enumerate(batch.seq_ids):
             rows = batch.rows(i)
-            tok, lp = tokens[rows], logprobs[rows]
-            nll = torch.zeros(tok.shape[0])
-            prev = self._last_lp.get(sid)
-            if prev is not None:
-                nll[0] = -prev[tok[0]]
-            nll[1:] = -lp[:-1].gather(1, tok[1:, None]).squeeze(1).cpu()
+            tok, lp = tokens[rows].cpu(), logprobs[rows]
             n = tok.shape[0]
+            nll = torch.empty(n)
+            prev = self._last_lp.get(sid)
+            nll[0] = 0.0 if prev is None else -float(prev[int(tok[0])])
+            if n > 1:
+                nll[1:] = -lp[:-1].gather(1, tok[1:, None].to(lp.device)).squeeze(1).cpu()
             if self.scorer == "surprisal":
-                self._scores[sid][-n:] = nll
+                self._scores[sid][..., -n:] = nll
             else:  # the head's prediction plus the weighted surprisal
-                self._scores[sid][-n:] += self.opts["surprisal_weight"] * nll
-            self._last_lp[sid] = lp[-1].cpu()
+                self._scores[sid][..., -n:] += self.opts["surprisal_weight"] * nll
+            self._last_lp[sid] = lp[-1].clone()  # not a view: the step's rows can go
             self._evict(sid)
+        self._pending = []
 
     # ---- eviction and compaction -------------------------------------------------------------
 
     def budget(self, seq_id: int) -> int:
-        """Tokens `seq_id` may keep now."""
+        """Tokens `seq_id` may keep now (in every layer and KV head)."""
         o = self.opts
         floor = o["sink_tokens"] + o["recent_window"]
         return max(floor, math.ceil(o["kept_ratio"] * self._seen[seq_id]))
@@ -247,34 +284,45 @@ class PruneStrategy(FullStrategy):
         # Amortized: after a prefill chunk at once, while decoding once a block's worth is due.
         if excess <= 0 or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
             return
+        if self.head is not None:
+            self._score_with_head(seq_id)
         recent = max(o["recent_window"], int(o["recent_share"] * self.budget(seq_id)))
         lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - recent)
-        middle = self._scores[seq_id][lo:hi]
+        scores, pos = self._scores[seq_id], self._pos[seq_id]
+        middle = scores[..., lo:hi]  # [L, Hkv, W]
         if self.head is not None and o["recency"]:
             # The head predicts how much attention a token draws from far queries; how much of
             # that is still ahead shrinks with its age, as a power law: score - r * log(age).
-            age = self._seen[seq_id] - self._pos[seq_id][lo:hi]
-            middle = middle - o["recency"] * torch.log1p(age)
-        drop = torch.topk(middle, min(excess, middle.numel()), largest=False).indices + lo
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[drop] = False
-        kept = keep.nonzero().squeeze(1)
-        slots = pool.slot_ids(seq_id, 0, n)
-        src, dst = slots[kept], slots[: kept.numel()]
-        for a in self._layers:  # [2, heads, slots, dim]: move the kept tokens down
-            a.index_copy_(2, dst, a.index_select(2, src))
-        pool.truncate(seq_id, kept.numel())
-        self._scores[seq_id] = self._scores[seq_id][kept]
-        self._pos[seq_id] = self._pos[seq_id][kept]
-        self.evicted += n - kept.numel()
+            middle = middle - o["recency"] * torch.log1p(self._seen[seq_id] - pos[..., lo:hi])
+        if o["granularity"] == "token":
+            middle = middle.amax(1, keepdim=True).mean(0, keepdim=True)  # [1, 1, W]
+        drop = torch.topk(middle, min(excess, middle.shape[-1]), largest=False).indices + lo
+        keep = torch.ones(*middle.shape[:2], n, dtype=torch.bool)
+        keep.scatter_(-1, drop, False)
+        m = n - drop.shape[-1]
+        # Each (layer, head)'s kept slots in order: kept ones sort first, by position.
+        order = torch.arange(n).expand_as(keep)
+        kept = torch.where(keep, order, order + n).sort(-1).values[..., :m]
+        kept = kept.expand(*scores.shape[:2], m)  # [L, Hkv, m]
+        slots = pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
+        rel = kept[..., lo:] - lo
+        for layer, a in enumerate(self._layers):  # [2, heads, slots, dim]: kept tokens move down
+            x = a.index_select(2, slots)  # [2, Hkv, n - lo, D]
+            idx = rel[layer][None, :, :, None].expand(2, -1, -1, x.shape[-1])
+            a.index_copy_(2, slots[: m - lo], x.gather(2, idx))
+        pool.truncate(seq_id, m)
+        self._scores[seq_id] = scores.gather(-1, kept)
+        self._pos[seq_id] = pos.gather(-1, kept)
+        self._scored[seq_id] = min(self._scored.get(seq_id, 0), m)
+        self.evicted += n - m
 
     # ---- hooks -------------------------------------------------------------------------------
 
-    def abort_step(self) -> None:
-        self._step_kv = []
-        super().abort_step()
-
     def begin_step(self, batch: StepBatch) -> None:
+        for sid in self._pending:  # no log-probabilities came (a caller without a model head)
+            if sid in self._seen:
+                self._evict(sid)
+        self._pending = []
         self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
         super().begin_step(batch)
 
@@ -283,6 +331,7 @@ class PruneStrategy(FullStrategy):
         self._pos.pop(seq_id, None)
         self._last_lp.pop(seq_id, None)
         self._seen.pop(seq_id, None)
+        self._scored.pop(seq_id, None)
         super().free(seq_id)
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
 _strategies: Registry[KVStrategy] = Registry(
-    "strategy", ("kvstrategies.full", "kvstrategies.hybrid", "kvstrategies.offload")
+    "strategy",
+    ("kvstrategies.full", "kvstrategies.hybrid", "kvstrategies.offload", "kvstrategies.prune"),
 )
 register = _strategies.register
 available = _strategies.available

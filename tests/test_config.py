@@ -21,7 +21,9 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
     return load_config(path, env=env or {}, ram_bytes=RAM)
 
 
-@pytest.mark.parametrize("name", ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml"])
+@pytest.mark.parametrize(
+    "name", ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml", "prune.toml"]
+)
 def test_shipped_configs_load(name: str) -> None:
     import kvstrategies
 

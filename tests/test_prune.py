@@ -50,6 +50,15 @@ def step(s, n, g, hist):
         s.observe_logprobs(b, tokens, torch.randn(n, 50, generator=g).log_softmax(-1))
 
 
+def kept_keys(s, layer=0):
+    """The keys sequence 0 holds in `layer`: [Hkv, tokens, D] (read in a step, then undone)."""
+    s.begin_step(StepBatch([0], [1]))
+    s.append(layer, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
+    kept = s.read(layer)[0][0][:, :-1]
+    s.abort_step()
+    return kept
+
+
 @pytest.mark.parametrize("scorer", SCORERS)
 def test_evicts_to_the_budget_and_attends_exactly_over_what_it_keeps(scorer):
     from kvstrategies.prune_head import PruneHead
@@ -75,14 +84,8 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens():
     g = torch.Generator().manual_seed(1)
     hist = []
     step(s, 64, g, hist)  # keeps 16: 2 sinks + the 14 newest
-    b = StepBatch([0], [1])
-    s.begin_step(b)
-    k, v = torch.randn(2, 1, 2, 16, generator=g)
-    s.append(0, k, v)
-    kept = s.read(0)[0][0][:, :-1]  # [Hkv, 16, D] without the new token
     expect = torch.cat([hist[0][:, :2], hist[0][:, -14:]], 1)
-    assert torch.equal(kept, expect)
-    s.abort_step()
+    assert torch.equal(kept_keys(s), expect)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +96,7 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens():
         ({"kept_ratio": 1.5}, r"kept_ratio = 1.5"),
         ({"recent_window": -1}, "recent_window = -1; expected an integer >= 0"),
         ({"recent_share": 2}, r"recent_share = 2; expected a number in \[0, 1\]"),
-        ({"aggregate": "sum"}, "aggregate = 'sum'; allowed: max, mean"),
+        ({"granularity": "layer"}, "granularity = 'layer'; allowed: head, token"),
     ],
 )
 def test_bad_options_name_the_option(options, match):
@@ -101,8 +104,39 @@ def test_bad_options_name_the_option(options, match):
         PruneStrategy.check_options(options)
 
 
-def test_not_picked_by_auto_until_the_learned_head_lands():
-    assert "learned_prune" not in kvstrategies.available()
+def test_registered_and_the_low_bandwidth_default():
+    assert kvstrategies.get("learned_prune") is PruneStrategy
+    assert kvstrategies.select("low", PoolConfig())[0] == "learned_prune"
+
+
+def test_each_head_keeps_its_own_tokens():
+    """Per-(layer, KV head) eviction: with key norms that favour even tokens in head 0 and odd
+    ones in head 1, each head keeps its own half (plus sinks and the recent window), and
+    attention stays exact over what it keeps (checked in `step`)."""
+    s = make(scorer="knorm", kept_ratio=0.5, sink_tokens=0, recent_window=0, recent_share=0)
+    n = 32
+    k = torch.randn(n, 2, 16)
+    k[0::2, 0] *= 10  # knorm evicts large norms: head 0 drops even tokens, head 1 odd ones
+    k[1::2, 1] *= 10
+    b = StepBatch([0], [n])
+    s.begin_step(b)
+    for layer in range(2):
+        s.append(layer, k, torch.randn(n, 2, 16))
+        s.attend(layer, torch.randn(n, 4, 16))
+    s.end_step()
+    kept = kept_keys(s)  # [Hkv, 16, D]
+    assert s.stored_tokens(0) == 16
+    assert torch.equal(kept[0], k[1::2, 0]) and torch.equal(kept[1], k[0::2, 1])
+    token = make(scorer="knorm", kept_ratio=0.5, sink_tokens=0, recent_window=0, recent_share=0,
+                 granularity="token")  # fmt: skip
+    token.begin_step(b)
+    for layer in range(2):
+        token.append(layer, k, torch.randn(n, 2, 16))
+        token.attend(layer, torch.randn(n, 4, 16))
+    token.end_step()
+    kept = kept_keys(token)
+    which = (kept[0][:, None] == k[None, :, 0]).all(-1).nonzero()[:, 1]  # tokens head 0 kept
+    assert which.numel() == 16 and torch.equal(kept[1], k[which, 1])  # head 1: the same ones
 
 
 @pytest.mark.slow
@@ -164,7 +198,7 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
 
 
 @pytest.mark.slow
-def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model):
+def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model, caplog):
     from kvstrategies.prune import SHIPPED_HEAD
     from kvstrategies.prune_head import HeadMismatch
 
@@ -173,5 +207,21 @@ def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model)
     assert s.head is not None and s.head.num_parameters < 140_000 and SHIPPED_HEAD.is_file()
     other = kvstrategies.KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                 identity="another-model")  # fmt: skip
-    with pytest.raises(HeadMismatch, match="another-model"):
-        PruneStrategy.create(other, options={"scorer": "head"})
+    with pytest.raises(HeadMismatch, match="another-model"):  # a given head must fit
+        PruneStrategy.create(other, options={"scorer": "head", "head": str(SHIPPED_HEAD)})
+    # No head given, the shipped one is for another model: the surprisal rule, with a warning.
+    s = PruneStrategy.create(other, options={"scorer": "head"})
+    assert "the shipped pruning head is for the packaged SmolLM2" in caplog.text
+    assert s.head is None and s.scorer == "surprisal" and s.wants_token_logprobs
+
+
+def test_config_errors_name_the_file_and_key(tmp_path):
+    cfg = tmp_path / "prune.toml"
+    cfg.write_text('strategy = "learned_prune"\n[strategy_options]\nkept_ratio = 1.5\n')
+    with pytest.raises(ValueError, match=rf"{cfg}: \[strategy_options\] .*kept_ratio = 1.5"):
+        kvstrategies.build(SPEC, config=str(cfg))
+    cfg.write_text(f'strategy = "learned_prune"\n[strategy_options]\nhead = "{tmp_path}/no.pt"\n')
+    with pytest.raises(ValueError, match="pruning head file not found: .*no.pt"):
+        kvstrategies.build(SPEC, config=str(cfg))
+    cfg.write_text('strategy = "learned_prune"\n[strategy_options]\nscorer = "streaming"\n')
+    assert kvstrategies.build(SPEC, config=str(cfg)).strategy.scorer == "streaming"

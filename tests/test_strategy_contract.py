@@ -2,7 +2,8 @@
 
 A new strategy is covered by registering it: it must attend like exact attention within the
 tolerance it declares, handle batches of different lengths and chunked appends, reuse shared
-prefix blocks correctly, free every block, and account its bytes.
+prefix blocks correctly, free every block, and account its bytes. A strategy that evicts tokens
+(`evicts`) attends exactly over the tokens it keeps (what `read` returns) and shares no prefix.
 """
 
 import math
@@ -84,6 +85,10 @@ class Driver:
                 pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
                 pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
                 past[layer] = (pk, pv)
+                if type(self.s).evicts:  # what it kept, the step's tokens at the end
+                    ks, vs = self.s.read(layer)
+                    pk, pv = ks[i].float(), vs[i].float()
+                    assert torch.equal(pk[:, -lens[i] :], k[rows].transpose(0, 1))
                 ref = reference(q[rows], pk, pv, pk.shape[1] - lens[i])
                 errs.append((out[rows] - ref).abs().max().item())
         self.s.end_step()
@@ -105,6 +110,8 @@ def test_attends_like_exact_attention(name, make):
         assert d.step([1, 0], [1, 1]) <= tol  # interleaved decoding, block boundaries crossed
     assert d.step([0], [5]) <= tol  # a chunk on top of a cache
     assert s.stored_tokens(0) <= 13 + 1 + 10 + 5
+    if type(s).evicts:  # its contract options make it evict
+        assert s.stored_tokens(0) < 13 + 1 + 10 + 5
 
 
 def test_frees_every_block_and_accounts_bytes(name, make):
@@ -131,6 +138,9 @@ def test_shared_prefix_attends_like_recomputed(name, make):
     d.step([0], [len(tokens)])
     s.publish(0, tokens)
     reused = s.match_prefix(5, tokens)
+    if type(s).evicts:
+        assert reused == 0
+        return
     assert reused == 3 * BS  # full blocks, and never the last token
     # Sequence 5's history is sequence 0's first 3 blocks.
     d.hist[5] = [(k[:, :reused], v[:, :reused]) for k, v in d.hist[0]]

@@ -330,6 +330,12 @@ def _memory_lines(mem: dict) -> str:
             f"[prefix cache: {px['hits']}/{px['queries']} block hits; preemptions "
             f"{pool['preemptions']}; health {pool['health']['state']}]"
         )
+    if mem.get("tokens_seen"):  # a pruning strategy
+        ev, seen = mem["tokens_evicted"], mem["tokens_seen"]
+        lines.append(
+            f"[pruning ({mem['scorer']}): {ev} of {seen} tokens evicted "
+            f"({ev / seen:.0%}), their blocks returned to the pool]"
+        )
     pf = mem.get("prefetch")
     if pf and pf["layers_fetched"]:
         lines.append(

@@ -17,6 +17,9 @@ from the engine. With `granularity = "token"` every layer and head drops the sam
 token's score: max over heads, mean over layers).
 
 Scorers (a score per layer, KV head and stored token; higher is kept):
+- `head` (the default): the learned head's predicted log attention from later queries, plus
+  `surprisal_weight` x the token's write-time NLL (below), minus `recency` x log(1 + age); the
+  head runs only when an eviction is due, over the tokens it has not scored yet;
 - `streaming`: its position (StreamingLLM: sinks + the most recent tokens);
 - `random`: drawn when written;
 - `knorm`: minus its key norm (kvpress's Knorm keeps low norms);
@@ -24,7 +27,8 @@ Scorers (a score per layer, KV head and stored token; higher is kept):
 - `tova`: attention it received from the step's last query (replaced every step);
 - `surprisal`: its negative log-likelihood under the model when it was written (DESIGN.md's
   write-time rule: a surprising token is likely to be asked about). The model hands the cache
-  every row's next-token distribution (`wants_token_logprobs`); eviction then waits for it.
+  every row's next-token distribution (`wants_token_logprobs`); eviction then waits for it
+  (or, from a caller that never hands it, happens at the next step).
 Prefix sharing is off for pruned sequences: a compacted block no longer holds the tokens its
 position says.
 """
@@ -108,6 +112,12 @@ class PruneStrategy(FullStrategy):
             raise ValueError(
                 f"strategy {cls.name!r}: option granularity = {gr!r}; allowed: head, token"
             )
+        head = opts["head"]
+        if isinstance(head, str | Path) and not Path(head).is_file():
+            raise ValueError(
+                f"strategy {cls.name!r}: option head = {str(head)!r}: pruning head file not "
+                "found (make one with `unikv tune --kv_optimization=learned_prune`)"
+            )
         for key in ("recency", "surprisal_weight"):
             w = opts[key]
             if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
@@ -134,7 +144,8 @@ class PruneStrategy(FullStrategy):
             self.head = self._load_head(o["head"], spec)
             if self.head is None:
                 self.scorer = "surprisal"
-        self.evicted = 0
+        self.evicted = 0  # tokens evicted, and tokens fed, since the strategy was built
+        self.seen_total = 0
         self._last_lens: dict[int, int] = {}
         self.wants_token_logprobs = self.scorer == "surprisal" or (
             self.scorer == "head" and o["surprisal_weight"] > 0
@@ -242,6 +253,7 @@ class PruneStrategy(FullStrategy):
         b = self._batch
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
+            self.seen_total += n
         super().end_step()
         if self.wants_token_logprobs:  # after the scores arrive (observe_logprobs) ...
             self._pending = list(b.seq_ids)  # ... or, from a caller that has none, next step
@@ -345,5 +357,6 @@ class PruneStrategy(FullStrategy):
         return super().stats() | {
             "scorer": self.scorer,
             "tokens_evicted": self.evicted,
-            "kept_ratio": self.pool.total_tokens() / seen if seen else 1.0,
+            "tokens_seen": self.seen_total,
+            "kept_ratio": self.pool.total_tokens() / seen if seen else 1.0,  # live sequences
         }

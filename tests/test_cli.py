@@ -90,10 +90,12 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv):
+def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, capsys):
     from engine.evaluate import perplexity
 
-    proc = _cli("eval", "ppl", "--text", str(text_file), "--tokens", "320", "--json")
+    proc = _cli(
+        "eval", "ppl", "--text", str(text_file), "--tokens", "320", "--json", "--strategy", "full"
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in (
@@ -108,9 +110,19 @@ def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv):
         assert key in result
     ids = tokenizer.encode(text_file.read_text())[:320]
     ref = perplexity(model, ids, new_kv())
-    assert result["tokens"] == 320
+    assert result["tokens"] == 320 and result["kept_ratio"] == 1.0
     assert result["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
     assert result["kv_bytes"] == ref.kv_bytes
+    # auto on a CPU is learned_prune: half the tokens kept; its flags reach it.
+    base = ["eval", "ppl", "--text", str(text_file), "--tokens", "320", "--prefill", "64"]
+    assert main([*base, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert auto["strategy"] == "learned_prune" and 0.45 <= auto["kept_ratio"] <= 0.55
+    assert auto["kv_bytes"] < 0.56 * result["kv_bytes"]
+    assert main([*base, "--kept-ratio", "0.75", "--scorer", "streaming", "--json"]) == 0
+    assert 0.7 <= json.loads(capsys.readouterr().out.splitlines()[-1])["kept_ratio"] <= 0.8
+    assert "option kept_ratio = 1.5" in _error([*base, "--kept-ratio", "1.5"], capsys)
+    assert "pruning head file not found" in _error([*base, "--prune-head", "no.pt"], capsys)
 
 
 @pytest.mark.slow

@@ -232,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--gap", type=int, default=64, help="queries this far after a token are its future (64)"
     )
+    tune.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="one small MLP per layer instead of one shared with a layer embedding",
+    )
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--resume", action="store_true", help="overwrite an existing --out")
     json_arg(tune)
@@ -491,10 +496,12 @@ def _tune(args: argparse.Namespace) -> None:
     model, tok = load_model(args.model, progress=True)
     ids = tok.encode(text)
     res = train(model, ids, windows=args.windows, window=args.window, epochs=args.epochs,
-                lr=args.lr, gap=args.gap, seed=args.seed, progress=True)  # fmt: skip
+                lr=args.lr, gap=args.gap, seed=args.seed, progress=True,
+                per_layer=args.per_layer)  # fmt: skip
     cfg = model.cfg
     meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.window,
-            "epochs": args.epochs, "gap": args.gap, "val_loss": res.val_loss,
+            "epochs": args.epochs, "gap": args.gap, "per_layer": args.per_layer,
+            "val_loss": res.val_loss,
             "val_corr": res.val_corr}  # fmt: skip
     res.head.save(target, cfg.identity, cfg.num_kv_heads, meta)
     print(

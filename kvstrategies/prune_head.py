@@ -45,28 +45,51 @@ class HeadMismatch(ValueError):
 
 
 class PruneHead(nn.Module):
-    """MLP over (key, value, layer embedding) of one KV head -> predicted log attention."""
+    """MLP over (key, value) of one KV head -> predicted log attention. Shared by all layers
+    with a layer embedding (the default), or one small MLP per layer (`per_layer`: the same
+    parameter budget split 30 ways, hidden 25 for SmolLM2)."""
 
-    def __init__(self, num_layers: int, head_dim: int, hidden: int = 288, layer_dim: int = 16):
+    def __init__(self, num_layers: int, head_dim: int, hidden: int = 288, layer_dim: int = 16,
+                 per_layer: bool = False):  # fmt: skip
         super().__init__()
         self.num_layers, self.head_dim = num_layers, head_dim
-        self.hidden, self.layer_dim = hidden, layer_dim
-        self.layer_emb = nn.Embedding(num_layers, layer_dim)
-        self.net = nn.Sequential(
-            nn.Linear(2 * head_dim + layer_dim, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, 1),
-        )
+        self.hidden, self.layer_dim, self.per_layer = hidden, layer_dim, per_layer
+        d = 2 * head_dim
+        if per_layer:
+
+            def weight(*shape):  # per layer, scaled like nn.Linear's default init
+                bound = shape[-2] ** -0.5
+                return nn.Parameter(torch.empty(num_layers, *shape).uniform_(-bound, bound))
+
+            self.w = nn.ParameterList(
+                [weight(d, hidden), weight(hidden, hidden), weight(hidden, 1)]
+            )
+            self.b = nn.ParameterList(
+                [nn.Parameter(torch.zeros(num_layers, n)) for n in (hidden, hidden, 1)]
+            )
+        else:
+            self.layer_emb = nn.Embedding(num_layers, layer_dim)
+            self.net = nn.Sequential(
+                nn.Linear(d + layer_dim, hidden),
+                nn.GELU(),
+                nn.Linear(hidden, hidden),
+                nn.GELU(),
+                nn.Linear(hidden, 1),
+            )
         # Inputs are normalised by fixed statistics measured on the training data.
-        self.register_buffer("mean", torch.zeros(2 * head_dim))
-        self.register_buffer("std", torch.ones(2 * head_dim))
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("std", torch.ones(d))
 
     def forward(self, kv: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
         """kv: [..., 2 * head_dim] (key then value of one head); layer: [...] -> [...]."""
         x = (kv - self.mean) / self.std
-        return self.net(torch.cat([x, self.layer_emb(layer)], dim=-1)).squeeze(-1)
+        if not self.per_layer:
+            return self.net(torch.cat([x, self.layer_emb(layer)], dim=-1)).squeeze(-1)
+        for i, (w, b) in enumerate(zip(self.w, self.b, strict=True)):
+            x = torch.einsum("...i,...ij->...j", x, w[layer]) + b[layer]
+            if i < 2:
+                x = F.gelu(x)
+        return x.squeeze(-1)
 
     @torch.no_grad()
     def score(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,7 +109,8 @@ class PruneHead(nn.Module):
         blob = {
             "format": FORMAT, "identity": identity, "num_layers": self.num_layers,
             "num_kv_heads": num_kv_heads, "head_dim": self.head_dim, "hidden": self.hidden,
-            "layer_dim": self.layer_dim, "state": self.state_dict(), "meta": meta,
+            "layer_dim": self.layer_dim, "per_layer": self.per_layer, "state": self.state_dict(),
+            "meta": meta,
         }  # fmt: skip
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
@@ -119,7 +143,8 @@ class PruneHead(nn.Module):
                 f"{found} (layers, kv heads, head dim); this model is {identity!r} with "
                 f"{tuple(shape)}: train one with `unikv tune --kv_optimization=learned_prune`"
             )
-        head = cls(blob["num_layers"], blob["head_dim"], blob["hidden"], blob["layer_dim"])
+        head = cls(blob["num_layers"], blob["head_dim"], blob["hidden"], blob["layer_dim"],
+                   blob.get("per_layer", False))  # fmt: skip
         head.load_state_dict(blob["state"])
         return head.eval()
 
@@ -198,7 +223,8 @@ class TrainResult:
 
 def train(model, ids: list[int], windows: int = 48, window: int = 512, per_window: int = 96,
           min_later: int = 64, gap: int = 0, epochs: int = 6, lr: float = 2e-3,
-          batch: int = 4096, seed: int = 0, progress: bool = False) -> TrainResult:  # fmt: skip
+          batch: int = 4096, seed: int = 0, progress: bool = False,
+          per_layer: bool = False) -> TrainResult:  # fmt: skip
     """Train a head on `ids` against the frozen `model`; the last eighth of the windows is
     held out for the reported loss and correlation."""
     t0 = time.perf_counter()
@@ -216,7 +242,10 @@ def train(model, ids: list[int], windows: int = 48, window: int = 512, per_windo
         y[-n_val:],
     )
     cfg = model.cfg
-    head = PruneHead(cfg.num_layers, cfg.head_dim)
+    if per_layer:  # the shared head's parameter budget, split over the layers
+        head = PruneHead(cfg.num_layers, cfg.head_dim, hidden=25, per_layer=True)
+    else:
+        head = PruneHead(cfg.num_layers, cfg.head_dim)
     head.mean.copy_(xt.mean(0))
     head.std.copy_(xt.std(0).clamp(min=1e-3))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=1e-4)

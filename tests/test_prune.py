@@ -153,6 +153,27 @@ def test_real_model_keeps_half_the_kv_and_stays_sane(model, tokenizer):
     assert ref.ppl < got.ppl < 2 * ref.ppl
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_head_file_round_trip(tmp_path, per_layer):
+    """Both head forms save and load with their shape; the per-layer form gives each layer its
+    own weights (the same input scores differently by layer), the shared one a layer embedding."""
+    from kvstrategies.prune_head import HeadMismatch, PruneHead
+
+    torch.manual_seed(0)
+    head = PruneHead(3, 16, hidden=8, per_layer=per_layer)
+    path = tmp_path / "h.pt"
+    head.save(path, "m", 2, {})
+    got = PruneHead.load(path, "m", (3, 2, 16))
+    assert got.per_layer == per_layer and got.num_parameters == head.num_parameters
+    x = torch.randn(4, 32).expand(3, 4, 32)
+    layers = torch.arange(3)[:, None].expand(3, 4)
+    out = got(x, layers)
+    assert torch.equal(out, head(x, layers)) and out.shape == (3, 4)
+    assert not torch.allclose(out[0], out[1])  # layers differ
+    with pytest.raises(HeadMismatch, match=r"KV shape \(3, 2, 16\).*\(3, 2, 8\)"):
+        PruneHead.load(path, "m", (3, 2, 8))
+
+
 @pytest.mark.slow
 def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     from engine.cli import main
@@ -168,6 +189,11 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     assert 100_000 <= made["parameters"] <= 140_000 and made["samples"] > 0
     assert main([*argv, *small]) == 2  # exists: needs --resume
     assert "--resume" in capsys.readouterr().err
+    assert main([*argv, *small, "--resume", "--per-layer"]) == 0  # one small MLP per layer
+    per_layer = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert 100_000 <= per_layer["parameters"] < made["parameters"]
+    assert main([*argv, *small, "--resume"]) == 0  # back to the shared head
+    made = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert main(["tune", "--kv_optimization=magic", "--text", str(text), "--out", "x"]) == 2
     assert "allowed: learned_prune" in capsys.readouterr().err
     spec = kvstrategies.KVSpec.for_model(model)

@@ -97,7 +97,12 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         names = ", ".join(sorted(PACKAGED_MODELS))
-        raise ModelLoadError(f"model not found: {model!r} (a .gguf path, or one of: {names})")
+        raise ModelLoadError(
+            f"model not found: {model!r} (a .gguf path, a Hugging Face checkpoint directory, "
+            f"or one of: {names})"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: a directory without config.json is not a checkpoint")
     return path
 
 
@@ -211,11 +216,15 @@ def load_gguf(
             raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite values")
         # Copy: F32 tensors are read-only views of the memory-mapped file.
         tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(dtype)
-    _check_tensors(cfg, tensors, path)
+    check_tensors(cfg, tensors, path)
     return cfg, tensors, reader
 
 
-def _check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def check_tensors(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path, display=lambda name: name
+) -> None:
+    """Every tensor the engine needs is present with its shape, or a `ModelLoadError` naming
+    the tensor (as `display` spells it: the file format's own name) and the expected shape."""
     d, kv = cfg.head_dim, cfg.num_kv_heads
     expected = {
         "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
@@ -236,8 +245,8 @@ def _check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Pat
     for name, shape in expected.items():
         got = tensors.get(name)
         if got is None:
-            raise ModelLoadError(f"{path}: missing tensor {name}")
+            raise ModelLoadError(f"{path}: missing tensor {display(name)}")
         if tuple(got.shape) != shape:
             raise ModelLoadError(
-                f"{path}: tensor {name} has shape {tuple(got.shape)}, want {shape}"
+                f"{path}: tensor {display(name)} has shape {tuple(got.shape)}, want {shape}"
             )

@@ -167,9 +167,10 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = True,
 ):
-    """Load weights and tokenizer for `model` (a packaged name or a .gguf path)."""
+    """Load weights and tokenizer for `model` (a packaged name, a .gguf path, or a Hugging Face
+    checkpoint directory: config.json + safetensors + tokenizer files)."""
     from .gguf_loader import DTYPES, load_gguf, resolve_model_path
-    from .tokenizer import GGUFTokenizer
+    from .tokenizer import GGUFTokenizer, HFTokenizer
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -178,6 +179,12 @@ def load_model(
             )
         dtype = DTYPES[dtype]
     path = resolve_model_path(model)
-    cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
-    tokenizer = GGUFTokenizer(reader, str(path))
+    if path.is_dir():
+        from .hf_loader import load_hf
+
+        cfg, tensors = load_hf(path, dtype=torch.float32, progress=progress)
+        tokenizer = HFTokenizer(path)
+    else:
+        cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
+        tokenizer = GGUFTokenizer(reader, str(path))
     return LlamaModel(cfg, tensors, dtype=dtype, device=device), tokenizer

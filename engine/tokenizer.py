@@ -1,4 +1,5 @@
-"""Tokenizer built from a GGUF file's metadata with the `tokenizers` library.
+"""Tokenizers, with the `tokenizers` library: built from a GGUF file's metadata (`GGUFTokenizer`)
+or read from a Hugging Face checkpoint's tokenizer.json (`HFTokenizer`; same interface).
 
 Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is built the way Hugging Face `transformers` builds
 it from the same file, so both produce identical ids. Also here: the chat template (rendered with
@@ -106,6 +107,43 @@ class GGUFTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+class HFTokenizer(GGUFTokenizer):
+    """The tokenizer of a Hugging Face checkpoint directory: tokenizer.json, with BOS/EOS and the
+    chat template from tokenizer_config.json. Encoding, decoding and the template are
+    `GGUFTokenizer`'s."""
+
+    def __init__(self, path) -> None:  # the GGUF constructor is not called
+        import json
+        from pathlib import Path
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        try:
+            tk = Tokenizer.from_file(str(file))
+        except Exception as e:  # missing, or not a tokenizers file
+            raise ModelLoadError(f"{file}: not a readable tokenizer.json ({e})") from None
+        conf_file = path / "tokenizer_config.json"
+        conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
+        self._tk = tk
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        added = tk.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+
+        def token(key: str) -> tuple[int | None, str | None]:
+            t = conf.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            return (tk.token_to_id(t), t) if t else (None, None)
+
+        self.bos_id, self.bos_token = token("bos_token")
+        self.eos_id, self.eos_token = token("eos_token")
+        # BOS comes from tokenizer_config's flag, else from tokenizer.json's post-processor.
+        default = self.bos_id is not None and tk.encode("", add_special_tokens=True).ids[:1] == [
+            self.bos_id
+        ]
+        self.add_bos = bool(conf.get("add_bos_token", default))
+        self.chat_template = conf.get("chat_template")
 
 
 class IncrementalDecoder:

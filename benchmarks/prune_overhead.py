@@ -25,7 +25,6 @@ import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from engine.model import load_model  # noqa: E402
-from kvstrategies.prune import PruneStrategy  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +40,9 @@ def main() -> None:
     ids = context_ids(tok, args.context)
     cases = {}
     for name in ("streaming", "head"):
-        kv = PruneStrategy.create(spec, options={"scorer": name, "kept_ratio": args.kept})
+        kv = kvstrategies.create(
+            "learned_prune", spec, options={"scorer": name, "kept_ratio": args.kept}
+        )
         cases[name] = [kv, prefill(model, kv, ids, seq=0), args.context]
     samples: dict[str, list[float]] = {n: [] for n in cases}
     for r in range(args.repeats + 1):  # round 0 warms up; the order alternates by round

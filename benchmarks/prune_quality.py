@@ -34,7 +34,7 @@ from engine.evaluate import perplexity, read_text  # noqa: E402
 from engine.kv import StepBatch  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.passkey import passkey  # noqa: E402
-from kvstrategies.prune import SCORERS, PruneStrategy  # noqa: E402
+from kvstrategies.prune import SCORERS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT.parent / "shared" / "texts" / "GPL-3.txt"
@@ -126,7 +126,7 @@ def main() -> None:
             opts |= given
             if scorer == "head":
                 opts.setdefault("head", args.head)
-            s = PruneStrategy.create(spec, options=opts)
+            s = kvstrategies.create("learned_prune", spec, options=opts)
             res = perplexity(model, ids, s)
             pk = passkey(model, tok, s, args.length, args.samples, args.seed)
             kvp, kvp_kept = kvpress_protocol(model, all_ids, s)

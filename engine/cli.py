@@ -298,12 +298,8 @@ def _check_kv_args(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config)
     name = args.strategy or cfg.strategy
-    if name == "auto":  # what auto will pick: the chip's class (cpu: a 0.1 s probe)
-        from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
-
-        profile = load_profile(cfg.chip)
-        cls = profile.pinned_class or bandwidth_class(resolve_bandwidth(profile)[0])
-        name = kvstrategies.select(cls, cfg)[0]
+    if name == "auto":  # what auto will pick
+        name = kvstrategies.choose(cfg, name)[0]
     opts = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
     kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
 

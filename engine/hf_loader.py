@@ -9,6 +9,7 @@ tokenizer_config.json (special tokens, BOS, chat template).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .gguf_loader import ModelConfig, ModelLoadError, check_tensors
+from .gguf_loader import ModelConfig, ModelLoadError, check_tensors, file_fingerprint
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 # HF name (per layer after "model.layers.{i}.") -> the engine's name (after "blk.{i}.")
@@ -36,10 +37,6 @@ _TOP_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-
-
-def is_hf_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file()
 
 
 def engine_name(hf_name: str) -> str | None:
@@ -139,8 +136,7 @@ def load_hf(
     digest = hashlib.blake2b(digest_size=16)
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc="loading weights", unit="shard", disable=not progress):
-        with open(f, "rb") as fh:
-            digest.update(hashlib.file_digest(fh, "blake2b").digest())
+        digest.update(file_fingerprint(f).encode())
         try:
             with safe_open(f, framework="pt") as st:
                 for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -157,12 +153,7 @@ def load_hf(
         if not torch.isfinite(t).all():
             raise ModelLoadError(f"{path}: tensor {hf_name(name)} holds non-finite values")
     check_tensors(cfg, tensors, path, hf_name)
-    fingerprint = digest.hexdigest()[:32]
-    return ModelConfig(**{**_fields(cfg), "fingerprint": fingerprint}), tensors
-
-
-def _fields(cfg: ModelConfig) -> dict:
-    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    return dataclasses.replace(cfg, fingerprint=digest.hexdigest()), tensors
 
 
 def save_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer, path: Path) -> None:

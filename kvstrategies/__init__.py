@@ -1,7 +1,7 @@
 """KV strategies: one file per strategy behind `KVStrategy`, a registry, selection by class."""
 
 from .base import KVSpec, KVStrategy
-from .registry import Built, available, build, create, get, register, select
+from .registry import Built, available, build, choose, create, get, register, select
 
 __all__ = [
     "Built",
@@ -9,6 +9,7 @@ __all__ = [
     "KVStrategy",
     "available",
     "build",
+    "choose",
     "create",
     "get",
     "register",

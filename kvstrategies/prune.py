@@ -83,13 +83,6 @@ class PruneStrategy(FullStrategy):
     contract_options = {"scorer": "knorm", "sink_tokens": 2, "recent_window": 4}
 
     @classmethod
-    def create(cls, spec, config=None, options: dict | None = None, device="cpu"):
-        """The strategy and its pool (what `kvstrategies.create("learned_prune", ...)` does)."""
-        from .registry import create_with
-
-        return create_with(cls, spec, config, options, device)
-
-    @classmethod
     def check_options(cls, options: dict | None) -> dict[str, Any]:
         opts = super().check_options(options)
         if opts["scorer"] not in SCORERS:
@@ -292,13 +285,14 @@ class PruneStrategy(FullStrategy):
     def _evict(self, seq_id: int) -> None:
         o, pool = self.opts, self.pool
         n = pool.num_tokens(seq_id)
-        excess = n - self.budget(seq_id)
+        budget = self.budget(seq_id)
+        excess = n - budget
         # Amortized: after a prefill chunk at once, while decoding once a block's worth is due.
         if excess <= 0 or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
             return
         if self.head is not None:
             self._score_with_head(seq_id)
-        recent = max(o["recent_window"], int(o["recent_share"] * self.budget(seq_id)))
+        recent = max(o["recent_window"], int(o["recent_share"] * budget))
         lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - recent)
         scores, pos = self._scores[seq_id], self._pos[seq_id]
         middle = scores[..., lo:hi]  # [L, Hkv, W]

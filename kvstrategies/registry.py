@@ -42,18 +42,7 @@ def create(
     stores: dict | None = None,
 ) -> KVStrategy:
     """Build strategy `name` and the pool it stores into."""
-    return create_with(get(name), spec, config, options, device, stores)
-
-
-def create_with(
-    cls: type[KVStrategy],
-    spec: KVSpec,
-    config: PoolConfig | None = None,
-    options: dict | None = None,
-    device: torch.device | str = "cpu",
-    stores: dict | None = None,
-) -> KVStrategy:
-    """Build the strategy class `cls` (registered or not) and the pool it stores into."""
+    cls = get(name)
     config = config or load_config(None)
     opts = cls.check_options(config.strategy_options if options is None else options)
     block_size = config.block_size or cls.default_block_size
@@ -109,13 +98,8 @@ def build(
     from CLI flags) override the file's `[strategy_options]`. With a `model` (and its
     `tokenizer`), the strategy prepares itself for it first (hybrid_fp16_int4: calibration).
     """
-    from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
-
     cfg = config if isinstance(config, PoolConfig) else load_config(config)
-    profile = load_profile(chip or cfg.chip)
-    gbps, _ = resolve_bandwidth(profile)
-    cls_name = profile.pinned_class or bandwidth_class(gbps)
-    name, reason = select(cls_name, _with_strategy(cfg, strategy))
+    name, reason, profile, cls_name, gbps = choose(cfg, strategy, chip)
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
     from_file = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
     try:
@@ -128,6 +112,19 @@ def build(
         options = get(name).prepare(model, tokenizer, options, progress)
     built = create(name, spec, cfg, options, device, stores)
     return Built(built, name, reason, profile.name, cls_name, gbps, cfg)
+
+
+def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None):
+    """(strategy name, why, chip profile, bandwidth class, GB/s) for a config, with an explicit
+    `strategy`/`chip` taking precedence; resolves "auto" by the chip's bandwidth class (the
+    `cpu` profile measures it: about 0.1 s). Builds nothing."""
+    from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
+
+    profile = load_profile(chip or cfg.chip)
+    gbps, _ = resolve_bandwidth(profile)
+    cls_name = profile.pinned_class or bandwidth_class(gbps)
+    name, reason = select(cls_name, _with_strategy(cfg, strategy))
+    return name, reason, profile, cls_name, gbps
 
 
 def _with_strategy(cfg: PoolConfig, strategy: str | None) -> PoolConfig:

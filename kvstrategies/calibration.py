@@ -23,7 +23,6 @@ strategy recomputes it only when asked to.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from engine.kv import ContiguousKVCache, StepBatch
 
 METHODS = ("score_error", "magnitude", "outlier")
+TUNED_FILE = "kv_calibration.pt"  # in a checkpoint directory written by `unikv tune`
 FORMAT = 1
 
 
@@ -76,16 +76,9 @@ class ChannelStats:
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash mid-write never leaves a half file behind."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            torch.save(self.to_dict(), tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from engine.files import torch_save_atomic
+
+        torch_save_atomic(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path, identity: str, shape: tuple[int, int, int]) -> ChannelStats:
@@ -210,6 +203,15 @@ def default_path(identity: str) -> Path:
     return root / "calibration" / f"{slug}-{digest}.pt"
 
 
+def _tuned_calibration(model) -> Path | None:
+    """`kv_calibration.pt` of the checkpoint directory the model came from, if it has one."""
+    source = getattr(model, "source", None)
+    if source is None:
+        return None
+    path = Path(source) / TUNED_FILE
+    return path if path.is_file() else None
+
+
 def ensure_calibration(model, tokenizer, opts: dict, progress: bool = False) -> Path:
     """The calibration file the options name (or the model's default one), computed if missing
     or if `recalibrate` is set. An existing file for another model raises CalibrationMismatch."""
@@ -217,7 +219,12 @@ def ensure_calibration(model, tokenizer, opts: dict, progress: bool = False) -> 
 
     cfg = model.cfg
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    path = Path(opts["calibration"]) if opts.get("calibration") else default_path(cfg.identity)
+    if opts.get("calibration"):
+        path = Path(opts["calibration"])
+    elif (tuned := _tuned_calibration(model)) is not None:
+        path = tuned  # a tuned checkpoint's own plan (engine.tune): the one it was tuned for
+    else:
+        path = default_path(cfg.identity)
     if path.exists() and not opts.get("recalibrate"):
         ChannelStats.load(path, cfg.identity, shape)  # refuses another model's file
         return path

@@ -239,7 +239,7 @@ class HybridStrategy(KVStrategy):
         self.T = pool.block_size
         self.rec = self._record(spec, self.T, o)
         self.S = o["sink_tokens"]
-        self.plan = self._load_plan(spec, o)
+        self.plan = self.channel_plan(spec, o)
         self.scale = spec.head_dim**-0.5
         self._arena = pool.arena("kv")  # [L, NB, H, REC] uint8
         dev = self._arena.device
@@ -258,7 +258,9 @@ class HybridStrategy(KVStrategy):
                  "G": spec.query_group, "SF": int(r.scales == "fp8")}  # fmt: skip
         self._kernel = kernels.hybrid_kernel(shape) if dev.type == "cpu" else None
 
-    def _load_plan(self, spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
+    @staticmethod
+    def channel_plan(spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
+        """The stored channel order for checked options `o` (from their calibration file)."""
         from .calibration import ChannelStats
         from .quant import plan_from_scores
 

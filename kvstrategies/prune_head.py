@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from engine.files import torch_save_atomic
 from engine.kv import ContiguousKVCache, StepBatch
 
 FORMAT = 1
@@ -112,14 +112,7 @@ class PruneHead(nn.Module):
             "layer_dim": self.layer_dim, "per_layer": self.per_layer, "state": self.state_dict(),
             "meta": meta,
         }  # fmt: skip
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            torch.save(blob, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        torch_save_atomic(blob, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], identity: str, shape: tuple[int, int, int]):

@@ -11,7 +11,7 @@ import kvstrategies
 from engine.evaluate import perplexity
 from engine.kv import StepBatch
 from kvstrategies import kernels
-from kvstrategies.calibration import CalibrationMismatch, ChannelStats, collect, ensure_calibration
+from kvstrategies.calibration import CalibrationMismatch, ChannelStats, ensure_calibration
 from kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
 from memory.config import PoolConfig, TierConfig
 
@@ -177,15 +177,6 @@ def test_bad_option_in_a_config_file_names_file_and_key(tmp_path):
     path.write_text('strategy = "hybrid_fp16_int4"\n[strategy_options]\nfp16_share = 2\n')
     with pytest.raises(ValueError, match=r"bad.toml.*fp16_share = 2"):
         kvstrategies.build(SPEC, None, path)
-
-
-@pytest.fixture(scope="module")
-def calibration(model, tokenizer, tmp_path_factory):
-    ids = tokenizer.encode(make_english(60, seed=11))
-    stats = collect(model, ids, samples=4, window=128, block=64)
-    path = tmp_path_factory.mktemp("cal") / "smollm2.pt"
-    stats.save(path)
-    return path
 
 
 def test_calibration_file_roundtrip_and_mismatch(model, calibration, tmp_path):

@@ -197,7 +197,7 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     assert main([*argv, *small, "--resume"]) == 0  # back to the shared head
     made = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert main(["tune", "--kv_optimization=magic", "--text", str(text), "--out", "x"]) == 2
-    assert "allowed: learned_prune" in capsys.readouterr().err
+    assert "allowed: hybrid_fp16_int4, learned_prune" in capsys.readouterr().err
     spec = kvstrategies.KVSpec.for_model(model)
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     head = PruneHead.load(out / "prune_head.pt", spec.identity, shape)

@@ -536,7 +536,6 @@ def _tune(args: argparse.Namespace) -> None:
 def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
     import torch
 
-    import kvstrategies
     from memory.config import load_config
 
     from .tune import TuneSettings, tune_hybrid
@@ -544,30 +543,31 @@ def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
     cfg = load_config(args.config)
     file_opts = cfg.strategy_options if cfg.strategy == "hybrid_fp16_int4" else {}
     options = {**file_opts, **_kv_options(args)}
-    kvstrategies.get("hybrid_fp16_int4").check_options(options)  # bad options fail early
     settings = TuneSettings(
         steps=args.steps,
-        lr=args.lr or TuneSettings.lr,
+        lr=TuneSettings.lr if args.lr is None else args.lr,
         seq_len=args.seq_len,
         batch=args.batch,
         lam=args.lam,
         anchor=args.anchor,
         seed=args.seed,
     )
-    settings.check()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # tune_hybrid checks settings, options and device before it loads anything.
     res = tune_hybrid(args.model, text, args.out, settings, options, resume=args.resume,
                       checkpoint_every=args.checkpoint_every, device=device,
                       progress=True)  # fmt: skip
     print(
         f"tuned {res.steps} steps ({res.seconds:.0f}s here, {res.tokens_per_s:.0f} tokens/s); "
-        f"KL to the base model with a full cache {res.kl:.4f}, quantization error "
-        f"{res.q_error:.4f} (last tenth of the steps) -> {res.out} (--model {res.out})"
+        f"KL to the base model: hybrid cache {res.kl:.4f}, full cache {res.kl_full:.4f}; "
+        f"quantization error {res.q_error:.4f} (means over the last tenth of the steps) "
+        f"-> {res.out} (--model {res.out})"
     )
     if args.json:
         print(json.dumps({"path": str(res.out), "identity": res.identity, "steps": res.steps,
                           "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
-                          "kl": res.kl, "q_error": res.q_error}))  # fmt: skip
+                          "kl": res.kl, "kl_full": res.kl_full,
+                          "q_error": res.q_error}))  # fmt: skip
 
 
 def _tune_prune(args: argparse.Namespace, text: str) -> None:
@@ -579,12 +579,15 @@ def _tune_prune(args: argparse.Namespace, text: str) -> None:
     target = out / "prune_head.pt"
     if target.exists() and not args.resume:
         raise ValueError(f"{target} exists; pass --resume to replace it, or another --out")
+    lr = 2e-3 if args.lr is None else args.lr
+    if not lr > 0:
+        raise ValueError(f"--lr must be a positive number, got {lr}")
     from kvstrategies.prune_head import train
 
     model, tok = load_model(args.model, progress=True)
     ids = tok.encode(text)
     res = train(model, ids, windows=args.windows, window=args.seq_len, epochs=args.epochs,
-                lr=args.lr or 2e-3, gap=args.gap, seed=args.seed, progress=True,
+                lr=lr, gap=args.gap, seed=args.seed, progress=True,
                 per_layer=args.per_layer)  # fmt: skip
     cfg = model.cfg
     meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.seq_len,

@@ -144,6 +144,18 @@ class TunableLlama(nn.Module):
         return out
 
 
+def _check_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: torch sees no CUDA device here")
+    return dev
+
+
 def _kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(target || softmax(logits)) per token; target as log-probabilities."""
     logp = F.log_softmax(logits, -1)
@@ -236,6 +248,7 @@ def tune_hybrid(
     from .model import LlamaModel, load_weights
 
     settings.check()
+    device = _check_device(device)
     block = HybridStrategy.default_block_size
     if settings.seq_len % block:
         raise ValueError(f"--seq-len must be a multiple of the block size {block}")

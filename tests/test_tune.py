@@ -294,6 +294,15 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, english_text, tiny_dir):
         (["--kv_optimization", HYBRID, "--out", str(tmp_path / "o"), "--seq-len", "100"],
          "multiple of the block size 64"),
     ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((["--kv_optimization", HYBRID, "--out", str(tmp_path / "o"), "--device",
+                       "cuda"], "torch sees no CUDA device"))  # fmt: skip
+    cases += [
+        (["--kv_optimization", HYBRID, "--out", str(tmp_path / "o"), "--device", "tpu9"],
+         "is not a torch device"),
+        (["--kv_optimization", HYBRID, "--out", str(tmp_path / "o"), "--lr", "0"],
+         "--lr must be a positive number"),
+    ]  # fmt: skip
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     cases.append((["--kv_optimization", HYBRID, "--out", str(tmp_path / "full")],

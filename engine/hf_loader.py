@@ -131,12 +131,9 @@ def load_hf(
     """Config and tensors (under the engine's names) of an HF Llama checkpoint directory."""
     from safetensors import SafetensorError, safe_open
 
-    cfg = read_hf_config(path)
-    files = shard_files(path)
-    digest = hashlib.blake2b(digest_size=16)
+    cfg, files = checkpoint_config(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc="loading weights", unit="shard", disable=not progress):
-        digest.update(file_fingerprint(f).encode())
         try:
             with safe_open(f, framework="pt") as st:
                 for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -153,7 +150,18 @@ def load_hf(
         if not torch.isfinite(t).all():
             raise ModelLoadError(f"{path}: tensor {hf_name(name)} holds non-finite values")
     check_tensors(cfg, tensors, path, hf_name)
-    return dataclasses.replace(cfg, fingerprint=digest.hexdigest()), tensors
+    return cfg, tensors
+
+
+def checkpoint_config(path: Path) -> tuple[ModelConfig, list[Path]]:
+    """The config of a checkpoint directory with its weights fingerprint (a digest of the
+    shards' bytes: part of the identity), and its shard files."""
+    cfg = read_hf_config(path)  # a bad config is reported before missing shards
+    files = shard_files(path)
+    digest = hashlib.blake2b(digest_size=16)
+    for f in files:
+        digest.update(file_fingerprint(f).encode())
+    return dataclasses.replace(cfg, fingerprint=digest.hexdigest()), files
 
 
 def save_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer, path: Path) -> None:

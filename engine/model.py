@@ -163,9 +163,9 @@ class LlamaModel:
 
 
 def load_weights(model: str = "smollm2", progress: bool = True):
-    """(config, float32 tensors under the engine's names, tokenizer) of `model`: a packaged
-    name, a .gguf path, or a Hugging Face checkpoint directory (config.json + safetensors +
-    tokenizer files)."""
+    """(config, float32 tensors under the engine's names, tokenizer, checkpoint directory or
+    None) of `model`: a packaged name, a .gguf path, or a Hugging Face checkpoint directory
+    (config.json + safetensors + tokenizer files)."""
     from .gguf_loader import load_gguf, resolve_model_path
     from .tokenizer import GGUFTokenizer, HFTokenizer
 
@@ -174,9 +174,9 @@ def load_weights(model: str = "smollm2", progress: bool = True):
         from .hf_loader import load_hf
 
         cfg, tensors = load_hf(path, dtype=torch.float32, progress=progress)
-        return cfg, tensors, HFTokenizer(path)
+        return cfg, tensors, HFTokenizer(path), path
     cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
-    return cfg, tensors, GGUFTokenizer(reader, str(path))
+    return cfg, tensors, GGUFTokenizer(reader, str(path)), None
 
 
 def load_model(
@@ -187,7 +187,7 @@ def load_model(
 ):
     """Load weights and tokenizer for `model` (see `load_weights`). A checkpoint directory's
     model remembers it in `source` (a tuned one carries its KV calibration there)."""
-    from .gguf_loader import DTYPES, resolve_model_path
+    from .gguf_loader import DTYPES
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -195,8 +195,7 @@ def load_model(
                 f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
             )
         dtype = DTYPES[dtype]
-    cfg, tensors, tokenizer = load_weights(model, progress)
+    cfg, tensors, tokenizer, source = load_weights(model, progress)
     m = LlamaModel(cfg, tensors, dtype=dtype, device=device)
-    path = resolve_model_path(model)
-    m.source = path if path.is_dir() else None
+    m.source = source
     return m, tokenizer

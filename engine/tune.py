@@ -49,9 +49,10 @@ from tqdm import tqdm
 
 from .files import torch_save_atomic
 from .gguf_loader import ModelConfig
-from .model import RotaryTable
+from .model import RotaryTable, rms_norm
 
 CHECKPOINT = "checkpoint.pt"
+TUNED = ("attn_k", "attn_v")  # the weights the tuning changes: the cache's writers
 FORMAT = 1
 
 
@@ -59,8 +60,7 @@ class TunableLlama(nn.Module):
     """The engine's Llama decoder as a differentiable batch forward over windows [B, T], with
     frozen weights and tunable K/V projection deltas."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device="cpu",
-                 tuned: tuple[str, ...] = ("attn_k", "attn_v")) -> None:  # fmt: skip
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device="cpu") -> None:
         super().__init__()
         self.cfg, self.device = cfg, torch.device(device)
 
@@ -78,9 +78,8 @@ class TunableLlama(nn.Module):
         # One delta per tuned weight, zero at the start: the tuned model begins as the base.
         self.delta = nn.ParameterDict(
             {f"{n}_{i}": nn.Parameter(torch.zeros_like(p[n]))
-             for i, p in enumerate(self.frozen) for n in tuned}
+             for i, p in enumerate(self.frozen) for n in TUNED}
         )  # fmt: skip
-        self.tuned = tuned
         self.rope = RotaryTable(cfg, self.device, torch.float32)
 
     def forward(self, tokens: torch.Tensor, quant=None, base: bool = False):
@@ -93,21 +92,18 @@ class TunableLlama(nn.Module):
         cfg = self.cfg
         b, t = tokens.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos = self.rope.cos[:t][None, :, None, :]  # [1, T, 1, D]
-        sin = self.rope.sin[:t][None, :, None, :]
+        pos = torch.arange(t, device=self.device)
 
         def rope(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [B, H, T, D]
-            half = d // 2
-            x = x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-            return x.transpose(1, 2)
+            return self.rope.apply(x, pos).transpose(1, 2)
 
         mask = None if quant is None else read_mask(t, quant.block, quant.sinks, self.device)
         errors = []
         x = F.embedding(tokens, self.embed)
         for i, p in enumerate(self.frozen):
-            h = _rms(x, p["attn_norm"], cfg.rms_norm_eps)
-            wq, wk, wv = (self._weight(p, i, n, base) for n in ("attn_q", "attn_k", "attn_v"))
-            q = rope((h @ wq.T).view(b, t, hq, d))
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            wk, wv = (self._weight(p, i, n, base) for n in TUNED)
+            q = rope((h @ p["attn_q"].T).view(b, t, hq, d))
             k = rope((h @ wk.T).view(b, t, hkv, d))
             v = (h @ wv.T).view(b, t, hkv, d).transpose(1, 2)
             if quant is None:
@@ -119,16 +115,15 @@ class TunableLlama(nn.Module):
                 k = _groups(torch.cat([kq, k], 2), hq)  # keys [quantized | full precision]
                 v = _groups(torch.cat([vq, v], 2), hq)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            wo = self._weight(p, i, "attn_output", base)
-            x = x + o.transpose(1, 2).reshape(b, t, hq * d) @ wo.T
-            h = _rms(x, p["ffn_norm"], cfg.rms_norm_eps)
+            x = x + o.transpose(1, 2).reshape(b, t, hq * d) @ p["attn_output"].T
+            h = rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps)
             x = x + (F.silu(h @ p["ffn_gate"].T) * (h @ p["ffn_up"].T)) @ p["ffn_down"].T
-        logits = _rms(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T
+        logits = rms_norm(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T
         err = torch.stack(errors).mean() if errors else logits.new_zeros(())
         return logits, err
 
     def _weight(self, p: dict[str, torch.Tensor], layer: int, name: str, base: bool):
-        if base or name not in self.tuned:
+        if base:
             return p[name]
         return p[name] + self.delta[f"{name}_{layer}"]
 
@@ -136,7 +131,7 @@ class TunableLlama(nn.Module):
         """`tensors` with the tuned weights folded in."""
         out = dict(tensors)
         for i in range(self.cfg.num_layers):
-            for name in self.tuned:
+            for name in TUNED:
                 key = f"blk.{i}.{name}.weight"
                 out[key] = (
                     tensors[key].float() + self.delta[f"{name}_{i}"].detach().cpu()
@@ -160,10 +155,6 @@ def _kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(target || softmax(logits)) per token; target as log-probabilities."""
     logp = F.log_softmax(logits, -1)
     return F.kl_div(logp, target, log_target=True, reduction="none").sum(-1).mean()
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _groups(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -243,8 +234,7 @@ def tune_hybrid(
     from kvstrategies.hybrid import HybridStrategy
     from kvstrategies.hybrid_qat import FakeQuant
 
-    from .gguf_loader import resolve_model_path
-    from .hf_loader import load_hf, save_hf
+    from .hf_loader import checkpoint_config, save_hf
     from .model import LlamaModel, load_weights
 
     settings.check()
@@ -259,8 +249,7 @@ def tune_hybrid(
     if not resume and out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass --resume to continue a run there")
     opts = HybridStrategy.check_options(options)
-    cfg, tensors, tokenizer = load_weights(model, progress=progress)
-    source = resolve_model_path(model)
+    cfg, tensors, tokenizer, source = load_weights(model, progress=progress)
     ids = tokenizer.encode(text)
     need = settings.batch * settings.seq_len
     if len(ids) < need:
@@ -273,7 +262,7 @@ def tune_hybrid(
         )
     # The channel plan the tuning targets: the base model's calibration (computed if missing).
     base = LlamaModel(cfg, tensors)
-    base.source = source if source.is_dir() else None  # a tuned model keeps its own plan
+    base.source = source  # a tuned model keeps its own plan
     cal = ensure_calibration(base, tokenizer, opts, progress=progress)
     del base
     spec = kvstrategies.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -353,7 +342,7 @@ def tune_hybrid(
 
     # The tuned model: an HF checkpoint directory, then the calibration under its identity.
     save_hf(cfg, net.merged(tensors), tokenizer, out)
-    tuned_cfg, _ = load_hf(out, progress=False)
+    tuned_cfg, _ = checkpoint_config(out)
     stats = ChannelStats.load(cal, cfg.identity, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
     stats.identity = tuned_cfg.identity
     stats.save(out / TUNED_FILE)

@@ -139,16 +139,33 @@ class KVCache(ABC):
         return {"kv_bytes_used": self.bytes_used(), "kv_bytes_reserved": self.bytes_reserved()}
 
 
+def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `v` is a view of the first channels of `k`, as a latent (MLA) cache's values are.
+
+    Attention then runs with `k` as the values and keeps the output's first channels: the
+    equal-width case is the fast (flash) one, and the few extra channels (64 of 576 for
+    DeepSeek-V3) cost less than the unfused path that a narrower value would take.
+    """
+    return (
+        v.shape[-1] < k.shape[-1]
+        and v.shape[:-1] == k.shape[:-1]
+        and v.stride() == k.stride()
+        and v.data_ptr() == k.data_ptr()
+    )
+
+
 def attention_one(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
 ) -> torch.Tensor:
     """Grouped-query causal attention of one sequence's new queries over its stored KV.
 
-    q: [T, Hq, D] new queries; k, v: [Hkv, S, D] with S = num_past + T (the new tokens last).
-    Query t sees the `num_past` stored tokens and new tokens 0..t. Returns [T, Hq, D].
+    q: [T, Hq, D] new queries; k: [Hkv, S, D], v: [Hkv, S, Dv] with S = num_past + T (the new
+    tokens last); Dv < D for a latent cache. Query t sees the `num_past` stored tokens and new
+    tokens 0..t. Returns [T, Hq, Dv].
     """
     t, hq, d = q.shape
     hkv, s, _ = k.shape
+    dv = v.shape[-1]
     g = hq // hkv
     # Query heads of a KV group share its keys, so fold them into the query-length axis instead
     # of repeating K/V: rows are ordered (g, t).  q: [T, Hq, D] -> [1, Hkv, G*T, D]
@@ -158,11 +175,13 @@ def attention_one(
         # allowed[t, j] = j <= num_past + t
         allowed = torch.arange(s).unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)
         mask = allowed.repeat(g, 1)  # [G*T, S]
+    if values_in_keys(k, v):
+        v = k
     out = F.scaled_dot_product_attention(
         qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
-    )
-    # out: [1, Hkv, G*T, D] -> [T, Hq, D]
-    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+    )[..., :dv]
+    # out: [1, Hkv, G*T, Dv] -> [T, Hq, Dv]
+    return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)
 
 
 def attention_runs(
@@ -173,19 +192,23 @@ def attention_runs(
 ) -> torch.Tensor:
     """`attention_one` over K/V held in several pieces, without concatenating them.
 
-    runs: (k, v) pairs of [Hkv, S_r, D] (typically strided views into a paged arena) in token
-    order, together S = num_past + T tokens. Each piece is attended separately and the partial
-    results are merged with their log-sum-exp, as flash-decoding does; copying the pieces into
-    one tensor would read and write every stored byte once more per layer.
+    runs: (k [Hkv, S_r, D], v [Hkv, S_r, Dv]) pairs (typically strided views into a paged
+    arena) in token order, together S = num_past + T tokens. Each piece is attended separately
+    and the partial results are merged with their log-sum-exp, as flash-decoding does; copying
+    the pieces into one tensor would read and write every stored byte once more per layer.
     """
     if len(runs) == 1:
         return attention_one(q, runs[0][0], runs[0][1], num_past, scale)
     if q.device.type != "cpu":  # the split-softmax op used below is CPU's; elsewhere gather
         k = torch.cat([r[0] for r in runs], dim=1)
-        v = torch.cat([r[1] for r in runs], dim=1)
+        if all(values_in_keys(*r) for r in runs):  # a latent cache: one copy, not two
+            v = k[..., : runs[0][1].shape[-1]]
+        else:
+            v = torch.cat([r[1] for r in runs], dim=1)
         return attention_one(q, k, v, num_past, scale)
     t, hq, d = q.shape
     hkv = runs[0][0].shape[0]
+    dv = runs[0][1].shape[-1]
     g = hq // hkv
     qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)  # rows (g, t)
     outs, lses = [], []
@@ -199,9 +222,7 @@ def attention_runs(
             allowed = pos.unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)  # [T, S_r]
             mask = torch.zeros(t, s, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
             mask = mask.repeat(g, 1)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, k.unsqueeze(0), v.unsqueeze(0), 0.0, False, attn_mask=mask, scale=scale
-        )
+        out, lse = _attend_piece(qg, k.unsqueeze(0), v.unsqueeze(0), mask, scale)
         if mask is not None:
             # A query that sees nothing of this piece (it lies after the query) must add nothing;
             # the kernel's output for an all-masked row is not defined to be empty.
@@ -212,8 +233,33 @@ def attention_runs(
         outs.append(out)
         lses.append(lse)
         start += s
-    out, _ = merge_partials(list(zip(outs, lses, strict=True)))  # [1, Hkv, G*T, D]
-    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+    out, _ = merge_partials(list(zip(outs, lses, strict=True)))  # [1, Hkv, G*T, Dv]
+    return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)
+
+
+def _attend_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalized out [1, H, R, Dv], lse [1, H, R]) of q [1, H, R, D] over one piece k
+    [1, H, S, D], v [1, H, S, Dv], with an additive float mask [R, S] or None. CPU only.
+
+    CPU's flash op needs Dv == D; latent values (the keys' first channels) go through it with
+    the keys as values, other narrower values through the unfused math (scores [R, S] at once).
+    """
+    dv = v.shape[-1]
+    if values_in_keys(k, v):
+        v = k
+    if v.shape[-1] == k.shape[-1]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return out[..., :dv], lse
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [1, H, R, S]
+    if mask is not None:
+        scores += mask
+    lse = scores.logsumexp(-1)
+    p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return (p @ v.float()).to(q.dtype), lse
 
 
 def merge_partials(
@@ -236,7 +282,9 @@ def merge_partials(
 class ContiguousKVCache(KVCache):
     """One growing buffer per sequence, [layers, Hkv, capacity, D] for keys and for values.
 
-    The simplest correct store; the unified memory pool's paged strategies replace it.
+    The simplest correct store; the unified memory pool's paged strategies replace it. With
+    `value_dim` it is a latent (MLA) cache: only keys are stored and a value is the first
+    `value_dim` channels of its key (the `v` handed to `append` is ignored).
     """
 
     def __init__(
@@ -247,12 +295,16 @@ class ContiguousKVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         scale: float | None = None,
+        value_dim: int | None = None,
     ) -> None:
+        if value_dim is not None and not 0 < value_dim <= head_dim:
+            raise ValueError(f"value_dim = {value_dim}; allowed: 1 to head_dim ({head_dim})")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.value_dim = value_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.scale = scale if scale is not None else head_dim**-0.5
         self._k: dict[int, torch.Tensor] = {}
-        self._v: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}  # empty for a latent cache
         self._len: dict[int, int] = {}
         self._batch: StepBatch | None = None
 
@@ -262,14 +314,12 @@ class ContiguousKVCache(KVCache):
             return
         new_cap = max(need, 2 * cap, 64)
         shape = (self.num_layers, self.num_kv_heads, new_cap, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        n = self._len.get(seq_id, 0)
-        if n:
-            k[:, :, :n] = self._k[seq_id][:, :, :n]
-            v[:, :, :n] = self._v[seq_id][:, :, :n]
-        self._k[seq_id], self._v[seq_id] = k, v
-        self._len.setdefault(seq_id, 0)
+        n = self._len.setdefault(seq_id, 0)
+        for bufs in (self._k,) if self.value_dim is not None else (self._k, self._v):
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if n:
+                buf[:, :, :n] = bufs[seq_id][:, :, :n]
+            bufs[seq_id] = buf
 
     def begin_step(self, batch: StepBatch) -> None:
         for sid, n in zip(batch.seq_ids, batch.query_lens, strict=True):
@@ -283,15 +333,19 @@ class ContiguousKVCache(KVCache):
             t = b.query_lens[i]
             # k[rows]: [T, Hkv, D] -> buffer slot [Hkv, T, D]
             self._k[sid][layer, :, n0 : n0 + t] = k[rows].transpose(0, 1)
-            self._v[sid][layer, :, n0 : n0 + t] = v[rows].transpose(0, 1)
+            if self.value_dim is None:
+                self._v[sid][layer, :, n0 : n0 + t] = v[rows].transpose(0, 1)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b = self._batch
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], self.value_dim or self.head_dim)  # [N, Hq, Dv]
         for i, sid in enumerate(b.seq_ids):
             n0, rows, t = self._len[sid], b.rows(i), b.query_lens[i]
             k = self._k[sid][layer, :, : n0 + t]
-            v = self._v[sid][layer, :, : n0 + t]
+            if self.value_dim is None:
+                v = self._v[sid][layer, :, : n0 + t]
+            else:
+                v = k[..., : self.value_dim]
             out[rows] = attention_one(q[rows], k, v, n0, self.scale)
         return out
 
@@ -313,7 +367,8 @@ class ContiguousKVCache(KVCache):
         return self._len.get(seq_id, 0)
 
     def _elem_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        parts = 1 if self.value_dim is not None else 2  # keys (and values)
+        return parts * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def bytes_used(self) -> int:
         return sum(self._len.values()) * self._elem_bytes()

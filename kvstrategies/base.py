@@ -90,6 +90,9 @@ class KVStrategy(KVCache):
     content_options: ClassVar[tuple[str, ...] | None] = None
     # Options the contract tests run with (small sizes that exercise the whole strategy).
     contract_options: ClassVar[dict[str, Any]] = {}
+    # Whether it stores latent (MLA) caches (`KVSpec.latent`): only the keys, attention values
+    # read from their first channels. `create` refuses a latent spec for a strategy without.
+    supports_latent: ClassVar[bool] = True
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
         self.pool, self.spec = pool, spec
@@ -129,8 +132,13 @@ class KVStrategy(KVCache):
         """Values per block in a store tier: 1, or e.g. one per layer to read layers apart."""
         return 1
 
+    def _empty_out(self, q: torch.Tensor) -> torch.Tensor:
+        """The output of `attend` for queries q [N, Hq, D]: [N, Hq, Dv], Dv < D when latent."""
+        return q.new_empty(*q.shape[:2], self.spec.v_dim)
+
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values as attention sees them, per batch sequence [Hkv, S, D], for `layer`.
+        """Keys and values as attention sees them, per batch sequence [Hkv, S, D] (values
+        [Hkv, S, Dv]: a latent cache's are its keys' first channels), for `layer`.
 
         Used inside a step after `append` (by the transformers adapter and the contract tests);
         a lossy strategy returns its reconstruction, a pruning one only the kept tokens.

@@ -15,6 +15,9 @@ values (higher = keep more precision):
   E[v_c^2] weighted by how much the output projection amplifies channel c (the squared norm of
   its input column, summed over the query heads that read this KV head).
 
+A latent (MLA) cache stores keys only, its values being the keys' first channels: its channels
+are ranked as keys (the value statistics stay zero and the value order is the key order).
+
 The calibration file (`.pt`, a dict of tensors and strings) is keyed by the model identity and
 the KV shape: loading it for another model or layout raises `CalibrationMismatch`, and the
 strategy recomputes it only when asked to.
@@ -30,6 +33,8 @@ import torch
 from tqdm import tqdm
 
 from engine.kv import ContiguousKVCache, StepBatch
+
+from .base import KVSpec
 
 METHODS = ("score_error", "magnitude", "outlier")
 TUNED_FILE = "kv_calibration.pt"  # in a checkpoint directory written by `unikv tune`
@@ -106,9 +111,11 @@ class _Recorder(ContiguousKVCache):
     """A plain cache that also accumulates the channel statistics of everything it sees."""
 
     def __init__(self, model, block: int) -> None:
-        cfg = model.cfg
-        super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        spec = KVSpec.for_model(model)
+        value_dim = spec.v_dim if spec.latent else None
+        super().__init__(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32,
+                         scale=spec.scale, value_dim=value_dim)  # fmt: skip
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.block = block
         self.sums = {n: torch.zeros(shape) for n in ("k_abs", "k_max", "k_range2", "q_sq")}
         self.sums |= {n: torch.zeros(shape) for n in ("v_abs", "v_max", "v_sq")}
@@ -121,9 +128,10 @@ class _Recorder(ContiguousKVCache):
         k, v = k.float(), v.float()  # [N, Hkv, D]
         s["k_abs"][layer] += k.abs().sum(0)
         s["k_max"][layer] = torch.maximum(s["k_max"][layer], k.abs().amax(0))
-        s["v_abs"][layer] += v.abs().sum(0)
-        s["v_max"][layer] = torch.maximum(s["v_max"][layer], v.abs().amax(0))
-        s["v_sq"][layer] += v.square().sum(0)
+        if self.value_dim is None:  # a latent cache's values are its keys
+            s["v_abs"][layer] += v.abs().sum(0)
+            s["v_max"][layer] = torch.maximum(s["v_max"][layer], v.abs().amax(0))
+            s["v_sq"][layer] += v.square().sum(0)
         n = k.shape[0] // self.block * self.block
         if n:
             blocks = k[:n].view(n // self.block, self.block, *k.shape[1:])  # [B, T, Hkv, D]
@@ -172,12 +180,13 @@ def collect(
         pos = torch.arange(window, device=model.device)
         model.forward(toks, pos, rec, StepBatch([i], [window]), torch.tensor([window - 1]))
         rec.free(i)
-    hkv, d, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-    wo_sq = torch.zeros(cfg.num_layers, hkv, d)
-    for li, layer in enumerate(model.layers):
-        w = layer[2].weight.float()  # o_proj as [P, in = Hq * D, out / P]
-        col = w.square().sum((0, 2)).view(hkv, g, d).sum(1)  # [Hkv, D]
-        wo_sq[li] = col
+    hkv, d = rec.num_kv_heads, rec.head_dim  # the cache's shape (a latent one for MLA)
+    g = cfg.num_heads // hkv
+    wo_sq = torch.zeros(cfg.num_layers, hkv, d)  # stays zero for a latent cache: no values
+    if rec.value_dim is None:
+        for li, layer in enumerate(model.layers):
+            w = layer[2].weight.float()  # o_proj as [P, in = Hq * D, out / P]
+            wo_sq[li] = w.square().sum((0, 2)).view(hkv, g, d).sum(1)  # [Hkv, D]
     return ChannelStats(
         identity=model.cfg.identity,
         num_layers=cfg.num_layers,
@@ -218,7 +227,8 @@ def ensure_calibration(model, tokenizer, opts: dict, progress: bool = False) -> 
     from engine.evaluate import read_text
 
     cfg = model.cfg
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    spec = KVSpec.for_model(model)
+    shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if opts.get("calibration"):
         path = Path(opts["calibration"])
     elif (tuned := _tuned_calibration(model)) is not None:

@@ -1,8 +1,10 @@
 """The `full` strategy: uncompressed K/V in pool blocks, paged attention over them.
 
-Arena layout: [layers, 2 (K, V), kv_heads, BLOCKS, block_size, head_dim]. With the block axis
-after the heads, one `index_select` over a sequence's token slots yields [2, heads, tokens, dim]
-ready for attention, and one `index_copy_` writes the new tokens of the whole batch.
+Arena layout: [layers, P, kv_heads, BLOCKS, block_size, head_dim] with P = 2 (K, V), or P = 1
+for a latent (MLA) cache, whose values are the keys' first channels and are not stored. With
+the block axis after the heads, one `index_select` over a sequence's token slots yields
+[P, heads, tokens, dim] ready for attention, and one `index_copy_` writes the new tokens of the
+whole batch.
 """
 
 from __future__ import annotations
@@ -41,17 +43,18 @@ class FullStrategy(KVStrategy):
 
     @classmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
-        shape = (spec.num_layers, 2, spec.num_kv_heads, BLOCKS, block_size, spec.head_dim)
+        parts = 1 if spec.latent else 2
+        shape = (spec.num_layers, parts, spec.num_kv_heads, BLOCKS, block_size, spec.head_dim)
         return BlockLayout(block_size, (ArenaSpec("kv", cls._dtype(spec, options), shape),))
 
     def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
         super().__init__(pool, spec, options)
         arena = pool.arena("kv")
-        num_layers, _, heads, nb, bs, d = arena.shape
-        # Per layer: [2, heads, all token slots, dim] — a view, so writes land in the arena.
-        self._layers = [arena[i].view(2, heads, nb * bs, d) for i in range(num_layers)]
+        num_layers, parts, heads, nb, bs, d = arena.shape
+        # Per layer: [P, heads, all token slots, dim] — a view, so writes land in the arena.
+        self._layers = [arena[i].view(parts, heads, nb * bs, d) for i in range(num_layers)]
         self._bytes_per_token = spec.elements_per_token * arena.dtype.itemsize
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.scale
 
     def _prepare(self, batch: StepBatch) -> None:
         pool = self.pool
@@ -62,16 +65,18 @@ class FullStrategy(KVStrategy):
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self._layers[layer]
-        # k, v: [N, Hkv, D] -> [Hkv, N, D], written at the batch's slots
+        # k, v: [N, Hkv, D] -> [Hkv, N, D], written at the batch's slots (a latent cache's v is
+        # its keys' first channels: not stored)
         a[0].index_copy_(1, self._new_slots, k.transpose(0, 1).to(a.dtype))
-        a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
+        if not self.spec.latent:
+            a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         a = self._layers[layer]
         b = self._batch
-        out = torch.empty_like(q)
+        out = self._empty_out(q)
         for i, runs in enumerate(self._runs):
-            # a[:, :, start:end]: [2, Hkv, S_r, D] views into the arena, no copy. When decode
+            # a[:, :, start:end]: [P, Hkv, S_r, D] views into the arena, no copy. When decode
             # growth left a sequence in several runs, the long first run (the prompt) stays a
             # view and the short tail runs are gathered into one piece: each piece costs an
             # attention call per layer, a small copy costs less than several calls.
@@ -81,7 +86,7 @@ class FullStrategy(KVStrategy):
             pieces = [self._cast(p, q.dtype) for p in pieces]
             rows = b.rows(i)
             out[rows] = attention_runs(
-                q[rows], [(p[0], p[1]) for p in pieces], self._past[i], self.scale
+                q[rows], [self._split(p) for p in pieces], self._past[i], self.scale
             )
         return out
 
@@ -89,10 +94,15 @@ class FullStrategy(KVStrategy):
         a = self._layers[layer]
         ks, vs = [], []
         for runs in self._runs:
-            kv = torch.cat([a[:, :, s:e] for s, e in runs], dim=2)  # [2, Hkv, S, D]
-            ks.append(kv[0])
-            vs.append(kv[1])
+            k, v = self._split(torch.cat([a[:, :, s:e] for s, e in runs], dim=2))
+            ks.append(k)
+            vs.append(v)
         return ks, vs
+
+    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored [P, Hkv, S, D] -> (k [Hkv, S, D], v [Hkv, S, Dv]); a latent cache's v is a
+        view of its keys' first channels."""
+        return (kv[0], kv[0][..., : self.spec.v_dim]) if self.spec.latent else (kv[0], kv[1])
 
     @staticmethod
     def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

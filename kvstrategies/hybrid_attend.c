@@ -25,6 +25,10 @@
  * is computed online (flash-decoding): work items are (head, chunk of blocks) plus (head, dense
  * tokens); each keeps a running max, sum and accumulator, merged at the end.
  *
+ * A latent (MLA) cache (-DKLAT=1) stores keys only (no value fields): the value rows are the
+ * key rows, the output has all D channels in key order, and `out_raw` keeps the KDV channels
+ * whose model index is below KDV (the latent part, the keys' first channels).
+ *
  * The dense tokens are those not in a packed block: `na` fp16 tokens every row sees (the sinks
  * and the block being filled) and `tq` float tokens of the current step (causal: row r, step
  * token r % tq, sees current tokens 0..r % tq).
@@ -50,6 +54,12 @@
 #define KSF 0 /* group headers: 0 = fp16 scale + fp16 low, 1 = fp8 (e4m3) scale + int8 zero */
 #endif
 #define HB (KSF ? 1 : 2) /* bytes of one header entry */
+#ifndef KLAT
+#define KLAT 0 /* 1: a latent cache, values are the keys */
+#endif
+#ifndef KDV
+#define KDV KD /* channels of the output in the model's layout */
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int v16i __attribute__((vector_size(64)));
@@ -194,12 +204,25 @@ static inline void header_rows(const uint8_t *p, int n, float *scale, float *low
 #endif
 }
 
+/* Key channel c (stored order) of a block, dequantized into row[0..T). */
+static inline void key_row(int c, const _Float16 *kfp, const uint8_t *km, const uint8_t *kl,
+                           const float *ks, const float *kl0, float *row) {
+    enum { T = KT, NF = KNF, NM = KNM };
+    if (c < NF) {
+        h2f(kfp + c * T, T, row);
+    } else if (c < NF + NM) {
+        dequant(km + (c - NF) * (T * KB / 8), T, KB, ks[c - NF], kl0[c - NF], row);
+    } else {
+        dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, ks[c - NF], kl0[c - NF], row);
+    }
+}
+
 /* One packed block of one head into the running (m, l, acc) of all R rows. Each key channel
  * (and then each value token) is dequantized once into a 64-float row and multiplied into up to
  * RB query rows whose partial results live in v16 registers. */
 static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, int mask0,
                          float *s, float *row, float *m, float *l, float *acc) {
-    enum { T = KT, D = KD, NF = KNF, NM = KNM, NL = KNL, NQ = KNM + KNL };
+    enum { T = KT, D = KD, NQ = KNM + KNL };
     const int R = sh->R;
     const _Float16 *kfp = (const _Float16 *)(blk + sh->off[OFF_KFP]);
     const _Float16 *vfp = (const _Float16 *)(blk + sh->off[OFF_VFP]);
@@ -216,13 +239,7 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
         /* Scores of rows r0.. over the block's T tokens: sum over channels of q * key row. */
         v16 sc[RB][T / 16] = {0};
         for (int c = 0; c < D; c++) {
-            if (c < NF) {
-                h2f(kfp + c * T, T, row);
-            } else if (c < NF + NM) {
-                dequant(km + (c - NF) * (T * KB / 8), T, KB, ks[c - NF], kl0[c - NF], row);
-            } else {
-                dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, ks[c - NF], kl0[c - NF], row);
-            }
+            key_row(c, kfp, km, kl, ks, kl0, row);
             for (int i = 0; i < RB; i++) {
                 const float w = i < rn ? q[(long)(r0 + i) * D + c] : 0.0f;
 #pragma GCC unroll 16
@@ -241,7 +258,9 @@ static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, in
             for (int j = 0; j < T / 16; j++)
                 p[i][j] = i < rn ? load16(s + (long)(r0 + i) * T + 16 * j) : (v16){0};
         for (int c = 0; c < D; c++) {
-            if (c < VF) {
+            if (KLAT) { /* the key row again: cheaper than keeping a [D][T] copy of it */
+                key_row(c, kfp, km, kl, ks, kl0, row);
+            } else if (c < VF) {
                 h2f(vfp + c * T, T, row);
             } else {
                 const int low = c >= VF + VM;
@@ -305,7 +324,7 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
  *     are r = g * nq + t per KV head, R = G * nq
  *   ak/av: [H][na_stride][D] fp16 dense tokens; ck/cv: current tokens, head h token j at
  *     ck + j * cstride + h * D (the step's [T, H, D] activations, stored channel order)
- *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][D];
+ *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][KDV];
  *     otherwise out [H][R][D] (stored value order) and lse [H][R] for a merge by the caller.
  */
 void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask0, long rec,
@@ -391,8 +410,9 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
             for (int g = 0; g < G; g++)
                 for (int t = 0; t < nq; t++) {
                     const float *src = o + ((long)h * R + g * nq + t) * D;
-                    float *dst = out_raw + ((long)t * H * G + h * G + g) * D;
-                    for (int c = 0; c < D; c++) dst[vorder[h * D + c]] = src[c];
+                    float *dst = out_raw + ((long)t * H * G + h * G + g) * KDV;
+                    for (int c = 0; c < D; c++)
+                        if (vorder[h * D + c] < KDV) dst[vorder[h * D + c]] = src[c];
                 }
         free(o);
         free(l_out);

@@ -5,8 +5,9 @@ Compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into a cac
 flags and the CPU, and loaded with `ctypes`. It links the same `libgomp.so.1` that torch has
 already loaded, so its OpenMP threads are torch's: no second thread pool spinning on the cores.
 
-The kernel is compiled once per record shape (block size, head dim, channel classes, widths:
-`-DKT=64 -DKD=64 ...`), so that its loops have constant trip counts. `hybrid_kernel(shape)`
+The kernel is compiled once per record shape (block size, head dim, channel classes, widths,
+whether the cache is latent and its value width: `-DKT=64 -DKD=64 ...`), so that its loops have
+constant trip counts. `hybrid_kernel(shape)`
 returns None (and the strategy uses its PyTorch path) when there is no
 compiler, the build fails, or `UNIKV_NO_KERNEL=1` is set; the reason is kept in `KERNEL_ERROR`.
 """
@@ -66,8 +67,8 @@ def _build(defines: list[str]) -> Path:
 
 
 def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
-    """The kernel compiled for `shape` (keys T, D, NF, NM, NL, B, LB), or None when it is
-    unavailable (see `KERNEL_ERROR`)."""
+    """The kernel compiled for `shape` (keys T, D, NF, NM, NL, VF, VM, VL, B, LB, G, SF, LAT,
+    DV), or None when it is unavailable (see `KERNEL_ERROR`)."""
     global KERNEL_ERROR
     key = tuple(sorted(shape.items()))
     if key in _libs:

@@ -138,8 +138,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
         self.stage_host = o["host_access"] == "stage" or pool.device.type != "cpu"
         if self.host is not None:
             arena = pool.arena("kv", "host")
-            nl, _, heads, nb, bs_, d = arena.shape
-            self._host_layers = [arena[i].view(2, heads, nb * bs_, d) for i in range(nl)]
+            nl, parts, heads, nb, bs_, d = arena.shape
+            self._host_layers = [arena[i].view(parts, heads, nb * bs_, d) for i in range(nl)]
         depth = o["prefetch_depth"] or 1
         self.prefetcher = Prefetcher(self._fetch, spec.num_layers, depth, o["io_threads"])
         self.writer = Writer()
@@ -190,7 +190,7 @@ class HierarchicalOffloadStrategy(FullStrategy):
         self.prefetcher.start_step(self._plan)
 
     def _sequence_kv(self, layer: int, count: bool) -> list[list[torch.Tensor]]:
-        """Per batch sequence, its [2, Hkv, S_r, D] pieces of `layer` in token order: views of
+        """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views of
         the device (and, in place, host) arena runs, and the prefetched staged tensors."""
         staged = self.prefetcher.get(layer, count) if self._plan is not None else None
         arenas = {"device": self._layers[layer]}
@@ -208,21 +208,21 @@ class HierarchicalOffloadStrategy(FullStrategy):
         return out
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = self._empty_out(q)
         for i, kv in enumerate(self._sequence_kv(layer, count=True)):
             kv = [self._cast(x, q.dtype) for x in kv]
             rows = self._batch.rows(i)
             out[rows] = attention_runs(
-                q[rows], [(x[0], x[1]) for x in kv], self._past[i], self.scale
+                q[rows], [self._split(x) for x in kv], self._past[i], self.scale
             )
         return out
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ks, vs = [], []
         for kv in self._sequence_kv(layer, count=False):
-            kv = torch.cat(kv, dim=2)
-            ks.append(kv[0])
-            vs.append(kv[1])
+            k, v = self._split(torch.cat(kv, dim=2))
+            ks.append(k)
+            vs.append(v)
         return ks, vs
 
     def end_step(self) -> None:
@@ -275,12 +275,12 @@ class HierarchicalOffloadStrategy(FullStrategy):
     # ---- what the prefetcher runs (on an I/O thread) -----------------------------------------
 
     def _fetch(self, layer: int, plan) -> list[list[torch.Tensor]]:
-        """Staged [2, Hkv, S, D] tensors per sequence of `plan`, for `layer`."""
+        """Staged [P, Hkv, S, D] tensors per sequence of `plan`, for `layer`."""
         ssd_ids = [b for _, staged in plan for tier, ids in staged if tier == "ssd" for b in ids]
         data = None
         if ssd_ids:
             t0 = time.perf_counter()
-            data = self.ssd.read_part(ssd_ids, layer)["kv"]  # [2, H, nb, bs, D]
+            data = self.ssd.read_part(ssd_ids, layer)["kv"]  # [P, H, nb, bs, D]
             rate = len(ssd_ids) * self.ssd.part_bytes / max(time.perf_counter() - t0, 1e-6)
             self.read_bytes_per_s = _ema(self.read_bytes_per_s, rate)
         out, at = [], 0
@@ -292,8 +292,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
                     at += len(ids)
                 else:
                     x = self._gather_host(layer, ids)
-                two, h, nb, bs, d = x.shape
-                x = x.reshape(two, h, nb * bs, d)
+                parts, h, nb, bs, d = x.shape
+                x = x.reshape(parts, h, nb * bs, d)
                 if x.device != self.pool.device:
                     x = x.to(self.pool.device, non_blocking=True)
                 pieces.append(x)
@@ -303,7 +303,7 @@ class HierarchicalOffloadStrategy(FullStrategy):
     def _gather_host(self, layer: int, ids: tuple[int, ...]) -> torch.Tensor:
         # numpy, not torch: a torch op on this thread would start a second OpenMP team and
         # slow every parallel region of the compute thread (see engine/compute.py).
-        arena = self.pool.arena("kv", "host")[layer]  # [2, H, NB, bs, D]
+        arena = self.pool.arena("kv", "host")[layer]  # [P, H, NB, bs, D]
         raw = arena.view(torch.uint8).numpy()
         return torch.from_numpy(np.take(raw, list(ids), axis=2)).view(arena.dtype)
 
@@ -553,7 +553,7 @@ class Writer:
         self.blocks_written = 0
 
     def submit(self, tier: StoreTier, arena: torch.Tensor, blocks: list[tuple[int, bytes]]):
-        """Store blocks [(block id in `arena`, content hash)] of a [L, 2, H, NB, bs, D] arena."""
+        """Store blocks [(block id in `arena`, content hash)] of a [L, P, H, NB, bs, D] arena."""
         done = threading.Event()
         self._snapshots.append(done)
         self._writes.append(self._pool.submit(self._write, tier, arena, blocks, done))
@@ -563,7 +563,7 @@ class Writer:
             fresh = [(b, h) for b, h in blocks if not tier.has_content(h)]
             if arena.device.type == "cpu":
                 raw = arena.view(torch.uint8).numpy()
-                # [L, 2, H, n, bs, D*size] -> [n, L, 2, H, bs, D*size]: a value per (block, layer)
+                # [L, P, H, n, bs, D*size] -> [n, L, P, H, bs, D*size]: a value per (block, layer)
                 picked = np.take(raw, [b for b, _ in fresh], 3)
                 data = np.ascontiguousarray(np.moveaxis(picked, 3, 0))
             else:

@@ -149,10 +149,16 @@ class PruneStrategy(FullStrategy):
     @staticmethod
     def _load_head(head, spec):
         """The given head (an error if it does not fit the model), or the shipped one; None when
-        no head was given and the shipped one is for another model: then the surprisal rule
-        ranks, with a warning."""
+        no head was given and the shipped one is for another model (a latent cache's always is):
+        then the surprisal rule ranks, with a warning."""
         from .prune_head import HeadMismatch, PruneHead
 
+        if spec.latent and head is not None:
+            raise ValueError(
+                "strategy 'learned_prune': option head: a pruning head reads each token's key "
+                "and value, a latent (MLA) cache stores one latent vector; leave head unset "
+                "(surprisal ranks) or choose another scorer"
+            )
         if isinstance(head, PruneHead):
             return head
         shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
@@ -312,9 +318,9 @@ class PruneStrategy(FullStrategy):
         kept = kept.expand(*scores.shape[:2], m)  # [L, Hkv, m]
         slots = pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
         rel = kept[..., lo:] - lo
-        for layer, a in enumerate(self._layers):  # [2, heads, slots, dim]: kept tokens move down
-            x = a.index_select(2, slots)  # [2, Hkv, n - lo, D]
-            idx = rel[layer][None, :, :, None].expand(2, -1, -1, x.shape[-1])
+        for layer, a in enumerate(self._layers):  # [P, heads, slots, dim]: kept tokens move down
+            x = a.index_select(2, slots)  # [P, Hkv, n - lo, D]
+            idx = rel[layer][None, :, :, None].expand(x.shape[0], -1, -1, x.shape[-1])
             a.index_copy_(2, slots[: m - lo], x.gather(2, idx))
         pool.truncate(seq_id, m)
         self._scores[seq_id] = scores.gather(-1, kept)

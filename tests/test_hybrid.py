@@ -20,6 +20,9 @@ from .conftest import make_english
 NAME = "hybrid_fp16_int4"
 LAYERS, HEADS, QHEADS, DIM, BS = 2, 2, 6, 32, 16
 SPEC = kvstrategies.KVSpec(LAYERS, HEADS, DIM, torch.float32, "unit", QHEADS // HEADS)
+# A latent (MLA) cache: one KV head of 24 latent + 8 RoPE channels read by all query heads.
+LATENT = kvstrategies.KVSpec(LAYERS, 1, DIM, torch.float32, "unit-mla", QHEADS, latent=True,
+                             value_dim=24, softmax_scale=0.3)  # fmt: skip
 
 
 @pytest.mark.parametrize("scales", ["fp16", "fp8"])
@@ -45,23 +48,23 @@ def test_channel_counts_pack_into_whole_bytes():
             assert nf + nm + nl == 64 and nm % 2 == 0 and nl % 4 == 0
 
 
-def make(options=None, kernel=True, blocks=64):
+def make(options=None, kernel=True, blocks=64, spec=SPEC):
     cls = kvstrategies.get(NAME)
     opts = cls.check_options(options)
-    layout = cls.layout(SPEC, BS, opts)
+    layout = cls.layout(spec, BS, opts)
     cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", blocks * layout.page_bytes),))
-    s = kvstrategies.create(NAME, SPEC, cfg, options)
+    s = kvstrategies.create(NAME, spec, cfg, options)
     if not kernel:
         s._kernel = None
     return s
 
 
-def reference(q, k, v, num_past):
-    """Exact causal attention; q: [T, Hq, D], k, v: [Hkv, S, D]."""
+def reference(spec, q, k, v, num_past):
+    """Exact causal attention; q: [T, Hq, D], k: [Hkv, S, D], v: [Hkv, S, Dv]."""
     t = q.shape[0]
-    k = k.repeat_interleave(QHEADS // HEADS, 0)
-    v = v.repeat_interleave(QHEADS // HEADS, 0)
-    scores = torch.einsum("thd,hsd->hts", q, k) / math.sqrt(DIM)
+    k = k.repeat_interleave(QHEADS // spec.num_kv_heads, 0)
+    v = v.repeat_interleave(QHEADS // spec.num_kv_heads, 0)
+    scores = torch.einsum("thd,hsd->hts", q, k) * spec.scale
     mask = torch.arange(k.shape[1])[None, :] > (num_past + torch.arange(t))[:, None]
     return torch.einsum("hts,hsd->thd", scores.masked_fill(mask, -math.inf).softmax(-1), v)
 
@@ -72,6 +75,8 @@ STEPS = [([0], [13]), ([0, 1], [1, 21])] + [([1, 0], [1, 1])] * 10 + [([0], [5])
 def drive(s, seed=0):
     """Feed random steps; return (max error vs own reconstruction, vs exact, kernel outputs)."""
     g = torch.Generator().manual_seed(seed)
+    spec = s.spec
+    h, dv = spec.num_kv_heads, spec.v_dim
     hist, e_rec, e_exact, outs = {}, 0.0, 0.0, []
     for sids, lens in STEPS:
         b = StepBatch(sids, lens)
@@ -80,8 +85,8 @@ def drive(s, seed=0):
         s.begin_step(b)
         for layer in range(LAYERS):
             n = b.num_tokens
-            k = torch.randn(n, HEADS, DIM, generator=g) * 2
-            v = torch.randn(n, HEADS, DIM, generator=g)
+            k = torch.randn(n, h, DIM, generator=g) * 2
+            v = k[..., :dv] if spec.latent else torch.randn(n, h, DIM, generator=g)
             q = torch.randn(n, QHEADS, DIM, generator=g)
             s.append(layer, k, v)
             ks, vs = s._reconstruct(layer)
@@ -89,16 +94,15 @@ def drive(s, seed=0):
             outs.append(out)
             for i, sid in enumerate(sids):
                 rows, past = b.rows(i), s._past[i]
-                pk, pv = hist.get((sid, layer), (torch.empty(HEADS, 0, DIM),) * 2)
+                pk, pv = hist.get((sid, layer), (torch.empty(h, 0, DIM), torch.empty(h, 0, dv)))
                 pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
                 pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
                 hist[(sid, layer)] = (pk, pv)
-                assert ks[i].shape == pk.shape
-                rec = reference(q[rows], ks[i], vs[i], past)
+                assert ks[i].shape == pk.shape and vs[i].shape == pv.shape
+                rec = reference(spec, q[rows], ks[i], vs[i], past)
                 e_rec = max(e_rec, (out[rows] - rec).abs().max().item())
-                e_exact = max(
-                    e_exact, (out[rows] - reference(q[rows], pk, pv, past)).abs().max().item()
-                )
+                exact = reference(spec, q[rows], pk, pv, past)
+                e_exact = max(e_exact, (out[rows] - exact).abs().max().item())
         s.end_step()
     return e_rec, e_exact, outs
 
@@ -114,12 +118,13 @@ OPTION_SETS = [
 ]
 
 
+@pytest.mark.parametrize("spec", [SPEC, LATENT], ids=["mha", "latent"])
 @pytest.mark.parametrize("options", OPTION_SETS)
-def test_attends_exactly_over_its_own_reconstruction(options):
+def test_attends_exactly_over_its_own_reconstruction(options, spec):
     """Attention on the packed form equals exact attention over what the strategy stores."""
-    e_rec, _, torch_outs = drive(make(options, kernel=False))
+    e_rec, _, torch_outs = drive(make(options, kernel=False, spec=spec))
     assert e_rec < 1e-5
-    s = make(options, kernel=True)
+    s = make(options, kernel=True, spec=spec)
     if s._kernel is None:
         pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
     e_rec_k, _, kernel_outs = drive(s)
@@ -151,6 +156,23 @@ def test_bytes_count_every_field():
     assert s.bytes_used() == 2 * LAYERS * HEADS * rec + dense
     s.free(0)
     assert s.bytes_used() == 0 and s.bytes_reserved() == 0
+
+
+def test_latent_stores_keys_only():
+    """A latent cache's record has no value fields, its side buffers no value part."""
+    s = make({"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2}, spec=LATENT)
+    n = 2 * BS + 3
+    assert s.reserve(0, n)
+    s.begin_step(StepBatch([0], [n]))
+    for layer in range(LAYERS):
+        k = torch.randn(n, 1, DIM)
+        s.append(layer, k, k[..., :24])
+        assert s.attend(layer, torch.randn(n, QHEADS, DIM)).shape == (n, QHEADS, 24)
+    s.end_step()
+    rec = DIM * BS // 2 + 2 * 2 * DIM  # key codes + key scale/low per channel
+    dense = (2 + 3) * LAYERS * DIM * 2  # 2 sinks and 3 tail tokens, keys at fp16
+    assert s.rec.nbytes == rec and s.bytes_used() == 2 * LAYERS * rec + dense
+    assert s.stats()["channels"]["values"] == "the keys' first 24 channels"
 
 
 @pytest.mark.parametrize(
@@ -215,6 +237,50 @@ def test_ensure_calibration_computes_once_and_refuses_another_models_file(
         ensure_calibration(model, tokenizer, opts)
     ensure_calibration(model, tokenizer, {**opts, "recalibrate": True})  # recomputed on request
     ChannelStats.load(path, model.cfg.identity, (30, 3, 64))
+
+
+class _LatentModel:
+    """What calibration needs of an MLA model: its config and a forward that writes latent keys
+    (values: their first channels) and attends, layer by layer, through the cache it is given."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        mla = SimpleNamespace(kv_lora_rank=LATENT.value_dim, softmax_scale=LATENT.softmax_scale)
+        self.cfg = SimpleNamespace(num_layers=LAYERS, num_heads=QHEADS, num_kv_heads=1,
+                                   head_dim=DIM, identity=LATENT.identity, mla=mla)  # fmt: skip
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+        g = torch.Generator().manual_seed(4)
+        # Channel 3 an outlier, so that the plan has something to find.
+        self.keys = torch.randn(LAYERS, 100, 1, DIM, generator=g) * torch.linspace(1, 2, DIM)
+        self.keys[..., 3] *= 20
+        self.queries = torch.randn(LAYERS, 100, QHEADS, DIM, generator=g)
+
+    def forward(self, toks, pos, kv, batch, last):
+        kv.begin_step(batch)
+        for layer in range(LAYERS):
+            k = self.keys[layer, toks]
+            kv.append(layer, k, k[..., : LATENT.value_dim])
+            assert kv.attend(layer, self.queries[layer, toks]).shape[-1] == LATENT.value_dim
+        kv.end_step()
+
+
+def test_latent_calibration_ranks_key_channels(tmp_path):
+    """A latent cache is calibrated on its keys alone; the plan orders values as keys."""
+    from kvstrategies.calibration import collect
+
+    m = _LatentModel()
+    stats = collect(m, list(range(100)), samples=3, window=2 * BS, block=BS)
+    assert (stats.num_kv_heads, stats.head_dim) == (1, DIM)
+    assert stats.v_sq.abs().sum() == 0 and stats.wo_sq.abs().sum() == 0
+    path = tmp_path / "mla.pt"
+    stats.save(path)
+    plan = kvstrategies.get(NAME).channel_plan(
+        LATENT, kvstrategies.get(NAME).check_options({"calibration": str(path)})
+    )
+    assert (plan.k_order[:, 0, 0] == 3).all() and torch.equal(plan.v_order, plan.k_order)
+    e_rec, _, _ = drive(make({"calibration": str(path)}, kernel=False, spec=LATENT))
+    assert e_rec < 1e-5
 
 
 def test_real_model_quality_and_size(model, tokenizer, calibration):

@@ -21,15 +21,27 @@ def naive_attention(q, k, v, num_past, scale):
     return torch.einsum("hts,hsd->thd", scores.softmax(-1), v)
 
 
+def _keys_values(g, s, values):
+    """k [2, s, 8] and v: its own [2, s, 8] ("full"), the keys' first 6 channels ("latent",
+    a view as a latent cache hands it), or its own narrower [2, s, 6] ("narrow")."""
+    k = torch.randn(2, s, 8, generator=g)
+    if values == "latent":
+        return k, k[..., :6]
+    return k, torch.randn(2, s, 8 if values == "full" else 6, generator=g)
+
+
+VALUES = ("full", "latent", "narrow")
+
+
+@pytest.mark.parametrize("values", VALUES)
 @pytest.mark.parametrize(("t", "past"), [(1, 0), (1, 17), (5, 0), (7, 30)])
-def test_attention_one_matches_naive(t, past):
+def test_attention_one_matches_naive(t, past, values):
     g = torch.Generator().manual_seed(t * 100 + past)
     q = torch.randn(t, 6, 8, generator=g)
-    k = torch.randn(2, past + t, 8, generator=g)
-    v = torch.randn(2, past + t, 8, generator=g)
-    torch.testing.assert_close(
-        attention_one(q, k, v, past, 0.3), naive_attention(q, k, v, past, 0.3)
-    )
+    k, v = _keys_values(g, past + t, values)
+    got = attention_one(q, k, v, past, 0.3)
+    assert got.shape == (t, 6, v.shape[-1])
+    torch.testing.assert_close(got, naive_attention(q, k, v, past, 0.3))
 
 
 def test_step_batch_offsets_and_bad_input():
@@ -69,6 +81,31 @@ def test_contiguous_cache_stores_appends_and_frees():
     kv.free(12345)  # unknown ids are a no-op
 
 
+def test_contiguous_latent_cache_stores_keys_only():
+    """With value_dim, values are the keys' first channels: not stored, not counted."""
+    kv = ContiguousKVCache(num_layers=2, num_kv_heads=1, head_dim=12, scale=0.4, value_dim=8)
+    g = torch.Generator().manual_seed(1)
+    keys = []
+    for lens in ([6], [1], [3]):
+        batch = StepBatch([0], lens)
+        kv.begin_step(batch)
+        k = torch.randn(batch.num_tokens, 1, 12, generator=g)
+        q = torch.randn(batch.num_tokens, 4, 12, generator=g)
+        keys.append(k)
+        hist = torch.cat(keys).transpose(0, 1)  # [1, S, 12]
+        for layer in range(2):
+            kv.append(layer, k, k[..., :8])
+            out = kv.attend(layer, q)
+            assert out.shape == (batch.num_tokens, 4, 8)
+            ref = naive_attention(q, hist, hist[..., :8], hist.shape[1] - lens[0], 0.4)
+            torch.testing.assert_close(out, ref)
+        kv.end_step()
+    assert not kv._v
+    assert kv.bytes_used() == 10 * 2 * 12 * 4  # tokens * layers * key channels * float32
+    with pytest.raises(ValueError, match="value_dim = 13"):
+        ContiguousKVCache(1, 1, 12, value_dim=13)
+
+
 def test_abort_step_keeps_previous_state():
     kv = ContiguousKVCache(num_layers=1, num_kv_heads=1, head_dim=2)
     kv.begin_step(StepBatch([0], [2]))
@@ -89,13 +126,15 @@ def _pieces(k, v, cuts, end):
     [[5], [14], [15], [16], [18], [3, 15, 17], [1, 2, 3, 19]],
     ids=lambda c: "cuts" + "-".join(map(str, c)),
 )
-def test_attention_over_pieces_equals_one_piece(cuts):
-    """K/V split into runs anywhere, also inside the step's own tokens, attend like one run."""
+@pytest.mark.parametrize("values", VALUES)
+def test_attention_over_pieces_equals_one_piece(cuts, values):
+    """K/V split into runs anywhere, also inside the step's own tokens, attend like one run;
+    also with values narrower than the keys (a latent cache's, or unrelated ones)."""
     from engine.kv import attention_runs
 
     g = torch.Generator().manual_seed(len(cuts))
     q = torch.randn(6, 4, 8, generator=g)  # a chunk of 6 new tokens after 14 stored ones
-    k, v = torch.randn(2, 20, 8, generator=g), torch.randn(2, 20, 8, generator=g)
+    k, v = _keys_values(g, 20, values)
     got = attention_runs(q, _pieces(k, v, cuts, 20), 14, 0.3)
     torch.testing.assert_close(got, naive_attention(q, k, v, 14, 0.3))
     # Decoding: one new token after 14 stored ones.

@@ -10,7 +10,7 @@ import torch
 import kvstrategies
 from engine.evaluate import perplexity
 from engine.kv import StepBatch
-from kvstrategies.prune import SCORERS, PruneStrategy
+from kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
 from memory.config import PoolConfig, TierConfig
 
 from .conftest import make_english
@@ -231,7 +231,6 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
 
 @pytest.mark.slow
 def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model, caplog):
-    from kvstrategies.prune import SHIPPED_HEAD
     from kvstrategies.prune_head import HeadMismatch
 
     spec = kvstrategies.KVSpec.for_model(model)
@@ -261,3 +260,39 @@ def test_config_errors_name_the_file_and_key(tmp_path):
         kvstrategies.build(SPEC, config=str(cfg))
     cfg.write_text('strategy = "learned_prune"\n[strategy_options]\nscorer = "streaming"\n')
     assert kvstrategies.build(SPEC, config=str(cfg)).strategy.scorer == "streaming"
+
+
+def test_latent_cache_falls_back_to_surprisal_and_prunes(caplog):
+    """On a latent (MLA) cache the shipped head (another model's) cannot rank: the surprisal
+    rule does, over keys alone (values are their first channels); a given head is refused."""
+    spec = kvstrategies.KVSpec(2, 1, 24, identity="mla-test", latent=True, value_dim=16,
+                               softmax_scale=0.25)  # fmt: skip
+    cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", 1 << 20),))
+    opts = {"sink_tokens": 2, "recent_window": 8}
+    s = kvstrategies.create("learned_prune", spec, cfg, opts)
+    assert "ranking by surprisal" in caplog.text
+    assert s.head is None and s.scorer == "surprisal" and s.wants_token_logprobs
+    assert s.pool.layout.page_bytes == BS * spec.elements_per_token * 4  # keys only
+    g = torch.Generator().manual_seed(0)
+    for n in (40, *[1] * 12):
+        b = StepBatch([0], [n])
+        s.begin_step(b)
+        for layer in range(2):
+            k, q = torch.randn(n, 1, 24, generator=g), torch.randn(n, 4, 24, generator=g)
+            s.append(layer, k, k[..., :16])
+            out = s.attend(layer, q)
+            ks, vs = s.read(layer)
+            kk = ks[0].expand(4, -1, -1)  # the one latent head, shared by the 4 query heads
+            past = kk.shape[1] - n
+            scores = torch.einsum("thd,hsd->hts", q, kk) * 0.25
+            mask = torch.arange(kk.shape[1])[None, :] > (past + torch.arange(n))[:, None]
+            probs = scores.masked_fill(mask, -math.inf).softmax(-1)
+            torch.testing.assert_close(out, torch.einsum("hts,hsd->thd", probs, kk[..., :16]))
+            assert torch.equal(vs[0], ks[0][..., :16])
+        s.end_step()
+        s.observe_logprobs(b, torch.randint(0, 50, (n,), generator=g),
+                           torch.randn(n, 50, generator=g).log_softmax(-1))  # fmt: skip
+    assert s.stored_tokens(0) < 52 and s.evicted > 0
+    assert s.bytes_used() == s.stored_tokens(0) * 2 * 24 * 4
+    with pytest.raises(ValueError, match="latent .*leave head unset"):
+        kvstrategies.create("learned_prune", spec, cfg, {"head": str(SHIPPED_HEAD)})

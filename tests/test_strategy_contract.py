@@ -4,6 +4,11 @@ A new strategy is covered by registering it: it must attend like exact attention
 tolerance it declares, handle batches of different lengths and chunked appends, reuse shared
 prefix blocks correctly, free every block, and account its bytes. A strategy that evicts tokens
 (`evicts`) attends exactly over the tokens it keeps (what `read` returns) and shares no prefix.
+
+Every test runs on a plain multi-head spec and on a latent (MLA) one: one KV head whose values
+are the keys' first channels (not stored), a softmax scale of its own, and outputs narrower than
+the queries. A strategy that declares `supports_latent = False` is skipped there, and `create`
+must refuse it.
 """
 
 import math
@@ -15,38 +20,54 @@ import kvstrategies
 from engine.kv import StepBatch
 from memory.config import PoolConfig, TierConfig
 
-LAYERS, HEADS, QHEADS, DIM, BS = 2, 2, 4, 16, 8
-SPEC = kvstrategies.KVSpec(LAYERS, HEADS, DIM, torch.float32, identity="contract")
+LAYERS, QHEADS, BS = 2, 4, 8
+SPECS = {
+    "mha": kvstrategies.KVSpec(LAYERS, 2, 16, torch.float32, identity="contract"),
+    # 24 latent channels + 8 RoPE channels, shared by all 4 query heads (MQA)
+    "latent": kvstrategies.KVSpec(LAYERS, 1, 32, torch.float32, identity="contract-mla",
+                                  query_group=QHEADS, latent=True, value_dim=24,
+                                  softmax_scale=0.3),
+}  # fmt: skip
 
 
-def reference(q, k, v, num_past):
-    """Exact causal attention, K/V repeated per query head. q: [T, Hq, D]; k, v: [Hkv, S, D]."""
+@pytest.fixture(params=list(SPECS))
+def spec(request):
+    return SPECS[request.param]
+
+
+def reference(spec, q, k, v, num_past):
+    """Exact causal attention, K/V repeated per query head. q: [T, Hq, D]; k: [Hkv, S, D],
+    v: [Hkv, S, Dv]."""
     t = q.shape[0]
-    k = k.repeat_interleave(QHEADS // HEADS, 0)
-    v = v.repeat_interleave(QHEADS // HEADS, 0)
-    scores = torch.einsum("thd,hsd->hts", q, k) / math.sqrt(DIM)
+    k = k.repeat_interleave(QHEADS // spec.num_kv_heads, 0)
+    v = v.repeat_interleave(QHEADS // spec.num_kv_heads, 0)
+    scores = torch.einsum("thd,hsd->hts", q, k) * spec.scale
     s = k.shape[1]
     mask = torch.arange(s)[None, :] > (num_past + torch.arange(t))[:, None]
     return torch.einsum("hts,hsd->thd", scores.masked_fill(mask, -math.inf).softmax(-1), v)
 
 
 @pytest.fixture
-def make(tmp_path):
+def make(tmp_path, spec):
     """make(name, blocks): the strategy over a pool of `blocks` device blocks, with host and SSD
     tiers too (a strategy that offloads uses them at its `contract_options` sizes)."""
     built = []
 
     def make(name, blocks=64):
         cls = kvstrategies.get(name)
+        if spec.latent and not cls.supports_latent:
+            with pytest.raises(ValueError, match="latent"):
+                kvstrategies.create(name, spec)
+            pytest.skip(f"{name} declares supports_latent = False")
         opts = cls.check_options(cls.contract_options)
-        page = cls.layout(SPEC, BS, opts).page_bytes
+        page = cls.layout(spec, BS, opts).page_bytes
         tiers = (
             TierConfig("device", blocks * page),
             TierConfig("host", 64 * page),
             TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd{len(built)}")),
         )
         cfg = PoolConfig(block_size=BS, tiers=tiers)
-        s = kvstrategies.create(name, SPEC, cfg, opts)
+        s = kvstrategies.create(name, spec, cfg, opts)
         built.append(s)
         return s
 
@@ -59,7 +80,7 @@ class Driver:
     """Feeds random K/V/Q through a strategy step by step and keeps the exact history."""
 
     def __init__(self, strategy, seed=0):
-        self.s = strategy
+        self.s, self.spec = strategy, strategy.spec
         self.g = torch.Generator().manual_seed(seed)
         self.hist: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -69,18 +90,22 @@ class Driver:
             assert self.s.reserve(sid, n)
         self.s.begin_step(b)
         n = b.num_tokens
+        spec = self.spec
+        h, d, dv = spec.num_kv_heads, spec.head_dim, spec.v_dim
         errs = []
         for layer in range(LAYERS):
-            k = torch.randn(n, HEADS, DIM, generator=self.g)
-            v = torch.randn(n, HEADS, DIM, generator=self.g)
-            q = torch.randn(n, QHEADS, DIM, generator=self.g)
+            k = torch.randn(n, h, d, generator=self.g)
+            # A latent cache is handed its keys' first channels as values, as the model does.
+            v = k[..., :dv] if spec.latent else torch.randn(n, h, dv, generator=self.g)
+            q = torch.randn(n, QHEADS, d, generator=self.g)
             self.s.append(layer, k, v)
             out = self.s.attend(layer, q)
+            assert out.shape == (n, QHEADS, dv)
             for i, sid in enumerate(seq_ids):
                 rows = b.rows(i)
                 past = self.hist.setdefault(sid, [])
                 if len(past) <= layer:
-                    past.append((torch.empty(HEADS, 0, DIM), torch.empty(HEADS, 0, DIM)))
+                    past.append((torch.empty(h, 0, d), torch.empty(h, 0, dv)))
                 pk, pv = past[layer]
                 pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
                 pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
@@ -89,7 +114,9 @@ class Driver:
                     ks, vs = self.s.read(layer)
                     pk, pv = ks[i].float(), vs[i].float()
                     assert torch.equal(pk[:, -lens[i] :], k[rows].transpose(0, 1))
-                ref = reference(q[rows], pk, pv, pk.shape[1] - lens[i])
+                    if spec.latent:
+                        assert torch.equal(pv, pk[..., :dv])
+                ref = reference(spec, q[rows], pk, pv, pk.shape[1] - lens[i])
                 errs.append((out[rows] - ref).abs().max().item())
         self.s.end_step()
         return max(errs)
@@ -120,7 +147,8 @@ def test_frees_every_block_and_accounts_bytes(name, make):
     d.step([0, 1, 2], [9, 17, 3])
     used = s.bytes_used()
     assert 0 < used <= s.bytes_reserved()
-    per_token_fp32 = SPEC.elements_per_token * 4
+    per_token_fp32 = s.spec.elements_per_token * 4  # K only for a latent spec
+    assert s.pool.layout.page_bytes <= BS * per_token_fp32  # a latent block holds no values
     assert used <= (9 + 17 + 3) * per_token_fp32
     if type(s).lossless:
         assert used == (9 + 17 + 3) * per_token_fp32
@@ -163,6 +191,12 @@ def test_reserve_reports_a_full_pool(name, make):
 def test_unknown_option_lists_the_allowed(name):
     with pytest.raises(ValueError, match="unknown option"):
         kvstrategies.get(name).check_options({"no_such_option": 1})
+
+
+def test_create_refuses_a_latent_spec_for_a_strategy_without(monkeypatch):
+    monkeypatch.setattr(kvstrategies.get("full"), "supports_latent", False)
+    with pytest.raises(ValueError, match="'full' cannot store latent"):
+        kvstrategies.create("full", SPECS["latent"])
 
 
 def test_registry_errors():

@@ -1,7 +1,7 @@
 """The memory-tier configuration: dataclasses, the TOML loader and environment overrides.
 
-What lives here: `TierConfig` and `PoolConfig` (validated on construction), `parse_size`,
-`load_config` and `ConfigError`. What does not: chip profiles and bandwidth classes
+What lives here: `TierConfig`, `MoEOptions` and `PoolConfig` (validated on construction),
+`parse_size`, `load_config` and `ConfigError`. What does not: chip profiles and bandwidth classes
 (`memory.profiles`), checking a strategy name against the strategy registry (`kvstrategies`),
 and building the pool from a config (the pool).
 
@@ -17,6 +17,11 @@ File format (TOML, see configs/unikv.toml)::
     [tiers.host]               # optional: capacity, low_watermark
     [tiers.ssd]                # optional: capacity, path (directory), low_watermark
     [tiers.remote]             # optional: capacity, url ("redis://..."), low_watermark
+    [moe]                      # optional, DeepSeekMoE models (see MoEOptions)
+    topk = "auto"              # router's final top-k: "auto" (chip's), "exact", "blockwise"
+    topk_block = 16            # experts per block for "blockwise" (>= 2; unset: the profile's)
+    expert_cache = 1.0         # fraction 0 < f <= 1 of routed experts on the device tier
+    expert_host = 1.0          # fraction 0 <= f <= 1 of the rest on host; the remainder on SSD
 
 Capacity: an integer is bytes; a string is a number with a unit, decimal (B, KB, MB, GB, TB:
 powers of 1000) or binary (KiB, MiB, GiB, TiB: powers of 1024), units case-insensitive; a
@@ -28,10 +33,10 @@ Environment overrides: every variable named ``UNIKV_<KEY>`` overrides one key af
 read. Nested keys are joined with a double underscore, names are case-insensitive:
 ``UNIKV_BLOCK_SIZE=32``, ``UNIKV_CHIP=kunpeng920``, ``UNIKV_STRATEGY=full``,
 ``UNIKV_TIERS__DEVICE__CAPACITY=1GiB``, ``UNIKV_TIERS__SSD__PATH=/var/cache/unikv``,
-``UNIKV_STRATEGY_OPTIONS__WINDOW=128``. The value is read as a TOML scalar where it parses as
-one (``32`` is an integer, ``true`` a boolean, ``0.5`` a float) and as a plain string
-otherwise (``1GiB``). A variable that names no known key is an error naming the variable, so
-every ``UNIKV_`` variable is reserved for configuration.
+``UNIKV_STRATEGY_OPTIONS__WINDOW=128``, ``UNIKV_MOE__TOPK=exact``. The value is read as a
+TOML scalar where it parses as one (``32`` is an integer, ``true`` a boolean, ``0.5`` a
+float) and as a plain string otherwise (``1GiB``). A variable that names no known key is an
+error naming the variable, so every ``UNIKV_`` variable is reserved for configuration.
 """
 
 from __future__ import annotations
@@ -69,7 +74,9 @@ _UNITS = {
 }
 
 SIZE_EXPECTED = 'expected bytes > 0, a size like "512MiB", or a fraction of RAM like "25%"'
-_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers")
+_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers", "moe")
+MOE_TOPK = ("auto", "exact", "blockwise")
+_MOE_KEYS = ("topk", "topk_block", "expert_cache", "expert_host")
 _TIER_KEYS = {
     "device": ("capacity", "low_watermark"),
     "host": ("capacity", "low_watermark"),
@@ -170,6 +177,40 @@ def _options(value: object) -> dict[str, Any]:
     return dict(value)
 
 
+def _topk(value: object) -> str:
+    if value not in MOE_TOPK:
+        raise _Invalid(f"expected one of {', '.join(MOE_TOPK)}")
+    return value  # type: ignore[return-value]
+
+
+def _topk_block(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise _Invalid("expected an integer >= 2 (routed experts per block)")
+    return value
+
+
+def _expert_cache(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise _Invalid("expected a fraction 0 < f <= 1 of the routed experts (1.0: all)")
+    return float(value)
+
+
+def _expert_host(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise _Invalid("expected a fraction 0 <= f <= 1 of the experts not on the device")
+    return float(value)
+
+
+_MOE_CHECKS = {
+    "topk": _topk,
+    "topk_block": _topk_block,
+    "expert_cache": _expert_cache,
+    "expert_host": _expert_host,
+}
+
+
 def _raise_field(owner: str, name: str, value: object, exc: _Invalid) -> None:
     raise ValueError(f"{owner}: {name} = {value!r}: {exc.expected}") from None
 
@@ -213,14 +254,39 @@ DEFAULT_TIERS = (TierConfig("device", DEFAULT_DEVICE_BYTES),)
 
 
 @dataclass(frozen=True, slots=True)
+class MoEOptions:
+    """DeepSeekMoE settings: the router's final top-k and where the routed experts live.
+
+    `topk` "auto" takes the chip profile's preference (`memory.profiles.choose_topk`);
+    `topk_block` None takes the profile's block size. `expert_cache` is the fraction of routed
+    experts kept on the device tier (1.0: all resident); of the rest, `expert_host` is the
+    fraction kept in host memory, the remainder on the SSD tier.
+    """
+
+    topk: str = "auto"
+    topk_block: int | None = None
+    expert_cache: float = 1.0
+    expert_host: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, check in _MOE_CHECKS.items():
+            value = getattr(self, name)
+            try:
+                check(value)
+            except _Invalid as exc:
+                _raise_field("MoEOptions", name, value, exc)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """The memory pool's configuration: block size, tiers, chip and strategy choice."""
+    """The memory pool's configuration: block size, tiers, chip, strategy choice, MoE options."""
 
     block_size: int | None = None  # None: the strategy's default block size
     tiers: tuple[TierConfig, ...] = DEFAULT_TIERS
     chip: str = "cpu"
     strategy: str = "auto"
     strategy_options: dict[str, Any] = field(default_factory=dict)
+    moe: MoEOptions = MoEOptions()
     source: str = field(default="<defaults>", compare=False)  # where it was loaded from
 
     def __post_init__(self) -> None:
@@ -235,6 +301,8 @@ class PoolConfig:
                 check(value)
             except _Invalid as exc:
                 _raise_field("PoolConfig", name, value, exc)
+        if not isinstance(self.moe, MoEOptions):
+            raise ValueError(f"PoolConfig: moe = {self.moe!r}: expected MoEOptions")
         names = [t.name for t in self.tiers if isinstance(t, TierConfig)]
         if len(names) != len(self.tiers):
             raise ValueError(f"PoolConfig: tiers = {self.tiers!r}: expected TierConfig items")
@@ -310,12 +378,13 @@ def _env_path(var: str) -> tuple[str, ...]:
         return parts
     if len(parts) == 3 and parts[0] == "tiers" and parts[2] in _TIER_KEYS.get(parts[1], ()):
         return parts
-    allowed = [
-        "UNIKV_BLOCK_SIZE",
-        "UNIKV_CHIP",
-        "UNIKV_STRATEGY",
-        "UNIKV_STRATEGY_OPTIONS__<NAME>",
-    ] + [f"UNIKV_TIERS__{t.upper()}__{k.upper()}" for t in TIER_ORDER for k in _TIER_KEYS[t]]
+    if len(parts) == 2 and parts[0] == "moe" and parts[1] in _MOE_KEYS:
+        return parts
+    allowed = (
+        ["UNIKV_BLOCK_SIZE", "UNIKV_CHIP", "UNIKV_STRATEGY", "UNIKV_STRATEGY_OPTIONS__<NAME>"]
+        + [f"UNIKV_TIERS__{t.upper()}__{k.upper()}" for t in TIER_ORDER for k in _TIER_KEYS[t]]
+        + [f"UNIKV_MOE__{k.upper()}" for k in _MOE_KEYS]
+    )
     raise ConfigError(
         f"environment variable {var}: names no configuration key; allowed: {', '.join(allowed)}"
     )
@@ -366,6 +435,8 @@ def _build(raw: dict[str, Any], loc: _Locator, ram_bytes: int | None) -> PoolCon
         kwargs["chip"] = chip
     if "tiers" in raw:
         kwargs["tiers"] = _build_tiers(raw["tiers"], loc, ram_bytes)
+    if "moe" in raw:
+        kwargs["moe"] = _build_moe(raw["moe"], loc)
     try:
         return PoolConfig(**kwargs, source=loc.source)
     except ValueError as exc:
@@ -411,6 +482,16 @@ def _build_tiers(tables: object, loc: _Locator, ram_bytes: int | None) -> tuple[
             location = _check(loc, ("tiers", name, "url"), table["url"], _url)
         tiers.append(TierConfig(name, capacity, location, watermark))
     return tuple(tiers)
+
+
+def _build_moe(table: object, loc: _Locator) -> MoEOptions:
+    if not isinstance(table, dict):
+        raise loc.bad(("moe",), table, "expected a table [moe]")
+    for key in table:
+        if key not in _MOE_KEYS:
+            raise loc.unknown(("moe", key), _MOE_KEYS)
+    values = {key: _check(loc, ("moe", key), table[key], _MOE_CHECKS[key]) for key in table}
+    return MoEOptions(**values)
 
 
 def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:

@@ -16,7 +16,10 @@ with the spec-sheet figure; the report then says the class came from the profile
 Profile file keys: display_name, bandwidth (GB/s, or "measure"), measure_on ("host" or
 "cuda", with "measure"), declared_bandwidth (GB/s used when "cuda" cannot be measured),
 bandwidth_class (optional pin), field_tuned, and a [tuned] table with batch_size,
-kv_precision, batching_window_ms, thermal_throttle_c, l2_prefetch_depth.
+kv_precision, batching_window_ms, thermal_throttle_c, l2_prefetch_depth, and optionally
+moe_topk ("exact" | "blockwise", default "exact") and moe_topk_block (experts per block,
+default DEFAULT_TOPK_BLOCK): which final top-k the MoE router should use on this chip
+(`engine.routing`; `choose_topk` applies a config's [moe] override).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memory.config import ConfigError, load_config, read_toml, show_value
+from memory.config import ConfigError, MoEOptions, PoolConfig, load_config, read_toml, show_value
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,11 @@ _TUNED_KEYS = (
     "thermal_throttle_c",
     "l2_prefetch_depth",
 )
+TOPK_MODES = ("exact", "blockwise")  # the MoE router's final top-k (engine.routing)
+# 16 fp32 scores = 64 bytes: one cache line, one 512-bit vector; see engine.routing.
+DEFAULT_TOPK_BLOCK = 16
+# Optional [tuned] keys (not in DESIGN.md's field table), with their defaults.
+_TUNED_OPTIONAL = {"moe_topk": "exact", "moe_topk_block": DEFAULT_TOPK_BLOCK}
 
 
 def bandwidth_class(gbps: float) -> str:
@@ -115,6 +123,22 @@ def choose_strategy(
     )
 
 
+def choose_topk(profile: ChipProfile, config: PoolConfig | MoEOptions) -> tuple[str, int, str]:
+    """(mode, block, why) of the MoE router's final top-k: the config's [moe] topk, else the
+    chip profile's preference. `block` is the experts per block, 0 for "exact"."""
+    moe = config.moe if isinstance(config, PoolConfig) else config
+    tuned = profile.tuned
+    if moe.topk == "auto":
+        mode, why = tuned.moe_topk, f"auto: the {profile.name} profile prefers {tuned.moe_topk!r}"
+    else:
+        mode, why = moe.topk, f"configured [moe] topk = {moe.topk!r}"
+    if mode == "exact":
+        return "exact", 0, why
+    if moe.topk_block is not None:
+        return mode, moe.topk_block, f"{why}, configured blocks of {moe.topk_block} experts"
+    return mode, tuned.moe_topk_block, f"{why}, blocks of {tuned.moe_topk_block} (profile)"
+
+
 # -- profiles --------------------------------------------------------------------------------
 
 
@@ -127,9 +151,11 @@ class TunedParams:
     batching_window_ms: float
     thermal_throttle_c: float
     l2_prefetch_depth: int
+    moe_topk: str = "exact"  # the MoE router's final top-k on this chip: "exact" | "blockwise"
+    moe_topk_block: int = DEFAULT_TOPK_BLOCK  # experts per block for "blockwise"
 
     def __post_init__(self) -> None:
-        problem = _tuned_problem({k: getattr(self, k) for k in _TUNED_KEYS})
+        problem = _tuned_problem({k: getattr(self, k) for k in (*_TUNED_KEYS, *_TUNED_OPTIONAL)})
         if problem is not None:
             key, expected = problem
             raise ValueError(f"TunedParams: {key} = {getattr(self, key)!r}: {expected}")
@@ -155,6 +181,11 @@ def _tuned_problem(t: Mapping[str, Any]) -> tuple[str, str] | None:
         return "thermal_throttle_c", "expected degrees Celsius in (0, 125]"
     if not _is_int(t["l2_prefetch_depth"]) or t["l2_prefetch_depth"] < 0:
         return "l2_prefetch_depth", "expected an integer >= 0"
+    if t.get("moe_topk", _TUNED_OPTIONAL["moe_topk"]) not in TOPK_MODES:
+        return "moe_topk", f"expected one of {', '.join(TOPK_MODES)}"
+    block = t.get("moe_topk_block", _TUNED_OPTIONAL["moe_topk_block"])
+    if not _is_int(block) or block < 2:
+        return "moe_topk_block", "expected an integer >= 2 (experts per block)"
     return None
 
 
@@ -267,10 +298,11 @@ def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
     tuned_raw = raw["tuned"]
     if not isinstance(tuned_raw, dict):
         raise bad("tuned", tuned_raw, "expected a table [tuned]")
+    allowed = (*_TUNED_KEYS, *_TUNED_OPTIONAL)
     for key in tuned_raw:
-        if key not in _TUNED_KEYS:
+        if key not in allowed:
             raise ConfigError(
-                f"{src}: [tuned] unknown key {show_value(key)}; allowed: {', '.join(_TUNED_KEYS)}"
+                f"{src}: [tuned] unknown key {show_value(key)}; allowed: {', '.join(allowed)}"
             )
     for key in _TUNED_KEYS:
         if key not in tuned_raw:
@@ -393,6 +425,7 @@ def profile_report(
             f"pinned by the profile (DESIGN.md field table); {gbps:g} GB/s alone would be {derived}"
         )
     strategy, reason = choose_strategy(cls, config.strategy, available_strategies)
+    topk, topk_block, topk_reason = choose_topk(profile, config)
     t = profile.tuned
     return {
         "chip": profile.name,
@@ -415,6 +448,11 @@ def profile_report(
         "batching_window_ms": t.batching_window_ms,
         "thermal_throttle_c": t.thermal_throttle_c,
         "l2_prefetch_depth": t.l2_prefetch_depth,
+        "moe_topk": topk,
+        "moe_topk_block": topk_block,
+        "moe_topk_reason": topk_reason,
+        "expert_cache": config.moe.expert_cache,
+        "expert_host": config.moe.expert_host,
     }
 
 
@@ -423,6 +461,15 @@ def _human_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def _experts_line(cache: float, host: float) -> str:
+    if cache >= 1:
+        return "all routed experts on the device"
+    return (
+        f"{cache:.0%} of routed experts on the device; of the rest {host:.0%} on host, "
+        f"{1 - host:.0%} on SSD"
+    )
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -440,6 +487,8 @@ def format_report(report: Mapping[str, Any]) -> str:
         ("batching window", f"{report['batching_window_ms']:g} ms"),
         ("thermal throttle", f"{report['thermal_throttle_c']:g} °C"),
         ("L2 prefetch depth", str(report["l2_prefetch_depth"])),
+        ("MoE top-k", f"{report['moe_topk']} ({report['moe_topk_reason']})"),
+        ("MoE experts", _experts_line(report["expert_cache"], report["expert_host"])),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

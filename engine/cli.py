@@ -399,6 +399,19 @@ def _memory_lines(mem: dict) -> str:
             f"[prefetch: depth {pf['depth']}, {pf['hits']}/{pf['layers_fetched']} layers ready "
             f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited]"
         )
+    lat = mem.get("latent_kv")
+    if lat:
+        lines.append(
+            f"[latent KV (MLA): {_fmt_bytes(lat['latent_bytes_per_token'])} per token in "
+            f"{lat['dtype']}, against {_fmt_bytes(lat['mha_bytes_per_token'])} for multi-head "
+            f"KV ({lat['ratio']:.1f}x smaller)]"
+        )
+    ex = mem.get("experts")
+    if ex and "hit_rate" in ex:
+        lines.append(
+            f"[experts: routing top-k {mem['routing']['topk']}; device cache hit rate "
+            f"{ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} misses)]"
+        )
     disk = mem.get("disk_prefix_hits")
     if disk is not None:
         lines.append(
@@ -478,6 +491,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         "strategy": built.name,
         "strategy_reason": built.reason,
         "chip": built.chip,
+        "moe": built.moe,
     }
     print(
         f"ppl {res.ppl:.4f} over {res.scored} scored tokens ({res.tokens} fed); "

@@ -142,6 +142,8 @@ class Engine:
                 _build, m, strategy, config, chip, tok, strategy_options, progress
             )
             kv, choice = built.strategy, f"{built.name} ({built.reason}; chip {built.chip})"
+            if built.moe:
+                choice += f"; MoE {built.moe}"
         engine = cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
         engine.kv_choice = choice
         engine.owns_kv = choice != "given by the caller"
@@ -188,13 +190,14 @@ class Engine:
 
     def memory_report(self) -> dict:
         """KV bytes stored and held now, the peak stored, pool statistics, request counts."""
-        return self.kv.stats() | {
+        counts = {
             "kv_bytes_peak": self.peak_kv_bytes,
             "requests_running": len(self._running),
             "requests_waiting": len(self._waiting),
             "requests_swapped": len(self._swapped),
             "preemptions": self.preemptions,
         }
+        return self.kv.stats() | self.model.memory_report() | counts
 
     async def close(self, cancel: bool = False) -> None:
         """Stop accepting requests; finish (or with `cancel`, cancel) the ones in flight."""

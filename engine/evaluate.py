@@ -94,7 +94,9 @@ def perplexity(
     kv_bytes = kv.bytes_used()
     stored = kv.stored_tokens(seq_id)
     kv.free(seq_id)
-    elems = len(ids) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    from kvstrategies import KVSpec
+
+    elems = len(ids) * KVSpec.for_model(model).elements_per_token  # latent caches: K only
     nll = nll_sum / scored
     return PPLResult(
         ppl=math.exp(nll),

@@ -270,10 +270,28 @@ def load_gguf(
 
 
 def check_tensors(
-    cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path, display=lambda name: name
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    display=lambda name: name,
+    expected: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
     """Every tensor the engine needs is present with its shape, or a `ModelLoadError` naming
-    the tensor (as `display` spells it: the file format's own name) and the expected shape."""
+    the tensor (as `display` spells it: the file format's own name) and the expected shape.
+    `expected` (name -> shape) defaults to the Llama layout."""
+    if expected is None:
+        expected = _llama_shapes(cfg)
+    for name, shape in expected.items():
+        got = tensors.get(name)
+        if got is None:
+            raise ModelLoadError(f"{path}: missing tensor {display(name)}")
+        if tuple(got.shape) != shape:
+            raise ModelLoadError(
+                f"{path}: tensor {display(name)} has shape {tuple(got.shape)}, want {shape}"
+            )
+
+
+def _llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, kv = cfg.head_dim, cfg.num_kv_heads
     expected = {
         "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
@@ -291,11 +309,4 @@ def check_tensors(
             f"blk.{i}.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
             f"blk.{i}.ffn_down.weight": (cfg.hidden_size, cfg.intermediate_size),
         }
-    for name, shape in expected.items():
-        got = tensors.get(name)
-        if got is None:
-            raise ModelLoadError(f"{path}: missing tensor {display(name)}")
-        if tuple(got.shape) != shape:
-            raise ModelLoadError(
-                f"{path}: tensor {display(name)} has shape {tuple(got.shape)}, want {shape}"
-            )
+    return expected

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import deepseek
 from .gguf_loader import ModelConfig, ModelLoadError, check_tensors, file_fingerprint
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = ("LlamaForCausalLM", *deepseek.ARCHITECTURES)
 # HF name (per layer after "model.layers.{i}.") -> the engine's name (after "blk.{i}.")
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -39,12 +40,17 @@ _TOP_NAMES = {
 }
 
 
-def engine_name(hf_name: str) -> str | None:
-    """The engine's name for an HF tensor name (None: not a weight the engine uses)."""
+def engine_name(hf_name: str, cfg: ModelConfig | None = None) -> str | None:
+    """The engine's name for an HF tensor name (None: not a weight the engine uses). A DeepSeek
+    model's layer tensors keep their HF names under "blk.{i}."."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     parts = hf_name.split(".", 3)  # model, layers, i, rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None
+    if cfg is not None and cfg.mla is not None:
+        return f"blk.{parts[2]}.{parts[3]}"
+    if parts[3] in _LAYER_NAMES:
         return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
     return None
 
@@ -55,7 +61,8 @@ def hf_name(engine: str) -> str:
         if eng == engine:
             return hf
     _, i, rest = engine.split(".", 2)
-    return next(f"model.layers.{i}.{hf}" for hf, e in _LAYER_NAMES.items() if e == rest)
+    hf = next((hf for hf, e in _LAYER_NAMES.items() if e == rest), rest)
+    return f"model.layers.{i}.{hf}"
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -70,6 +77,8 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(
             f"{file}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
         )
+    if arch in deepseek.ARCHITECTURES:
+        return deepseek.read_config(raw, file, path.name)
 
     def need(key: str):
         if key not in raw:
@@ -132,13 +141,15 @@ def load_hf(
     from safetensors import SafetensorError, safe_open
 
     cfg, files = checkpoint_config(path)
+    # DeepSeek checkpoints hold more than the engine runs (e.g. multi-token-prediction layers)
+    wanted = deepseek.expected_shapes(cfg) if cfg.mla is not None else None
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc="loading weights", unit="shard", disable=not progress):
         try:
             with safe_open(f, framework="pt") as st:
                 for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    name = engine_name(key)
-                    if name is not None:
+                    name = engine_name(key, cfg)
+                    if name is not None and (wanted is None or name in wanted):
                         tensors[name] = st.get_tensor(key).to(dtype)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
@@ -149,7 +160,7 @@ def load_hf(
     for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise ModelLoadError(f"{path}: tensor {hf_name(name)} holds non-finite values")
-    check_tensors(cfg, tensors, path, hf_name)
+    check_tensors(cfg, tensors, path, hf_name, wanted)
     return cfg, tensors
 
 
@@ -202,6 +213,12 @@ def save_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer, path:
             continue
         out[hf_name(name)] = t.detach().to(torch.float32).contiguous()
     save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    save_tokenizer(tokenizer, path)
+
+
+def save_tokenizer(tokenizer, path: Path) -> None:
+    """tokenizer.json and tokenizer_config.json of a unikv tokenizer, as `HFTokenizer` and
+    transformers read them."""
     tokenizer._tk.save(str(path / "tokenizer.json"))
     conf = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -24,16 +24,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class RotaryTable:
     """Precomputed cos/sin for every position up to the context length."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        d = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        if cfg.rope_scaling_type == "linear":
-            inv_freq = inv_freq / cfg.rope_scaling_factor
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        inv_freq: torch.Tensor | None = None,
+        attention_factor: float = 1.0,
+    ) -> None:
+        """Plain or linearly scaled RoPE over cfg.head_dim; or the given `inv_freq` (e.g. YaRN's,
+        over MLA's RoPE channels) with cos/sin scaled by `attention_factor`."""
+        if inv_freq is None:
+            d = cfg.head_dim
+            exponent = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+            inv_freq = 1.0 / (cfg.rope_theta**exponent)
+            if cfg.rope_scaling_type == "linear":
+                inv_freq = inv_freq / cfg.rope_scaling_factor
         pos = torch.arange(cfg.context_length, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos = (emb.cos() * attention_factor).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x: [N, H, D] by each row's position (rotate-half convention)."""
@@ -102,19 +113,50 @@ class LlamaModel:
         # Tied embeddings read their rows out of the lm_head's slices: no second copy.
         self.embed = self.lm_head if cfg.tie_embeddings else lin("token_embd.weight")
         self.norm = w("output_norm.weight")
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"blk.{i}."
-            # Fusing Q/K/V and gate/up turns five matmuls into two: fewer passes over activations.
-            self.layers.append(
-                (w(p + "attn_norm.weight"),
-                 lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
-                 lin(p + "attn_output.weight"),
-                 w(p + "ffn_norm.weight"),
-                 lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                 lin(p + "ffn_down.weight"))
-            )  # fmt: skip
-        self.rope = RotaryTable(cfg, self.device, dtype)
+        self.layers = [self._build_layer(i, w, lin) for i in range(cfg.num_layers)]
+        self.rope = self._build_rope()
+
+    def _build_layer(self, i: int, w, lin) -> tuple:
+        """Layer i's weights: `w(name)` gives a tensor, `lin(*names)` one fused `SplitLinear`."""
+        p = f"blk.{i}."
+        # Fusing Q/K/V and gate/up turns five matmuls into two: fewer passes over activations.
+        return (w(p + "attn_norm.weight"),
+                lin(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                lin(p + "attn_output.weight"),
+                w(p + "ffn_norm.weight"),
+                lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                lin(p + "ffn_down.weight"))  # fmt: skip
+
+    def _build_rope(self) -> RotaryTable:
+        return RotaryTable(self.cfg, self.device, self.dtype)
+
+    def _layer(
+        self, li: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
+        """One decoder layer over the step's packed rows x: [N, hidden]."""
+        cfg = self.cfg
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n = x.shape[0]
+        attn_norm, wqkv, wo, ffn_norm, wgu, wdown = self.layers[li]
+        h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
+        qkv = wqkv(h)  # [N, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = self.rope.apply(q.view(n, hq, d), positions)  # [N, Hq, D]
+        k = self.rope.apply(k.view(n, hkv, d), positions)  # [N, Hkv, D]
+        kv.append(li, k, v.view(n, hkv, d))
+        attn = kv.attend(li, q)  # [N, Hq, D]
+        x = x + wo(attn.reshape(n, hq * d))
+        h = rms_norm(x, ffn_norm, cfg.rms_norm_eps)
+        gate, up = wgu(h).chunk(2, dim=-1)
+        return x + wdown(F.silu(gate) * up)
+
+    def configure_moe(self, config, profile) -> str | None:
+        """Apply a config's [moe] settings (a dense model has none to apply)."""
+        return None
+
+    def memory_report(self) -> dict:
+        """What the model itself holds beyond its weights (none for a dense Llama)."""
+        return {}
 
     @torch.inference_mode()
     def forward(
@@ -130,23 +172,11 @@ class LlamaModel:
         tokens, positions: [N] for the N new tokens of `batch`, packed in batch order.
         """
         cfg = self.cfg
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        n = tokens.shape[0]
         x = self.embed.rows(tokens)  # [N, H]
         kv.begin_step(batch)
         try:
-            for li, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
-                h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
-                qkv = wqkv(h)  # [N, (Hq + 2 Hkv) D]
-                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                q = self.rope.apply(q.view(n, hq, d), positions)  # [N, Hq, D]
-                k = self.rope.apply(k.view(n, hkv, d), positions)  # [N, Hkv, D]
-                kv.append(li, k, v.view(n, hkv, d))
-                attn = kv.attend(li, q)  # [N, Hq, D]
-                x = x + wo(attn.reshape(n, hq * d))
-                h = rms_norm(x, ffn_norm, cfg.rms_norm_eps)
-                gate, up = wgu(h).chunk(2, dim=-1)
-                x = x + wdown(F.silu(gate) * up)
+            for li in range(cfg.num_layers):
+                x = self._layer(li, x, positions, kv)
         except BaseException:
             kv.abort_step()
             raise
@@ -196,6 +226,11 @@ def load_model(
             )
         dtype = DTYPES[dtype]
     cfg, tensors, tokenizer, source = load_weights(model, progress)
-    m = LlamaModel(cfg, tensors, dtype=dtype, device=device)
+    if cfg.mla is not None:
+        from .deepseek import DeepseekModel
+
+        m = DeepseekModel(cfg, tensors, dtype=dtype, device=device)
+    else:
+        m = LlamaModel(cfg, tensors, dtype=dtype, device=device)
     m.source = source
     return m, tokenizer

@@ -3,6 +3,7 @@ by bandwidth class."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,8 @@ def create(
 ) -> KVStrategy:
     """Build strategy `name` and the pool it stores into."""
     cls = get(name)
+    if spec.latent and not cls.supports_latent:
+        raise ValueError(f"strategy {name!r} cannot store latent (MLA) caches")
     config = config or load_config(None)
     opts = cls.check_options(config.strategy_options if options is None else options)
     block_size = config.block_size or cls.default_block_size
@@ -77,6 +80,7 @@ class Built:
     bandwidth_class: str
     bandwidth_gbps: float
     config: PoolConfig
+    moe: str | None = None  # an MoE model: its router's top-k and expert placement, and why
 
 
 def build(
@@ -111,7 +115,9 @@ def build(
     if model is not None:
         options = get(name).prepare(model, tokenizer, options, progress)
     built = create(name, spec, cfg, options, device, stores)
-    return Built(built, name, reason, profile.name, cls_name, gbps, cfg)
+    # Routed experts are pool residents too: the model places them by the same config and chip.
+    moe = model.configure_moe(cfg, profile) if model is not None else None
+    return Built(built, name, reason, profile.name, cls_name, gbps, cfg, moe)
 
 
 def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None):
@@ -130,7 +136,7 @@ def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None
 def _with_strategy(cfg: PoolConfig, strategy: str | None) -> PoolConfig:
     if strategy is None or strategy == cfg.strategy:
         return cfg
-    return PoolConfig(cfg.block_size, cfg.tiers, cfg.chip, strategy, {}, source=cfg.source)
+    return dataclasses.replace(cfg, strategy=strategy, strategy_options={})
 
 
 def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: dict) -> dict:

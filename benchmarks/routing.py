@@ -8,8 +8,11 @@ warm-up; median of `--repeats`). Rows with the default winners per block
 (`engine.routing.default_winners`) and with one winner fewer show how close the default is to
 the edge. The field figure to beat is 0.79% of tokens routed differently at 4K tokens.
 
-Router logits are synthetic: there are no trained DeepSeek weights here (no model hub), so
-`--model` is not offered. The distribution imitates what a router sees:
+With `--model DIR --text FILE`, the logits are the checkpoint's own: its routers' inputs over
+the text, run through the engine (one sequence per window of the text, every MoE layer a router
+of its own). That is the realistic distribution when the checkpoint is trained. There are no
+trained DeepSeek weights here (no model hub), so the default is synthetic logits imitating what
+a router sees:
 
 - a router weight of E random unit-scale directions in a 64-dimensional hidden space (experts are
   exchangeable at initialisation, so in a trained router the index of an expert inside its group
@@ -30,7 +33,7 @@ Timings are of PyTorch ops on this machine: the blockwise top-k is two `torch.to
 a gather, so they say what it costs in this code base, not what a fused on-chip kernel saves.
 
     python benchmarks/routing.py [--lengths 512 1024 4096] [--sequences 32] [--blocks 16 32]
-                                 [--repeats 20] [--json]
+                                 [--repeats 20] [--model DIR --text FILE] [--json]
 """
 
 from __future__ import annotations
@@ -175,16 +178,63 @@ def candidates(moe: MoEConfig) -> int:
     return moe.topk_groups * (moe.num_experts // moe.num_groups)
 
 
+def synthetic_sources(args: argparse.Namespace):
+    """(name, MoE config, correction bias, sequences(length) -> logits list, info) per router."""
+    for router in ROUTERS:
+        synth = Synthetic(router)
+        info = {"load_cv_unbiased": synth.load_cv[0], "load_cv_biased": synth.load_cv[1]}
+
+        def seqs(length: int, synth=synth) -> list[torch.Tensor]:
+            # independent sequences: the seeds differ between lengths
+            return [synth.logits(length, length * 1000 + s) for s in range(args.sequences)]
+
+        yield router.name, router.moe, synth.bias, seqs, info
+
+
+def model_sources(args: argparse.Namespace):
+    """The same per MoE layer of a checkpoint: its router logits over windows of the text."""
+    from engine.kv import ContiguousKVCache, StepBatch
+    from engine.model import load_model
+
+    model, tok = load_model(args.model, progress=True)
+    if model.cfg.moe is None:
+        raise SystemExit(f"{args.model}: not an MoE model")
+    ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))
+    captured: dict[tuple[int, int], list[torch.Tensor]] = {}  # (layer, length) -> sequences
+    biases: dict[int, torch.Tensor | None] = {}
+    cfg, spec_dim = model.cfg, model.cfg.mla.kv_lora_rank
+    for length in args.lengths:
+        if length > cfg.context_length or len(ids) < length:
+            raise SystemExit(f"--lengths {length}: the model's context or the text is shorter")
+        starts = range(0, len(ids) - length + 1, max(1, (len(ids) - length) // args.sequences))
+        for i, start in enumerate(list(starts)[: args.sequences]):
+
+            def record(li, logits, bias, length=length):
+                captured.setdefault((li, length), []).append(logits)
+                biases[li] = bias
+
+            model.on_route = record
+            kv = ContiguousKVCache(cfg.num_layers, 1, cfg.head_dim, model.dtype,
+                                   scale=cfg.mla.softmax_scale, value_dim=spec_dim)  # fmt: skip
+            toks = torch.tensor(ids[start : start + length])
+            last = torch.tensor([length - 1])
+            model.forward(toks, torch.arange(length), kv, StepBatch([i], [length]), last)
+    model.on_route = None
+    for li in sorted(biases):
+
+        def seqs(length: int, li=li) -> list[torch.Tensor]:
+            return captured[li, length]
+
+        yield f"layer{li}", cfg.moe, biases[li], seqs, {"model": args.model}
+
+
 def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     extra: dict = {"field_diff_pct_4k": FIELD_DIFF_PCT_4K, "routers": {}}
-    for router in ROUTERS:
-        synth = Synthetic(router)
-        moe, bias = router.moe, synth.bias
-        info = {"load_cv_unbiased": synth.load_cv[0], "load_cv_biased": synth.load_cv[1]}
+    sources = model_sources(args) if args.model else synthetic_sources(args)
+    for name, moe, bias, sequences, info in sources:
         for length in args.lengths:
-            # independent sequences: the seeds differ between lengths
-            seqs = [synth.logits(length, length * 1000 + s) for s in range(args.sequences)]
+            seqs = sequences(length)
             x = torch.cat(seqs)  # [sequences * length, E]
             exact = route(x, moe, bias)[1]
             if length == max(args.lengths):
@@ -196,7 +246,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     if winners < moe.top_k and winners * candidates(moe) < moe.top_k * block:
                         continue  # too few winners to be valid (see route)
                     blockwise = route(x, moe, bias, "blockwise", block, winners=winners)[1]
-                    per_seq = (~same_set(exact, blockwise)).view(args.sequences, length)
+                    per_seq = (~same_set(exact, blockwise)).view(len(seqs), length)
                     differ = int(per_seq.sum())
                     worst = per_seq.float().mean(dim=1).max().item()
                     one = seqs[0]
@@ -212,7 +262,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     )
                     rows.append(
                         {
-                            "router": router.name,
+                            "router": name,
                             "tokens": length,
                             "block": block,
                             "winners": winners,
@@ -226,7 +276,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
                             "ratio": round(times["blockwise"] / times["exact"], 2),
                         }
                     )
-        extra["routers"][router.name] = info
+        extra["routers"][name] = info
     return rows, extra
 
 
@@ -236,8 +286,12 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=32, help="sequences per length (accuracy)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[DEFAULT_TOPK_BLOCK, 32])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--model", help="a DeepSeek checkpoint directory: its own router logits")
+    ap.add_argument("--text", help="with --model: the text to route (UTF-8 file)")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
+    if bool(args.model) != bool(args.text):
+        ap.error("--model and --text go together")
     rows, extra = measure(args)
     if args.json:
         print(json.dumps({"benchmark": "routing", "rows": rows, **extra, "env": environment()}))

@@ -598,7 +598,10 @@ def _tune_prune(args: argparse.Namespace, text: str) -> None:
         raise ValueError(f"--lr must be a positive number, got {lr}")
     from kvstrategies.prune_head import train
 
+    from .tune import check_tunable
+
     model, tok = load_model(args.model, progress=True)
+    check_tunable(model.cfg, "learned_prune")
     ids = tok.encode(text)
     res = train(model, ids, windows=args.windows, window=args.seq_len, epochs=args.epochs,
                 lr=lr, gap=args.gap, seed=args.seed, progress=True,

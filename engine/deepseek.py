@@ -317,6 +317,7 @@ class DeepseekModel(LlamaModel):
         # (layer, expert) -> (gate_up [2I, H], down [H, I]); dropped once experts are tiered
         self.routed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = {}
         self.topk, self.topk_block = "exact", 0  # final top-k of the router; see set_topk
+        self.on_route = None  # if set, called with (layer, router logits, bias) (benchmarks)
         self._tensors = tensors  # for the router, kept in float32 whatever the compute dtype
         super().__init__(cfg, tensors, dtype, device)
         del self._tensors
@@ -471,6 +472,8 @@ class DeepseekModel(LlamaModel):
         """Shared experts plus the routed experts of every row of h: [N, hidden]."""
         moe = self.cfg.moe
         logits = h.float() @ layer["router"].T  # [N, E], float32 as the reference
+        if self.on_route is not None:
+            self.on_route(li, logits, layer["bias"])
         weights, idx = route(logits, moe, layer["bias"], self.topk, self.topk_block)
         self.experts.observe(li, idx)
         out = _swiglu(h, *layer["shared"]) if "shared" in layer else torch.zeros_like(h)

@@ -139,6 +139,15 @@ class TunableLlama(nn.Module):
         return out
 
 
+def check_tunable(cfg, kv_optimization: str) -> None:
+    """`unikv tune` trains on Llama-family caches (separate per-head keys and values)."""
+    if cfg.mla is not None:
+        raise ValueError(
+            f"unikv tune --kv_optimization={kv_optimization} supports Llama-family models; "
+            f"{cfg.name} ({cfg.architecture}) has a latent (MLA) cache, not supported yet"
+        )
+
+
 def _check_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
@@ -250,6 +259,7 @@ def tune_hybrid(
         raise ValueError(f"{out} exists and is not empty; pass --resume to continue a run there")
     opts = HybridStrategy.check_options(options)
     cfg, tensors, tokenizer, source = load_weights(model, progress=progress)
+    check_tunable(cfg, "hybrid_fp16_int4")
     ids = tokenizer.encode(text)
     need = settings.batch * settings.seq_len
     if len(ids) < need:

@@ -296,6 +296,18 @@ def test_missing_and_misshapen_tensors_and_shards(broken):
         load_model(str(broken), progress=False)
 
 
+@pytest.mark.parametrize("kind", ["hybrid_fp16_int4", "learned_prune"])
+def test_tune_refuses_a_latent_model(checkpoints, tmp_path, capsys, kind):
+    from engine.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("Some text to tune on. " * 200)
+    argv = ["tune", f"--kv_optimization={kind}", "--model", str(checkpoints["v2_greedy"][0]),
+            "--text", str(text), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    assert "has a latent (MLA) cache, not supported yet" in capsys.readouterr().err
+
+
 def test_model_class_refuses_a_llama_config(model):
     with pytest.raises(ValueError, match="not a multi-head latent attention model"):
         DeepseekModel(model.cfg, {})

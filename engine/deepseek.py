@@ -129,12 +129,13 @@ def read_config(raw: dict, file: Path, name: str) -> ModelConfig:
         }
     mla = MLAConfig(
         q_lora_rank=q_rank,
-        rope_interleave=bool(raw.get("rope_interleave", True)),
+        # V2 always interleaves (transformers' V2 has no switch); V3 has rope_interleave
+        rope_interleave=arch == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
         softmax_scale=softmax_scale,
         **mla_dims,
         **yarn,
     )
-    moe = _read_moe(raw, arch, bad, int(need("num_hidden_layers")))
+    moe = _read_moe(raw, arch, need, bad, int(need("num_hidden_layers")))
     return ModelConfig(
         name=name,
         architecture=arch,
@@ -154,7 +155,7 @@ def read_config(raw: dict, file: Path, name: str) -> ModelConfig:
     )
 
 
-def _read_moe(raw: dict, arch: str, bad, num_layers: int) -> MoEConfig | None:
+def _read_moe(raw: dict, arch: str, need, bad, num_layers: int) -> MoEConfig | None:
     experts = int(raw.get("n_routed_experts") or 0)
     if experts == 0:
         return None  # a dense model
@@ -189,7 +190,7 @@ def _read_moe(raw: dict, arch: str, bad, num_layers: int) -> MoEConfig | None:
         num_experts=experts,
         num_shared=int(raw.get("n_shared_experts") or 0),
         top_k=top_k,
-        intermediate_size=int(raw.get("moe_intermediate_size") or 0) or _missing(bad),
+        intermediate_size=int(need("moe_intermediate_size")),
         first_dense=first_dense,
         layer_freq=int(raw.get("moe_layer_freq") or 1),
         scoring=scoring,
@@ -199,10 +200,6 @@ def _read_moe(raw: dict, arch: str, bad, num_layers: int) -> MoEConfig | None:
         norm_topk=bool(raw.get("norm_topk_prob", False)),
         routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
     )
-
-
-def _missing(bad):
-    raise bad("missing key 'moe_intermediate_size'")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

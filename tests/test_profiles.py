@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 
 import memory.profiles as profiles
-from memory.config import ConfigError
+from memory.config import ConfigError, MoEOptions
 from memory.profiles import (
     DEFAULT_STRATEGY,
+    TunedParams,
     bandwidth_class,
     choose_strategy,
+    choose_topk,
     format_report,
     list_profiles,
     load_profile,
@@ -187,3 +189,21 @@ def test_profile_report_chip_override_pinned_class() -> None:
     assert "pinned" in report["class_source"] and "would be medium" in report["class_source"]
     assert report["batch_size"] == 48
     assert "pinned by the profile" in format_report(report)
+
+
+def test_profile_topk_keys(tmp_path: Path) -> None:
+    path = tmp_path / "chip.toml"
+    path.write_text(GOOD)
+    assert load_profile(path).tuned.moe_topk == "exact"  # optional keys
+    path.write_text(GOOD + 'moe_topk = "blockwise"\nmoe_topk_block = 8\n')
+    assert choose_topk(load_profile(path), MoEOptions())[:2] == ("blockwise", 8)
+    for extra, fragment in [
+        ('moe_topk = "heap"\n', '[tuned] moe_topk = "heap": expected one of exact, blockwise'),
+        ("moe_topk_block = 0\n", "[tuned] moe_topk_block = 0: expected an integer >= 2"),
+    ]:
+        path.write_text(GOOD + extra)
+        with pytest.raises(ConfigError) as exc:
+            load_profile(path)
+        assert str(exc.value).startswith(f"{path}: ") and fragment in str(exc.value)
+    with pytest.raises(ValueError, match="moe_topk = 'auto'"):
+        TunedParams(4, "fp16", 10, 80, 1, moe_topk="auto")

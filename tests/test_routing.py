@@ -20,7 +20,7 @@ from engine.routing import (
     route,
 )
 from memory.config import ConfigError, MoEOptions, PoolConfig, load_config
-from memory.profiles import TunedParams, format_report, load_profile, profile_report
+from memory.profiles import format_report, load_profile, profile_report
 
 HIDDEN = 32
 TOKENS = 64
@@ -300,32 +300,3 @@ def test_bad_moe_env_and_table() -> None:
         load_config(None, env={"UNIKV_MOE__WINNERS": "3"})
     with pytest.raises(ValueError, match="MoEOptions: expert_host = 2"):
         MoEOptions(expert_host=2)
-
-
-PROFILE = """display_name = "X"
-bandwidth = 500
-[tuned]
-batch_size = 4
-kv_precision = "fp16"
-batching_window_ms = 10
-thermal_throttle_c = 80
-l2_prefetch_depth = 1
-"""
-
-
-def test_profile_topk_keys(tmp_path: Path) -> None:
-    path = tmp_path / "chip.toml"
-    path.write_text(PROFILE)
-    assert load_profile(path).tuned.moe_topk == "exact"  # optional keys
-    path.write_text(PROFILE + 'moe_topk = "blockwise"\nmoe_topk_block = 8\n')
-    assert choose_topk(load_profile(path), MoEOptions())[:2] == ("blockwise", 8)
-    for extra, fragment in [
-        ('moe_topk = "heap"\n', '[tuned] moe_topk = "heap": expected one of exact, blockwise'),
-        ("moe_topk_block = 0\n", "[tuned] moe_topk_block = 0: expected an integer >= 2"),
-    ]:
-        path.write_text(PROFILE + extra)
-        with pytest.raises(ConfigError) as exc:
-            load_profile(path)
-        assert str(exc.value).startswith(f"{path}: ") and fragment in str(exc.value)
-    with pytest.raises(ValueError, match="moe_topk = 'auto'"):
-        TunedParams(4, "fp16", 10, 80, 1, moe_topk="auto")

@@ -357,6 +357,7 @@ class DeepseekModel(LlamaModel):
             )  # fmt: skip
             self.experts.close()
             self.experts, self.routed, self.expert_placement = cache, None, wanted
+        self.experts.reset_stats()  # report what serving does, not a calibration run before
         cap = self.experts.device_capacity
         return (
             f"top-k {mode}{f' (blocks of {block})' if block else ''}: {why}; "

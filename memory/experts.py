@@ -401,6 +401,11 @@ class ExpertCache:
             "ssd_path": str(self.ssd_dir) if self.ssd_dir is not None else None,
         }
 
+    def reset_stats(self) -> None:
+        """Count hits, misses and moves afresh (e.g. after a calibration ran the model);
+        placement and routing frequencies stay."""
+        self._n = _Counters()
+
     def close(self) -> None:
         """Drop every tier and delete the SSD tier's files; closing twice is harmless."""
         self._closed = True

@@ -107,10 +107,17 @@ class TensorTier(Tier):
         self.name, self.layout, self.num_blocks = name, layout, num_blocks
         self.device = torch.device(device)
         # torch.empty maps the memory lazily: pages are only touched once blocks are written.
-        self.arenas = {
-            a.name: torch.empty(a.full_shape(num_blocks), dtype=a.dtype, device=self.device)
-            for a in layout.arenas
-        }
+        try:
+            self.arenas = {
+                a.name: torch.empty(a.full_shape(num_blocks), dtype=a.dtype, device=self.device)
+                for a in layout.arenas
+            }
+        except (RuntimeError, MemoryError) as e:  # torch's failed allocation is a RuntimeError
+            size = num_blocks * layout.page_bytes
+            raise ValueError(
+                f"the {name} tier cannot allocate {size / 2**30:.1f} GiB on {self.device} "
+                f"({type(e).__name__}); lower [tiers.{name}] capacity"
+            ) from None
         self._dims = {a.name: a.block_dim for a in layout.arenas}
 
     def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:

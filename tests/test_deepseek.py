@@ -358,7 +358,9 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
     why = model.configure_moe(PoolConfig(tiers=tiers, moe=moe), load_profile("cpu"))
     assert why.startswith("top-k blockwise (blocks of 4): configured [moe] topk = 'blockwise'")
     assert "4 of 16 routed experts on the device" in why
-    assert model.experts.stats()["residents"] == {"device": 4, "host": 6, "ssd": 6}
+    placed = model.experts.stats()
+    assert placed["residents"] == {"device": 4, "host": 6, "ssd": 6}
+    assert placed["hits"] == placed["misses"] == 0  # counts start with serving
     kv = pool_strategy(model)
     got = torch.cat([model.forward(ids[s : s + 8], torch.arange(s, s + 8), kv, StepBatch([0], [8]))
                      for s in range(0, 40, 8)])  # fmt: skip

@@ -168,6 +168,13 @@ def test_ssd_tier_needs_a_store():
         UnifiedMemoryPool(cfg, LAYOUT)
 
 
+def test_a_tier_too_large_to_allocate_is_one_clear_error():
+    """A config written for a bigger machine: the failed allocation names the tier and size."""
+    with pytest.raises(ValueError, match=r"the device tier cannot allocate 1048576\.0 GiB on cpu"
+                       r" \(\w+\); lower \[tiers.device\] capacity"):  # fmt: skip
+        make_pool(device_blocks=(1 << 50) // PAGE)
+
+
 @pytest.mark.timeout(10)
 async def test_async_pool_waits_for_room_then_moves():
     pool = make_pool(device_blocks=2, host_blocks=2)

@@ -431,10 +431,6 @@ class DeepseekModel(LlamaModel):
     def _f32(self, name: str) -> torch.Tensor:
         return self._tensors[name].to(device=self.device, dtype=torch.float32).contiguous()
 
-    @property
-    def _parts(self) -> int:
-        return 4 if self.device.type == "cpu" else 1
-
     def _layer(
         self, li: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:

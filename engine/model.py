@@ -104,10 +104,10 @@ class LlamaModel:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
 
         # One slice per core on CPU; accelerators run one plain matmul.
-        parts = 4 if self.device.type == "cpu" else 1
+        self._parts = 4 if self.device.type == "cpu" else 1
 
         def lin(*names: str) -> SplitLinear:
-            return SplitLinear(torch.cat([w(n) for n in names]), parts)
+            return SplitLinear(torch.cat([w(n) for n in names]), self._parts)
 
         self.lm_head = lin("output.weight" if not cfg.tie_embeddings else "token_embd.weight")
         # Tied embeddings read their rows out of the lm_head's slices: no second copy.

@@ -47,9 +47,17 @@ rebalances every `--rebalance-every` observations, one per layer and token), the
 rounds of `--tokens` tokens, each round running every case in turn on the same tokens; ms per
 token is the median over rounds, the counters cover the timed rounds only.
 
+With `--model DIR --text FILE` the workload is a DeepSeek checkpoint itself, through the
+engine: for each case the model is loaded, its experts placed by a config's [moe] table
+(`kvstrategies.build`, `full` strategy), the text's first `--prompt` tokens prefilled, then
+`--warmup` untimed and `--tokens` timed greedy decode steps; routing is the checkpoint's own
+(realistic when it is trained; a random checkpoint's greedy decode tends to repeat itself,
+which flatters the hit rate). Cases run one after another (each needs its own placement), not
+interleaved.
+
     flock /tmp/unikv-cpu.lock .venv/bin/python benchmarks/expert_cache.py [--tokens 24]
         [--repeats 5] [--warmup 48] [--zipf 1.0] [--locality 0.3] [--host-fraction 0.5]
-        [--threads 2] [--dir DIR]
+        [--threads 2] [--dir DIR] [--model DIR --text FILE --prompt 128]
 """
 
 from __future__ import annotations
@@ -183,6 +191,57 @@ def counters(cache: ExpertCache) -> dict:
     }
 
 
+def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
+    """The cases on a real checkpoint through the engine (see the module docstring)."""
+    import kvstrategies
+    from engine.kv import StepBatch
+    from engine.model import load_model
+    from memory.config import MoEOptions, PoolConfig, TierConfig
+
+    rows, base = [], None
+    for name, (fc, fh, _cold) in cases.items():
+        if name.endswith("_cold"):
+            continue  # page-cache eviction needs the synthetic loop's store handle
+        model, tok = load_model(args.model, progress=False)
+        if model.cfg.moe is None:
+            raise SystemExit(f"{args.model}: not an MoE model")
+        ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))[: args.prompt]
+        tiers = (TierConfig("device", 1 << 30), TierConfig("ssd", 1 << 34, path=str(root / name)))
+        cfg = PoolConfig(tiers=tiers, strategy="full",
+                         moe=MoEOptions(topk="exact", expert_cache=fc, expert_host=fh))  # fmt: skip
+        built = kvstrategies.build(kvstrategies.KVSpec.for_model(model), config=cfg, model=model)
+        kv, n = built.strategy, len(ids)
+        last = torch.tensor([n - 1])
+        logits = model.forward(torch.tensor(ids), torch.arange(n), kv, StepBatch([0], [n]), last)
+        spent = 0.0
+        for step in range(args.warmup + args.tokens):
+            if step == args.warmup:
+                model.experts.reset_stats()
+                spent = 0.0
+            token = logits[-1].argmax().view(1)
+            t0 = time.perf_counter()
+            logits = model.forward(token, torch.tensor([n]), kv, StepBatch([0], [1]))
+            spent += time.perf_counter() - t0
+            n += 1
+        st = model.experts.stats()
+        ms = spent / args.tokens
+        base = base or ms
+        rows.append(
+            {
+                "case": name,
+                "dev/host/ssd": "/".join(str(v) for v in st["residents"].values()),
+                "ms_per_token": ms * 1e3,
+                "vs_resident": ms / base,
+                "hit_rate": st["hit_rate"],
+                "host_promo_per_tok": st["promotions"]["host"] / args.tokens,
+                "ssd_promo_per_tok": st["promotions"]["ssd"] / args.tokens,
+            }
+        )
+        kv.close()
+        model.experts.close()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4, help="MoE layers")
@@ -195,12 +254,14 @@ def main() -> None:
     p.add_argument("--rebalance-every", type=int, default=64, help="observations per rebalance")
     p.add_argument("--threads", type=int, default=2, help="torch compute threads")
     p.add_argument("--dir", default=None, help="where the SSD tiers go (default: a temp dir)")
+    p.add_argument("--model", help="a DeepSeek MoE checkpoint directory, run through the engine")
+    p.add_argument("--text", help="with --model: the prompt text (UTF-8 file)")
+    p.add_argument("--prompt", type=int, default=128, help="with --model: prompt tokens")
     args = p.parse_args()
+    if bool(args.model) != bool(args.text):
+        p.error("--model and --text go together")
     torch.set_num_threads(args.threads)
 
-    routed, shared, routers = make_weights(args.layers)
-    trace = make_trace(args.warmup + args.tokens * args.repeats, args.layers, args.zipf,
-                       args.locality)  # fmt: skip
     hf = args.host_fraction
     cases = {  # name -> (expert_cache, expert_host, cold SSD)
         "resident": (1.0, 1.0, False),
@@ -211,6 +272,18 @@ def main() -> None:
         "c50_ssd": (0.5, hf, False),
     }
     root = Path(tempfile.mkdtemp(prefix="unikv-experts-", dir=args.dir))
+    if args.model:
+        try:
+            rows = model_rows(args, cases, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        columns = ["case", "dev/host/ssd", "ms_per_token", "vs_resident", "hit_rate",
+                   "host_promo_per_tok", "ssd_promo_per_tok"]  # fmt: skip
+        report("expert_cache", rows, columns, {"model": args.model, "tokens": args.tokens})
+        return
+    routed, shared, routers = make_weights(args.layers)
+    trace = make_trace(args.warmup + args.tokens * args.repeats, args.layers, args.zipf,
+                       args.locality)  # fmt: skip
     decoders: dict[str, Decoder] = {}
     try:
         for name, (fc, fh, cold) in cases.items():

@@ -42,7 +42,7 @@ from memory.experts import ExpertCache
 from .gguf_loader import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
 from .kv import KVCache
 from .model import LlamaModel, RotaryTable, SplitLinear, rms_norm
-from .routing import SCORING, TOPK_METHODS, choose_topk, route
+from .routing import HF_KEYS, check_moe, choose_topk, route
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Router defaults when config.json does not say (transformers' V3 router is always sigmoid with
@@ -160,46 +160,28 @@ def _read_moe(raw: dict, arch: str, need, bad, num_layers: int) -> MoEConfig | N
     if experts == 0:
         return None  # a dense model
     scoring, method = _ROUTER_DEFAULTS[arch]
-    scoring = raw.get("scoring_func") or scoring
-    method = raw.get("topk_method") or method
-    if scoring not in SCORING:
-        raise bad(f"scoring_func = {scoring!r}; supported: {', '.join(SCORING)}")
-    if method not in TOPK_METHODS:
-        raise bad(f"topk_method = {method!r}; supported: {', '.join(TOPK_METHODS)}")
-    top_k = int(raw.get("num_experts_per_tok") or 0)
-    groups = int(raw.get("n_group") or 1)
-    topk_groups = int(raw.get("topk_group") or 1)
-    if not 1 <= top_k <= experts:
-        raise bad(f"num_experts_per_tok = {top_k} must be in 1..n_routed_experts ({experts})")
-    if method != "greedy":
-        if experts % groups:
-            raise bad(f"n_routed_experts = {experts} is not a multiple of n_group = {groups}")
-        if not 1 <= topk_groups <= groups:
-            raise bad(f"topk_group = {topk_groups} must be in 1..n_group ({groups})")
-        if top_k > topk_groups * experts // groups:
-            raise bad(
-                f"num_experts_per_tok = {top_k} exceeds the experts of topk_group = "
-                f"{topk_groups} groups ({topk_groups * experts // groups})"
-            )
-        if method == "noaux_tc" and experts // groups < 2:
-            raise bad("noaux_tc needs at least 2 experts per group (group score: top-2 sum)")
     first_dense = int(raw.get("first_k_dense_replace") or 0)
     if first_dense > num_layers:
         raise bad(f"first_k_dense_replace = {first_dense} exceeds num_hidden_layers")
-    return MoEConfig(
+    moe = MoEConfig(
         num_experts=experts,
         num_shared=int(raw.get("n_shared_experts") or 0),
-        top_k=top_k,
+        top_k=int(raw.get("num_experts_per_tok") or 0),
         intermediate_size=int(need("moe_intermediate_size")),
         first_dense=first_dense,
         layer_freq=int(raw.get("moe_layer_freq") or 1),
-        scoring=scoring,
-        topk_method=method,
-        num_groups=groups,
-        topk_groups=topk_groups,
+        scoring=raw.get("scoring_func") or scoring,
+        topk_method=raw.get("topk_method") or method,
+        num_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
         norm_topk=bool(raw.get("norm_topk_prob", False)),
         routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
     )
+    try:
+        check_moe(moe, HF_KEYS)  # the router's own checks, naming the config.json keys
+    except ValueError as e:
+        raise bad(str(e)) from None
+    return moe
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -70,9 +71,11 @@ from .gguf_loader import MoEConfig
 
 __all__ = [
     "DEFAULT_TOPK_BLOCK",
+    "HF_KEYS",
     "TOPK_MODES",
     "WINNERS_MISS_TARGET",
     "blockwise_topk",
+    "check_moe",
     "choose_topk",
     "default_winners",
     "exact_topk",
@@ -227,32 +230,48 @@ def _candidates(moe: MoEConfig) -> int:
     return moe.topk_groups * (moe.num_experts // moe.num_groups)
 
 
-@functools.cache
-def _check_moe(moe: MoEConfig) -> None:
-    """ValueError naming the field when a MoEConfig cannot be routed (cached per config)."""
+# The config.json key each checked MoEConfig field comes from (the loader's errors name these).
+HF_KEYS = {
+    "scoring": "scoring_func",
+    "topk_method": "topk_method",
+    "top_k": "num_experts_per_tok",
+    "num_experts": "n_routed_experts",
+    "num_groups": "n_group",
+    "topk_groups": "topk_group",
+}
+
+
+def check_moe(moe: MoEConfig, names: Mapping[str, str] | None = None) -> None:
+    """ValueError naming the field (as `names` spells it, e.g. `HF_KEYS`) when a MoEConfig
+    cannot be routed: unknown scoring or method, top-k out of range, groups that do not divide
+    the experts or hold fewer than k of them."""
+
+    def n(field: str) -> str:
+        return (names or {}).get(field, field)
+
     e, k = moe.num_experts, moe.top_k
     if moe.scoring not in SCORING:
-        raise ValueError(f"MoEConfig.scoring = {moe.scoring!r}: expected one of {SCORING}")
+        raise ValueError(f"{n('scoring')} = {moe.scoring!r}; supported: {', '.join(SCORING)}")
     if moe.topk_method not in TOPK_METHODS:
         raise ValueError(
-            f"MoEConfig.topk_method = {moe.topk_method!r}: expected one of {TOPK_METHODS}"
+            f"{n('topk_method')} = {moe.topk_method!r}; supported: {', '.join(TOPK_METHODS)}"
         )
     if not 1 <= k <= e:
-        raise ValueError(f"MoEConfig.top_k = {k}: expected 1..num_experts ({e})")
+        raise ValueError(f"{n('top_k')} = {k} must be in 1..{n('num_experts')} ({e})")
     if moe.topk_method == "greedy":
         return
     g, tg = moe.num_groups, moe.topk_groups
     if g < 1 or e % g:
-        raise ValueError(f"MoEConfig.num_groups = {g}: expected a divisor of num_experts ({e})")
+        raise ValueError(f"{n('num_experts')} = {e} is not a multiple of {n('num_groups')} = {g}")
     if not 1 <= tg <= g:
-        raise ValueError(f"MoEConfig.topk_groups = {tg}: expected 1..num_groups ({g})")
+        raise ValueError(f"{n('topk_groups')} = {tg} must be in 1..{n('num_groups')} ({g})")
     if k > tg * (e // g):
         raise ValueError(
-            f"MoEConfig.top_k = {k}: more than the {tg * (e // g)} experts of "
-            f"topk_groups = {tg} groups"
+            f"{n('top_k')} = {k} exceeds the experts of {n('topk_groups')} = {tg} groups "
+            f"({tg * (e // g)})"
         )
     if moe.topk_method == "noaux_tc" and e // g < 2:
-        raise ValueError(
-            f"MoEConfig: noaux_tc needs at least 2 experts per group, got {e // g} "
-            "(the group score is the sum of the top 2)"
-        )
+        raise ValueError("noaux_tc needs at least 2 experts per group (group score: top-2 sum)")
+
+
+_check_moe = functools.cache(check_moe)  # route checks each config once

@@ -63,6 +63,11 @@ class KVSpec:
         return self.softmax_scale or self.head_dim**-0.5
 
     @property
+    def stored_parts(self) -> int:
+        """Tensors stored per token and head: 2 (K, V), or 1 when values live in the keys."""
+        return 1 if self.latent else 2
+
+    @property
     def elements_per_token(self) -> int:
         """Stored K and V elements one token occupies over all layers."""
         per_head = self.head_dim if self.latent else self.head_dim + self.v_dim

@@ -43,8 +43,14 @@ class FullStrategy(KVStrategy):
 
     @classmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
-        parts = 1 if spec.latent else 2
-        shape = (spec.num_layers, parts, spec.num_kv_heads, BLOCKS, block_size, spec.head_dim)
+        shape = (
+            spec.num_layers,
+            spec.stored_parts,
+            spec.num_kv_heads,
+            BLOCKS,
+            block_size,
+            spec.head_dim,
+        )
         return BlockLayout(block_size, (ArenaSpec("kv", cls._dtype(spec, options), shape),))
 
     def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:

@@ -295,8 +295,7 @@ class HybridStrategy(KVStrategy):
         buf = self._dense.get(sid)
         if buf is None:
             s = self.spec
-            parts = 1 if s.latent else 2
-            shape = (s.num_layers, parts, s.num_kv_heads, self.S + self.T, s.head_dim)
+            shape = (s.num_layers, s.stored_parts, s.num_kv_heads, self.S + self.T, s.head_dim)
             buf = self._dense[sid] = torch.zeros(
                 shape, dtype=torch.float16, device=self._arena.device
             )

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved, report  # noqa: E402
 from engine import compute  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 PROSE = (
@@ -48,7 +48,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engine.gguf_loader import DTYPES, resolve_model_path
+    from engine.gguf_loader import resolve_model_path
+    from kvstrategies.kv import DTYPES
 
     dtype = DTYPES[args.dtype]
     # All torch work on the one compute thread (see engine/compute.py), the reference's too.

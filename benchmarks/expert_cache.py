@@ -194,8 +194,8 @@ def counters(cache: ExpertCache) -> dict:
 def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
     """The cases on a real checkpoint through the engine (see the module docstring)."""
     import kvstrategies
-    from engine.kv import StepBatch
-    from engine.model import load_model
+    from engine.loading import load_model
+    from kvstrategies.kv import StepBatch
     from memory.config import MoEOptions, PoolConfig, TierConfig
 
     rows, base = [], None
@@ -209,7 +209,7 @@ def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
         tiers = (TierConfig("device", 1 << 30), TierConfig("ssd", 1 << 34, path=str(root / name)))
         cfg = PoolConfig(tiers=tiers, strategy="full",
                          moe=MoEOptions(topk="exact", expert_cache=fc, expert_host=fh))  # fmt: skip
-        built = kvstrategies.build(kvstrategies.KVSpec.for_model(model), config=cfg, model=model)
+        built = kvstrategies.build(model.kv_spec(), config=cfg, model=model)
         kv, n = built.strategy, len(ids)
         last = torch.tensor([n - 1])
         logits = model.forward(torch.tensor(ids), torch.arange(n), kv, StepBatch([0], [n]), last)

@@ -27,7 +27,7 @@ import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
 from engine.gguf_loader import resolve_model_path  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Settings from near-lossless down to 2 bits (options of the strategy; the first is the default).
@@ -76,7 +76,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
 def engine_run(model, tok, ids, name, options=None, block_size=None):
     from memory.config import PoolConfig
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     cfg = PoolConfig(block_size=block_size)
     kv = kvstrategies.build(spec, name, cfg, options=options, model=model, tokenizer=tok).strategy
     logits = []

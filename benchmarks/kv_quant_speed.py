@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from engine.evaluate import read_text  # noqa: E402
-from engine.kv import StepBatch  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from kvstrategies.kv import StepBatch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT.parent / "shared" / "texts" / "GPL-3.txt"
@@ -45,7 +45,7 @@ def context_ids(tok, n: int) -> list[int]:
 
 
 def build(model, tok, name: str):
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     return kvstrategies.build(spec, name, model=model, tokenizer=tok).strategy
 
 

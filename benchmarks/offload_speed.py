@@ -48,7 +48,7 @@ import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from benchmarks.store_bandwidth import raw_read  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
 NAME = "hierarchical_offload"
@@ -70,7 +70,7 @@ def build(model, store_dir: Path, options: dict, depth: int | None, threads: int
         opts["prefetch_depth"] = depth
     if threads is not None:
         opts["io_threads"] = threads
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     built = kvstrategies.build(spec, NAME, PoolConfig(tiers=tiers), options=opts)
     return built.strategy
 

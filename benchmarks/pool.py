@@ -27,9 +27,9 @@ from benchmarks.common import interleaved, report  # noqa: E402
 from benchmarks.pool_alloc import latency, waste  # noqa: E402
 from engine import compute  # noqa: E402
 from engine.engine import Engine, default_kv  # noqa: E402
-from engine.kv import ContiguousKVCache  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "texts" / "GPL-3.txt"
 

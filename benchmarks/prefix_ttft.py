@@ -37,7 +37,7 @@ import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
@@ -48,7 +48,7 @@ def strategy(model, store: Path, **options):
     tiers = (TierConfig("device", 2 << 30), TierConfig("host", 2 << 30),
              TierConfig("ssd", 4 << 30, path=str(store)))  # fmt: skip
     opts = {"device_window": 1024, "host_window": 1 << 20, "min_disk_hit_tokens": 0, **options}
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     return kvstrategies.build(spec, "hierarchical_offload", PoolConfig(tiers=tiers),
                               options=opts).strategy  # fmt: skip
 

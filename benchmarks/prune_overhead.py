@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     ids = context_ids(tok, args.context)
     cases = {}
     for name in ("streaming", "head"):

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
-from engine.kv import StepBatch  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.passkey import passkey  # noqa: E402
+from kvstrategies.kv import StepBatch  # noqa: E402
 from kvstrategies.prune import SCORERS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     all_ids = tok.encode(read_text(args.text))
     ids = all_ids[: args.tokens]
     full = kvstrategies.create("full", spec)

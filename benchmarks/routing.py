@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, interleaved, report  # noqa: E402
-from engine.gguf_loader import MoEConfig  # noqa: E402
+from engine.config import MoEConfig  # noqa: E402
 from engine.routing import default_winners, route  # noqa: E402
 from memory.profiles import DEFAULT_TOPK_BLOCK  # noqa: E402
 
@@ -193,8 +193,8 @@ def synthetic_sources(args: argparse.Namespace):
 
 def model_sources(args: argparse.Namespace):
     """The same per MoE layer of a checkpoint: its router logits over windows of the text."""
-    from engine.kv import ContiguousKVCache, StepBatch
-    from engine.model import load_model
+    from engine.loading import load_model
+    from kvstrategies.kv import ContiguousKVCache, StepBatch
 
     model, tok = load_model(args.model, progress=True)
     if model.cfg.moe is None:

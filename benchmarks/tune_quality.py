@@ -24,7 +24,7 @@ import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_quality import label  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.tune import TuneSettings, tune_hybrid  # noqa: E402
 from memory.config import PoolConfig  # noqa: E402
 
@@ -41,7 +41,7 @@ SETTINGS = [
 
 
 def ppl(model, tok, ids, name, options=None) -> float:
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     kv = kvstrategies.build(spec, name, PoolConfig(), options=options, model=model,
                             tokenizer=tok).strategy  # fmt: skip
     return perplexity(model, ids, kv).ppl

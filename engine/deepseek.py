@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvstrategies.kv import KVCache, KVSpec
 from memory.config import PoolConfig
 from memory.experts import ExpertCache
 
-from .gguf_loader import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
-from .kv import KVCache
+from .config import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
 from .model import LlamaModel, RotaryTable, SplitLinear, rms_norm
 from .routing import HF_KEYS, check_moe, choose_topk, route
 
@@ -309,6 +309,14 @@ class DeepseekModel(LlamaModel):
         """The router's final top-k: "exact" (torch.topk) or "blockwise" (within blocks of
         `block` experts, then among the block winners)."""
         self.topk, self.topk_block = mode, block
+
+    def kv_spec(self) -> KVSpec:
+        """A latent KV shape: one head of latent + RoPE key channels; values are its first
+        `kv_lora_rank` channels."""
+        c = self.cfg
+        return KVSpec(c.num_layers, 1, c.head_dim, self.dtype, c.identity, c.num_heads,
+                      latent=True, value_dim=c.mla.kv_lora_rank,
+                      softmax_scale=c.mla.softmax_scale)  # fmt: skip
 
     def configure_moe(self, config: PoolConfig, profile) -> str | None:
         """Apply a config's [moe] table on a chip: the router's top-k (the config's, else the

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstrategies.kv import KVCache, StepBatch
 from memory.config import PoolConfig
 from memory.pool import BlockLostError
 
 from . import compute
-from .kv import KVCache, StepBatch
-from .model import LlamaModel, load_model
+from .loading import load_model
+from .model import LlamaModel
 from .sampling import SamplingParams, sample
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
@@ -558,7 +559,7 @@ def _build(
     """
     import kvstrategies
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     prep = {"model": model, "tokenizer": tokenizer} if tokenizer is not None else {}
     return kvstrategies.build(
         spec, strategy, config, chip, device=model.device, options=options, progress=progress,

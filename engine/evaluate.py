@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from .kv import KVCache, StepBatch
+from kvstrategies.kv import KVCache, StepBatch
+
 from .model import LlamaModel
 
 
@@ -94,9 +95,8 @@ def perplexity(
     kv_bytes = kv.bytes_used()
     stored = kv.stored_tokens(seq_id)
     kv.free(seq_id)
-    from kvstrategies import KVSpec
 
-    elems = len(ids) * KVSpec.for_model(model).elements_per_token  # latent caches: K only
+    elems = len(ids) * model.kv_spec().elements_per_token  # latent caches: K only
     nll = nll_sum / scored
     return PPLResult(
         ppl=math.exp(nll),

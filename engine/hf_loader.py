@@ -18,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 from . import deepseek
-from .gguf_loader import ModelConfig, ModelLoadError, check_tensors, file_fingerprint
+from .config import ModelConfig, ModelLoadError
+from .gguf_loader import check_tensors, file_fingerprint
 
 ARCHITECTURES = ("LlamaForCausalLM", *deepseek.ARCHITECTURES)
 # HF name (per layer after "model.layers.{i}.") -> the engine's name (after "blk.{i}.")

@@ -1,7 +1,8 @@
 """The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings.
 
-Sequences of different lengths run together in one *packed* step (see `engine.kv`): every linear
-layer works on all new tokens at once, and attention goes through the `KVCache` the caller passes.
+Sequences of different lengths run together in one *packed* step (see `kvstrategies.kv`): every
+linear layer works on all new tokens at once, and attention goes through the `KVCache` the caller
+passes.
 The model holds weights only; it never allocates KV memory.
 """
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gguf_loader import ModelConfig
-from .kv import KVCache, StepBatch
+from kvstrategies.kv import KVCache, KVSpec, StepBatch
+
+from .config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,6 +152,12 @@ class LlamaModel:
         gate, up = wgu(h).chunk(2, dim=-1)
         return x + wdown(F.silu(gate) * up)
 
+    def kv_spec(self) -> KVSpec:
+        """The KV shape this model writes, as strategies are told it."""
+        c = self.cfg
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, c.identity,
+                      c.num_heads // c.num_kv_heads)  # fmt: skip
+
     def configure_moe(self, config, profile) -> str | None:
         """Apply a config's [moe] settings (a dense model has none to apply)."""
         return None
@@ -190,47 +198,3 @@ class LlamaModel:
         if logits_rows is not None:
             x = x[logits_rows]
         return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))
-
-
-def load_weights(model: str = "smollm2", progress: bool = True):
-    """(config, float32 tensors under the engine's names, tokenizer, checkpoint directory or
-    None) of `model`: a packaged name, a .gguf path, or a Hugging Face checkpoint directory
-    (config.json + safetensors + tokenizer files)."""
-    from .gguf_loader import load_gguf, resolve_model_path
-    from .tokenizer import GGUFTokenizer, HFTokenizer
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        from .hf_loader import load_hf
-
-        cfg, tensors = load_hf(path, dtype=torch.float32, progress=progress)
-        return cfg, tensors, HFTokenizer(path), path
-    cfg, tensors, reader = load_gguf(path, dtype=torch.float32, progress=progress)
-    return cfg, tensors, GGUFTokenizer(reader, str(path)), None
-
-
-def load_model(
-    model: str = "smollm2",
-    dtype: str | torch.dtype = "float32",
-    device: torch.device | str = "cpu",
-    progress: bool = True,
-):
-    """Load weights and tokenizer for `model` (see `load_weights`). A checkpoint directory's
-    model remembers it in `source` (a tuned one carries its KV calibration there)."""
-    from .gguf_loader import DTYPES
-
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(
-                f"dtype {dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
-            )
-        dtype = DTYPES[dtype]
-    cfg, tensors, tokenizer, source = load_weights(model, progress)
-    if cfg.mla is not None:
-        from .deepseek import DeepseekModel
-
-        m = DeepseekModel(cfg, tensors, dtype=dtype, device=device)
-    else:
-        m = LlamaModel(cfg, tensors, dtype=dtype, device=device)
-    m.source = source
-    return m, tokenizer

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from .kv import KVCache, StepBatch
+from kvstrategies.kv import KVCache, StepBatch
+
 from .model import LlamaModel
 
 INSTRUCTION = (

@@ -67,7 +67,7 @@ import torch
 
 from memory.profiles import DEFAULT_TOPK_BLOCK, TOPK_MODES, choose_topk
 
-from .gguf_loader import MoEConfig
+from .config import MoEConfig
 
 __all__ = [
     "DEFAULT_TOPK_BLOCK",

@@ -12,7 +12,8 @@ from functools import lru_cache
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .gguf_loader import ModelLoadError, _field
+from .config import ModelLoadError
+from .gguf_loader import _field
 
 _CONTROL = 3  # llama.cpp token type CONTROL (special tokens such as <|im_start|>)
 _USER_DEFINED = 4

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from .files import torch_save_atomic
-from .gguf_loader import ModelConfig
+from storage.files import torch_save_atomic
+
+from .config import ModelConfig
 from .model import RotaryTable, rms_norm
 
 CHECKPOINT = "checkpoint.pt"
@@ -244,7 +245,8 @@ def tune_hybrid(
     from kvstrategies.hybrid_qat import FakeQuant
 
     from .hf_loader import checkpoint_config, save_hf
-    from .model import LlamaModel, load_weights
+    from .loading import load_weights
+    from .model import LlamaModel
 
     settings.check()
     device = _check_device(device)

@@ -9,72 +9,16 @@ strategy does. What does not live here: block allocation (the pool), on-disk for
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from engine.kv import KVCache, StepBatch
 from memory.pool import BlockLayout, UnifiedMemoryPool
 
-
-@dataclass(frozen=True, slots=True)
-class KVSpec:
-    """The shape of a model's KV cache, as a strategy needs to know it."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32  # the compute dtype of queries and outputs
-    identity: str = ""  # model identity for prefix hashes
-    query_group: int = 0  # query heads per KV head, when known (kernels specialise on it)
-    # Multi-head latent attention (DeepSeek): one "KV head" holding the compressed latent plus
-    # the RoPE key part; a value is the first `value_dim` channels of the key and is not stored.
-    latent: bool = False
-    value_dim: int = 0  # channels of a value; 0: head_dim
-    softmax_scale: float = 0.0  # 0: head_dim ** -0.5 (MLA's differs: qk_head_dim, YaRN mscale)
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KVSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.value_dim <= (self.head_dim if self.latent else 1 << 30):
-            raise ValueError(f"KVSpec.value_dim = {self.value_dim} does not fit the keys")
-
-    @classmethod
-    def for_model(cls, model) -> KVSpec:
-        """The KV shape of a loaded unikv model (a latent one for an MLA model)."""
-        c = model.cfg
-        if c.mla is not None:
-            return cls(c.num_layers, 1, c.head_dim, model.dtype, c.identity, c.num_heads,
-                       latent=True, value_dim=c.mla.kv_lora_rank,
-                       softmax_scale=c.mla.softmax_scale)  # fmt: skip
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, c.identity,
-                   c.num_heads // c.num_kv_heads)  # fmt: skip
-
-    @property
-    def v_dim(self) -> int:
-        """Channels of one value vector."""
-        return self.value_dim or self.head_dim
-
-    @property
-    def scale(self) -> float:
-        """The softmax scale of attention over these keys."""
-        return self.softmax_scale or self.head_dim**-0.5
-
-    @property
-    def stored_parts(self) -> int:
-        """Tensors stored per token and head: 2 (K, V), or 1 when values live in the keys."""
-        return 1 if self.latent else 2
-
-    @property
-    def elements_per_token(self) -> int:
-        """Stored K and V elements one token occupies over all layers."""
-        per_head = self.head_dim if self.latent else self.head_dim + self.v_dim
-        return self.num_layers * self.num_kv_heads * per_head
+from .kv import KVCache, KVMemory, KVSpec, StepBatch
 
 
-class KVStrategy(KVCache):
+class KVStrategy(KVCache, KVMemory):
     """A way of storing KV in pool blocks and attending over it.
 
     Subclasses set `name`, `tolerance` (the largest absolute error of `attend` against exact

@@ -32,9 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.kv import ContiguousKVCache, StepBatch
-
-from .base import KVSpec
+from .kv import ContiguousKVCache, StepBatch
 
 METHODS = ("score_error", "magnitude", "outlier")
 TUNED_FILE = "kv_calibration.pt"  # in a checkpoint directory written by `unikv tune`
@@ -81,7 +79,7 @@ class ChannelStats:
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash mid-write never leaves a half file behind."""
-        from engine.files import torch_save_atomic
+        from storage.files import torch_save_atomic
 
         torch_save_atomic(self.to_dict(), path)
 
@@ -111,7 +109,7 @@ class _Recorder(ContiguousKVCache):
     """A plain cache that also accumulates the channel statistics of everything it sees."""
 
     def __init__(self, model, block: int) -> None:
-        spec = KVSpec.for_model(model)
+        spec = model.kv_spec()
         value_dim = spec.v_dim if spec.latent else None
         super().__init__(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32,
                          scale=spec.scale, value_dim=value_dim)  # fmt: skip
@@ -227,7 +225,7 @@ def ensure_calibration(model, tokenizer, opts: dict, progress: bool = False) -> 
     from engine.evaluate import read_text
 
     cfg = model.cfg
-    spec = KVSpec.for_model(model)
+    spec = model.kv_spec()
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if opts.get("calibration"):
         path = Path(opts["calibration"])

@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from engine.gguf_loader import DTYPES
-from engine.kv import StepBatch, attention_runs
 from memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from .base import KVSpec, KVStrategy
+from .kv import DTYPES, StepBatch, attention_runs
 from .registry import register
 
 

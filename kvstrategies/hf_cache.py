@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from engine.kv import StepBatch
-
 from .base import KVStrategy
+from .kv import StepBatch
 
 
 class _StrategyLayer(CacheLayerMixin):

@@ -34,12 +34,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.kv import StepBatch, merge_partials
 from memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from . import kernels
 from .base import KVSpec, KVStrategy
 from .calibration import METHODS
+from .kv import StepBatch, merge_partials
 from .quant import BITS, SCALES, ChannelPlan, channel_counts, header_low, pack, quantize, unpack
 from .registry import register
 

@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.kv import StepBatch, attention_runs
 from memory.pool import StoreTier, TensorTier
 
 from .base import KVSpec
 from .full import FullStrategy
+from .kv import StepBatch, attention_runs
 from .registry import register
 
 log = logging.getLogger(__name__)

@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
-from engine.kv import StepBatch
-
 from .full import FullStrategy
+from .kv import StepBatch
 from .registry import register
 
 log = logging.getLogger(__name__)

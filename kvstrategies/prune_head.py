@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from engine.files import torch_save_atomic
-from engine.kv import ContiguousKVCache, StepBatch
+from storage.files import torch_save_atomic
+
+from .kv import ContiguousKVCache, StepBatch
 
 FORMAT = 1
 EPS = 1e-6

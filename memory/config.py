@@ -50,6 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
+
+
+def list_profiles(profile_dir: str | os.PathLike[str] = PROFILE_DIR) -> list[str]:
+    """Names of the shipped chip profiles, sorted."""
+    return sorted(p.stem for p in Path(profile_dir).glob("*.toml"))
+
+
 TIER_ORDER = ("device", "host", "ssd", "remote")
 ENV_PREFIX = "UNIKV_"
 # UNIKV_ variables that are settings of their own, not configuration keys: left alone here.
@@ -426,9 +434,6 @@ def _build(raw: dict[str, Any], loc: _Locator, ram_bytes: int | None) -> PoolCon
         kwargs["strategy_options"] = _check(loc, ("strategy_options",), opts, _options)
     if "chip" in raw:
         chip = _check(loc, ("chip",), raw["chip"], lambda v: _name(v, "a chip profile name"))
-        # Imported here: profiles imports this module at load time.
-        from memory.profiles import list_profiles
-
         available = list_profiles()
         if chip not in available:
             raise loc.bad(("chip",), chip, f"expected one of {', '.join(available)}")

@@ -35,11 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memory.config import ConfigError, MoEOptions, PoolConfig, load_config, read_toml, show_value
+from memory.config import (
+    PROFILE_DIR,
+    ConfigError,
+    MoEOptions,
+    PoolConfig,
+    list_profiles,
+    load_config,
+    read_toml,
+    show_value,
+)
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "profiles"
 
 HIGH_GBPS = 1000.0  # >= this: high class
 MEDIUM_GBPS = 300.0  # >= this (and < HIGH_GBPS): medium class; below: low
@@ -232,11 +240,6 @@ class ChipProfile:
     def measured(self) -> bool:
         """True when the bandwidth is measured at run time rather than declared."""
         return self.bandwidth_gbps is None
-
-
-def list_profiles(profile_dir: str | os.PathLike[str] = PROFILE_DIR) -> list[str]:
-    """Names of the shipped chip profiles, sorted."""
-    return sorted(p.stem for p in Path(profile_dir).glob("*.toml"))
 
 
 def load_profile(

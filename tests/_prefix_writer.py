@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvstrategies  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
@@ -31,7 +31,7 @@ def main(store: str, prompt_file: str) -> None:
              TierConfig("ssd", 1 << 30, path=store))  # fmt: skip
     cfg = PoolConfig(block_size=16, tiers=tiers)
     opts = {"device_window": 64, "host_window": 64, "min_disk_hit_tokens": 0}
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     kv = kvstrategies.create("hierarchical_offload", spec, cfg, opts)
 
     async def run() -> None:

@@ -133,7 +133,7 @@ def hf_tokenizer(model_path):
 @pytest.fixture
 def new_kv(model):
     """A factory of empty contiguous caches shaped for the model."""
-    from engine.kv import ContiguousKVCache
+    from kvstrategies.kv import ContiguousKVCache
 
     cfg = model.cfg
 

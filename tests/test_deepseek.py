@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import kvstrategies
+from engine.config import ModelLoadError
 from engine.deepseek import DeepseekModel, kv_footprint
-from engine.gguf_loader import ModelLoadError
-from engine.kv import StepBatch
-from engine.model import load_model
+from engine.loading import load_model
+from kvstrategies.kv import StepBatch
 from memory.config import PoolConfig, TierConfig
 
 COMMON = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -88,7 +88,7 @@ def pair(request, checkpoints):
 
 
 def pool_strategy(model, name="full", blocks=64, tmp_path=None, **options):
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     cls = kvstrategies.get(name)
     opts = cls.check_options(options)
     page = cls.layout(spec, 16, opts).page_bytes
@@ -158,7 +158,7 @@ def test_perplexity_through_the_cache_equals_the_reference(checkpoints, english_
     assert res.scored == len(ids) - 64
     assert math.isclose(res.nll, nll.item(), rel_tol=1e-5)
     # 576-per-token-like latent: K only, one "head", no separate values
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     assert spec.latent and spec.num_kv_heads == 1 and spec.head_dim == 32 + 8
     assert res.bits_per_element == 32.0  # float32 latent, nothing stored twice
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.kv import ContiguousKVCache, StepBatch
 from engine.sampling import SamplingParams
+from kvstrategies.kv import ContiguousKVCache, StepBatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def spec_of(model):
-    return kvstrategies.KVSpec.for_model(model)
+    return model.kv_spec()
 
 
 def pool_kv(model, device_blocks, host_blocks=0):

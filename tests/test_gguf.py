@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf_loader import ModelLoadError, load_gguf, resolve_model_path
+from engine.config import ModelLoadError
+from engine.gguf_loader import load_gguf, resolve_model_path
 
 from . import tinygguf
 
@@ -34,8 +35,8 @@ def test_dequantized_weights_match_originals(tmp_path, qtype):
 
 
 def test_bfloat16_model_runs(tmp_path):
-    from engine.kv import ContiguousKVCache, StepBatch
     from engine.model import LlamaModel
+    from kvstrategies.kv import ContiguousKVCache, StepBatch
 
     path = tmp_path / "tiny.gguf"
     tinygguf.write(path, "Q8_0")

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from engine.gguf_loader import ModelLoadError
-from engine.model import load_model
+from engine.config import ModelLoadError
+from engine.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_checkpoint_dir_matches_the_gguf_model(hf_dir, model, tokenizer, capsys)
     assert tok.eos_id == tokenizer.eos_id and tok.chat_template == tokenizer.chat_template
     assert tok.special_ids == tokenizer.special_ids
     ids = torch.tensor(tokenizer.encode("Paris is the capital of France. It is"))
-    from engine.kv import ContiguousKVCache, StepBatch
+    from kvstrategies.kv import ContiguousKVCache, StepBatch
 
     def logits(m):
         cfg = m.cfg
@@ -66,8 +66,8 @@ def tiny(tmp_path, **config):
 
 def test_sharded_checkpoint_logits_match_transformers(tmp_path):
     from engine.hf_loader import load_hf
-    from engine.kv import ContiguousKVCache, StepBatch
     from engine.model import LlamaModel
+    from kvstrategies.kv import ContiguousKVCache, StepBatch
 
     ref = tiny(tmp_path, rope_theta=5000.0)
     assert (tmp_path / "model.safetensors.index.json").is_file()

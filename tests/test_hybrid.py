@@ -9,9 +9,9 @@ import torch
 
 import kvstrategies
 from engine.evaluate import perplexity
-from engine.kv import StepBatch
 from kvstrategies import kernels
 from kvstrategies.calibration import CalibrationMismatch, ChannelStats, ensure_calibration
+from kvstrategies.kv import StepBatch
 from kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
 from memory.config import PoolConfig, TierConfig
 
@@ -285,7 +285,7 @@ def test_latent_calibration_ranks_key_channels(tmp_path):
 
 def test_real_model_quality_and_size(model, tokenizer, calibration):
     """On real text, the default setting stays close to the full cache at under 4.5 bits."""
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     ids = tokenizer.encode(make_english(120, seed=2))[:640]
     full = perplexity(model, ids, kvstrategies.build(spec, "full").strategy, prefill=128)
     hybrid = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
@@ -335,7 +335,7 @@ async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calib
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     kv = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
     ids = tokenizer.encode(make_english(40, seed=9))
     prompt, others = ids[:150], [ids[200:260], ids[300:330]]
@@ -358,7 +358,7 @@ async def test_preemption_by_swap_changes_no_output(model, tokenizer, calibratio
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     opts = {"calibration": str(calibration)}
     page = kvstrategies.get(NAME).layout(spec, 64, kvstrategies.get(NAME).check_options(opts))
     ids = tokenizer.encode(make_english(60, seed=12))

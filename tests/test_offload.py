@@ -16,8 +16,8 @@ import torch
 import kvstrategies
 from engine.engine import Engine
 from engine.evaluate import perplexity
-from engine.kv import StepBatch
 from engine.sampling import SamplingParams
+from kvstrategies.kv import StepBatch
 from memory.config import PoolConfig, TierConfig
 from storage import create_store
 from storage.base import decode_frame
@@ -40,7 +40,7 @@ def config(path, host=True, ssd_bytes=1 << 30, device_bytes=1 << 28):
 
 
 def offload(model, path, options=None, **cfg):
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     return kvstrategies.create(NAME, spec, config(path, **cfg), {**SMALL, **(options or {})})
 
 
@@ -204,7 +204,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
 @pytest.mark.parametrize("host_access", ["auto", "stage"])
 def test_perplexity_through_every_tier_equals_full(model, tokenizer, tmp_path, host_access):
     ids = tokenizer.encode(make_english(60, seed=4))[:512]
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     ref_logits, logits = [], []
     ref = perplexity(model, ids, kvstrategies.create("full", spec), logits_out=ref_logits)
     s = offload(model, tmp_path / "s", {"prefetch_depth": 2, "host_access": host_access})

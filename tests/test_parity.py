@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.evaluate import perplexity
-from engine.kv import StepBatch
+from kvstrategies.kv import StepBatch
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +129,8 @@ def test_perplexity_through_cache_matches_reference(
 
 
 def test_bfloat16_tracks_float32(loaded, model, tokenizer, english_text, new_kv):
-    from engine.kv import ContiguousKVCache
     from engine.model import LlamaModel
+    from kvstrategies.kv import ContiguousKVCache
 
     cfg, tensors, _ = loaded
     bf = LlamaModel(cfg, tensors, dtype=torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 
 import kvstrategies
 from engine.evaluate import perplexity
-from engine.kv import StepBatch
+from kvstrategies.kv import StepBatch
 from kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
 from memory.config import PoolConfig, TierConfig
 
@@ -142,7 +142,7 @@ def test_each_head_keeps_its_own_tokens():
 @pytest.mark.slow
 def test_real_model_keeps_half_the_kv_and_stays_sane(model, tokenizer):
     ids = tokenizer.encode(make_english(60, seed=5))[:768]
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     ref = perplexity(model, ids, kvstrategies.create("full", spec))
     s = kvstrategies.create(
         "learned_prune", spec, options={"scorer": "streaming", "kept_ratio": 0.5}
@@ -198,7 +198,7 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     made = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert main(["tune", "--kv_optimization=magic", "--text", str(text), "--out", "x"]) == 2
     assert "allowed: hybrid_fp16_int4, learned_prune" in capsys.readouterr().err
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     head = PruneHead.load(out / "prune_head.pt", spec.identity, shape)
     s = kvstrategies.create(
@@ -217,7 +217,7 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
     recency window of the same size loses the needle placed early in the prompt."""
     from engine.passkey import passkey
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     opts = {"kept_ratio": 0.5, "recent_share": 0.75}
     sur = kvstrategies.create("learned_prune", spec, options={"scorer": "surprisal", **opts})
     assert sur.wants_token_logprobs
@@ -233,7 +233,7 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
 def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model, caplog):
     from kvstrategies.prune_head import HeadMismatch
 
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     s = kvstrategies.create(
         "learned_prune", spec, options={"scorer": "head"}
     )  # head None: the shipped file

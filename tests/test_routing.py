@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.gguf_loader import MoEConfig
+from engine.config import MoEConfig
 from engine.routing import (
     DEFAULT_TOPK_BLOCK,
     blockwise_topk,

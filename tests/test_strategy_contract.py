@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvstrategies
-from engine.kv import StepBatch
+from kvstrategies.kv import StepBatch
 from memory.config import PoolConfig, TierConfig
 
 LAYERS, QHEADS, BS = 2, 4, 8

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kvstrategies
-from engine.kv import StepBatch
 from engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybrid
 from kvstrategies.calibration import TUNED_FILE, ChannelStats
 from kvstrategies.hybrid_qat import FakeQuant, read_mask
+from kvstrategies.kv import StepBatch
 from kvstrategies.quant import ChannelPlan
 from memory.config import PoolConfig, TierConfig
 
@@ -113,7 +113,7 @@ def test_tuning_forward_matches_the_engine(tunable, model, tokenizer, english_te
     ids = tokenizer.encode(english_text)[:192]
     toks = torch.tensor(ids)
     n = len(ids)
-    spec = kvstrategies.KVSpec.for_model(model)
+    spec = model.kv_spec()
     opts = {**TIGHT, "calibration": str(calibration)}
 
     def engine_logits(name, options=None):
@@ -214,7 +214,7 @@ def test_tuned_directory_runs_with_its_calibration(tiny_dir, english_text, tmp_p
     """The output loads with --model DIR; hybrid_fp16_int4 picks up kv_calibration.pt (the plan
     the model was tuned for, under the tuned identity) without computing another."""
     from engine.cli import main
-    from engine.model import load_model
+    from engine.loading import load_model
     from kvstrategies.calibration import default_path
 
     cache = tmp_path / "cache"
@@ -229,7 +229,7 @@ def test_tuned_directory_runs_with_its_calibration(tiny_dir, english_text, tmp_p
     base_stats = ChannelStats.load(default_path(base_id), base_id, shape)
     stats = ChannelStats.load(out / TUNED_FILE, res.identity, shape)
     assert torch.equal(stats.scores()[0], base_stats.scores()[0])  # the plan it was tuned for
-    built = kvstrategies.build(kvstrategies.KVSpec.for_model(m), HYBRID, PoolConfig(),
+    built = kvstrategies.build(m.kv_spec(), HYBRID, PoolConfig(),
                                options=TIGHT, model=m, tokenizer=tok)  # fmt: skip
     assert built.strategy.opts["calibration"] == str(out / TUNED_FILE)
     assert not default_path(res.identity).exists()  # nothing recomputed for the tuned model

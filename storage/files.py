@@ -1,4 +1,8 @@
-"""Writing files so that a crash or Ctrl-C mid-write never leaves a half file behind."""
+"""Writing files so that a crash or Ctrl-C mid-write never leaves a half file behind.
+
+Used for every small artefact unikv persists besides blocks (calibration files, pruning heads,
+tuning checkpoints): write a temporary file beside the target, then rename it over the target.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def torch_save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """`torch.save` to a temporary file beside `path`, then rename it over `path`."""
+    import torch  # only callers that save tensors need it; the stores themselves do not
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

@@ -1,9 +1,17 @@
-"""The seam between the model and KV storage: `StepBatch`, the `KVCache` interface, and a
-minimal contiguous implementation.
+"""The KV seam shared by any engine and any strategy: the step batch, the KV spec, the two cache
+interfaces, attention over runs of slots with their log-sum-exp merge, and a minimal contiguous
+cache.
 
-The model calls only `append` and `attend` per layer; the scheduler calls `begin_step`,
-`end_step` and `free`. Anything that stores KV (the contiguous cache here, the unified memory
-pool's strategies later) implements this interface, so model code never changes when storage does.
+Two interfaces, because two different callers use a cache:
+
+- `KVCache` is what the *model* calls inside one forward step: `begin_step`, then `append` and
+  `attend` per layer, then `end_step` (or `abort_step` on failure).
+- `KVMemory` is what the *scheduler* calls between steps: `reserve` room before a step, `free`
+  a finished sequence, match and publish prefixes, swap sequences out and in, read statistics.
+
+A strategy implements both (it owns how KV is stored and how memory for it is held); the model
+sees only `KVCache`, the scheduler only `KVMemory`. The seam lives here, below `engine/`, so a
+strategy plugs into any engine that speaks it.
 
 Tensors are *packed*: the new tokens of every sequence in the step are concatenated along the first
 dimension in `StepBatch.seq_ids` order, so sequences of different lengths need no padding.
@@ -47,12 +55,61 @@ class StepBatch:
         return slice(self.offsets[i], self.offsets[i + 1])
 
 
+# Compute dtypes by name, as configs and command lines spell them.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The shape of a model's KV cache, as a strategy needs to know it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32  # the compute dtype of queries and outputs
+    identity: str = ""  # model identity for prefix hashes
+    query_group: int = 0  # query heads per KV head, when known (kernels specialise on it)
+    # Multi-head latent attention (DeepSeek): one "KV head" holding the compressed latent plus
+    # the RoPE key part; a value is the first `value_dim` channels of the key and is not stored.
+    latent: bool = False
+    value_dim: int = 0  # channels of a value; 0: head_dim
+    softmax_scale: float = 0.0  # 0: head_dim ** -0.5 (MLA's differs: qk_head_dim, YaRN mscale)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.value_dim <= (self.head_dim if self.latent else 1 << 30):
+            raise ValueError(f"KVSpec.value_dim = {self.value_dim} does not fit the keys")
+
+    @property
+    def v_dim(self) -> int:
+        """Channels of one value vector."""
+        return self.value_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale of attention over these keys."""
+        return self.softmax_scale or self.head_dim**-0.5
+
+    @property
+    def stored_parts(self) -> int:
+        """Tensors stored per token and head: 2 (K, V), or 1 when values live in the keys."""
+        return 1 if self.latent else 2
+
+    @property
+    def elements_per_token(self) -> int:
+        """Stored K and V elements one token occupies over all layers."""
+        per_head = self.head_dim if self.latent else self.head_dim + self.v_dim
+        return self.num_layers * self.num_kv_heads * per_head
+
+
 class KVCache(ABC):
-    """Stores keys/values per (sequence, layer) and computes attention over them."""
+    """The model-facing side: stores one step's keys/values per layer and attends over them."""
 
     @abstractmethod
     def begin_step(self, batch: StepBatch) -> None:
-        """Make room for the batch's new tokens (before layer 0 runs)."""
+        """Start a step over room the scheduler reserved (before layer 0 runs)."""
 
     @abstractmethod
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -70,6 +127,20 @@ class KVCache(ABC):
     def abort_step(self) -> None:
         """Forget the step after a failure: stored lengths stay as before `begin_step`."""
 
+    # A cache that sets this gets `observe_logprobs` after each forward step (the model then
+    # computes the next-token distribution of every row, not only of the rows it returns).
+    wants_token_logprobs: bool = False
+
+    def observe_logprobs(
+        self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> None:
+        """The step's token ids [N] and each row's next-token log-probabilities [N, V]."""
+        return None
+
+
+class KVMemory(ABC):
+    """The scheduler-facing side: memory held for sequences between steps."""
+
     @abstractmethod
     def free(self, seq_id: int) -> None:
         """Release everything stored for `seq_id` (no-op for an unknown id)."""
@@ -86,7 +157,7 @@ class KVCache(ABC):
     def bytes_reserved(self) -> int:
         """Bytes of KV memory held, including room not yet filled."""
 
-    # ---- memory management hooks: a store without a bounded pool keeps these defaults ----------
+    # ---- a store without a bounded pool keeps these defaults -----------------------------------
 
     def reserve(self, seq_id: int, num_tokens: int) -> bool:
         """Make room for `num_tokens` more tokens of `seq_id`; False (nothing changed) if full."""
@@ -118,16 +189,6 @@ class KVCache(ABC):
 
     def record_preemption(self) -> None:
         """Note that a sequence was dropped to be recomputed later."""
-        return None
-
-    # A cache that sets this gets `observe_logprobs` after each forward step (the model then
-    # computes the next-token distribution of every row, not only of the rows it returns).
-    wants_token_logprobs: bool = False
-
-    def observe_logprobs(
-        self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor
-    ) -> None:
-        """The step's token ids [N] and each row's next-token log-probabilities [N, V]."""
         return None
 
     def close(self) -> None:
@@ -279,7 +340,7 @@ def merge_partials(
     return (weights * torch.stack([p[0] for p in parts])).sum(0), lse.logsumexp(0)
 
 
-class ContiguousKVCache(KVCache):
+class ContiguousKVCache(KVCache, KVMemory):
     """One growing buffer per sequence, [layers, Hkv, capacity, D] for keys and for values.
 
     The simplest correct store; the unified memory pool's paged strategies replace it. With

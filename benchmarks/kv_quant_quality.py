@@ -179,7 +179,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--text", default=str(ROOT.parent / "shared" / "texts" / "GPL-3.txt"))
+    ap.add_argument("--text", default=str(ROOT / "benchmarks" / "texts" / "GPL-3.txt"))
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--png", default=str(ROOT / "docs" / "kv_quant_curve.png"))
     ap.add_argument("--no-peer", action="store_true", help="skip the quanto runs")

@@ -33,7 +33,7 @@ from engine.loading import load_model  # noqa: E402
 from kvstrategies.kv import StepBatch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = ROOT.parent / "shared" / "texts" / "GPL-3.txt"
+TEXT = ROOT / "benchmarks" / "texts" / "GPL-3.txt"
 FALLBACK = ROOT / "kvstrategies" / "data" / "warmup.txt"
 
 

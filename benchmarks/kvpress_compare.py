@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "texts" / "GPL-3.txt"
+TEXT = Path(__file__).resolve().parent / "texts" / "GPL-3.txt"
 PRESSES = ["StreamingLLMPress", "SnapKVPress", "PyramidKVPress", "ExpectedAttentionPress",
            "TOVAPress", "ObservedAttentionPress", "KnormPress", "RandomPress",
            "DecodingPress"]  # fmt: skip

@@ -31,7 +31,7 @@ from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
-TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "texts" / "GPL-3.txt"
+TEXT = Path(__file__).resolve().parent / "texts" / "GPL-3.txt"
 
 
 def pool_latency(iters: int = 20000) -> dict:

@@ -37,7 +37,7 @@ from kvstrategies.kv import StepBatch  # noqa: E402
 from kvstrategies.prune import SCORERS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = ROOT.parent / "shared" / "texts" / "GPL-3.txt"
+TEXT = ROOT / "benchmarks" / "texts" / "GPL-3.txt"
 COLUMNS = ["scorer", "kept", "ppl", "ppl_change_%", "passkey", "passkey_kept",
            "kvpress_change_%", "kvpress_kept"]  # fmt: skip
 

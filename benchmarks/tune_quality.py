@@ -29,7 +29,7 @@ from engine.tune import TuneSettings, tune_hybrid  # noqa: E402
 from memory.config import PoolConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = ROOT.parent / "shared" / "texts"
+TEXTS = ROOT / "benchmarks" / "texts"
 # Tightest first: 2.84 bits (keys 16 int4 + 48 int2, values 12 int4 + 52 int2, fp8 headers),
 # then the <= 3.2-bit setting of the README and the default (4.39 bits).
 TIGHT = {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.75, "v_low_share": 0.8125}

@@ -92,15 +92,15 @@ def io_only(kv, seq: int, threads: int) -> tuple[float, int]:
     layers = range(kv.spec.num_layers)
     with ThreadPoolExecutor(threads) as ex:
         t0 = time.perf_counter()
-        list(ex.map(lambda layer: kv.ssd.read_part(ids, layer), layers))
+        list(ex.map(lambda layer: kv.ssd.read_slice(ids, layer), layers))
         seconds = time.perf_counter() - t0
-    return seconds, len(ids) * kv.ssd.part_bytes * kv.spec.num_layers
+    return seconds, len(ids) * kv.ssd.slice_bytes * kv.spec.num_layers
 
 
 def raw_mbps(kv) -> float:
     """The disk's O_DIRECT bandwidth for reads of one SSD value's size (16 threads)."""
     count = sum(r.tier == "ssd" for r in kv.pool.table(0).refs) * kv.spec.num_layers
-    return raw_read(kv.ssd.store.path / "data.mdb", kv.ssd.part_bytes, count, 16)[0]
+    return raw_read(kv.ssd.store.path / "data.mdb", kv.ssd.slice_bytes, count, 16)[0]
 
 
 def run_context(model, tok, n: int, args, root: Path) -> list[dict]:

@@ -39,7 +39,8 @@ def pool_latency(iters: int = 20000) -> dict:
     import torch
 
     from memory.config import PoolConfig, TierConfig
-    from memory.pool import BLOCKS, ArenaSpec, BlockLayout, UnifiedMemoryPool
+    from memory.layout import BLOCKS, ArenaSpec, BlockLayout
+    from memory.pool import UnifiedMemoryPool
 
     layout = BlockLayout(16, (ArenaSpec("kv", torch.float32, (BLOCKS, 16)),))
     pool = UnifiedMemoryPool(

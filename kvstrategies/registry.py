@@ -157,4 +157,4 @@ def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: d
         )
     except ValueError as e:
         raise ValueError(f"{cfg.source}: [tiers.ssd] path = {tc.path!r}: {e}") from None
-    return {"ssd": StoreTier("ssd", layout, num_blocks, store, parts=cls.store_parts(spec))}
+    return {"ssd": StoreTier("ssd", layout, num_blocks, store, slices=cls.store_parts(spec))}

@@ -11,9 +11,9 @@ choosing a tier (the pool and the strategies) and content hashing (`memory.prefi
 This module imports no torch, so its tests run in milliseconds (STYLE.md habit 1).
 
 Ownership: a block handed out by `allocate(n, owner)` is *owned* by that sequence, the only one
-allowed to write into it. A block that becomes shared (`incref`, a prefix-cache hit) or whose
-content is cached (`cache_block`) has owner `None` (`SHARED`): it is read-only, and a writer
-must copy it first. `check_owner` / `BlockTable.check` detect a table that points at a block
+allowed to write into it. A block that becomes shared (a prefix-cache hit, `acquire_cached`)
+or whose content is cached (`cache_block`) has owner `None` (`SHARED`): it is read-only, and a
+writer must copy it first. `check_owner` / `BlockTable.check` detect a table that points at a block
 owned by another sequence or at a freed block.
 """
 
@@ -41,9 +41,7 @@ class Block:
     # Set while the block's content is in the prefix cache; kept after the last free so a
     # later prompt with the same prefix can revive the block instead of recomputing it.
     block_hash: bytes | None = None
-    token_ids: tuple[int, ...] | None = None
     owner: SeqId | None = None
-    last_access: int = 0
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
@@ -157,7 +155,6 @@ class TierAllocator:
         self.prefix_cache = prefix_cache
         self._blocks = [Block(i, tier) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self._blocks)
-        self._tick = 0
         self.num_allocations = 0  # blocks handed out by allocate()
         self.num_frees = 0  # blocks whose last reference was dropped
         self.num_evictions = 0  # cached hashes dropped because their block was reused
@@ -225,7 +222,6 @@ class TierAllocator:
         _check_count(n)
         if n > len(self._free):
             return None
-        self._tick += 1
         ids: list[int] = []
         passed: list[Block] = []
         while len(ids) < n:
@@ -242,7 +238,6 @@ class TierAllocator:
                 self._evict(block)
             block.ref_count = 1
             block.owner = owner
-            block.last_access = self._tick
             ids.append(block.block_id)
         for block in passed:
             self._free.append(block)
@@ -260,8 +255,7 @@ class TierAllocator:
         if block is None or block.ref_count != 0 or block.block_hash is not None:
             return False
         self._free.remove(block)
-        self._tick += 1
-        block.ref_count, block.owner, block.last_access = 1, owner, self._tick
+        block.ref_count, block.owner = 1, owner
         self.num_allocations += 1
         return True
 
@@ -286,20 +280,12 @@ class TierAllocator:
                     f"double free of block {block.block_id} in tier {self.tier!r} "
                     f"(ref count {block.ref_count}, freed {times}x)"
                 )
-        self._tick += 1
         for block in reversed(blocks):
             block.ref_count -= 1
             if block.ref_count == 0:
                 block.owner = None
-                block.last_access = self._tick
                 self._free.append(block)
                 self.num_frees += 1
-
-    def incref(self, block_id: int) -> None:
-        """Add a reference to a live block; it becomes shared (read-only, owner None)."""
-        block = self._live(block_id, "incref")
-        block.ref_count += 1
-        block.owner = SHARED
 
     def acquire_cached(self, block_id: int) -> None:
         """Take a reference on a prefix-cache hit, reviving the block if it is free."""
@@ -314,8 +300,6 @@ class TierAllocator:
             self.num_revived += 1
         block.ref_count += 1
         block.owner = SHARED
-        self._tick += 1
-        block.last_access = self._tick
 
     def cache_block(
         self, block_id: int, parent: bytes | None, token_ids: Sequence[int], identity: str
@@ -338,7 +322,6 @@ class TierAllocator:
             if block.block_hash is None:
                 self._num_cached += 1
             block.block_hash = h
-            block.token_ids = tuple(token_ids)
             block.owner = SHARED
         return h
 
@@ -350,15 +333,8 @@ class TierAllocator:
         if self.prefix_cache is not None:
             self.prefix_cache.evict(BlockRef(self.tier, block_id))
         block.block_hash = None
-        block.token_ids = None
         self._num_cached -= 1
         return True
-
-    def touch(self, block_ids: Iterable[int]) -> None:
-        """Mark live blocks as just used (for recency-based tier placement)."""
-        self._tick += 1
-        for block_id in block_ids:
-            self._live(block_id, "touch").last_access = self._tick
 
     def check_owner(self, block_id: int, seq: SeqId) -> None:
         """Raise RuntimeError unless `seq` may reference `block_id` (owner or shared)."""
@@ -398,7 +374,6 @@ class TierAllocator:
         if self.prefix_cache is not None:
             self.prefix_cache.evict(BlockRef(self.tier, block.block_id))
         block.block_hash = None
-        block.token_ids = None
         self._num_cached -= 1
         self.num_evictions += 1
 

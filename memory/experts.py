@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memory.pool import BlockLostError
+from memory.tiers import BlockLostError
 from storage import BlockStore, create_store
 
 Key = tuple[int, int]  # (layer, routed expert index)

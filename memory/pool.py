@@ -1,12 +1,19 @@
-"""The unified memory pool: per-tier arenas of fixed-size blocks, sequence tables, prefix
-sharing, moves between tiers, budgets, statistics and health.
+"""The unified memory pool: the façade strategies and the scheduler ask for memory.
 
-What lives here: `ArenaSpec`/`BlockLayout` (a strategy's description of what one block holds),
-`Tier` (the seam every tier implements), `TensorTier` (device and host tiers: preallocated torch
-tensors), `UnifiedMemoryPool` (everything a KV strategy asks of memory) and `AsyncPool` (the same
-from asyncio). What does not: how K/V are encoded or attended (`kvstrategies/`), on-disk and
-remote block stores (`storage/`, plugged in as `Tier`s), the bookkeeping without torch
-(`memory.allocator`, `memory.prefix`, `memory.stats`).
+What lives here: `UnifiedMemoryPool`, which builds a pool's tiers from its config, keeps one
+block table per sequence, and answers every request of a KV strategy or the scheduler
+(reserve, commit, free, truncate, slots, prefixes, moves between tiers, stats and health) by
+delegating to parts with one job each:
+
+- `memory.tiers`: the tiers' data (`TensorTier` arenas, store-backed `StoreTier`);
+- `memory.allocator`: blocks, reference counts and the LRU free queue of each tier;
+- `memory.placement`: which block ids a sequence's growth and moves take (growth room);
+- `memory.prefix_index`: prefix sharing in memory and content stored in a store tier;
+- `memory.stats`: counters, the OOM predictor and health.
+
+What does not: how K/V are encoded or attended (`kvstrategies/`), on-disk and remote block
+stores (`storage/`, plugged in as `StoreTier`s), and the services strategies run beside the
+pool (write-through, prefetch: `memory.services`).
 
 Every byte of KV lives in a block of some tier; blocks move between tiers only through
 `UnifiedMemoryPool.move`, which copies the data and updates the sequence's table together.
@@ -14,262 +21,34 @@ Every byte of KV lives in a block of some tier; blocks move between tiers only t
 
 from __future__ import annotations
 
-import asyncio
-import math
-import os
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from memory.allocator import BlockTable, TierAllocator
 from memory.config import PoolConfig
-from memory.prefix import BlockRef, PrefixCache, block_hash
+from memory.layout import BLOCKS, ArenaSpec, BlockLayout
+from memory.placement import Placement
+from memory.prefix import BlockRef
+from memory.prefix_index import PrefixIndex
 from memory.stats import HealthMonitor, HealthReport, PoolStats
+from memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
 
-BLOCKS = -1  # marks the block axis in an ArenaSpec shape
+# Re-exported: strategies and the engine import the layout and tier types from here.
+__all__ = [
+    "BLOCKS",
+    "ArenaSpec",
+    "BlockLayout",
+    "BlockLostError",
+    "StoreTier",
+    "TensorTier",
+    "Tier",
+    "TierKind",
+    "UnifiedMemoryPool",
+]
+
 SeqId = Hashable
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaSpec:
-    """One tensor of a block layout: its name, dtype, and shape with the block axis as BLOCKS.
-
-    A strategy chooses where the block axis goes: the `full` strategy puts it after the heads
-    ([layers, 2, heads, BLOCKS, block_size, dim]) so that gathering a sequence's blocks yields
-    [heads, tokens, dim] without a second copy.
-    """
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.shape.count(BLOCKS) != 1:
-            raise ValueError(
-                f"arena {self.name!r}: shape {self.shape} needs exactly one BLOCKS axis"
-            )
-        if any(d <= 0 for d in self.shape if d != BLOCKS):
-            raise ValueError(f"arena {self.name!r}: shape {self.shape} has a non-positive size")
-
-    @property
-    def block_dim(self) -> int:
-        """Index of the block axis."""
-        return self.shape.index(BLOCKS)
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block occupies in this arena."""
-        return math.prod(d for d in self.shape if d != BLOCKS) * self.dtype.itemsize
-
-    def full_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The arena tensor's shape for `num_blocks` blocks."""
-        return tuple(num_blocks if d == BLOCKS else d for d in self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """What one block holds, as declared by a strategy: block size and the arenas."""
-
-    block_size: int
-    arenas: tuple[ArenaSpec, ...]
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes per block over all arenas."""
-        return sum(a.bytes_per_block for a in self.arenas)
-
-
-class Tier(ABC):
-    """Storage for the blocks of one tier. Block ids are the allocator's; data is per arena."""
-
-    name: str
-    num_blocks: int
-
-    @abstractmethod
-    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Copies of the blocks' data per arena (block axis holds `block_ids` in order)."""
-
-    @abstractmethod
-    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
-        """Store data (as returned by `read`) into the blocks `block_ids`."""
-
-
-class TensorTier(Tier):
-    """A tier held in preallocated torch tensors on one device (device and host tiers)."""
-
-    def __init__(
-        self, name: str, layout: BlockLayout, num_blocks: int, device: torch.device | str
-    ) -> None:
-        self.name, self.layout, self.num_blocks = name, layout, num_blocks
-        self.device = torch.device(device)
-        # torch.empty maps the memory lazily: pages are only touched once blocks are written.
-        try:
-            self.arenas = {
-                a.name: torch.empty(a.full_shape(num_blocks), dtype=a.dtype, device=self.device)
-                for a in layout.arenas
-            }
-        except (RuntimeError, MemoryError) as e:  # torch's failed allocation is a RuntimeError
-            size = num_blocks * layout.page_bytes
-            raise ValueError(
-                f"the {name} tier cannot allocate {size / 2**30:.1f} GiB on {self.device} "
-                f"({type(e).__name__}); lower [tiers.{name}] capacity"
-            ) from None
-        self._dims = {a.name: a.block_dim for a in layout.arenas}
-
-    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        return {n: t.index_select(self._dims[n], idx) for n, t in self.arenas.items()}
-
-    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        for n, t in self.arenas.items():
-            t.index_copy_(self._dims[n], idx, data[n].to(self.device, non_blocking=True))
-
-
-class BlockLostError(RuntimeError):
-    """A block could not be read back (missing, or its checksum failed): never served as data."""
-
-
-class StoreTier(Tier):
-    """A tier whose blocks live in a `storage` block store (the SSD tier: LMDB).
-
-    Values: with `parts` = 1, one value per block (its bytes of every arena, in layout order).
-    With `parts` = P > 1, every arena's first axis has P entries (a KV layout's layers) and each
-    (block, part) is its own value, so a strategy can read one layer of many blocks while the
-    previous layer computes (`read_part`).
-
-    Keys: a block written by `write` is keyed by this pool session and its id (`transient`,
-    deleted when the block is released). A block `assign`ed a content key (its prefix chain
-    hash) is stored under that key instead: content is written once, shared by every block
-    that holds it, survives the process, and is found again by `has_content` (the persistent
-    prefix cache). The store checksums every value; a missing or corrupt block raises
-    `BlockLostError` naming it, and a corrupt content entry is deleted so it is not hit again.
-    """
-
-    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store, parts: int = 1):
-        if parts < 1:
-            raise ValueError(f"parts must be >= 1, got {parts}")
-        for a in layout.arenas:
-            if parts > 1 and (a.shape[0] != parts or a.block_dim == 0):
-                raise ValueError(
-                    f"arena {a.name!r} (shape {a.shape}) cannot be split into {parts} parts "
-                    "along its first axis"
-                )
-        self.name, self.layout, self.num_blocks, self.store = name, layout, num_blocks, store
-        self.parts = parts
-        self._session = os.urandom(8)
-        self._content: dict[int, bytes] = {}  # block id -> content key (else transient)
-        # Per arena: the shape of one part of one block, and the block axis within a part.
-        self._part_shape = {
-            a.name: tuple(d for d in a.shape[1 if parts > 1 else 0 :] if d != BLOCKS)
-            for a in layout.arenas
-        }
-        self._part_dim = {a.name: a.block_dim - (1 if parts > 1 else 0) for a in layout.arenas}
-        self.part_bytes = layout.page_bytes // parts
-
-    # -- keys ------------------------------------------------------------------------------
-
-    def assign(self, block_id: int, content_key: bytes) -> None:
-        """Key block `block_id` by content from now on (before `write`, or to attach stored
-        content without writing: see `has_content`)."""
-        self._content[block_id] = content_key
-
-    def release(self, block_ids: Sequence[int]) -> None:
-        """The blocks were freed: delete their transient values; content stays stored."""
-        transient = [b for b in block_ids if self._content.pop(b, None) is None]
-        keys = [self._key(b, p) for b in transient for p in range(self.parts)]
-        if keys:
-            self.store.delete_many(keys)
-
-    def has_content(self, content_key: bytes) -> bool:
-        """Whether the store holds a block under `content_key` (written whole, all parts)."""
-        return self.store.contains(content_key + _part(0))
-
-    def _key(self, block_id: int, part: int) -> bytes:
-        content = self._content.get(block_id)
-        if content is None:
-            content = b"t" + self._session + block_id.to_bytes(8, "little")
-        return content + _part(part)
-
-    # -- data ------------------------------------------------------------------------------
-
-    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        if self.parts == 1:
-            return self._decode(block_ids, 0, None)
-        per_part = [self.read_part(block_ids, p) for p in range(self.parts)]
-        return {n: torch.stack([d[n] for d in per_part]) for n in per_part[0]}
-
-    def read_part(self, block_ids: Sequence[int], part: int) -> dict[str, torch.Tensor]:
-        """Part `part` of the blocks, per arena with the block axis holding `block_ids`."""
-        return self._decode(block_ids, part, part)
-
-    def _decode(self, block_ids: Sequence[int], part: int, one: int | None):
-        keys = [self._key(b, part) for b in block_ids]
-        # Per arena: the output tensor with the block axis, and for each value the contiguous
-        # byte runs of its block's slice, in the value's order: the store reads straight into
-        # them. numpy, not torch, for the slicing: this runs on I/O threads, where a torch op
-        # could start a second OpenMP team and slow the compute thread (engine/compute.py).
-        out, targets = {}, [[] for _ in keys]
-        for a in self.layout.arenas:
-            shape = list(self._part_shape[a.name] if one is not None else a.shape)
-            if one is None:
-                shape.remove(BLOCKS)
-            dim = self._part_dim[a.name] if one is not None else a.block_dim
-            shape.insert(dim, len(keys))
-            t = out[a.name] = torch.empty(shape, dtype=a.dtype)
-            raw = t.view(torch.uint8).numpy()
-            for i, runs in enumerate(targets):
-                runs += _chunks(raw[(slice(None),) * dim + (i,)])
-        found = self.store.read_into(keys, targets)
-        bad = [i for i, ok in enumerate(found) if not ok]
-        if bad:
-            lost = [block_ids[i] for i in bad]
-            # A content entry that failed its checksum (or has another layout's length) would
-            # be hit again by every later lookup: remove it, so the next request recomputes.
-            stale = [
-                self._content[block_ids[i]] + _part(p)
-                for i in bad
-                if block_ids[i] in self._content
-                for p in range(self.parts)
-            ]
-            if stale:
-                self.store.delete_many(stale)
-            raise BlockLostError(
-                f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
-            )
-        return out
-
-    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
-        items = []
-        for i, b in enumerate(block_ids):
-            content = self._content.get(b)
-            if content is not None and self.has_content(content):
-                continue  # the same content is stored already (written through, or shared)
-            for p in range(self.parts):
-                parts = []
-                for a in self.layout.arenas:
-                    x = data[a.name].select(a.block_dim, i)
-                    if self.parts > 1:
-                        x = x[p]
-                    parts.append(x.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                items.append((self._key(b, p), b"".join(parts)))
-        if items:
-            self.store.put_many(items)  # one transaction: all blocks land, or none
-
-
-def _chunks(a: np.ndarray) -> list[memoryview]:
-    """The bytes of array `a` as the fewest contiguous runs, in C order."""
-    if a.flags.c_contiguous:
-        return [memoryview(a).cast("B")]
-    return [c for sub in a for c in _chunks(sub)]
-
-
-def _part(part: int) -> bytes:
-    return part.to_bytes(2, "little")
 
 
 class UnifiedMemoryPool:
@@ -292,10 +71,19 @@ class UnifiedMemoryPool:
         self.config, self.layout, self.identity = config, layout, identity
         self.block_size = layout.block_size
         self.device = torch.device(device)
-        self.prefix = PrefixCache()
         self.tiers: dict[str, Tier] = {}
         self.allocators: dict[str, TierAllocator] = {}
-        stores = dict(stores or {})
+        self.prefixes = PrefixIndex(self.allocators, self.tiers, self.block_size, identity)
+        self._build_tiers(dict(stores or {}))
+        self.placement = Placement(self.allocators)
+        self.stats = PoolStats(self.allocators, self.prefixes.cache)
+        self.health_monitor = HealthMonitor(clock=clock)
+        self._clock = clock
+        self._last_sample = float("-inf")
+        self._tables: dict[SeqId, BlockTable] = {}
+
+    def _build_tiers(self, stores: dict[str, Tier]) -> None:
+        config, layout = self.config, self.layout
         for tc in config.tiers:
             num_blocks = tc.capacity_bytes // layout.page_bytes
             if num_blocks < 1:
@@ -306,8 +94,8 @@ class UnifiedMemoryPool:
             if tc.name in stores:
                 tier = stores.pop(tc.name)
                 num_blocks = tier.num_blocks
-            elif tc.name in ("device", "host"):
-                dev = self.device if tc.name == "device" else torch.device("cpu")
+            elif tc.name in (TierKind.DEVICE, TierKind.HOST):
+                dev = self.device if tc.name == TierKind.DEVICE else torch.device("cpu")
                 tier = TensorTier(tc.name, layout, num_blocks, dev)
             else:
                 raise ValueError(
@@ -321,22 +109,14 @@ class UnifiedMemoryPool:
                 self.block_size,
                 low_watermark=tc.low_watermark,
                 # Device and host blocks can be found by content; a store tier is its own index.
-                prefix_cache=self.prefix if isinstance(tier, TensorTier) else None,
+                prefix_cache=self.prefixes.cache if isinstance(tier, TensorTier) else None,
             )
         if stores:
             raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
-        self.stats = PoolStats(self.allocators, self.prefix)
-        self.health_monitor = HealthMonitor(clock=clock)
-        self._clock = clock
-        self._last_sample = float("-inf")
-        self._tables: dict[SeqId, BlockTable] = {}
-        self._hashes: dict[SeqId, list[bytes]] = {}  # published chain of each sequence
-        self._room: dict[int, SeqId] = {}  # free device block -> sequence it is kept for
-        self._room_of: dict[SeqId, list[int]] = {}
 
     # ---- queries ------------------------------------------------------------------------------
 
-    def arena(self, name: str, tier: str = "device") -> torch.Tensor:
+    def arena(self, name: str, tier: str = TierKind.DEVICE) -> torch.Tensor:
         """The tensor of arena `name` in a tensor tier (strategies read and write it in place)."""
         t = self.tiers[tier]
         if not isinstance(t, TensorTier):
@@ -356,11 +136,20 @@ class UnifiedMemoryPool:
         """Token slots filled over all sequences (a shared block counts once per sequence)."""
         return sum(t.num_tokens for t in self._tables.values())
 
-    def capacity_tokens(self, tier: str = "device") -> int:
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Filled token slots per tier over all sequences (a shared block once per sequence)."""
+        bs = self.block_size
+        tokens = dict.fromkeys(self.tiers, 0)
+        for table in list(self._tables.values()):
+            for i, ref in enumerate(table.refs):
+                tokens[ref.tier] += min(bs, table.num_tokens - i * bs)
+        return tokens
+
+    def capacity_tokens(self, tier: str = TierKind.DEVICE) -> int:
         """Tokens the whole tier can hold."""
         return self.allocators[tier].num_blocks * self.block_size
 
-    def usage(self, tier: str = "device") -> float:
+    def usage(self, tier: str = TierKind.DEVICE) -> float:
         """Used fraction of a tier."""
         return self.allocators[tier].usage
 
@@ -368,15 +157,9 @@ class UnifiedMemoryPool:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def can_admit(self, num_tokens: int, tier: str = "device") -> bool:
+    def can_admit(self, num_tokens: int, tier: str = TierKind.DEVICE) -> bool:
         """Whether a new sequence of `num_tokens` fits and leaves the tier's watermark free."""
         return self.allocators[tier].can_admit(self.blocks_for(num_tokens))
-
-    def can_append(self, seq: SeqId, num_tokens: int) -> bool:
-        """Whether `seq` can grow by `num_tokens` now (growth may use the watermark)."""
-        t = self._tables.get(seq)
-        need = t.slots_needed(num_tokens) if t is not None else self.blocks_for(num_tokens)
-        return self.allocators["device"].can_allocate(need)
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -389,62 +172,12 @@ class UnifiedMemoryPool:
         self._check_on_device(table)
         need = table.slots_needed(num_tokens)
         if need:
-            alloc = self.allocators["device"]
-            if not alloc.can_allocate(need):
+            ids = self.placement.grow(seq, table, need)
+            if ids is None:
                 return False
-            # Prefer the blocks right after the sequence's last one: attention then reads
-            # one run of consecutive slots in place instead of attending piece by piece.
-            ids: list[int] = []
-            last = table[len(table) - 1] if len(table) else None
-            nxt = last.block_id + 1 if last is not None and last.tier == "device" else None
-            while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
-                self._forget_room(nxt)
-                ids.append(nxt)
-                nxt += 1
-            if len(ids) < need:
-                rest = alloc.allocate(need - len(ids), seq, avoid=_RoomOfOthers(self._room, seq))
-                assert rest is not None  # can_allocate said they fit
-                for b in rest:
-                    self._forget_room(b)
-                ids += rest
-            table.append_blocks("device", ids)
-            self._keep_room(seq, ids[-1])
+            table.append_blocks(TierKind.DEVICE, ids)
         self._tables[seq] = table
         return True
-
-    GROWTH_ROOM_BLOCKS = 8  # free blocks after a sequence that others pass over while they can
-
-    def _keep_room(self, seq: SeqId, last: int) -> None:
-        """Soft-reserve the free blocks after `last` for the growth of `seq`.
-
-        They stay free (usable by anyone once nothing else is left); other sequences' blocks
-        are just taken elsewhere first, so concurrent sequences do not interleave.
-        """
-        alloc = self.allocators["device"]
-        self._drop_room(seq)
-        room: list[int] = []
-        self._room_of[seq] = room
-        # Room pays while memory is plentiful; once rooms would cover most of the free blocks,
-        # keeping them only makes every allocation pass over them.
-        if len(self._room) + self.GROWTH_ROOM_BLOCKS > alloc.num_free // 2:
-            return
-        for b in range(last + 1, min(last + 1 + self.GROWTH_ROOM_BLOCKS, alloc.num_blocks)):
-            blk = alloc.block(b)
-            if blk.ref_count or blk.block_hash is not None or self._room.get(b, seq) != seq:
-                break
-            self._room[b] = seq
-            room.append(b)
-
-    def _forget_room(self, block_id: int) -> None:
-        """`block_id` was allocated: it is nobody's growth room any more."""
-        owner = self._room.pop(block_id, None)
-        if owner is not None:
-            self._room_of[owner].remove(block_id)
-
-    def _drop_room(self, seq: SeqId) -> None:
-        """Give up the growth room of `seq`."""
-        for b in self._room_of.pop(seq, ()):
-            del self._room[b]
 
     def commit(self, seq: SeqId, num_tokens: int) -> None:
         """Record that `num_tokens` reserved slots of `seq` now hold data."""
@@ -453,8 +186,8 @@ class UnifiedMemoryPool:
     def free(self, seq: SeqId) -> None:
         """Release every block of `seq` (its cached prefix blocks stay revivable)."""
         table = self._tables.pop(seq, None)
-        self._hashes.pop(seq, None)
-        self._drop_room(seq)
+        self.prefixes.forget(seq)
+        self.placement.drop(seq)
         if table is None:
             return
         by_tier: dict[str, list[int]] = {}
@@ -463,19 +196,11 @@ class UnifiedMemoryPool:
         for tier, ids in by_tier.items():
             self._release(tier, ids)
 
-    def _release(self, tier: str, ids: list[int]) -> None:
-        self.allocators[tier].free(ids)
-        t = self.tiers[tier]
-        if isinstance(t, StoreTier):
-            t.release([b for b in ids if self.allocators[tier].ref_count(b) == 0])
-
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Keep the first `num_tokens` slots of `seq`; trailing blocks go back to the pool."""
         table = self._require(seq)
         dropped = table.truncate(num_tokens)
-        hashes = self._hashes.get(seq)
-        if hashes is not None:
-            del hashes[num_tokens // self.block_size :]
+        self.prefixes.truncate(seq, num_tokens)
         for ref in dropped:
             self._release(ref.tier, [ref.block_id])
 
@@ -485,7 +210,7 @@ class UnifiedMemoryPool:
         bs = self.block_size
         first, last = start // bs, -(-end // bs)
         refs = table.refs[first:last]
-        if any(r.tier != "device" for r in refs):
+        if any(r.tier != TierKind.DEVICE for r in refs):
             raise RuntimeError(f"sequence {seq!r} has blocks off the device tier; swap it in first")
         ids = torch.tensor([r.block_id for r in refs], dtype=torch.long)
         slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
@@ -498,7 +223,7 @@ class UnifiedMemoryPool:
         runs: list[list[int]] = []
         for i in range(-(-end // bs)):
             ref = table[i]
-            if ref.tier != "device":
+            if ref.tier != TierKind.DEVICE:
                 raise RuntimeError(f"sequence {seq!r} has blocks off the device tier")
             start = ref.block_id * bs
             if runs and runs[-1][1] == start:
@@ -516,67 +241,38 @@ class UnifiedMemoryPool:
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[BlockRef]:
         """The cached device blocks that start `token_ids` (longest verified chain)."""
-        return self.prefix.match_prefix(token_ids, self.block_size, self.identity)
+        return self.prefixes.match(token_ids)
 
     def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
         """Start the new sequence `seq` on shared cached blocks; return the tokens they hold."""
         if seq in self._tables:
             raise RuntimeError(f"sequence {seq!r} already has blocks; attach a prefix first")
         table = BlockTable(seq, self.block_size)
-        hashes = []
-        for ref in refs:
-            self.allocators[ref.tier].acquire_cached(ref.block_id)
-            table.append_blocks(ref.tier, [ref.block_id])
-            hashes.append(self.prefix.hash_of(ref))
-        table.append_tokens(len(refs) * self.block_size)
-        self._tables[seq], self._hashes[seq] = table, hashes
+        self.prefixes.attach(table, refs)
+        self._tables[seq] = table
         return table.num_tokens
 
     def stored_prefix(
-        self, token_ids: Sequence[int], after: Sequence[BlockRef] = (), tier: str = "ssd"
+        self, token_ids: Sequence[int], after: Sequence[BlockRef] = (), tier: str = TierKind.SSD
     ) -> list[bytes]:
         """Content hashes of the blocks of `token_ids` that follow the blocks `after` (a
         `match_prefix` result) and are held by the store tier `tier` (stored by an earlier
         process, or written through by this one): the longest such chain."""
-        t = self.tiers.get(tier)
-        if not isinstance(t, StoreTier):
-            return []
-        bs = self.block_size
-        parent = self.prefix.hash_of(after[-1]) if after else None
-        if after and parent is None:
-            return []
-        found: list[bytes] = []
-        for start in range(len(after) * bs, len(token_ids) - bs + 1, bs):
-            h = block_hash(parent, token_ids[start : start + bs], self.identity)
-            if not t.has_content(h):
-                break
-            found.append(h)
-            parent = h
-        return found
+        return self.prefixes.stored(token_ids, after, tier)
 
-    def attach_stored(self, seq: SeqId, hashes: Sequence[bytes], tier: str = "ssd") -> int:
+    def attach_stored(self, seq: SeqId, hashes: Sequence[bytes], tier: str = TierKind.SSD) -> int:
         """Append to `seq` (new, or just attached) blocks of the store tier `tier` that hold
         the stored content `hashes`, without reading them; return the tokens of `seq`.
         Nothing changes (0 is returned) when the tier has no room for them."""
-        t = self.tiers[tier]
-        assert isinstance(t, StoreTier)
         table = self._tables.get(seq) or BlockTable(seq, self.block_size)
-        if table.num_free_slots:
-            raise RuntimeError(f"sequence {seq!r} ends in a partial block; cannot attach more")
-        ids = self.allocators[tier].allocate(len(hashes), seq) if hashes else []
-        if ids is None:
+        if not self.prefixes.attach_stored(table, hashes, tier):
             return table.num_tokens if seq in self._tables else 0
-        for b, h in zip(ids, hashes, strict=True):
-            t.assign(b, h)
-        table.append_blocks(tier, ids)
-        table.append_tokens(len(ids) * self.block_size)
         self._tables[seq] = table
-        self._hashes.setdefault(seq, []).extend(hashes)
         return table.num_tokens
 
     def content_hashes(self, seq: SeqId) -> list[bytes]:
         """The published chain of `seq`: one content hash per full block, in order."""
-        return list(self._hashes.get(seq, ()))
+        return self.prefixes.chain(seq)
 
     def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
         """Offer the full blocks of `seq` (holding `token_ids`) to the prefix cache.
@@ -584,20 +280,18 @@ class UnifiedMemoryPool:
         Returns how many blocks of `seq` are now part of its published chain. Cached blocks
         become read-only; a sequence only ever writes into its last, partial block.
         """
-        table = self._require(seq)
-        hashes = self._hashes.setdefault(seq, [])
-        full = min(table.num_tokens, len(token_ids)) // self.block_size
-        for i in range(len(hashes), full):
-            ref = table[i]
-            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = hashes[-1] if hashes else None
-            h = None
-            alloc = self.allocators[ref.tier]
-            if alloc.prefix_cache is not None:
-                h = alloc.cache_block(ref.block_id, parent, tokens, self.identity)
-            # Another block may already hold this content; the chain continues either way.
-            hashes.append(h or block_hash(parent, tokens, self.identity))
-        return len(hashes)
+        return self.prefixes.publish(self._require(seq), token_ids)
+
+    def resident_chain(self, seq: SeqId, start: int = 0) -> dict[str, list[tuple[int, bytes]]]:
+        """Published blocks [start, ...) of `seq` held in tensor tiers, per tier: (block id,
+        content hash) in table order (what a write-through copies to a store tier)."""
+        hashes = self.prefixes.chain(seq)
+        refs = self._require(seq).refs
+        by_tier: dict[str, list[tuple[int, bytes]]] = {}
+        for i in range(start, len(hashes)):
+            if isinstance(self.tiers[refs[i].tier], TensorTier):
+                by_tier.setdefault(refs[i].tier, []).append((refs[i].block_id, hashes[i]))
+        return by_tier
 
     # ---- moves between tiers ------------------------------------------------------------------
 
@@ -618,18 +312,12 @@ class UnifiedMemoryPool:
         todo = [i for i in indices if table[i].tier != dst]
         if not todo:
             return True
-        new_ids = self._allocate_near(dst, seq, table, todo)
+        new_ids = self.placement.near(dst, seq, table, todo)
         if new_ids is None:
             return False
-        if dst == "device":
-            for b in new_ids:
-                self._forget_room(b)
         dst_tier = self.tiers[dst]
         if isinstance(dst_tier, StoreTier):
-            hashes = self._hashes.get(seq, [])
-            for i, new_id in zip(todo, new_ids, strict=True):
-                if i < len(hashes):
-                    dst_tier.assign(new_id, hashes[i])
+            self.prefixes.key_by_content(seq, dst_tier, todo, new_ids)
         by_src: dict[str, list[tuple[int, int]]] = {}
         for i, new_id in zip(todo, new_ids, strict=True):
             by_src.setdefault(table[i].tier, []).append((i, new_id))
@@ -638,7 +326,7 @@ class UnifiedMemoryPool:
         try:
             for src, pairs in by_src.items():
                 data = self.tiers[src].read([table[i].block_id for i, _ in pairs])
-                self.tiers[dst].write([n for _, n in pairs], data)
+                dst_tier.write([n for _, n in pairs], data)
                 copies.append((src, pairs))
         except Exception:
             self._release(dst, new_ids)
@@ -647,47 +335,17 @@ class UnifiedMemoryPool:
             for i, new_id in pairs:
                 old = table.move(i, BlockRef(dst, new_id))
                 if relocate_cache:
-                    self._relocate(old, BlockRef(dst, new_id))
+                    self.prefixes.relocate(old, BlockRef(dst, new_id))
                 self._release(src, [old.block_id])
             self.stats.record_move(src, dst, len(pairs))
         return True
 
-    def _allocate_near(
-        self, tier: str, seq: SeqId, table: BlockTable, todo: list[int]
-    ) -> list[int] | None:
-        """Blocks of `tier` for table positions `todo`, continuing after the sequence's last
-        block in that tier where free: runs of consecutive slots are attended in one piece."""
-        alloc = self.allocators[tier]
-        if not alloc.can_allocate(len(todo)):
-            return None
-        ids: list[int] = []
-        before = [r.block_id for r in table.refs[: todo[0]] if r.tier == tier]
-        nxt = before[-1] + 1 if before else None
-        while nxt is not None and len(ids) < len(todo) and alloc.take(nxt, seq):
-            ids.append(nxt)
-            nxt += 1
-        if len(ids) < len(todo):
-            ids += alloc.allocate(len(todo) - len(ids), seq)
-        return ids
-
-    def _relocate(self, old: BlockRef, new: BlockRef) -> None:
-        """Let the prefix cache entry of `old` (if only its sequence uses it) point at `new`."""
-        src = self.allocators[old.tier]
-        h = self.prefix.hash_of(old)
-        if h is None or src.ref_count(old.block_id) != 1:
-            return
-        entry = self.prefix.get(h)
-        src.uncache(old.block_id)
-        dst = self.allocators[new.tier]
-        if dst.prefix_cache is not None:
-            dst.cache_block(new.block_id, entry.parent, entry.token_ids, entry.identity)
-
-    def swap_out(self, seq: SeqId, dst: str = "host") -> bool:
+    def swap_out(self, seq: SeqId, dst: str = TierKind.HOST) -> bool:
         """Move every device block of `seq` to `dst` (preemption by swapping)."""
         table = self._require(seq)
         if dst not in self.tiers:
             return False
-        ok = self.move(seq, [i for i, r in enumerate(table) if r.tier == "device"], dst)
+        ok = self.move(seq, [i for i, r in enumerate(table) if r.tier == TierKind.DEVICE], dst)
         if ok:
             self.record_preemption()
         return ok
@@ -695,7 +353,8 @@ class UnifiedMemoryPool:
     def swap_in(self, seq: SeqId) -> bool:
         """Bring every block of `seq` back to the device tier; False if it does not fit."""
         table = self._require(seq)
-        return self.move(seq, [i for i, r in enumerate(table) if r.tier != "device"], "device")
+        todo = [i for i, r in enumerate(table) if r.tier != TierKind.DEVICE]
+        return self.move(seq, todo, TierKind.DEVICE)
 
     # ---- statistics and health ----------------------------------------------------------------
 
@@ -711,11 +370,11 @@ class UnifiedMemoryPool:
         now = self._clock()
         if now - self._last_sample >= self.SAMPLE_EVERY_S:
             self._last_sample = now
-            self.health_monitor.predictor.record(self.usage("device"), now)
+            self.health_monitor.predictor.record(self.usage(TierKind.DEVICE), now)
 
     def health(self) -> HealthReport:
         """Green / yellow / red from device usage and recent events (see memory.stats)."""
-        return self.health_monitor.observe(self.usage("device"))
+        return self.health_monitor.observe(self.usage(TierKind.DEVICE))
 
     def snapshot(self) -> dict:
         """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health."""
@@ -728,6 +387,12 @@ class UnifiedMemoryPool:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _release(self, tier: str, ids: list[int]) -> None:
+        self.allocators[tier].free(ids)
+        t = self.tiers[tier]
+        if isinstance(t, StoreTier):
+            t.release([b for b in ids if self.allocators[tier].ref_count(b) == 0])
+
     def _require(self, seq: SeqId) -> BlockTable:
         table = self._tables.get(seq)
         if table is None:
@@ -737,87 +402,7 @@ class UnifiedMemoryPool:
     @staticmethod
     def _check_on_device(table: BlockTable) -> None:
         # Only the last block is ever written into, and only while it has free slots.
-        if len(table) and table.num_free_slots and table[len(table) - 1].tier != "device":
+        if len(table) and table.num_free_slots and table[len(table) - 1].tier != TierKind.DEVICE:
             raise RuntimeError(
                 f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
             )
-
-
-class _RoomOfOthers:
-    """`block in view`: the block is kept as growth room for a sequence other than `seq`."""
-
-    __slots__ = ("room", "seq")
-
-    def __init__(self, room: dict[int, SeqId], seq: SeqId) -> None:
-        self.room, self.seq = room, seq
-
-    def __contains__(self, block_id: object) -> bool:
-        owner = self.room.get(block_id, self.seq)
-        return owner != self.seq
-
-    def __bool__(self) -> bool:
-        return bool(self.room)
-
-
-class AsyncPool:
-    """The pool from asyncio: one lock around each operation; waiting for room without polling.
-
-    Data copies of `move`/`swap_*` run in `executor` (default: asyncio's), off the event loop.
-    """
-
-    def __init__(self, pool: UnifiedMemoryPool, executor=None) -> None:
-        self.pool, self._executor = pool, executor
-        self._lock = asyncio.Lock()
-        self._room = asyncio.Condition(self._lock)
-
-    async def reserve(self, seq: SeqId, num_tokens: int, timeout: float | None = None) -> bool:
-        """Reserve room for `num_tokens` of `seq`, waiting up to `timeout` s for frees."""
-
-        async def wait() -> bool:
-            async with self._room:
-                await self._room.wait_for(lambda: self.pool.reserve(seq, num_tokens))
-                return True
-
-        try:
-            return await asyncio.wait_for(wait(), timeout)
-        except TimeoutError:
-            return False
-
-    async def free(self, seq: SeqId) -> None:
-        """Free every block of `seq` and wake waiters."""
-        async with self._room:
-            self.pool.free(seq)
-            self._room.notify_all()
-
-    async def match_prefix(self, token_ids: Sequence[int]) -> list[BlockRef]:
-        """Cached blocks that start `token_ids`."""
-        async with self._lock:
-            return self.pool.match_prefix(token_ids)
-
-    async def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
-        """Start `seq` on shared cached blocks."""
-        async with self._lock:
-            return self.pool.attach_prefix(seq, refs)
-
-    async def commit(self, seq: SeqId, num_tokens: int) -> None:
-        """Record that `num_tokens` reserved slots of `seq` now hold data."""
-        async with self._lock:
-            self.pool.commit(seq, num_tokens)
-
-    async def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
-        """Offer the full blocks of `seq` to the prefix cache."""
-        async with self._lock:
-            return self.pool.publish(seq, token_ids)
-
-    async def move(self, seq: SeqId, indices: Sequence[int], dst: str) -> bool:
-        """Move blocks of `seq` to tier `dst`."""
-        async with self._room:
-            loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(self._executor, self.pool.move, seq, indices, dst)
-            self._room.notify_all()
-            return ok
-
-    async def snapshot(self) -> dict:
-        """Statistics and health."""
-        async with self._lock:
-            return self.pool.snapshot()

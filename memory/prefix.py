@@ -182,21 +182,6 @@ class PrefixCache:
         del self._by_hash[h]
         return True
 
-    def relocate(self, old: BlockRef, new: BlockRef) -> bool:
-        """The content of `old` now lives in `new` (a move between tiers); True if cached."""
-        h = self._by_ref.pop(old, None)
-        if h is None:
-            return False
-        if new in self._by_ref:
-            self._by_ref[old] = h
-            raise RuntimeError(
-                f"block {new.block_id} in tier {new.tier!r} is already cached with other content"
-            )
-        entry = self._by_hash[h]
-        self._by_hash[h] = CacheEntry(new, entry.parent, entry.token_ids, entry.identity)
-        self._by_ref[new] = h
-        return True
-
     def match_prefix(
         self, token_ids: Sequence[int], block_size: int, identity: str
     ) -> list[BlockRef]:

@@ -116,9 +116,10 @@ def test_free_returns_chain_in_reverse_order() -> None:
 
 
 def test_refcount_shared_block() -> None:
-    a = make(4)
+    a = make(4, prefix_cache=PrefixCache())
     (b,) = a.allocate(1, "s1")
-    a.incref(b)
+    a.cache_block(b, None, [1, 2, 3, 4], "m")
+    a.acquire_cached(b)  # a second sequence shares the cached block
     assert a.ref_count(b) == 2 and a.block(b).owner is None  # shared: read-only
     a.free([b])
     assert a.ref_count(b) == 1 and a.num_free == 3
@@ -138,13 +139,11 @@ def test_double_free_names_block_and_tier_and_changes_nothing() -> None:
 
 
 def test_use_after_free() -> None:
-    a = make(4)
+    a = make(4, prefix_cache=PrefixCache())
     (b,) = a.allocate(1, "s")
     a.free([b])
-    with pytest.raises(RuntimeError, match=r"incref of freed block 0 in tier 'device'"):
-        a.incref(b)
-    with pytest.raises(RuntimeError, match=r"touch of freed block 0"):
-        a.touch([b])
+    with pytest.raises(RuntimeError, match=r"cache of freed block 0 in tier 'device'"):
+        a.cache_block(b, None, [1, 2, 3, 4], "m")
     with pytest.raises(RuntimeError, match="free but sequence 's' still references it"):
         a.check_owner(b, "s")
 
@@ -155,7 +154,7 @@ def test_out_of_range(bad: int) -> None:
     with pytest.raises(RuntimeError, match=rf"block id {bad!r} out of range for tier 'device'"):
         a.free([bad])
     with pytest.raises(RuntimeError, match="out of range"):
-        a.incref(bad)
+        a.acquire_cached(bad)
     with pytest.raises(RuntimeError, match="out of range"):
         a.ref_count(bad)
 
@@ -169,15 +168,6 @@ def test_watermark_admission_vs_growth() -> None:
     assert a.can_allocate(2)  # a running sequence may grow into it
     assert a.allocate(2, "s") is not None
     assert not a.can_allocate(1)
-
-
-def test_touch_updates_last_access() -> None:
-    a = make(4)
-    x, y = a.allocate(2, "s")
-    before = a.block(x).last_access
-    a.touch([x])
-    assert a.block(x).last_access > before
-    assert a.block(y).last_access == before
 
 
 # -- prefix cache integration --------------------------------------------------------------

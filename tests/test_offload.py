@@ -104,14 +104,14 @@ def test_an_unusable_store_path_is_a_config_error(tmp_path):
 
 def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path):
     """The SSD tier's map cannot grow: demotions fail, blocks stay up, nothing is lost."""
-    from memory.pool import StoreTier
+    from memory.tiers import StoreTier
 
     spec = kvstrategies.KVSpec(2, 2, 16, identity="m")
     cls = kvstrategies.get(NAME)
     opts = cls.check_options({"device_window": 16, "host_window": 16})
     layout = cls.layout(spec, 16, opts)
     store = create_store("lmdb", path=tmp_path / "s", map_size=1 << 16, max_map_size=1 << 16)
-    ssd = StoreTier("ssd", layout, 64, store, parts=2)
+    ssd = StoreTier("ssd", layout, 64, store, slices=2)
     tiers = (TierConfig("device", 1 << 20), TierConfig("host", 1 << 20),
              TierConfig("ssd", 1 << 20, path=str(tmp_path / "s")))  # fmt: skip
     cfg = PoolConfig(block_size=16, tiers=tiers)
@@ -189,7 +189,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
     short.close()
     # Where this process measured reading to be slower than recomputing, the hit is skipped.
     slow = strategy("model-a")
-    slow.prefill_s_per_token, slow.read_bytes_per_s = 1e-6, 1e3
+    slow.prefill_s_per_token, slow.prefetcher.read_bytes_per_s = 1e-6, 1e3
     assert slow.match_prefix(1, tokens) == 0
     assert slow.stats()["disk_prefix_hits"]["skipped_slow"] == 1
     slow.prefill_s_per_token = 1.0

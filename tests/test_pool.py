@@ -1,12 +1,11 @@
-"""The torch side of the unified memory pool: arenas, tables, moves, swapping, prefixes, async."""
-
-import asyncio
+"""The torch side of the unified memory pool: arenas, tables, moves, swapping, prefixes."""
 
 import pytest
 import torch
 
 from memory.config import PoolConfig, TierConfig
-from memory.pool import BLOCKS, ArenaSpec, AsyncPool, BlockLayout, UnifiedMemoryPool
+from memory.layout import BLOCKS, ArenaSpec, BlockLayout
+from memory.pool import UnifiedMemoryPool
 
 BS = 4
 LAYOUT = BlockLayout(BS, (ArenaSpec("kv", torch.float32, (2, BLOCKS, BS, 3)),))
@@ -175,26 +174,6 @@ def test_a_tier_too_large_to_allocate_is_one_clear_error():
         make_pool(device_blocks=(1 << 50) // PAGE)
 
 
-@pytest.mark.timeout(10)
-async def test_async_pool_waits_for_room_then_moves():
-    pool = make_pool(device_blocks=2, host_blocks=2)
-    apool = AsyncPool(pool)
-    assert await apool.reserve("a", 8)
-    assert not await apool.reserve("b", 4, timeout=0.05)  # full: gives up after the timeout
-
-    async def later():
-        await asyncio.sleep(0.05)
-        await apool.free("a")
-
-    task = asyncio.create_task(later())
-    assert await apool.reserve("b", 4, timeout=5)  # woken by the free, no polling
-    await task
-    assert await apool.move("b", [0], "host")
-    assert pool.table("b")[0].tier == "host"
-    assert (await apool.snapshot())["tiers"]["host"]["num_used"] == 1
-    assert await apool.match_prefix([1, 2, 3, 4, 5]) == []
-
-
 def test_oom_predictor_fed_by_usage_samples_turns_health_red():
     now = [0.0]
     tiers = (TierConfig("device", 40 * PAGE),)
@@ -221,13 +200,14 @@ def test_growth_room_bookkeeping_stays_consistent():
         assert pool.reserve(seq, 3) or pool.usage() > 0.5
         if pool.table(seq) is not None:
             pool.commit(seq, min(3, pool.table(seq).num_free_slots))
-        listed = {b: s for s, blocks in pool._room_of.items() for b in blocks}
-        assert listed == pool._room
-        assert all(pool.allocators["device"].ref_count(b) == 0 for b in pool._room)
+        room, room_of = pool.placement._room, pool.placement._room_of
+        listed = {b: s for s, blocks in room_of.items() for b in blocks}
+        assert listed == room
+        assert all(pool.allocators["device"].ref_count(b) == 0 for b in room)
 
 
 def make_ssd_pool(tmp_path, device_blocks=8, ssd_blocks=8):
-    from memory.pool import StoreTier
+    from memory.tiers import StoreTier
     from storage import create_store
 
     store = create_store("lmdb", path=tmp_path / "ssd", map_size=1 << 20)
@@ -254,7 +234,7 @@ def test_blocks_move_to_the_ssd_tier_and_back_bit_exact(tmp_path):
 
 
 def test_a_lost_ssd_block_is_reported_and_changes_nothing(tmp_path):
-    from memory.pool import BlockLostError
+    from memory.tiers import BlockLostError
 
     pool, store = make_ssd_pool(tmp_path)
     pool.reserve("a", 8)
@@ -284,4 +264,4 @@ def test_build_makes_the_ssd_tier_from_the_config(tmp_path):
     assert set(pool.tiers) == {"device", "ssd"}
     assert pool.allocators["ssd"].num_blocks == (16 << 20) // pool.layout.page_bytes
     assert (tmp_path / "kv").is_dir()
-    pool.tiers["ssd"].store.close()
+    pool.tiers["ssd"].close()

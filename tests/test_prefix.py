@@ -79,15 +79,14 @@ def test_match_prefix_longest_chain_and_hit_rate() -> None:
     assert cache.hit_rate == pytest.approx(2 / 6)
 
 
-def test_lookup_and_evict_and_relocate() -> None:
+def test_lookup_and_evict() -> None:
     cache = PrefixCache()
     h = cache.insert(BlockRef("device", 3), None, [1, 2, 3, 4], "m")
     assert cache.lookup(None, [1, 2, 3, 4], "m") == BlockRef("device", 3)
     assert cache.lookup(None, [1, 2, 3, 5], "m") is None
-    assert cache.relocate(BlockRef("device", 3), BlockRef("host", 0))
-    assert cache.lookup(None, [1, 2, 3, 4], "m") == BlockRef("host", 0)
-    assert cache.hash_of(BlockRef("host", 0)) == h
-    assert cache.evict(BlockRef("host", 0)) and not cache.evict(BlockRef("host", 0))
+    assert cache.lookup(None, [1, 2, 3, 4], "m") == BlockRef("device", 3)
+    assert cache.hash_of(BlockRef("device", 3)) == h
+    assert cache.evict(BlockRef("device", 3)) and not cache.evict(BlockRef("device", 3))
     assert cache.lookup(None, [1, 2, 3, 4], "m") is None
     assert (cache.queries, cache.hits) == (4, 2)
 

@@ -1,0 +1,316 @@
+"""The tiers blocks live in: the `Tier` seam, tensor arenas and store-backed tiers.
+
+What lives here: `TierKind` (the tier kinds a pool knows: device, host, ssd, remote),
+`Tier` (what every tier implements: read and write blocks per arena), `TensorTier` (device and
+host tiers: preallocated torch tensors), `StoreTier` (a tier whose blocks are values of a
+`storage` block store: the SSD tier) and `BlockLostError`.
+
+What does not: which blocks a sequence holds (`memory.allocator`, `memory.pool`), the layout
+description (`memory.layout`), the stores themselves (`storage/`), and moving blocks between
+tiers (`UnifiedMemoryPool.move`).
+
+Slices: a block may be read in slices, one per entry of each arena's first axis (a KV layout's
+layers), so a strategy can read one layer of many blocks while the previous layer computes.
+A `StoreTier` with `slices` > 1 stores each (block, slice) as its own value.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+from memory.layout import BLOCKS, BlockLayout
+
+
+class TierKind(StrEnum):
+    """The tier kinds a pool knows; members compare and hash equal to the config's names."""
+
+    DEVICE = "device"
+    HOST = "host"
+    SSD = "ssd"
+    REMOTE = "remote"
+
+    def __repr__(self) -> str:
+        # Tier names appear in error messages and reports as the config spells them.
+        return repr(self.value)
+
+
+class BlockLostError(RuntimeError):
+    """A block could not be read back (missing, or its checksum failed): never served as data."""
+
+
+class Tier(ABC):
+    """Storage for the blocks of one tier. Block ids are the allocator's; data is per arena."""
+
+    name: str
+    num_blocks: int
+    layout: BlockLayout
+
+    @abstractmethod
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Copies of the blocks' data per arena (block axis holds `block_ids` in order)."""
+
+    @abstractmethod
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        """Store data (as returned by `read`) into the blocks `block_ids`."""
+
+    @abstractmethod
+    def read_slice(self, block_ids: Sequence[int], index: int) -> dict[str, torch.Tensor]:
+        """Slice `index` of the blocks, per arena, with the block axis at `block_dims`."""
+
+    @property
+    @abstractmethod
+    def block_dims(self) -> dict[str, int]:
+        """Per arena, the block axis of what `read_slice` returns."""
+
+
+class TensorTier(Tier):
+    """A tier held in preallocated torch tensors on one device (device and host tiers)."""
+
+    def __init__(
+        self, name: str, layout: BlockLayout, num_blocks: int, device: torch.device | str
+    ) -> None:
+        self.name, self.layout, self.num_blocks = name, layout, num_blocks
+        self.device = torch.device(device)
+        # torch.empty maps the memory lazily: pages are only touched once blocks are written.
+        try:
+            self.arenas = {
+                a.name: torch.empty(a.full_shape(num_blocks), dtype=a.dtype, device=self.device)
+                for a in layout.arenas
+            }
+        except (RuntimeError, MemoryError) as e:  # torch's failed allocation is a RuntimeError
+            size = num_blocks * layout.page_bytes
+            raise ValueError(
+                f"the {name} tier cannot allocate {size / 2**30:.1f} GiB on {self.device} "
+                f"({type(e).__name__}); lower [tiers.{name}] capacity"
+            ) from None
+        self._dims = {a.name: a.block_dim for a in layout.arenas}
+        # Byte views for I/O threads, made here: there numpy must do the work, because a torch
+        # op could start a second OpenMP team and slow the compute thread (engine/compute.py).
+        self._raw = (
+            {n: t.view(torch.uint8).numpy() for n, t in self.arenas.items()}
+            if self.device.type == "cpu"
+            else None
+        )
+
+    @property
+    def block_dims(self) -> dict[str, int]:
+        return {n: d - 1 for n, d in self._dims.items()}
+
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return {n: t.index_select(self._dims[n], idx) for n, t in self.arenas.items()}
+
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for n, t in self.arenas.items():
+            t.index_copy_(self._dims[n], idx, data[n].to(self.device, non_blocking=True))
+
+    def read_slice(self, block_ids: Sequence[int], index: int) -> dict[str, torch.Tensor]:
+        """Copies of slice `index` of the blocks (numpy on a CPU tier: safe on I/O threads)."""
+        ids = list(block_ids)
+        if self._raw is None:
+            idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+            return {
+                n: t[index].index_select(self._dims[n] - 1, idx) for n, t in self.arenas.items()
+            }
+        return {
+            n: torch.from_numpy(np.take(raw[index], ids, axis=self._dims[n] - 1)).view(
+                self.arenas[n].dtype
+            )
+            for n, raw in self._raw.items()
+        }
+
+    def snapshot(self, block_ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """Byte copies of the blocks per arena, block axis first (numpy: for I/O threads)."""
+        ids = list(block_ids)
+        if self._raw is None:
+            out = {}
+            for n, t in self.arenas.items():
+                idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                picked = t.index_select(self._dims[n], idx)
+                out[n] = picked.movedim(self._dims[n], 0).contiguous().view(torch.uint8)
+                out[n] = out[n].cpu().numpy()
+            return out
+        return {
+            n: np.ascontiguousarray(np.moveaxis(np.take(raw, ids, self._dims[n]), self._dims[n], 0))
+            for n, raw in self._raw.items()
+        }
+
+
+class StoreTier(Tier):
+    """A tier whose blocks live in a `storage` block store (the SSD tier: LMDB).
+
+    Values: with `slices` = 1, one value per block (its bytes of every arena, in layout order).
+    With `slices` = S > 1, every arena's first axis has S entries and each (block, slice) is
+    its own value (`read_slice` reads one slice of many blocks).
+
+    Keys: a block written by `write` is keyed by this pool session and its id (`transient`,
+    deleted when the block is released). A block `assign`ed a content key (its prefix chain
+    hash) is stored under that key instead: content is written once, shared by every block
+    that holds it, survives the process, and is found again by `has_content` (the persistent
+    prefix cache). The store checksums every value; a missing or corrupt block raises
+    `BlockLostError` naming it, and a corrupt content entry is deleted so it is not hit again.
+    """
+
+    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store, slices: int = 1):
+        if slices < 1:
+            raise ValueError(f"slices must be >= 1, got {slices}")
+        for a in layout.arenas:
+            if slices > 1 and (a.shape[0] != slices or a.block_dim == 0):
+                raise ValueError(
+                    f"arena {a.name!r} (shape {a.shape}) cannot be split into {slices} slices "
+                    "along its first axis"
+                )
+        self.name, self.layout, self.num_blocks, self._store = name, layout, num_blocks, store
+        self.slices = slices
+        self._session = os.urandom(8)
+        self._content: dict[int, bytes] = {}  # block id -> content key (else transient)
+        # Per arena: the shape of one slice of one block, and the block axis within a slice.
+        cut = 1 if slices > 1 else 0
+        self._slice_shape = {
+            a.name: tuple(d for d in a.shape[cut:] if d != BLOCKS) for a in layout.arenas
+        }
+        self._slice_dim = {a.name: a.block_dim - cut for a in layout.arenas}
+        self.slice_bytes = layout.page_bytes // slices
+
+    @property
+    def block_dims(self) -> dict[str, int]:
+        return dict(self._slice_dim)
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def assign(self, block_id: int, content_key: bytes) -> None:
+        """Key block `block_id` by content from now on (before `write`, or to attach stored
+        content without writing: see `has_content`)."""
+        self._content[block_id] = content_key
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """The blocks were freed: delete their transient values; content stays stored."""
+        transient = [b for b in block_ids if self._content.pop(b, None) is None]
+        keys = [self._key(b, s) for b in transient for s in range(self.slices)]
+        if keys:
+            self._store.delete_many(keys)
+
+    def has_content(self, content_key: bytes) -> bool:
+        """Whether the store holds a block under `content_key` (written whole, all slices)."""
+        return self._store.contains(content_key + _slice_suffix(0))
+
+    def _key(self, block_id: int, index: int) -> bytes:
+        content = self._content.get(block_id)
+        if content is None:
+            content = b"t" + self._session + block_id.to_bytes(8, "little")
+        return content + _slice_suffix(index)
+
+    # -- data ------------------------------------------------------------------------------
+
+    def read(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        if self.slices == 1:
+            return self._decode(block_ids, 0, None)
+        per_slice = [self.read_slice(block_ids, s) for s in range(self.slices)]
+        return {n: torch.stack([d[n] for d in per_slice]) for n in per_slice[0]}
+
+    def read_slice(self, block_ids: Sequence[int], index: int) -> dict[str, torch.Tensor]:
+        """Slice `index` of the blocks, per arena with the block axis holding `block_ids`."""
+        return self._decode(block_ids, index, index)
+
+    def _decode(self, block_ids: Sequence[int], index: int, one: int | None):
+        keys = [self._key(b, index) for b in block_ids]
+        # Per arena: the output tensor with the block axis, and for each value the contiguous
+        # byte runs of its block's slice, in the value's order: the store reads straight into
+        # them. numpy, not torch, for the slicing: this runs on I/O threads, where a torch op
+        # could start a second OpenMP team and slow the compute thread (engine/compute.py).
+        out, targets = {}, [[] for _ in keys]
+        for a in self.layout.arenas:
+            shape = list(self._slice_shape[a.name] if one is not None else a.shape)
+            if one is None:
+                shape.remove(BLOCKS)
+            dim = self._slice_dim[a.name] if one is not None else a.block_dim
+            shape.insert(dim, len(keys))
+            t = out[a.name] = torch.empty(shape, dtype=a.dtype)
+            raw = t.view(torch.uint8).numpy()
+            for i, runs in enumerate(targets):
+                runs += _byte_runs(raw[(slice(None),) * dim + (i,)])
+        found = self._store.read_into(keys, targets)
+        bad = [i for i, ok in enumerate(found) if not ok]
+        if bad:
+            lost = [block_ids[i] for i in bad]
+            # A content entry that failed its checksum (or has another layout's length) would
+            # be hit again by every later lookup: remove it, so the next request recomputes.
+            stale = [
+                self._content[block_ids[i]] + _slice_suffix(s)
+                for i in bad
+                if block_ids[i] in self._content
+                for s in range(self.slices)
+            ]
+            if stale:
+                self._store.delete_many(stale)
+            raise BlockLostError(
+                f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
+            )
+        return out
+
+    def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
+        items = []
+        for i, b in enumerate(block_ids):
+            content = self._content.get(b)
+            if content is not None and self.has_content(content):
+                continue  # the same content is stored already (written through, or shared)
+            for s in range(self.slices):
+                pieces = []
+                for a in self.layout.arenas:
+                    x = data[a.name].select(a.block_dim, i)
+                    if self.slices > 1:
+                        x = x[s]
+                    pieces.append(x.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                items.append((self._key(b, s), b"".join(pieces)))
+        if items:
+            self._store.put_many(items)  # one transaction: all blocks land, or none
+
+    def write_content(self, content_keys: Sequence[bytes], snapshot: Mapping[str, np.ndarray]):
+        """Store blocks by content key, from a `TensorTier.snapshot` of them (same order).
+
+        The values are byte for byte those `write` stores for the same blocks.
+        """
+        items = []
+        for i, key in enumerate(content_keys):
+            for s in range(self.slices):
+                views = [
+                    memoryview(
+                        snapshot[a.name][i, s] if self.slices > 1 else snapshot[a.name][i]
+                    ).cast("B")
+                    for a in self.layout.arenas
+                ]
+                items.append(
+                    (key + _slice_suffix(s), views[0] if len(views) == 1 else b"".join(views))
+                )
+        if items:
+            self._store.put_many(items)  # one transaction: all blocks land, or none
+
+    # -- the store -------------------------------------------------------------------------
+
+    @property
+    def store(self):
+        """The block store behind this tier (for maintenance: stats, page cache, paths)."""
+        return self._store
+
+    def close(self) -> None:
+        """Close the block store."""
+        self._store.close()
+
+
+def _byte_runs(a: np.ndarray) -> list[memoryview]:
+    """The bytes of array `a` as the fewest contiguous runs, in C order."""
+    if a.flags.c_contiguous:
+        return [memoryview(a).cast("B")]
+    return [c for sub in a for c in _byte_runs(sub)]
+
+
+def _slice_suffix(index: int) -> bytes:
+    # Part of the store key format: blocks persisted by earlier versions must still be found.
+    return index.to_bytes(2, "little")

@@ -1,12 +1,13 @@
 """The async engine: requests in, tokens out, many requests batched step by step.
 
 `Engine.create()` loads a model; `stream()` yields text as it is generated, `generate()` returns a
-whole `Completion`. A background task runs the scheduler: each step it packs the running requests
-(one token for each decoding request, a chunk of prompt for each prefilling one, within a token
-budget) into one forward pass, so a request joins at the next step and leaves when it is done
-(continuous batching). The forward pass runs on the compute thread (`engine.compute`), keeping the
-event loop free.
-KV memory belongs to the `KVCache` the engine is given; the engine only asks it to store and free.
+whole `Completion`. Here live the public async API and each request's lifecycle (sampling, text,
+stop strings, finishing, the queue to its consumer). A background task steps the `Scheduler`
+(`engine.scheduler`): it plans which requests run and what each feeds (continuous batching), the
+engine runs that plan's forward pass on the compute thread (`engine.compute`), keeping the event
+loop free, and reports the results back.
+KV memory belongs to the `KVCache` the engine is given; the model stores into it, the scheduler
+reserves and frees it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +28,7 @@ from . import compute
 from .loading import load_model
 from .model import LlamaModel
 from .sampling import SamplingParams, sample
+from .scheduler import Scheduler, SchedulerConfig, Work
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ class _Request:
     decoder: IncrementalDecoder
     gen: torch.Generator | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    tokens: list[int] = field(default_factory=list)  # prompt + outputs: everything to feed
     num_computed: int = 0  # tokens fed through the model (their KV is in the cache)
     output_ids: list[int] = field(default_factory=list)
     prefix_hit: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -69,15 +69,10 @@ class _Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def __post_init__(self) -> None:
-        self.tokens = list(self.prompt_ids)
-
-
-@dataclass(slots=True)
-class _Work:
-    req: _Request
-    tokens: list[int]
-    needs_logits: bool  # True when this chunk ends the known tokens (a new token follows)
+    @property
+    def tokens(self) -> list[int]:
+        """Everything to feed: the prompt, then the outputs (a stop token is never one)."""
+        return self.prompt_ids + self.output_ids
 
 
 class Engine:
@@ -92,23 +87,15 @@ class Engine:
         max_step_tokens: int = 512,
         prefix_sharing: bool = True,
     ) -> None:
-        if max_batch < 1 or max_step_tokens < 1:
-            raise ValueError(
-                f"max_batch and max_step_tokens must be >= 1, got {max_batch}, {max_step_tokens}"
-            )
+        # Checked before any KV memory is built for the engine.
+        plan_config = SchedulerConfig(max_batch, max_step_tokens, prefix_sharing)
         self.model, self.tokenizer = model, tokenizer
         self.kv = kv if kv is not None else default_kv(model)
         self.kv_choice = "full (default)" if kv is None else type(kv).__name__
         self.owns_kv = kv is None  # a cache the caller gives stays the caller's to close
-        self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
-        # Off: every request computes its whole prompt (benchmarks that compare compute).
-        self.prefix_sharing = prefix_sharing
+        self.scheduler: Scheduler[_Request] = Scheduler(self.kv, plan_config)
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []  # in admission order: earlier = higher priority
-        self._swapped: deque[_Request] = deque()
-        self.preemptions = 0
         self._stepping = False
         self._closed = False
         self._wakeup = asyncio.Event()
@@ -191,20 +178,19 @@ class Engine:
 
     def memory_report(self) -> dict:
         """KV bytes stored and held now, the peak stored, pool statistics, request counts."""
-        counts = {
-            "kv_bytes_peak": self.peak_kv_bytes,
-            "requests_running": len(self._running),
-            "requests_waiting": len(self._waiting),
-            "requests_swapped": len(self._swapped),
-            "preemptions": self.preemptions,
-        }
+        counts = {"kv_bytes_peak": self.peak_kv_bytes, **self.scheduler.report()}
         return self.kv.stats() | self.model.memory_report() | counts
+
+    @property
+    def max_batch(self) -> int:
+        """The most requests that run in one step."""
+        return self.scheduler.config.max_batch
 
     async def close(self, cancel: bool = False) -> None:
         """Stop accepting requests; finish (or with `cancel`, cancel) the ones in flight."""
         self._closed = True
         if cancel:
-            for req in [*self._waiting, *self._running]:
+            for req in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._cancel(req)
         self._wakeup.set()
         await self._loop_task
@@ -225,12 +211,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; the model's context is {ctx} tokens "
                 f"(at most {ctx - 1} for the prompt)"
             )
-        cap = self.kv.capacity_tokens()
-        if cap is not None and len(ids) + 1 > cap:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the device tier holds KV for {cap} tokens "
-                "(give it more capacity in the config file)"
-            )
+        self.scheduler.check_fits(len(ids))
         req = _Request(
             rid=next(self._ids),
             prompt_ids=ids,
@@ -238,7 +219,7 @@ class Engine:
             decoder=IncrementalDecoder(self.tokenizer),
             gen=params.make_generator(),
         )
-        self._waiting.append(req)
+        self.scheduler.add(req)
         self._wakeup.set()
         return req
 
@@ -265,18 +246,13 @@ class Engine:
         if req.finished:
             return
         req.cancelled = True
-        if req in self._waiting or req in self._swapped:
-            (self._waiting if req in self._waiting else self._swapped).remove(req)
+        if self.scheduler.is_queued(req) or not self._stepping:
             self._finish(req, "cancelled")
-        elif not self._stepping:
-            self._finish(req, "cancelled")
-        # else: the loop finishes it as soon as the current step returns
+        # else: it is in the step in flight; the loop finishes it as soon as the step returns
 
     def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
         req.finish_reason = reason
-        if req in self._running:
-            self._running.remove(req)
-        self.kv.free(req.rid)
+        self.scheduler.finish(req)
         if error is not None:
             req.queue.put_nowait(("error", error))
             return
@@ -286,11 +262,11 @@ class Engine:
         done = Completion(req.text, list(req.output_ids), reason, len(req.prompt_ids))
         req.queue.put_nowait(("done", done))
 
-    # ---- the scheduler ----------------------------------------------------------------------
+    # ---- stepping the scheduler ---------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
-            if not self._waiting and not self._running and not self._swapped:
+            if self.scheduler.idle():
                 if self._closed:
                     return
                 self._wakeup.clear()
@@ -300,23 +276,22 @@ class Engine:
                 await self._step()
             except Exception as e:  # a scheduler bug must not hang every caller
                 log.exception("scheduler step failed")
-                for req in [*self._running, *self._waiting, *self._swapped]:
+                for req in self.scheduler.drain():
                     if not req.finished:
                         self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
-                self._waiting.clear()
-                self._swapped.clear()
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
 
     async def _step(self) -> None:
-        """Admit, plan, reserve memory, run one forward pass, and deliver its tokens."""
-        self._admit()
-        plan = self._reserve(self._plan())
-        if not plan:
+        """Get the scheduler's plan, run its forward pass, and deliver what it computed."""
+        plan = self.scheduler.schedule()
+        for req in plan.outgrown:
+            self._finish(req, "length")
+        if not plan.work:
             return  # everything was preempted this round; admission brings it back
         self._stepping = True
         try:
-            results = await compute.run(self._execute_isolated, plan)
+            results = await compute.run(self._execute_isolated, plan.work)
         finally:
             self._stepping = False
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
@@ -327,105 +302,17 @@ class Engine:
             if req.cancelled:
                 self._finish(req, "cancelled")
             elif isinstance(outcome, BlockLostError):
-                self._recompute(req, outcome)
+                # A lost or corrupt block on disk: its output so far is kept.
+                log.warning("request %d: %s; recomputing its KV", req.rid, outcome)
+                self.scheduler.recompute(req)
             elif isinstance(outcome, BaseException):
                 self._finish(req, "error", outcome)
             else:
-                req.num_computed += len(work.tokens)
-                self.kv.publish(req.rid, req.tokens[: req.num_computed])
+                self.scheduler.computed(work)
                 if outcome is not None:
                     self._emit(req, outcome)
 
-    def _admit(self) -> None:
-        """Swapped-out requests come back first, then waiting ones, while memory allows."""
-        while self._swapped and len(self._running) < self.max_batch:
-            req = self._swapped[0]
-            if not self.kv.swap_in(req.rid):
-                if self._running:
-                    return  # keep FIFO order: nobody overtakes a swapped request
-                # Even an empty device cannot take it back: recompute it instead.
-                self._swapped.popleft()
-                self.kv.free(req.rid)
-                req.num_computed = 0
-                self._waiting.appendleft(req)
-                break
-            self._running.append(self._swapped.popleft())
-        while self._waiting and len(self._running) < self.max_batch:
-            req = self._waiting[0]
-            # The watermark keeps room for running requests to grow; with none running, the
-            # head of the queue always gets its chance (it fits: `_submit` checked capacity).
-            if self._running and not self.kv.can_admit(len(req.tokens) + 1):
-                return
-            self._running.append(self._waiting.popleft())
-            if req.num_computed == 0 and self.prefix_sharing:
-                req.num_computed = self.kv.match_prefix(req.rid, req.tokens)
-                req.prefix_hit = max(req.prefix_hit, req.num_computed)
-
-    def _plan(self) -> list[_Work]:
-        """Decode tokens first (one per request), then prompt chunks within the token budget."""
-        budget = self.max_step_tokens
-        plan: list[_Work] = []
-        for req in self._running:
-            if req.num_computed == len(req.tokens) - 1:
-                plan.append(_Work(req, [req.tokens[-1]], True))
-                budget -= 1
-        for req in self._running:
-            remaining = len(req.tokens) - req.num_computed
-            if remaining > 1 or (remaining == 1 and req.num_computed == 0):
-                if budget <= 0:
-                    break
-                n = min(remaining, budget)
-                chunk = req.tokens[req.num_computed : req.num_computed + n]
-                plan.append(_Work(req, chunk, n == remaining))
-                budget -= n
-        return plan
-
-    def _reserve(self, plan: list[_Work]) -> list[_Work]:
-        """Reserve KV room for every item, preempting the newest requests when memory is short."""
-        ready: list[_Work] = []
-        # Oldest first: a victim (the newest running request) is never one already served.
-        for work in sorted(plan, key=lambda w: self._running.index(w.req)):
-            if work.req not in self._running:
-                continue  # preempted while making room for an older request
-            while not self.kv.reserve(work.req.rid, len(work.tokens)):
-                victim = self._running[-1]
-                if victim is not work.req:
-                    self._preempt(victim)
-                elif len(self._running) == 1:
-                    # Alone and still no room: this request has outgrown the device tier.
-                    self._finish(work.req, "length")
-                    break
-                else:
-                    self._preempt(work.req)
-                    break
-            else:
-                ready.append(work)
-        return ready
-
-    def _preempt(self, req: _Request) -> None:
-        """Take `req` off the device: swap its KV to host if possible, else drop it to recompute."""
-        self._running.remove(req)
-        self.preemptions += 1
-        if self.kv.swap_out(req.rid):
-            self._swapped.append(req)
-            return
-        self.kv.free(req.rid)
-        self.kv.record_preemption()
-        req.num_computed = 0
-        self._waiting.appendleft(req)
-
-    def _recompute(self, req: _Request, error: BlockLostError) -> None:
-        """Part of `req`'s KV could not be read back (a lost or corrupt block on disk): drop
-        all of it and compute the request's tokens again; its output so far is kept."""
-        log.warning("request %d: %s; recomputing its KV", req.rid, error)
-        self._running.remove(req)
-        self.kv.free(req.rid)
-        self.kv.record_preemption()
-        self.preemptions += 1
-        req.num_computed = 0
-        self._waiting.appendleft(req)
-
-    def _execute_isolated(self, plan: list[_Work]) -> list[tuple[_Work, object]]:
+    def _execute_isolated(self, plan: list[Work[_Request]]) -> list[tuple[Work[_Request], object]]:
         """Run the batch; if it fails, rerun each request alone so one failure stays its own."""
         try:
             return list(zip(plan, self._execute(plan), strict=True))
@@ -441,7 +328,7 @@ class Engine:
                     out.append((work, e))
             return out
 
-    def _execute(self, plan: list[_Work]) -> list[int | None]:
+    def _execute(self, plan: list[Work[_Request]]) -> list[int | None]:
         """One forward pass over the plan; returns the sampled token per work item (or None)."""
         tokens, positions, rows = [], [], []
         for w in plan:
@@ -477,7 +364,6 @@ class Engine:
             self._finish(req, "stop")
             return
         req.output_ids.append(token)
-        req.tokens.append(token)
         req.decoder.push(token)
         text = req.decoder.text
         hold = 0

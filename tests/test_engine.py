@@ -111,6 +111,21 @@ async def test_cancelling_the_awaiting_task_cancels_the_request(engine):
     assert engine.memory_report()["requests_running"] == 0
 
 
+async def test_the_scheduler_settings_and_counts_reach_the_engine(engine):
+    assert engine.max_batch == engine.scheduler.config.max_batch == 8
+    assert engine.scheduler.config.max_step_tokens == 64
+    c = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    report = engine.memory_report()
+    assert report["kv_bytes_peak"] > 0
+    assert {k: report[k] for k in engine.scheduler.report()} == {
+        "requests_running": 0,
+        "requests_waiting": 0,
+        "requests_swapped": 0,
+        "preemptions": 0,
+    }
+    assert len(c.token_ids) == 2
+
+
 class FlakyKV(ContiguousKVCache):
     """Fails every step that contains a poisoned sequence, like a bad device write would."""
 

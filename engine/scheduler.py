@@ -1,0 +1,279 @@
+"""The scheduler: which requests run in the next step, and what each of them feeds the model.
+
+Lives here: the waiting / running / swapped queues, admission under the memory watermark, the
+step plan (one token for each decoding request first, then prompt chunks within a token budget),
+KV reservation with preemption (swap out if the memory can, else drop to recompute), swap-in and
+requeueing. The order requests are served and preempted in, and the batch limit, are decided in
+one place: `FifoOrder`.
+
+Not here: the model, tensors, asyncio, tokenizers, sampling and streaming. The engine runs the
+plan's forward pass and reports back (`computed`, `finish`, `recompute`). KV memory is reached
+only through the scheduler-facing `kvstrategies.kv.KVMemory`; this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:  # for annotations only: importing kvstrategies.kv would import torch
+    from kvstrategies.kv import KVMemory
+
+
+class Schedulable(Protocol):
+    """What the scheduler reads and writes on a request."""
+
+    rid: int  # the sequence id in KV memory
+    num_computed: int  # tokens fed through the model (their KV is stored)
+    prefix_hit: int  # the most prompt tokens whose KV came from the prefix cache
+
+    @property
+    def tokens(self) -> list[int]:
+        """Everything to feed: the prompt, then the tokens generated so far."""
+        ...
+
+
+R = TypeVar("R", bound=Schedulable)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """How much one step may hold, and whether new requests look for a cached prefix."""
+
+    max_batch: int = 16  # requests running at once
+    max_step_tokens: int = 512  # tokens fed through the model in one step
+    # Off: every request computes its whole prompt (benchmarks that compare compute).
+    prefix_sharing: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_step_tokens < 1:
+            raise ValueError(
+                "max_batch and max_step_tokens must be >= 1, "
+                f"got {self.max_batch}, {self.max_step_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class Work(Generic[R]):
+    """One request's share of a step: the tokens it feeds, starting at `req.num_computed`."""
+
+    req: R
+    tokens: list[int]
+    needs_logits: bool  # True when this chunk ends the known tokens (a new token follows)
+
+
+@dataclass(slots=True)
+class StepPlan(Generic[R]):
+    """The next forward pass, and the requests that can never be given room."""
+
+    work: list[Work[R]]  # in serving order
+    # Alone on the device and still no room to grow: the engine finishes them with "length".
+    outgrown: list[R]
+
+
+class FifoOrder(Generic[R]):
+    """Arrival order, and the batch limit: every ordering decision the scheduler makes.
+
+    The queues and the running list are kept in serving order by the insertions below; the
+    scheduler always takes a queue's head, serves (plans, reserves) the running list front to
+    back and preempts its last request. A priority order (lower `priority` first; the highest
+    value, newest among equals, preempted first) is a drop-in replacement for this class.
+    """
+
+    __slots__ = ("max_batch",)
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+
+    def has_room(self, running: Sequence[R]) -> bool:
+        """Whether one more request may join the running batch."""
+        return len(running) < self.max_batch
+
+    def admit(self, running: list[R], req: R) -> None:
+        """Add `req` to the running batch: behind those admitted before it."""
+        running.append(req)
+
+    def victim(self, running: Sequence[R]) -> R:
+        """The running request to preempt first when memory is short: the newest."""
+        return running[-1]
+
+    def enqueue(self, queue: deque[R], req: R) -> None:
+        """Queue a new or swapped-out request behind the ones already queued."""
+        queue.append(req)
+
+    def requeue(self, queue: deque[R], req: R) -> None:
+        """Queue a request that lost its KV: it was running already, so it goes first."""
+        queue.appendleft(req)
+
+
+class Scheduler(Generic[R]):
+    """Continuous batching over a `KVMemory`: admission, step plans, reservation, preemption."""
+
+    def __init__(
+        self, kv: KVMemory, config: SchedulerConfig | None = None, order: FifoOrder[R] | None = None
+    ) -> None:
+        self.kv = kv
+        self.config = config if config is not None else SchedulerConfig()
+        self.order: FifoOrder[R] = order if order is not None else FifoOrder(self.config.max_batch)
+        self.waiting: deque[R] = deque()  # new requests, and dropped ones to recompute
+        self.running: list[R] = []  # in serving order (see `order`)
+        self.swapped: deque[R] = deque()  # KV moved off the device, to be swapped back in
+        self.preemptions = 0  # swapped out or dropped, including lost KV recomputed
+
+    # ---- what the engine calls --------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise ValueError if a prompt this long (plus one new token) can never be held."""
+        cap = self.kv.capacity_tokens()
+        if cap is not None and num_prompt_tokens + 1 > cap:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; the device tier holds KV for {cap} "
+                "tokens (give it more capacity in the config file)"
+            )
+
+    def add(self, req: R) -> None:
+        """Queue a new request; it is admitted at a coming step."""
+        self.order.enqueue(self.waiting, req)
+
+    def idle(self) -> bool:
+        """Whether no request is queued or running."""
+        return not self.waiting and not self.running and not self.swapped
+
+    def is_queued(self, req: R) -> bool:
+        """Whether `req` waits (new, dropped or swapped out) rather than runs."""
+        return req in self.waiting or req in self.swapped
+
+    def schedule(self) -> StepPlan[R]:
+        """Admit what memory allows, plan the next step and reserve KV room for it."""
+        self._admit()
+        return self._reserve(self._plan())
+
+    def computed(self, work: Work[R]) -> None:
+        """`work` ran: its tokens' KV is stored now; offer it for prefix sharing."""
+        req = work.req
+        req.num_computed += len(work.tokens)
+        self.kv.publish(req.rid, req.tokens[: req.num_computed])
+
+    def recompute(self, req: R) -> None:
+        """Part of `req`'s KV cannot be read back (a lost block): compute all of it again."""
+        self.running.remove(req)
+        self._requeue(req, count=True)
+
+    def finish(self, req: R) -> None:
+        """Forget `req` wherever it is and free its KV (idempotent)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+        self.kv.free(req.rid)
+
+    def drain(self) -> list[R]:
+        """Empty every queue; return what they held (running first, then waiting, swapped)."""
+        reqs = [*self.running, *self.waiting, *self.swapped]
+        self.running.clear()
+        self.waiting.clear()
+        self.swapped.clear()
+        return reqs
+
+    def report(self) -> dict:
+        """Request counts for memory reports."""
+        return {
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
+            "requests_swapped": len(self.swapped),
+            "preemptions": self.preemptions,
+        }
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Swapped-out requests come back first, then waiting ones, while memory allows."""
+        while self.swapped and self.order.has_room(self.running):
+            req = self.swapped[0]
+            if not self.kv.swap_in(req.rid):
+                if self.running:
+                    return  # keep the order: nobody overtakes a swapped request
+                # Even an empty device cannot take it back: recompute it instead. It was
+                # counted as a preemption when it was swapped out.
+                self.swapped.popleft()
+                self._requeue(req, count=False)
+                break
+            self.order.admit(self.running, self.swapped.popleft())
+        while self.waiting and self.order.has_room(self.running):
+            req = self.waiting[0]
+            tokens = req.tokens
+            # The watermark keeps room for running requests to grow; with none running, the
+            # head of the queue always gets its chance (it fits: `check_fits` said so).
+            if self.running and not self.kv.can_admit(len(tokens) + 1):
+                return
+            self.order.admit(self.running, self.waiting.popleft())
+            if req.num_computed == 0 and self.config.prefix_sharing:
+                req.num_computed = self.kv.match_prefix(req.rid, tokens)
+                req.prefix_hit = max(req.prefix_hit, req.num_computed)
+
+    def _plan(self) -> list[Work[R]]:
+        """Decode tokens first (one per request), then prompt chunks within the token budget."""
+        budget = self.config.max_step_tokens
+        plan: list[Work[R]] = []
+        known = [(req, req.tokens) for req in self.running]
+        for req, tokens in known:
+            if req.num_computed == len(tokens) - 1:
+                plan.append(Work(req, [tokens[-1]], True))
+                budget -= 1
+        for req, tokens in known:
+            remaining = len(tokens) - req.num_computed
+            if remaining > 1 or (remaining == 1 and req.num_computed == 0):
+                if budget <= 0:
+                    break
+                n = min(remaining, budget)
+                chunk = tokens[req.num_computed : req.num_computed + n]
+                plan.append(Work(req, chunk, n == remaining))
+                budget -= n
+        return plan
+
+    def _reserve(self, plan: list[Work[R]]) -> StepPlan[R]:
+        """Reserve KV room for every item, preempting the last-served requests when short."""
+        ready: list[Work[R]] = []
+        outgrown: list[R] = []
+        # In serving order: a victim (the last running request) is never one already served.
+        for work in sorted(plan, key=lambda w: self.running.index(w.req)):
+            if work.req not in self.running:
+                continue  # preempted while making room for a request served before it
+            while not self.kv.reserve(work.req.rid, len(work.tokens)):
+                victim = self.order.victim(self.running)
+                if victim is not work.req:
+                    self._preempt(victim)
+                elif len(self.running) == 1:
+                    # Alone and still no room: this request has outgrown the device tier.
+                    self.finish(work.req)
+                    outgrown.append(work.req)
+                    break
+                else:
+                    self._preempt(work.req)
+                    break
+            else:
+                ready.append(work)
+        return StepPlan(ready, outgrown)
+
+    def _preempt(self, req: R) -> None:
+        """Take `req` off the device: swap its KV out if possible, else drop it to recompute."""
+        self.running.remove(req)
+        if self.kv.swap_out(req.rid):
+            self.preemptions += 1
+            self.order.enqueue(self.swapped, req)
+        else:
+            self._requeue(req, count=True)
+
+    def _requeue(self, req: R, *, count: bool) -> None:
+        """Free `req`'s KV and queue it to be computed again (its output so far is kept);
+        `count` it as a preemption unless it was counted already."""
+        self.kv.free(req.rid)
+        if count:
+            self.kv.record_preemption()
+            self.preemptions += 1
+        req.num_computed = 0
+        self.order.requeue(self.waiting, req)

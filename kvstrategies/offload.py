@@ -87,7 +87,7 @@ class HierarchicalOffloadStrategy(FullStrategy):
     contract_options = {"device_window": 8, "host_window": 8, "min_disk_hit_tokens": 0}
 
     @classmethod
-    def store_parts(cls, spec: KVSpec) -> int:
+    def store_slices(cls, spec: KVSpec) -> int:
         return spec.num_layers  # one value per (block, layer): layers are fetched one by one
 
     @classmethod

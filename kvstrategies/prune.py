@@ -44,6 +44,7 @@ import torch
 
 from .full import FullStrategy
 from .kv import StepBatch
+from .options import Option
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,15 @@ SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
 SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")
 
 
+def _check_head_file(strategy: str, head: Any) -> None:
+    """A head given as a path must name a file (a PruneHead object is checked when loaded)."""
+    if isinstance(head, str | Path) and not Path(head).is_file():
+        raise ValueError(
+            f"strategy {strategy!r}: option head = {str(head)!r}: pruning head file not "
+            "found (make one with `unikv tune --kv_optimization=learned_prune`)"
+        )
+
+
 @register
 class PruneStrategy(FullStrategy):
     """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
@@ -62,65 +72,32 @@ class PruneStrategy(FullStrategy):
     tolerance = 1e-5  # over the kept tokens (see `read`)
     lossless = False
     evicts = True
-    options = {
-        "dtype": None,
-        "scorer": "head",
-        "kept_ratio": 0.5,  # share of the tokens seen that keep their KV (0, 1]
-        "sink_tokens": 4,  # first tokens always kept
-        "recent_window": 64,  # newest tokens always kept
-        "recent_share": 0.75,  # share of the budget kept for the newest tokens (H2O: 0.5)
-        "seed": 0,  # for the random scorer
-        "head": None,  # head file (scorer "head"); None: the shipped one; or a PruneHead
-        "granularity": "head",  # "head": each (layer, KV head) keeps its own; "token": shared
+    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache (DESIGN.md)
+    options = (
+        *FullStrategy.options,
+        Option("scorer", str, "head", "what ranks tokens: the learned head, or a baseline",
+               choices=SCORERS),
+        Option("kept_ratio", float, 0.5, "share of the tokens seen that keep their KV",
+               low=0, low_open=True, high=1),
+        Option("sink_tokens", int, 4, "first tokens always kept", low=0),
+        Option("recent_window", int, 64, "newest tokens always kept", low=0),
+        Option("recent_share", float, 0.75, "share of the budget kept for the newest tokens "
+               "(H2O: 0.5)", low=0, high=1),
+        Option("seed", int, 0, "seed of the random scorer", low=0, flag="--prune-seed"),
+        Option("head", object, None, "pruning head of the head scorer", none="the shipped head",
+               check=_check_head_file, allowed_text="a pruning head file (or a PruneHead)",
+               flag="--prune-head"),
+        Option("granularity", str, "head", "head: each (layer, KV head) keeps its own tokens; "
+               "token: every layer and head drops the same", choices=("head", "token")),
         # Head scorer: score = prediction + surprisal_weight * NLL - recency * log(1 + age).
         # Defaults chosen on GPL-2 (the head's training text) and passkey, never on GPL-3.
-        "recency": 0.0,
-        "surprisal_weight": 0.5,
-    }
+        Option("recency", float, 0.0, "head scorer: weight of minus log(1 + age)", low=0),
+        Option("surprisal_weight", float, 0.5, "head scorer: weight of the token's write-time "
+               "NLL", low=0),
+    )  # fmt: skip
 
     # Small budgets so the contract's short sequences are pruned; knorm differs per head.
     contract_options = {"scorer": "knorm", "sink_tokens": 2, "recent_window": 4}
-
-    @classmethod
-    def check_options(cls, options: dict | None) -> dict[str, Any]:
-        opts = super().check_options(options)
-        if opts["scorer"] not in SCORERS:
-            raise ValueError(
-                f"strategy {cls.name!r}: option scorer = {opts['scorer']!r}; "
-                f"allowed: {', '.join(SCORERS)}"
-            )
-        r = opts["kept_ratio"]
-        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
-            raise ValueError(
-                f"strategy {cls.name!r}: option kept_ratio = {r!r}; expected a number in (0, 1]"
-            )
-        rs = opts["recent_share"]
-        if isinstance(rs, bool) or not isinstance(rs, int | float) or not 0 <= rs <= 1:
-            raise ValueError(
-                f"strategy {cls.name!r}: option recent_share = {rs!r}; expected a number in [0, 1]"
-            )
-        if opts["granularity"] not in ("head", "token"):
-            gr = opts["granularity"]
-            raise ValueError(
-                f"strategy {cls.name!r}: option granularity = {gr!r}; allowed: head, token"
-            )
-        head = opts["head"]
-        if isinstance(head, str | Path) and not Path(head).is_file():
-            raise ValueError(
-                f"strategy {cls.name!r}: option head = {str(head)!r}: pruning head file not "
-                "found (make one with `unikv tune --kv_optimization=learned_prune`)"
-            )
-        for key in ("recency", "surprisal_weight"):
-            w = opts[key]
-            if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
-                raise ValueError(f"strategy {cls.name!r}: option {key} = {w!r}; expected >= 0")
-        for key in ("sink_tokens", "recent_window", "seed"):
-            v = opts[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(
-                    f"strategy {cls.name!r}: option {key} = {v!r}; expected an integer >= 0"
-                )
-        return opts
 
     def __init__(self, pool, spec, options: dict | None = None) -> None:
         super().__init__(pool, spec, options)

@@ -4,6 +4,8 @@ by bandwidth class."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +17,11 @@ from memory.pool import UnifiedMemoryPool
 from storage.registry import Registry
 
 if TYPE_CHECKING:
+    from memory.profiles import ChipProfile
+
     from .base import KVSpec, KVStrategy
+
+log = logging.getLogger(__name__)
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
 _strategies: Registry[KVStrategy] = Registry(
@@ -27,11 +33,69 @@ available = _strategies.available
 get = _strategies.get
 
 
-def select(bandwidth_class: str, config: PoolConfig) -> tuple[str, str]:
-    """The strategy for a chip class under a config: (name, why it was chosen)."""
-    from memory.profiles import choose_strategy
+# What "auto" runs when the strategy that declares itself a class's default is not available.
+FALLBACK = "full"
 
-    return choose_strategy(bandwidth_class, config.strategy, set(available()))
+
+def class_defaults() -> dict[str, str]:
+    """Bandwidth class -> the registered strategy that declares itself its default
+    (`default_for`); every class has exactly one."""
+    from memory.profiles import CLASSES
+
+    found: dict[str, list[str]] = {c: [] for c in CLASSES}
+    for name in available():
+        for c in get(name).default_for:
+            if c not in found:
+                raise RuntimeError(
+                    f"strategy {name!r}: default_for names bandwidth class {c!r}; "
+                    f"expected one of {', '.join(CLASSES)}"
+                )
+            found[c].append(name)
+    wrong = {c: names for c, names in found.items() if len(names) != 1}
+    if wrong:
+        raise RuntimeError(f"bandwidth classes without exactly one default strategy: {wrong}")
+    return {c: names[0] for c, names in found.items()}
+
+
+def select(
+    bandwidth_class: str, config: PoolConfig, names: Iterable[str] | None = None
+) -> tuple[str, str]:
+    """The strategy for a chip class under a config, and why: the configured one, else the
+    class default, else `FALLBACK`. `names` narrows the registered strategies to those
+    available (default: all).
+
+    Raises ValueError for an unknown class, a configured strategy that is not available, or
+    "auto" when neither the class default nor the fallback is available.
+    """
+    from memory.profiles import CLASSES
+
+    if bandwidth_class not in CLASSES:
+        raise ValueError(
+            f"bandwidth class {bandwidth_class!r}: expected one of {', '.join(CLASSES)}"
+        )
+    names = sorted(set(available() if names is None else names))
+    listed = ", ".join(names) or "none"
+    configured = config.strategy
+    if configured != "auto":
+        if configured not in names:
+            raise ValueError(
+                f"strategy {configured!r} is not available; available: {listed} (or auto)"
+            )
+        return configured, f"configured strategy {configured!r}"
+    default = class_defaults()[bandwidth_class]
+    if default in names:
+        return default, f"auto: default of the {bandwidth_class} bandwidth class"
+    if FALLBACK in names:
+        reason = (
+            f"auto: the {bandwidth_class} class default {default!r} is not available "
+            f"(available: {listed}); falling back to {FALLBACK!r}"
+        )
+        log.info(reason)
+        return FALLBACK, reason
+    raise ValueError(
+        f"auto strategy: neither the {bandwidth_class} class default {default!r} nor "
+        f"{FALLBACK!r} is available; available: {listed}"
+    )
 
 
 def create(
@@ -42,7 +106,8 @@ def create(
     device: torch.device | str = "cpu",
     stores: dict | None = None,
 ) -> KVStrategy:
-    """Build strategy `name` and the pool it stores into."""
+    """Build strategy `name` and the pool it stores into; `stores` holds the store-backed tiers
+    the config names (opened by `engine.assembly`)."""
     cls = get(name)
     if spec.latent and not cls.supports_latent:
         raise ValueError(f"strategy {name!r} cannot store latent (MLA) caches")
@@ -50,8 +115,6 @@ def create(
     opts = cls.check_options(config.strategy_options if options is None else options)
     block_size = config.block_size or cls.default_block_size
     layout = cls.layout(spec, block_size, opts)
-    if stores is None:
-        stores = _ssd_stores(cls, spec, config, opts)
     pool = UnifiedMemoryPool(
         config, layout, device=device, identity=content_identity(cls, spec, opts, layout),
         stores=stores,
@@ -81,6 +144,45 @@ class Built:
     bandwidth_gbps: float
     config: PoolConfig
     moe: str | None = None  # an MoE model: its router's top-k and expert placement, and why
+    profile: ChipProfile | None = None  # the chip profile the choice was made on
+
+
+@dataclass(slots=True)
+class Plan:
+    """What `plan` resolved before anything is built: the strategy, why, on which chip, and
+    its options (the file's, then the caller's, completed from the chip profile)."""
+
+    name: str
+    reason: str
+    profile: ChipProfile
+    bandwidth_class: str
+    bandwidth_gbps: float
+    config: PoolConfig
+    options: dict
+
+
+def plan(
+    strategy: str | None = None,
+    config: str | Path | PoolConfig | None = None,
+    chip: str | None = None,
+    options: dict | None = None,
+) -> Plan:
+    """Resolve config file, chip profile, bandwidth class, strategy and its options.
+
+    Precedence: an explicit `strategy`/`chip` argument, then the config file (and its UNIKV_
+    environment overrides), then the defaults ("auto" on the `cpu` profile). `options` (e.g.
+    from CLI flags) override the file's `[strategy_options]`.
+    """
+    cfg = config if isinstance(config, PoolConfig) else load_config(config)
+    name, reason, profile, cls_name, gbps = choose(cfg, strategy, chip)
+    # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
+    from_file = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    try:
+        get(name).check_options(from_file)
+    except ValueError as e:
+        raise ValueError(f"{cfg.source}: [strategy_options] {e}") from None
+    options = get(name).from_profile(profile, {**from_file, **(options or {})})
+    return Plan(name, reason, profile, cls_name, gbps, cfg, options)
 
 
 def build(
@@ -91,33 +193,14 @@ def build(
     device: torch.device | str = "cpu",
     stores: dict | None = None,
     options: dict | None = None,
-    model=None,
-    tokenizer=None,
-    progress: bool = False,
 ) -> Built:
-    """Resolve config file, chip profile, bandwidth class and strategy; build strategy and pool.
-
-    Precedence: an explicit `strategy`/`chip` argument, then the config file (and its UNIKV_
-    environment overrides), then the defaults ("auto" on the `cpu` profile). `options` (e.g.
-    from CLI flags) override the file's `[strategy_options]`. With a `model` (and its
-    `tokenizer`), the strategy prepares itself for it first (hybrid_fp16_int4: calibration).
-    """
-    cfg = config if isinstance(config, PoolConfig) else load_config(config)
-    name, reason, profile, cls_name, gbps = choose(cfg, strategy, chip)
-    # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
-    from_file = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
-    try:
-        get(name).check_options(from_file)
-    except ValueError as e:
-        raise ValueError(f"{cfg.source}: [strategy_options] {e}") from None
-    options = {**from_file, **(options or {})}
-    options = get(name).from_profile(profile, options)
-    if model is not None:
-        options = get(name).prepare(model, tokenizer, options, progress)
-    built = create(name, spec, cfg, options, device, stores)
-    # Routed experts are pool residents too: the model places them by the same config and chip.
-    moe = model.configure_moe(cfg, profile) if model is not None else None
-    return Built(built, name, reason, profile.name, cls_name, gbps, cfg, moe)
+    """`plan`, then build the strategy and its pool (see `plan` for the precedence). A strategy
+    that `needs` something recorded from a model gets it through `engine.assembly`, which
+    records it first; built here, it runs without (hybrid_fp16_int4: channels in order)."""
+    p = plan(strategy, config, chip, options)
+    kv = create(p.name, spec, p.config, p.options, device, stores)
+    return Built(kv, p.name, p.reason, p.profile.name, p.bandwidth_class, p.bandwidth_gbps,
+                 p.config, profile=p.profile)  # fmt: skip
 
 
 def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None):
@@ -137,24 +220,3 @@ def _with_strategy(cfg: PoolConfig, strategy: str | None) -> PoolConfig:
     if strategy is None or strategy == cfg.strategy:
         return cfg
     return dataclasses.replace(cfg, strategy=strategy, strategy_options={})
-
-
-def _ssd_stores(cls: type[KVStrategy], spec: KVSpec, cfg: PoolConfig, options: dict) -> dict:
-    """An LMDB-backed tier for the config's `[tiers.ssd]`, if it has one."""
-    tc = cfg.tier("ssd")
-    if tc is None:
-        return {}
-    from memory.pool import StoreTier
-    from storage import create_store
-
-    layout = cls.layout(spec, cfg.block_size or cls.default_block_size, cls.check_options(options))
-    num_blocks = tc.capacity_bytes // layout.page_bytes
-    # The map starts small and grows on demand up to the tier's capacity (plus LMDB overhead).
-    limit = 2 * tc.capacity_bytes + (64 << 20)
-    try:
-        store = create_store(
-            "lmdb", path=tc.path, map_size=min(64 << 20, limit), max_map_size=limit
-        )
-    except ValueError as e:
-        raise ValueError(f"{cfg.source}: [tiers.ssd] path = {tc.path!r}: {e}") from None
-    return {"ssd": StoreTier("ssd", layout, num_blocks, store, slices=cls.store_parts(spec))}

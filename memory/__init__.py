@@ -11,17 +11,16 @@ from memory.config import (
     ConfigError,
     MoEOptions,
     PoolConfig,
+    SchedulerOptions,
     TierConfig,
     load_config,
     parse_size,
 )
 from memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
 from memory.profiles import (
-    DEFAULT_STRATEGY,
     ChipProfile,
     TunedParams,
     bandwidth_class,
-    choose_strategy,
     choose_topk,
     format_report,
     list_profiles,
@@ -32,7 +31,6 @@ from memory.profiles import (
 from memory.stats import Health, HealthMonitor, HealthReport, OomPredictor, OomWarning, PoolStats
 
 __all__ = [
-    "DEFAULT_STRATEGY",
     "SHARED",
     "TIER_ORDER",
     "Block",
@@ -45,6 +43,7 @@ __all__ = [
     "HealthMonitor",
     "HealthReport",
     "MoEOptions",
+    "SchedulerOptions",
     "OomPredictor",
     "OomWarning",
     "PoolConfig",
@@ -56,7 +55,6 @@ __all__ = [
     "bandwidth_class",
     "block_hash",
     "chain_hashes",
-    "choose_strategy",
     "choose_topk",
     "format_report",
     "list_profiles",

@@ -1,12 +1,13 @@
-"""Chip profiles, bandwidth classes and the default KV strategy of each class.
+"""Chip profiles and bandwidth classes.
 
 What lives here: `ChipProfile` / `TunedParams` (one TOML file per chip under
-configs/profiles/), `load_profile`, `list_profiles`, `bandwidth_class`, `DEFAULT_STRATEGY`,
-`choose_strategy`, the bandwidth probes (`measure_host_bandwidth` with numpy,
-`measure_cuda_bandwidth` with torch, imported lazily and only for the cuda profile) and
-`profile_report` / `format_report` behind `unikv profile`.
+configs/profiles/), `load_profile`, `list_profiles`, `bandwidth_class`, `CLASSES`, the
+bandwidth probes (`measure_host_bandwidth` with numpy, `measure_cuda_bandwidth` with torch,
+imported lazily and only for the cuda profile) and `profile_report` / `format_report` behind
+`unikv profile`.
 
-What does not: the strategies themselves and their registry (`kvstrategies`), applying the
+What does not: the strategies, their registry and which one each class gets (each strategy
+declares the classes it is the default of; `kvstrategies.select` resolves them), applying the
 tuned parameters (the scheduler and engine read them from the profile).
 
 Bandwidth classes (DESIGN.md): high >= 1000 GB/s, medium 300-1000 GB/s, low < 300 GB/s.
@@ -26,11 +27,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,18 +46,9 @@ from memory.config import (
     show_value,
 )
 
-logger = logging.getLogger(__name__)
-
-
 HIGH_GBPS = 1000.0  # >= this: high class
 MEDIUM_GBPS = 300.0  # >= this (and < HIGH_GBPS): medium class; below: low
 CLASSES = ("high", "medium", "low")
-DEFAULT_STRATEGY = {
-    "high": "hybrid_fp16_int4",
-    "medium": "hierarchical_offload",
-    "low": "learned_prune",
-}
-FALLBACK_STRATEGY = "full"
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp16+int4")
 MEASURE_TARGETS = ("host", "cuda")
 
@@ -95,40 +86,6 @@ def bandwidth_class(gbps: float) -> str:
     if gbps >= MEDIUM_GBPS:
         return "medium"
     return "low"
-
-
-def choose_strategy(
-    bw_class: str, config_strategy: str, available: Iterable[str]
-) -> tuple[str, str]:
-    """The strategy to run and why: the configured one, else the class default, else "full".
-
-    Raises ValueError for an unknown class, a configured strategy that is not available, or
-    "auto" when neither the class default nor "full" is available.
-    """
-    if bw_class not in CLASSES:
-        raise ValueError(f"bandwidth class {bw_class!r}: expected one of {', '.join(CLASSES)}")
-    names = sorted(set(available))
-    listed = ", ".join(names) or "none"
-    if config_strategy != "auto":
-        if config_strategy not in names:
-            raise ValueError(
-                f"strategy {config_strategy!r} is not available; available: {listed} (or auto)"
-            )
-        return config_strategy, f"configured strategy {config_strategy!r}"
-    default = DEFAULT_STRATEGY[bw_class]
-    if default in names:
-        return default, f"auto: default of the {bw_class} bandwidth class"
-    if FALLBACK_STRATEGY in names:
-        reason = (
-            f"auto: the {bw_class} class default {default!r} is not available "
-            f"(available: {listed}); falling back to {FALLBACK_STRATEGY!r}"
-        )
-        logger.info(reason)
-        return FALLBACK_STRATEGY, reason
-    raise ValueError(
-        f"auto strategy: neither the {bw_class} class default {default!r} nor "
-        f"{FALLBACK_STRATEGY!r} is available; available: {listed}"
-    )
 
 
 def choose_topk(profile: ChipProfile, config: PoolConfig | MoEOptions) -> tuple[str, int, str]:
@@ -405,14 +362,15 @@ def resolve_bandwidth(profile: ChipProfile) -> tuple[float, str]:
 def profile_report(
     chip: str | None = None,
     config_path: str | os.PathLike[str] | None = None,
-    available_strategies: Iterable[str] = (FALLBACK_STRATEGY,),
+    select: Callable[[str, PoolConfig], tuple[str, str]] | None = None,
     *,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Everything `unikv profile` shows, as a JSON-serializable dict.
 
     `chip` overrides the config's chip; without `config_path` the defaults (plus UNIKV_
-    environment overrides) are used.
+    environment overrides) are used. `select(bandwidth class, config)` gives the strategy and
+    why (`kvstrategies.select`); without it the report names none.
     """
     config = load_config(config_path, env=env)
     profile = load_profile(chip if chip is not None else config.chip)
@@ -427,7 +385,7 @@ def profile_report(
         class_source = (
             f"pinned by the profile (DESIGN.md field table); {gbps:g} GB/s alone would be {derived}"
         )
-    strategy, reason = choose_strategy(cls, config.strategy, available_strategies)
+    strategy, reason = select(cls, config) if select is not None else (None, "")
     topk, topk_block, topk_reason = choose_topk(profile, config)
     t = profile.tuned
     return {
@@ -482,7 +440,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         ("chip", f"{report['chip']} ({report['display_name']})"),
         ("bandwidth", f"{report['bandwidth_gbps']:g} GB/s ({report['bandwidth_source']})"),
         ("class", f"{report['class']} ({report['class_source']})"),
-        ("strategy", f"{report['strategy']} ({report['strategy_reason']})"),
+        *(
+            [("strategy", f"{report['strategy']} ({report['strategy_reason']})")]
+            if report["strategy"] is not None
+            else []
+        ),
         ("config", str(report["config"])),
         ("block size", f"{report['block_size']} tokens"),
         ("batch size", f"{report['batch_size']} ({tuned})"),

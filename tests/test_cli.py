@@ -78,6 +78,51 @@ def test_argument_errors_exit_2(argv, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_strategy_flags_come_from_the_option_declarations(capsys):
+    import kvstrategies
+    from engine.cli import _kv_options, build_parser
+
+    parse = build_parser().parse_args
+    base = ["eval", "ppl", "--text", "x"]
+    assert _kv_options(parse(base)) == {}  # flags left out keep the config file's values
+    argv = [*base, "--fp16-share", "0.25", "--bits", "8", "--scales", "fp8", "--sink-tokens",
+            "2", "--recalibrate", "--calibration", "c.pt", "--device-window", "32",
+            "--no-persist-prefix", "--prefetch-depth", "3", "--kept-ratio", "0.3", "--scorer",
+            "tova", "--prune-head", "h.pt", "--recent-window", "8"]  # fmt: skip
+    assert _kv_options(parse(argv)) == {
+        "fp16_share": 0.25, "bits": 8, "scales": "fp8", "sink_tokens": 2, "recalibrate": True,
+        "calibration": "c.pt", "device_window": 32, "persist_prefix": False,
+        "prefetch_depth": 3, "kept_ratio": 0.3, "scorer": "tova", "head": "h.pt",
+        "recent_window": 8,
+    }  # fmt: skip
+    # Every declared option has its flag on run and eval; tune takes hybrid_fp16_int4's only.
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = capsys.readouterr().out
+    for name in kvstrategies.available():
+        assert f"{name} options" in help_text
+        for o in kvstrategies.get(name).options:
+            assert o.flag_name in help_text, o.name
+    tune = ["tune", "--kv_optimization=hybrid_fp16_int4", "--text", "t", "--out", "o"]
+    assert _kv_options(parse([*tune, "--bits", "2", "--low-bits", "2"])) == {
+        "bits": 2,
+        "low_bits": 2,
+    }
+    with pytest.raises(SystemExit):
+        parse([*tune, "--kept-ratio", "0.5"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--scales", "fp4"], ["--scorer", "magic"], ["--granularity", "layer"], ["--bits", "x"]],
+)
+def test_strategy_flag_values_of_the_wrong_form_are_argument_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "ppl", "--text", "x", *argv])
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
 def _cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run(

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
+import kvstrategies
 import memory.profiles as profiles
-from memory.config import ConfigError, MoEOptions
+from kvstrategies.registry import class_defaults
+from memory.config import ConfigError, MoEOptions, PoolConfig
 from memory.profiles import (
-    DEFAULT_STRATEGY,
     TunedParams,
     bandwidth_class,
-    choose_strategy,
     choose_topk,
     format_report,
     list_profiles,
@@ -54,7 +54,7 @@ def test_profile_class_and_tuned_match_design(name: str) -> None:
         t.l2_prefetch_depth,
     ) == tuned
     assert p.field_tuned and not p.measured
-    assert profile_report(name, env={}, available_strategies={"full"})["class"] == expected_class
+    assert profile_report(name, env={}, select=only({"full"}))["class"] == expected_class
 
 
 def test_pins_only_where_the_figure_disagrees() -> None:
@@ -108,10 +108,33 @@ def test_bandwidth_class_rejects(bad: object) -> None:
         bandwidth_class(bad)  # type: ignore[arg-type]
 
 
+# DESIGN.md's class table: the default strategy of each bandwidth class.
+DESIGN_DEFAULTS = {
+    "high": "hybrid_fp16_int4",
+    "medium": "hierarchical_offload",
+    "low": "learned_prune",
+}
+
+
+def choose_strategy(cls: str, strategy: str, names: set[str]) -> tuple[str, str]:
+    return kvstrategies.select(cls, PoolConfig(strategy=strategy), names)
+
+
+def only(names: set[str]):
+    """`kvstrategies.select` as if only `names` were available (profile_report's `select`)."""
+    return lambda cls, config: kvstrategies.select(cls, config, names)
+
+
 def test_choose_strategy() -> None:
-    everything = set(DEFAULT_STRATEGY.values()) | {"full"}
-    for cls, default in DEFAULT_STRATEGY.items():
+    # The strategies declare the classes they are the default of; profiles name none.
+    assert class_defaults() == DESIGN_DEFAULTS
+    everything = set(DESIGN_DEFAULTS.values()) | {"full"}
+    for cls, default in DESIGN_DEFAULTS.items():
         assert choose_strategy(cls, "auto", everything)[0] == default
+        assert kvstrategies.select(cls, PoolConfig()) == (
+            default,
+            f"auto: default of the {cls} bandwidth class",
+        )
     name, reason = choose_strategy("high", "auto", {"full"})
     assert name == "full" and "'hybrid_fp16_int4' is not available" in reason
     assert "falling back to 'full'" in reason
@@ -165,7 +188,7 @@ def test_profile_from_path_and_errors(tmp_path: Path) -> None:
 
 def test_profile_report_cpu_and_format() -> None:
     report = profile_report(
-        None, ROOT / "configs" / "small.toml", {"full"}, env={}
+        None, ROOT / "configs" / "small.toml", only({"full"}), env={}
     )  # small.toml: chip cpu, strategy full
     assert json.loads(json.dumps(report)) == report
     for key in ("chip", "bandwidth_gbps", "bandwidth_source", "class", "strategy", "tiers"):
@@ -183,7 +206,7 @@ def test_profile_report_cpu_and_format() -> None:
 
 
 def test_profile_report_chip_override_pinned_class() -> None:
-    report = profile_report("mlu370", None, {"full", "hybrid_fp16_int4"}, env={})
+    report = profile_report("mlu370", None, only({"full", "hybrid_fp16_int4"}), env={})
     assert report["class"] == "high" and report["strategy"] == "hybrid_fp16_int4"
     assert report["bandwidth_source"] == "declared" and report["bandwidth_gbps"] == 614.4
     assert "pinned" in report["class_source"] and "would be medium" in report["class_source"]

@@ -265,7 +265,7 @@ def test_config_overrides_the_profile(tmp_path: Path) -> None:
 
 
 def test_profile_report_shows_the_topk() -> None:
-    report = profile_report("mtt_s4000", None, {"full"}, env={})
+    report = profile_report("mtt_s4000", None, env={})
     assert (report["moe_topk"], report["moe_topk_block"]) == ("blockwise", 32)
     assert report["expert_cache"] == 1.0
     text = format_report(report)

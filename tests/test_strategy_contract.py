@@ -9,15 +9,25 @@ Every test runs on a plain multi-head spec and on a latent (MLA) one: one KV hea
 are the keys' first channels (not stored), a softmax scale of its own, and outputs narrower than
 the queries. A strategy that declares `supports_latent = False` is skipped there, and `create`
 must refuse it.
+
+A strategy defined outside the registry's modules runs the same suite by being listed in
+`EXTRA` (`TinyStrategy` below: a new strategy is one class with its option declarations, plus
+the registry line that `register` stands for here); it is registered only while its tests run.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import kvstrategies
+import kvstrategies.registry
+from engine.assembly import create_kv
+from kvstrategies.full import FullStrategy
 from kvstrategies.kv import StepBatch
+from kvstrategies.options import Option
+from kvstrategies.tables import BEGIN, END, option_tables
 from memory.config import PoolConfig, TierConfig
 
 LAYERS, QHEADS, BS = 2, 4, 8
@@ -67,7 +77,7 @@ def make(tmp_path, spec):
             TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd{len(built)}")),
         )
         cfg = PoolConfig(block_size=BS, tiers=tiers)
-        s = kvstrategies.create(name, spec, cfg, opts)
+        s = create_kv(name, spec, cfg, opts)
         built.append(s)
         return s
 
@@ -122,8 +132,36 @@ class Driver:
         return max(errs)
 
 
-@pytest.fixture(params=kvstrategies.available())
-def name(request):
+class TinyStrategy(FullStrategy):
+    """A new strategy as one file would add it: full's storage, one option of its own."""
+
+    name = "contract_tiny"
+    options = (
+        *FullStrategy.options,
+        Option("tiny_window", int, 16, "tokens the stats call recent", low=1, high=4096),
+    )
+    contract_options = {"tiny_window": 4}
+
+    def stats(self) -> dict:
+        return {**super().stats(), "tiny_window": self.opts["tiny_window"]}
+
+
+# Strategies the contract runs on besides the registered ones.
+EXTRA = {cls.name: cls for cls in (TinyStrategy,)}
+
+
+def register_for_the_test(monkeypatch, cls) -> None:
+    """`register(cls)` into a copy of the registry that the test's end throws away."""
+    reg = kvstrategies.registry._strategies
+    reg.available()  # the shipped strategies first, so the copy holds them
+    monkeypatch.setattr(reg, "_classes", dict(reg._classes))
+    kvstrategies.register(cls)
+
+
+@pytest.fixture(params=[*kvstrategies.available(), *EXTRA])
+def name(request, monkeypatch):
+    if request.param in EXTRA:
+        register_for_the_test(monkeypatch, EXTRA[request.param])
     return request.param
 
 
@@ -202,3 +240,65 @@ def test_create_refuses_a_latent_spec_for_a_strategy_without(monkeypatch):
 def test_registry_errors():
     with pytest.raises(ValueError, match="unknown strategy 'nope'; supported: .*full"):
         kvstrategies.get("nope")
+
+
+def test_options_are_declared_with_their_defaults(name):
+    cls = kvstrategies.get(name)
+    assert all(isinstance(o, Option) for o in cls.options)
+    names = [o.name for o in cls.options]
+    assert len(names) == len(set(names)), names
+    opts = cls.check_options({})  # the defaults are valid
+    assert list(opts) == names
+    # Each option refuses a value of the wrong kind, naming strategy, option and value.
+    for o in cls.options:
+        if o.type is not object:
+            with pytest.raises(ValueError, match=rf"strategy '{name}': option {o.name} = \[\]"):
+                cls.check_options({o.name: []})
+
+
+def test_a_new_strategy_is_one_class_plus_a_registry_line(monkeypatch, tmp_path, capsys):
+    from engine.cli import _kv_options, build_parser, main
+
+    register_for_the_test(monkeypatch, TinyStrategy)
+    assert "contract_tiny" in kvstrategies.available()
+    cls = kvstrategies.get("contract_tiny")
+    # Validation comes from the declaration.
+    assert cls.check_options({})["tiny_window"] == 16
+    with pytest.raises(ValueError, match=r"'contract_tiny': option tiny_window = 0; expected an "
+                       r"integer in \[1, 4096\]"):  # fmt: skip
+        cls.check_options({"tiny_window": 0})
+    with pytest.raises(ValueError, match="unknown option.*allowed: dtype, tiny_window"):
+        cls.check_options({"window": 3})
+    # So do its flag, its help and the parsed option; inherited flags are shared.
+    argv = ["run", "--prompt", "hi", "--strategy", "contract_tiny", "--tiny-window", "7"]
+    args = build_parser().parse_args([*argv, "--kv-dtype", "float32"])
+    assert _kv_options(args) == {"tiny_window": 7, "dtype": "float32"}
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "contract_tiny options" in out
+    assert "--tiny-window TINY_WINDOW tokens the stats call recent; an integer in [1, 4096] " \
+        "(default: 16)" in out  # fmt: skip
+    assert out.count("--kv-dtype {float32,bfloat16,float16} dtype") == 1  # one flag, shared
+    # A config file's [strategy_options] is checked by the same declarations.
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('strategy = "contract_tiny"\n[strategy_options]\ntiny_window = 0\n')
+    with pytest.raises(ValueError, match=rf"{cfg}: \[strategy_options\] .*tiny_window = 0"):
+        kvstrategies.build(SPECS["mha"], None, cfg)
+    assert kvstrategies.build(SPECS["mha"], "contract_tiny").strategy.stats()["tiny_window"] == 16
+    # And its table in the generated option tables.
+    assert "**`contract_tiny`**" in option_tables()
+    assert "| `tiny_window` / `--tiny-window` | int | `16` | an integer in [1, 4096] |" in (
+        option_tables()
+    )
+
+
+def test_readme_option_tables_are_the_generated_ones():
+    """README.md's tables between the markers are `python -m kvstrategies.tables`'s output."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    shown = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert shown.strip() == option_tables().strip(), (
+        "README.md's strategy option tables are stale: put `python -m kvstrategies.tables`'s "
+        "output between the markers"
+    )

@@ -49,7 +49,7 @@ token is the median over rounds, the counters cover the timed rounds only.
 
 With `--model DIR --text FILE` the workload is a DeepSeek checkpoint itself, through the
 engine: for each case the model is loaded, its experts placed by a config's [moe] table
-(`kvstrategies.build`, `full` strategy), the text's first `--prompt` tokens prefilled, then
+(`engine.assembly.build_kv`, `full` strategy), the text's first `--prompt` tokens prefilled, then
 `--warmup` untimed and `--tokens` timed greedy decode steps; routing is the checkpoint's own
 (realistic when it is trained; a random checkpoint's greedy decode tends to repeat itself,
 which flatters the hit rate). Cases run one after another (each needs its own placement), not
@@ -193,7 +193,7 @@ def counters(cache: ExpertCache) -> dict:
 
 def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
     """The cases on a real checkpoint through the engine (see the module docstring)."""
-    import kvstrategies
+    from engine.assembly import build_kv
     from engine.loading import load_model
     from kvstrategies.kv import StepBatch
     from memory.config import MoEOptions, PoolConfig, TierConfig
@@ -209,7 +209,7 @@ def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
         tiers = (TierConfig("device", 1 << 30), TierConfig("ssd", 1 << 34, path=str(root / name)))
         cfg = PoolConfig(tiers=tiers, strategy="full",
                          moe=MoEOptions(topk="exact", expert_cache=fc, expert_host=fh))  # fmt: skip
-        built = kvstrategies.build(model.kv_spec(), config=cfg, model=model)
+        built = build_kv(model.kv_spec(), config=cfg, model=model)
         kv, n = built.strategy, len(ids)
         last = torch.tensor([n - 1])
         logits = model.forward(torch.tensor(ids), torch.arange(n), kv, StepBatch([0], [n]), last)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
+from engine.assembly import build_kv  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
 from engine.gguf_loader import resolve_model_path  # noqa: E402
 from engine.loading import load_model  # noqa: E402
@@ -78,7 +79,7 @@ def engine_run(model, tok, ids, name, options=None, block_size=None):
 
     spec = model.kv_spec()
     cfg = PoolConfig(block_size=block_size)
-    kv = kvstrategies.build(spec, name, cfg, options=options, model=model, tokenizer=tok).strategy
+    kv = build_kv(spec, name, cfg, options=options, model=model, tokenizer=tok).strategy
     logits = []
     res = perplexity(model, ids, kv, logits_out=logits)
     return res, torch.cat(logits)

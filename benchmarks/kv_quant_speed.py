@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
+from engine.assembly import build_kv  # noqa: E402
 from engine.evaluate import read_text  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from kvstrategies.kv import StepBatch  # noqa: E402
@@ -46,7 +46,7 @@ def context_ids(tok, n: int) -> list[int]:
 
 def build(model, tok, name: str):
     spec = model.kv_spec()
-    return kvstrategies.build(spec, name, model=model, tokenizer=tok).strategy
+    return build_kv(spec, name, model=model, tokenizer=tok).strategy
 
 
 def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:

@@ -44,10 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from benchmarks.store_bandwidth import raw_read  # noqa: E402
+from engine.assembly import build_kv  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
@@ -71,7 +71,7 @@ def build(model, store_dir: Path, options: dict, depth: int | None, threads: int
     if threads is not None:
         opts["io_threads"] = threads
     spec = model.kv_spec()
-    built = kvstrategies.build(spec, NAME, PoolConfig(tiers=tiers), options=opts)
+    built = build_kv(spec, NAME, PoolConfig(tiers=tiers), options=opts)
     return built.strategy
 
 

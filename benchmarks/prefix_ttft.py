@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids  # noqa: E402
+from engine.assembly import build_kv  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -49,7 +49,7 @@ def strategy(model, store: Path, **options):
              TierConfig("ssd", 4 << 30, path=str(store)))  # fmt: skip
     opts = {"device_window": 1024, "host_window": 1 << 20, "min_disk_hit_tokens": 0, **options}
     spec = model.kv_spec()
-    return kvstrategies.build(spec, "hierarchical_offload", PoolConfig(tiers=tiers),
+    return build_kv(spec, "hierarchical_offload", PoolConfig(tiers=tiers),
                               options=opts).strategy  # fmt: skip
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_quality import label  # noqa: E402
+from engine.assembly import build_kv  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.tune import TuneSettings, tune_hybrid  # noqa: E402
@@ -42,8 +42,8 @@ SETTINGS = [
 
 def ppl(model, tok, ids, name, options=None) -> float:
     spec = model.kv_spec()
-    kv = kvstrategies.build(spec, name, PoolConfig(), options=options, model=model,
-                            tokenizer=tok).strategy  # fmt: skip
+    kv = build_kv(spec, name, PoolConfig(), options=options, model=model,
+                  tokenizer=tok).strategy  # fmt: skip
     return perplexity(model, ids, kv).ppl
 
 

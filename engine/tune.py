@@ -240,13 +240,14 @@ def tune_hybrid(
 
     `on_step(step)` is called after each step's checkpoint decision (tests interrupt there)."""
     import kvstrategies
-    from kvstrategies.calibration import TUNED_FILE, ChannelStats, ensure_calibration
+    from kvstrategies.calibration import TUNED_FILE, ChannelStats
     from kvstrategies.hybrid import HybridStrategy
     from kvstrategies.hybrid_qat import FakeQuant
 
     from .hf_loader import checkpoint_config, save_hf
     from .loading import load_weights
     from .model import LlamaModel
+    from .recording import ensure_calibration
 
     settings.check()
     device = _check_device(device)

@@ -1,7 +1,8 @@
 """The channel-importance evaluator of `hybrid_fp16_int4`, and its calibration file.
 
-Run once on warm-up text: the model prefills `samples` windows of `window` tokens through a
-recording cache that sees every layer's queries, keys and values, and keeps per-channel sums.
+Run once on warm-up text: the engine prefills `samples` windows of `window` tokens through a
+recording cache (`ChannelRecorder`) that sees every layer's queries, keys and values, and keeps
+per-channel sums (`engine.recording` drives the model; nothing here does).
 From them each method ranks the channels of each (layer, KV head), separately for keys and
 values (higher = keep more precision):
 
@@ -20,7 +21,7 @@ are ranked as keys (the value statistics stay zero and the value order is the ke
 
 The calibration file (`.pt`, a dict of tensors and strings) is keyed by the model identity and
 the KV shape: loading it for another model or layout raises `CalibrationMismatch`, and the
-strategy recomputes it only when asked to.
+engine recomputes it only when asked to (option `recalibrate`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from .kv import ContiguousKVCache, StepBatch
+from .kv import ContiguousKVCache, KVSpec
 
 METHODS = ("score_error", "magnitude", "outlier")
 TUNED_FILE = "kv_calibration.pt"  # in a checkpoint directory written by `unikv tune`
@@ -105,11 +105,14 @@ class ChannelStats:
         return cls(**raw)
 
 
-class _Recorder(ContiguousKVCache):
-    """A plain cache that also accumulates the channel statistics of everything it sees."""
+class ChannelRecorder(ContiguousKVCache):
+    """A plain cache that also accumulates the channel statistics of everything it sees.
 
-    def __init__(self, model, block: int) -> None:
-        spec = model.kv_spec()
+    The engine prefills warm-up windows through it (`engine.recording`); `to_stats` then gives
+    the `ChannelStats` a calibration file holds. The recorder never runs the model itself.
+    """
+
+    def __init__(self, spec: KVSpec, block: int) -> None:
         value_dim = spec.v_dim if spec.latent else None
         super().__init__(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32,
                          scale=spec.scale, value_dim=value_dim)  # fmt: skip
@@ -147,54 +150,19 @@ class _Recorder(ContiguousKVCache):
         self.sums["q_sq"][layer] += q.float().view(t, hkv, hq // hkv, d).square().sum((0, 2))
         return super().attend(layer, q)
 
-
-def collect(
-    model,
-    ids: list[int],
-    samples: int = 100,
-    window: int = 256,
-    block: int = 64,
-    progress: bool = False,
-) -> ChannelStats:
-    """Prefill `samples` windows of `window` tokens of `ids` and gather channel statistics.
-
-    The windows start at evenly spaced offsets, overlapping when the text is short; a text
-    shorter than one window is a ValueError.
-    """
-    if samples < 1 or window < 2:
-        raise ValueError(f"calibration needs samples >= 1 and window >= 2, got {samples}, {window}")
-    if len(ids) < window:
-        raise ValueError(
-            f"calibration text has {len(ids)} tokens; it needs at least one window of {window}"
+    def to_stats(self, identity: str, wo_sq: torch.Tensor) -> ChannelStats:
+        """The statistics gathered so far, with the output projection's column norms `wo_sq`
+        [layers, kv_heads, head_dim] (zeros for a latent cache, which has no values)."""
+        return ChannelStats(
+            identity=identity,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            tokens=self.tokens,
+            k_blocks=self.k_blocks,
+            wo_sq=wo_sq,
+            **self.sums,
         )
-    cfg = model.cfg
-    rec = _Recorder(model, block)
-    span = len(ids) - window
-    starts = [round(i * span / max(samples - 1, 1)) for i in range(samples)]
-    for i, start in enumerate(
-        tqdm(starts, desc="calibrating", unit="window", disable=not progress)
-    ):
-        toks = torch.tensor(ids[start : start + window], device=model.device)
-        pos = torch.arange(window, device=model.device)
-        model.forward(toks, pos, rec, StepBatch([i], [window]), torch.tensor([window - 1]))
-        rec.free(i)
-    hkv, d = rec.num_kv_heads, rec.head_dim  # the cache's shape (a latent one for MLA)
-    g = cfg.num_heads // hkv
-    wo_sq = torch.zeros(cfg.num_layers, hkv, d)  # stays zero for a latent cache: no values
-    if rec.value_dim is None:
-        for li, layer in enumerate(model.layers):
-            w = layer[2].weight.float()  # o_proj as [P, in = Hq * D, out / P]
-            wo_sq[li] = w.square().sum((0, 2)).view(hkv, g, d).sum(1)  # [Hkv, D]
-    return ChannelStats(
-        identity=model.cfg.identity,
-        num_layers=cfg.num_layers,
-        num_kv_heads=hkv,
-        head_dim=d,
-        tokens=rec.tokens,
-        k_blocks=rec.k_blocks,
-        wo_sq=wo_sq,
-        **rec.sums,
-    )
 
 
 WARMUP_TEXT = Path(__file__).with_name("data") / "warmup.txt"
@@ -208,42 +176,3 @@ def default_path(identity: str) -> Path:
     slug = "".join(c if c.isalnum() else "-" for c in identity)[:60]
     digest = hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
     return root / "calibration" / f"{slug}-{digest}.pt"
-
-
-def _tuned_calibration(model) -> Path | None:
-    """`kv_calibration.pt` of the checkpoint directory the model came from, if it has one."""
-    source = getattr(model, "source", None)
-    if source is None:
-        return None
-    path = Path(source) / TUNED_FILE
-    return path if path.is_file() else None
-
-
-def ensure_calibration(model, tokenizer, opts: dict, progress: bool = False) -> Path:
-    """The calibration file the options name (or the model's default one), computed if missing
-    or if `recalibrate` is set. An existing file for another model raises CalibrationMismatch."""
-    from engine.evaluate import read_text
-
-    cfg = model.cfg
-    spec = model.kv_spec()
-    shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    if opts.get("calibration"):
-        path = Path(opts["calibration"])
-    elif (tuned := _tuned_calibration(model)) is not None:
-        path = tuned  # a tuned checkpoint's own plan (engine.tune): the one it was tuned for
-    else:
-        path = default_path(cfg.identity)
-    if path.exists() and not opts.get("recalibrate"):
-        ChannelStats.load(path, cfg.identity, shape)  # refuses another model's file
-        return path
-    text = read_text(str(opts.get("calibration_text") or WARMUP_TEXT))
-    ids = tokenizer.encode(text)
-    stats = collect(
-        model,
-        ids,
-        samples=opts.get("calibration_samples", 100),
-        window=min(opts.get("calibration_window", 256), len(ids)),
-        progress=progress,
-    )
-    stats.save(path)
-    return path

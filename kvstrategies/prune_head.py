@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from storage.files import torch_save_atomic
 
-from .kv import ContiguousKVCache, StepBatch
+from .kv import ContiguousKVCache, KVSpec
 
 FORMAT = 1
 EPS = 1e-6
@@ -146,13 +146,13 @@ class PruneHead(nn.Module):
 # ---- training data ------------------------------------------------------------------------------
 
 
-class _Recorder(ContiguousKVCache):
+class TargetRecorder(ContiguousKVCache):
     """A plain cache that also keeps, per layer, the stored K/V and the attention each token
-    receives from later queries (mean over queries of the max over the group's query heads)."""
+    receives from later queries (mean over queries of the max over the group's query heads).
+    The engine prefills one training window through it (`engine.recording`)."""
 
-    def __init__(self, model, gap: int) -> None:
-        cfg = model.cfg
-        super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    def __init__(self, spec: KVSpec, gap: int) -> None:
+        super().__init__(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
         self.gap = gap
         self.kv: list[torch.Tensor] = []  # per layer [T, Hkv, 2D]
         self.target: list[torch.Tensor] = []  # per layer [T, Hkv]
@@ -179,30 +179,17 @@ class _Recorder(ContiguousKVCache):
         self.target.append(received.T)
         return out
 
-
-def collect(model, ids: list[int], windows: int, window: int, per_window: int, min_later: int,
-            gap: int = 0, seed: int = 0, progress: bool = False,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(inputs [M, 2D], layer ids [M], log targets [M]) from `windows` windows of the text."""
-    if len(ids) < window:
-        raise ValueError(f"the text has {len(ids)} tokens; training needs at least {window}")
-    rng = random.Random(seed)
-    span = len(ids) - window
-    starts = [round(i * span / max(windows - 1, 1)) for i in range(windows)]
-    xs, ls, ys = [], [], []
-    usable = window - min_later
-    for i, start in enumerate(tqdm(starts, desc="attention targets", unit="window",
-                                   disable=not progress)):  # fmt: skip
-        rec = _Recorder(model, gap)
-        toks = torch.tensor(ids[start : start + window], device=model.device)
-        model.forward(toks, torch.arange(window, device=model.device), rec,
-                      StepBatch([i], [window]), torch.tensor([window - 1]))  # fmt: skip
+    def samples(self, rng: random.Random, per_window: int, min_later: int):
+        """(inputs [M, 2D], layer ids [M], log targets [M]) of `per_window` random tokens of
+        the window that have at least `min_later` later queries."""
+        usable = len(self.target[0]) - min_later
         pick = torch.tensor(sorted(rng.sample(range(usable), min(per_window, usable))))
-        for layer, (kv, tgt) in enumerate(zip(rec.kv, rec.target, strict=True)):
+        xs, ls, ys = [], [], []
+        for layer, (kv, tgt) in enumerate(zip(self.kv, self.target, strict=True)):
             xs.append(kv[pick].reshape(-1, kv.shape[-1]))  # [P * Hkv, 2D]
             ys.append(torch.log(tgt[pick].reshape(-1) + EPS))
             ls.append(torch.full((xs[-1].shape[0],), layer, dtype=torch.long))
-    return torch.cat(xs), torch.cat(ls), torch.cat(ys)
+        return torch.cat(xs), torch.cat(ls), torch.cat(ys)
 
 
 @dataclass(slots=True)
@@ -215,16 +202,14 @@ class TrainResult:
     seconds: float
 
 
-def train(model, ids: list[int], windows: int = 48, window: int = 512, per_window: int = 96,
-          min_later: int = 64, gap: int = 0, epochs: int = 6, lr: float = 2e-3,
-          batch: int = 4096, seed: int = 0, progress: bool = False,
-          per_layer: bool = False) -> TrainResult:  # fmt: skip
-    """Train a head on `ids` against the frozen `model`; the last eighth of the windows is
-    held out for the reported loss and correlation."""
+def fit(x: torch.Tensor, lay: torch.Tensor, y: torch.Tensor, windows: int, num_layers: int,
+        head_dim: int, epochs: int = 6, lr: float = 2e-3, batch: int = 4096, seed: int = 0,
+        progress: bool = False, per_layer: bool = False) -> TrainResult:  # fmt: skip
+    """Train a head on recorded samples (inputs x [M, 2D], layer ids, log targets y) from
+    `windows` windows in order; the last eighth of the windows is held out for the reported
+    loss and correlation."""
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    x, lay, y = collect(model, ids, windows, window, per_window, max(min_later, gap + 1), gap,
-                        seed, progress)  # fmt: skip
     per = x.shape[0] // windows  # samples per window
     n_val = max(1, windows // 8) * per
     xt, lt, yt, xv, lv, yv = (
@@ -235,11 +220,10 @@ def train(model, ids: list[int], windows: int = 48, window: int = 512, per_windo
         lay[-n_val:],
         y[-n_val:],
     )
-    cfg = model.cfg
     if per_layer:  # the shared head's parameter budget, split over the layers
-        head = PruneHead(cfg.num_layers, cfg.head_dim, hidden=25, per_layer=True)
+        head = PruneHead(num_layers, head_dim, hidden=25, per_layer=True)
     else:
-        head = PruneHead(cfg.num_layers, cfg.head_dim)
+        head = PruneHead(num_layers, head_dim)
     head.mean.copy_(xt.mean(0))
     head.std.copy_(xt.std(0).clamp(min=1e-3))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=1e-4)
@@ -263,8 +247,8 @@ def train(model, ids: list[int], windows: int = 48, window: int = 512, per_windo
         pred = head(xv, lv)
         val = F.mse_loss(pred, yv).item()
         corr = torch.corrcoef(torch.stack([pred, yv]))[0, 1].item()
-        means = torch.zeros(cfg.num_layers).index_add_(0, lt, yt) / torch.bincount(
-            lt, minlength=cfg.num_layers
+        means = torch.zeros(num_layers).index_add_(0, lt, yt) / torch.bincount(
+            lt, minlength=num_layers
         )
         base = F.mse_loss(means[lv], yv).item()
     return TrainResult(head, xt.shape[0], val, corr, base, time.perf_counter() - t0)

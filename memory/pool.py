@@ -99,8 +99,8 @@ class UnifiedMemoryPool:
                 tier = TensorTier(tc.name, layout, num_blocks, dev)
             else:
                 raise ValueError(
-                    f"{config.source}: [tiers.{tc.name}] needs a block store "
-                    f"(pass stores={{'{tc.name}': ...}}); none is built in for this tier yet"
+                    f"{config.source}: [tiers.{tc.name}] needs a block store (pass "
+                    f"stores={{'{tc.name}': ...}}: engine.assembly.build_kv opens it)"
                 )
             self.tiers[tc.name] = tier
             self.allocators[tc.name] = TierAllocator(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
+from engine.assembly import create_kv  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -32,7 +32,7 @@ def main(store: str, prompt_file: str) -> None:
     cfg = PoolConfig(block_size=16, tiers=tiers)
     opts = {"device_window": 64, "host_window": 64, "min_disk_hit_tokens": 0}
     spec = model.kv_spec()
-    kv = kvstrategies.create("hierarchical_offload", spec, cfg, opts)
+    kv = create_kv("hierarchical_offload", spec, cfg, opts)
 
     async def run() -> None:
         engine = Engine(model, tok, kv=kv)

@@ -146,10 +146,10 @@ def new_kv(model):
 @pytest.fixture(scope="session")
 def calibration(model, tokenizer, tmp_path_factory):
     """A small hybrid_fp16_int4 calibration file for the real model (4 windows of 128 tokens)."""
-    from kvstrategies.calibration import collect
+    from engine.recording import collect_channel_stats
 
     ids = tokenizer.encode(make_english(60, seed=11))
-    stats = collect(model, ids, samples=4, window=128, block=64)
+    stats = collect_channel_stats(model, ids, samples=4, window=128, block=64)
     path = tmp_path_factory.mktemp("cal") / "smollm2.pt"
     stats.save(path)
     return path

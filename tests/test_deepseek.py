@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvstrategies
+from engine.assembly import create_kv
 from engine.config import ModelLoadError
 from engine.deepseek import DeepseekModel, kv_footprint
 from engine.loading import load_model
@@ -95,7 +96,7 @@ def pool_strategy(model, name="full", blocks=64, tmp_path=None, **options):
     tiers = [TierConfig("device", blocks * page), TierConfig("host", 64 * page)]
     if tmp_path is not None:
         tiers.append(TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd-{name}")))
-    return kvstrategies.create(name, spec, PoolConfig(block_size=16, tiers=tuple(tiers)), opts)
+    return create_kv(name, spec, PoolConfig(block_size=16, tiers=tuple(tiers)), opts)
 
 
 def test_logits_match_transformers_through_the_latent_cache(pair):

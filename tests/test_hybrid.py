@@ -9,8 +9,9 @@ import torch
 
 import kvstrategies
 from engine.evaluate import perplexity
+from engine.recording import ensure_calibration
 from kvstrategies import kernels
-from kvstrategies.calibration import CalibrationMismatch, ChannelStats, ensure_calibration
+from kvstrategies.calibration import CalibrationMismatch, ChannelStats
 from kvstrategies.kv import StepBatch
 from kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
 from memory.config import PoolConfig, TierConfig
@@ -240,8 +241,9 @@ def test_ensure_calibration_computes_once_and_refuses_another_models_file(
 
 
 class _LatentModel:
-    """What calibration needs of an MLA model: its config and a forward that writes latent keys
-    (values: their first channels) and attends, layer by layer, through the cache it is given."""
+    """What calibration needs of an MLA model: its config, KV spec and a forward that writes
+    latent keys (values: their first channels) and attends, layer by layer, through the cache
+    it is given."""
 
     def __init__(self) -> None:
         from types import SimpleNamespace
@@ -256,6 +258,9 @@ class _LatentModel:
         self.keys[..., 3] *= 20
         self.queries = torch.randn(LAYERS, 100, QHEADS, DIM, generator=g)
 
+    def kv_spec(self) -> kvstrategies.KVSpec:
+        return LATENT
+
     def forward(self, toks, pos, kv, batch, last):
         kv.begin_step(batch)
         for layer in range(LAYERS):
@@ -267,10 +272,10 @@ class _LatentModel:
 
 def test_latent_calibration_ranks_key_channels(tmp_path):
     """A latent cache is calibrated on its keys alone; the plan orders values as keys."""
-    from kvstrategies.calibration import collect
+    from engine.recording import collect_channel_stats
 
     m = _LatentModel()
-    stats = collect(m, list(range(100)), samples=3, window=2 * BS, block=BS)
+    stats = collect_channel_stats(m, list(range(100)), samples=3, window=2 * BS, block=BS)
     assert (stats.num_kv_heads, stats.head_dim) == (1, DIM)
     assert stats.v_sq.abs().sum() == 0 and stats.wo_sq.abs().sum() == 0
     path = tmp_path / "mla.pt"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvstrategies
+from engine.assembly import build_kv, create_kv
 from engine.engine import Engine
 from engine.evaluate import perplexity
 from engine.sampling import SamplingParams
@@ -41,7 +42,7 @@ def config(path, host=True, ssd_bytes=1 << 30, device_bytes=1 << 28):
 
 def offload(model, path, options=None, **cfg):
     spec = model.kv_spec()
-    return kvstrategies.create(NAME, spec, config(path, **cfg), {**SMALL, **(options or {})})
+    return create_kv(NAME, spec, config(path, **cfg), {**SMALL, **(options or {})})
 
 
 # ---- options and identity (no model) --------------------------------------------------------
@@ -68,7 +69,7 @@ def test_windows_do_not_change_the_content_identity_but_dtype_does(tmp_path):
 
     def ident(opts):
         cfg = config(tmp_path / str(len(opts)) / str(sorted(opts.items())), host=False)
-        s = kvstrategies.create(NAME, spec, cfg, opts)
+        s = create_kv(NAME, spec, cfg, opts)
         s.close()
         return s.pool.identity
 
@@ -80,10 +81,10 @@ def test_windows_do_not_change_the_content_identity_but_dtype_does(tmp_path):
 def test_prefetch_depth_comes_from_the_chip_profile(tmp_path):
     spec = kvstrategies.KVSpec(2, 2, 16, identity="m")
     for chip, depth in (("hygon_dcu", 2), ("ascend910b", 4)):
-        built = kvstrategies.build(spec, NAME, config(tmp_path / chip, host=False), chip=chip)
+        built = build_kv(spec, NAME, config(tmp_path / chip, host=False), chip=chip)
         assert built.strategy.prefetcher.depth == depth
         built.strategy.close()
-    built = kvstrategies.build(spec, NAME, config(tmp_path / "x", host=False), chip="hygon_dcu",
+    built = build_kv(spec, NAME, config(tmp_path / "x", host=False), chip="hygon_dcu",
                                options={"prefetch_depth": 3})  # fmt: skip
     assert built.strategy.prefetcher.depth == 3
     built.strategy.close()
@@ -99,7 +100,7 @@ def test_an_unusable_store_path_is_a_config_error(tmp_path):
     )
     spec = kvstrategies.KVSpec(2, 2, 8)
     with pytest.raises(ValueError, match=r"pool.toml: \[tiers.ssd\] path = .*not a directory"):
-        kvstrategies.build(spec, config=str(cfg_file))
+        build_kv(spec, config=str(cfg_file))
 
 
 def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path):
@@ -168,7 +169,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
 
     def strategy(identity, **opts):
         spec = kvstrategies.KVSpec(2, 2, 16, identity=identity)
-        return kvstrategies.create(NAME, spec, config(tmp_path / "s"), {**SMALL, **opts})
+        return create_kv(NAME, spec, config(tmp_path / "s"), {**SMALL, **opts})
 
     s = strategy("model-a")
     _prefill(s, 0, tokens, torch.Generator().manual_seed(0))

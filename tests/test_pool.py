@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine.assembly import build_kv
 from memory.config import PoolConfig, TierConfig
 from memory.layout import BLOCKS, ArenaSpec, BlockLayout
 from memory.pool import UnifiedMemoryPool
@@ -259,7 +260,7 @@ def test_build_makes_the_ssd_tier_from_the_config(tmp_path):
         f'[tiers.ssd]\ncapacity = "16MiB"\npath = "{tmp_path / "kv"}"\n'
     )
     spec = kvstrategies.KVSpec(2, 2, 8)
-    built = kvstrategies.build(spec, config=str(cfg_file))
+    built = build_kv(spec, config=str(cfg_file))
     pool = built.strategy.pool
     assert set(pool.tiers) == {"device", "ssd"}
     assert pool.allocators["ssd"].num_blocks == (16 << 20) // pool.layout.page_bytes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvstrategies
+from engine.assembly import build_kv
 from engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybrid
 from kvstrategies.calibration import TUNED_FILE, ChannelStats
 from kvstrategies.hybrid_qat import FakeQuant, read_mask
@@ -117,8 +118,8 @@ def test_tuning_forward_matches_the_engine(tunable, model, tokenizer, english_te
     opts = {**TIGHT, "calibration": str(calibration)}
 
     def engine_logits(name, options=None):
-        kv = kvstrategies.build(spec, name, PoolConfig(), options=options, model=model,
-                                tokenizer=tokenizer).strategy  # fmt: skip
+        kv = build_kv(spec, name, PoolConfig(), options=options, model=model,
+                      tokenizer=tokenizer).strategy  # fmt: skip
         out = []
         for start in range(0, n, 16):
             rows = torch.arange(16)
@@ -229,8 +230,8 @@ def test_tuned_directory_runs_with_its_calibration(tiny_dir, english_text, tmp_p
     base_stats = ChannelStats.load(default_path(base_id), base_id, shape)
     stats = ChannelStats.load(out / TUNED_FILE, res.identity, shape)
     assert torch.equal(stats.scores()[0], base_stats.scores()[0])  # the plan it was tuned for
-    built = kvstrategies.build(m.kv_spec(), HYBRID, PoolConfig(),
-                               options=TIGHT, model=m, tokenizer=tok)  # fmt: skip
+    built = build_kv(m.kv_spec(), HYBRID, PoolConfig(), options=TIGHT, model=m,
+                     tokenizer=tok)  # fmt: skip
     assert built.strategy.opts["calibration"] == str(out / TUNED_FILE)
     assert not default_path(res.identity).exists()  # nothing recomputed for the tuned model
     meta = json.loads((out / "unikv_tune.json").read_text())

@@ -13,8 +13,10 @@ reserves and frees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -25,10 +27,11 @@ from memory.config import PoolConfig
 from memory.pool import BlockLostError
 
 from . import compute
+from .assembly import Assembly, assemble, assemble_for
 from .loading import load_model
 from .model import LlamaModel
 from .sampling import SamplingParams, sample
-from .scheduler import Scheduler, SchedulerConfig, Work
+from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class _Request:
     decoder: IncrementalDecoder
     gen: torch.Generator | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival: float = 0.0  # time.monotonic() at submission
     num_computed: int = 0  # tokens fed through the model (their KV is in the cache)
     output_ids: list[int] = field(default_factory=list)
     prefix_hit: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -86,14 +91,23 @@ class Engine:
         max_batch: int = 16,
         max_step_tokens: int = 512,
         prefix_sharing: bool = True,
+        admission_window_ms: float = 0.0,
+        priority_aging_s: float = 1.0,
     ) -> None:
         # Checked before any KV memory is built for the engine.
-        plan_config = SchedulerConfig(max_batch, max_step_tokens, prefix_sharing)
+        plan_config = SchedulerConfig(
+            max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0
+        )
+        order: PriorityOrder[_Request] = PriorityOrder(max_batch, priority_aging_s)
         self.model, self.tokenizer = model, tokenizer
-        self.kv = kv if kv is not None else default_kv(model)
-        self.kv_choice = "full (default)" if kv is None else type(kv).__name__
-        self.owns_kv = kv is None  # a cache the caller gives stays the caller's to close
-        self.scheduler: Scheduler[_Request] = Scheduler(self.kv, plan_config)
+        # A cache the caller gives stays the caller's to close; one built here is the engine's.
+        self._assembly: Assembly | None = None
+        if kv is None:
+            self._assembly = assemble_for(model, strategy="full")
+            kv = self._assembly.kv.strategy
+        self.kv = kv
+        self.kv_choice = "full (default)" if self._assembly else type(kv).__name__
+        self.scheduler: Scheduler[_Request] = Scheduler(self.kv, plan_config, order)
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
         self._stepping = False
@@ -114,27 +128,44 @@ class Engine:
         chip: str | None = None,
         strategy_options: dict | None = None,
         kv: KVCache | None = None,
-        max_batch: int = 16,
+        max_batch: int | None = None,
         max_step_tokens: int = 512,
+        admission_window_ms: float | None = None,
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 
         `strategy` (a name or "auto"), `config` (a memory-tier TOML file or a `PoolConfig`),
         `chip` (a profile name) and `strategy_options` (over the file's) choose how KV is
-        stored; see `kvstrategies.build`.
+        stored; see `engine.assembly.build_kv`. `max_batch` and `admission_window_ms` default
+        to the config's `[scheduler]` table, else the chip profile's `batch_size` and
+        `batching_window_ms`.
         """
-        m, tok = await compute.run(load_model, model, dtype, device, progress)
-        choice = "given by the caller"
-        if kv is None:
-            built = await compute.run(
-                _build, m, strategy, config, chip, tok, strategy_options, progress
-            )
-            kv, choice = built.strategy, f"{built.name} ({built.reason}; chip {built.chip})"
-            if built.moe:
-                choice += f"; MoE {built.moe}"
-        engine = cls(m, tok, kv=kv, max_batch=max_batch, max_step_tokens=max_step_tokens)
-        engine.kv_choice = choice
-        engine.owns_kv = choice != "given by the caller"
+        if kv is not None:
+            m, tok = await compute.run(load_model, model, dtype, device, progress)
+            engine = cls(m, tok, kv=kv, max_batch=max_batch or 16,
+                         max_step_tokens=max_step_tokens,
+                         admission_window_ms=admission_window_ms or 0.0)  # fmt: skip
+            engine.kv_choice = "given by the caller"
+            return engine
+        parts = await compute.run(assemble, model, dtype, device, strategy, config, chip,
+                                  strategy_options, progress)  # fmt: skip
+        sched = parts.scheduling
+        try:
+            engine = cls(
+                parts.model, parts.tokenizer, kv=parts.kv.strategy,
+                max_batch=sched.max_batch if max_batch is None else max_batch,
+                max_step_tokens=max_step_tokens,
+                admission_window_ms=(
+                    sched.admission_window_ms if admission_window_ms is None
+                    else admission_window_ms
+                ),
+                priority_aging_s=sched.priority_aging_s,
+            )  # fmt: skip
+        except BaseException:
+            parts.close()
+            raise
+        engine._assembly = parts
+        engine.kv_choice = f"{parts.choice}; {sched.why}"
         return engine
 
     async def __aenter__(self) -> Engine:
@@ -151,9 +182,15 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         chat: bool = False,
+        priority: int = 0,
     ) -> RequestHandle:
-        """Queue a request and return its handle (iterate it for text, or await `result()`)."""
-        return RequestHandle(self, self._submit(prompt, params or SamplingParams(), chat))
+        """Queue a request and return its handle (iterate it for text, or await `result()`).
+
+        `priority`: lower runs first (vLLM's convention); an urgent request jumps the queue,
+        and when memory is short the running request with the highest value is preempted.
+        """
+        req = self._submit(prompt, params or SamplingParams(), chat, priority)
+        return RequestHandle(self, req)
 
     async def stream(
         self,
@@ -194,16 +231,20 @@ class Engine:
                 self._cancel(req)
         self._wakeup.set()
         await self._loop_task
-        if self.owns_kv:
-            await compute.run(self.kv.close)
+        if self._assembly is not None:
+            await compute.run(self._assembly.close)
 
     # ---- submission and cancellation --------------------------------------------------------
 
-    def _submit(self, prompt: str | Sequence[int], params: SamplingParams, chat: bool) -> _Request:
+    def _submit(
+        self, prompt: str | Sequence[int], params: SamplingParams, chat: bool, priority: int
+    ) -> _Request:
         if self._closed:
             raise RuntimeError("the engine is closed")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         ids = self._prompt_ids(prompt, chat)
         ctx = self.model.cfg.context_length
         if len(ids) >= ctx:
@@ -218,6 +259,8 @@ class Engine:
             params=params,
             decoder=IncrementalDecoder(self.tokenizer),
             gen=params.make_generator(),
+            priority=priority,
+            arrival=time.monotonic(),
         )
         self.scheduler.add(req)
         self._wakeup.set()
@@ -273,7 +316,16 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             try:
-                await self._step()
+                ran = await self._step()
+                if not ran and (closes := self.scheduler.window_closes_at()) is not None:
+                    # Only the admission window holds requests back: sleep until it closes
+                    # (a new arrival wakes the loop early; the window may then be full).
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self._wakeup.wait(), max(0.0, closes - time.monotonic())
+                        )
+                    continue
             except Exception as e:  # a scheduler bug must not hang every caller
                 log.exception("scheduler step failed")
                 for req in self.scheduler.drain():
@@ -282,13 +334,14 @@ class Engine:
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
 
-    async def _step(self) -> None:
-        """Get the scheduler's plan, run its forward pass, and deliver what it computed."""
-        plan = self.scheduler.schedule()
+    async def _step(self) -> bool:
+        """Get the scheduler's plan, run its forward pass, and deliver what it computed;
+        False when nothing ran."""
+        plan = self.scheduler.schedule(time.monotonic())
         for req in plan.outgrown:
             self._finish(req, "length")
         if not plan.work:
-            return  # everything was preempted this round; admission brings it back
+            return False  # preempted this round, or held by the window; admission brings it
         self._stepping = True
         try:
             results = await compute.run(self._execute_isolated, plan.work)
@@ -311,6 +364,7 @@ class Engine:
                 self.scheduler.computed(work)
                 if outcome is not None:
                     self._emit(req, outcome)
+        return True
 
     def _execute_isolated(self, plan: list[Work[_Request]]) -> list[tuple[Work[_Request], object]]:
         """Run the batch; if it fails, rerun each request alone so one failure stays its own."""
@@ -423,31 +477,3 @@ class RequestHandle:
     def cancel(self) -> None:
         """Cancel the request (no-op once it has finished); its KV memory is released."""
         self._engine._cancel(self._req)
-
-
-def default_kv(model: LlamaModel) -> KVCache:
-    """The `full` strategy over the default pool (a 1 GiB device tier)."""
-    return _build(model, "full").strategy
-
-
-def _build(
-    model: LlamaModel,
-    strategy: str | None = None,
-    config: str | PoolConfig | None = None,
-    chip: str | None = None,
-    tokenizer=None,
-    options: dict | None = None,
-    progress: bool = False,
-):
-    """The KV strategy (and its pool) for `model` under a strategy name, config and chip.
-
-    With the `tokenizer`, a strategy that needs per-model preparation (a calibration) gets it.
-    """
-    import kvstrategies
-
-    spec = model.kv_spec()
-    prep = {"model": model, "tokenizer": tokenizer} if tokenizer is not None else {}
-    return kvstrategies.build(
-        spec, strategy, config, chip, device=model.device, options=options, progress=progress,
-        **prep,
-    )  # fmt: skip

@@ -3,8 +3,10 @@
 Lives here: the waiting / running / swapped queues, admission under the memory watermark, the
 step plan (one token for each decoding request first, then prompt chunks within a token budget),
 KV reservation with preemption (swap out if the memory can, else drop to recompute), swap-in and
-requeueing. The order requests are served and preempted in, and the batch limit, are decided in
-one place: `FifoOrder`.
+requeueing, and the admission window (requests arriving within `admission_window_s` of the
+oldest waiting one are admitted together, so their prompts are prefilled in one step). The order
+requests are served and preempted in, and the batch limit, are decided in one place: an order
+(`FifoOrder`, or `PriorityOrder`: lower `priority` first, aged by waiting time).
 
 Not here: the model, tensors, asyncio, tokenizers, sampling and streaming. The engine runs the
 plan's forward pass and reports back (`computed`, `finish`, `recompute`). KV memory is reached
@@ -13,6 +15,7 @@ only through the scheduler-facing `kvstrategies.kv.KVMemory`; this module import
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +31,8 @@ class Schedulable(Protocol):
     rid: int  # the sequence id in KV memory
     num_computed: int  # tokens fed through the model (their KV is stored)
     prefix_hit: int  # the most prompt tokens whose KV came from the prefix cache
+    priority: int  # lower runs first (vLLM's convention); FifoOrder ignores it
+    arrival: float  # when it was submitted, in the scheduler's clock (seconds)
 
     @property
     def tokens(self) -> list[int]:
@@ -46,12 +51,19 @@ class SchedulerConfig:
     max_step_tokens: int = 512  # tokens fed through the model in one step
     # Off: every request computes its whole prompt (benchmarks that compare compute).
     prefix_sharing: bool = True
+    # New requests wait until the oldest of them has waited this long (or the batch's free
+    # slots are all asked for), then are admitted together: their prompts share one prefill.
+    admission_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < 1:
             raise ValueError(
                 "max_batch and max_step_tokens must be >= 1, "
                 f"got {self.max_batch}, {self.max_step_tokens}"
+            )
+        if not 0.0 <= self.admission_window_s <= 10.0:
+            raise ValueError(
+                f"admission_window_s = {self.admission_window_s}; allowed: 0 to 10 seconds"
             )
 
 
@@ -107,6 +119,55 @@ class FifoOrder(Generic[R]):
         """Queue a request that lost its KV: it was running already, so it goes first."""
         queue.appendleft(req)
 
+    def arrange(self, queue: deque[R], now: float) -> None:
+        """Bring the queue into serving order as of `now` (arrival order never changes)."""
+
+    def jumps(self, waiting: R, swapped: R, now: float) -> bool:
+        """Whether a waiting request goes before a swapped-out one: never, in arrival order."""
+        return False
+
+
+class PriorityOrder(FifoOrder[R]):
+    """Lower `priority` first (vLLM's convention), then arrival; the batch limit as FifoOrder.
+
+    The running batch is kept in (priority, arrival) order, so the request preempted first when
+    memory is short is the one with the highest value, the newest among equals. Starvation
+    guard: a queued request's effective priority improves by one for every `aging_s` seconds it
+    has waited, so a steady stream of urgent work delays normal work but never stops it.
+    """
+
+    __slots__ = ("aging_s",)
+
+    def __init__(self, max_batch: int, aging_s: float = 1.0) -> None:
+        super().__init__(max_batch)
+        if not aging_s > 0:
+            raise ValueError(f"aging_s = {aging_s}; expected seconds > 0")
+        self.aging_s = aging_s
+
+    def effective(self, req: R, now: float) -> tuple[float, float]:
+        """The sort key of a queued request at `now`: aged priority, then arrival."""
+        return (req.priority - max(0.0, now - req.arrival) / self.aging_s, req.arrival)
+
+    def admit(self, running: list[R], req: R) -> None:
+        """Insert `req` into the running batch by (priority, arrival)."""
+        keys = [(r.priority, r.arrival) for r in running]
+        running.insert(bisect.bisect_right(keys, (req.priority, req.arrival)), req)
+
+    def enqueue(self, queue: deque[R], req: R) -> None:
+        queue.append(req)  # `arrange` sorts the queue when it is read
+
+    def requeue(self, queue: deque[R], req: R) -> None:
+        queue.appendleft(req)  # likewise; it arrived before the others, so ties go its way
+
+    def arrange(self, queue: deque[R], now: float) -> None:
+        ordered = sorted(queue, key=lambda r: self.effective(r, now))
+        queue.clear()
+        queue.extend(ordered)
+
+    def jumps(self, waiting: R, swapped: R, now: float) -> bool:
+        # Only a more urgent request overtakes one whose KV already waits on the host.
+        return waiting.priority < swapped.priority
+
 
 class Scheduler(Generic[R]):
     """Continuous batching over a `KVMemory`: admission, step plans, reservation, preemption."""
@@ -145,10 +206,18 @@ class Scheduler(Generic[R]):
         """Whether `req` waits (new, dropped or swapped out) rather than runs."""
         return req in self.waiting or req in self.swapped
 
-    def schedule(self) -> StepPlan[R]:
-        """Admit what memory allows, plan the next step and reserve KV room for it."""
-        self._admit()
+    def schedule(self, now: float = 0.0) -> StepPlan[R]:
+        """Admit what memory (and the admission window, as of `now`) allows, plan the next
+        step and reserve KV room for it."""
+        self._admit(now)
         return self._reserve(self._plan())
+
+    def window_closes_at(self) -> float | None:
+        """When the admission window lets the waiting requests in (None: nothing waits for
+        it). The engine sleeps until then when nothing else can run."""
+        if not self.waiting or not self.config.admission_window_s:
+            return None
+        return min(r.arrival for r in self.waiting) + self.config.admission_window_s
 
     def computed(self, work: Work[R]) -> None:
         """`work` ran: its tokens' KV is stored now; offer it for prefix sharing."""
@@ -190,10 +259,15 @@ class Scheduler(Generic[R]):
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Swapped-out requests come back first, then waiting ones, while memory allows."""
+    def _admit(self, now: float) -> None:
+        """Swapped-out requests come back first (unless the order lets a waiting one jump
+        them), then waiting ones, while memory and the admission window allow."""
+        self.order.arrange(self.swapped, now)
+        self.order.arrange(self.waiting, now)
         while self.swapped and self.order.has_room(self.running):
             req = self.swapped[0]
+            if self.waiting and self.order.jumps(self.waiting[0], req, now):
+                break
             if not self.kv.swap_in(req.rid):
                 if self.running:
                     return  # keep the order: nobody overtakes a swapped request
@@ -201,8 +275,11 @@ class Scheduler(Generic[R]):
                 # counted as a preemption when it was swapped out.
                 self.swapped.popleft()
                 self._requeue(req, count=False)
+                self.order.arrange(self.waiting, now)
                 break
             self.order.admit(self.running, self.swapped.popleft())
+        if self._window_holds(now):
+            return
         while self.waiting and self.order.has_room(self.running):
             req = self.waiting[0]
             tokens = req.tokens
@@ -214,6 +291,15 @@ class Scheduler(Generic[R]):
             if req.num_computed == 0 and self.config.prefix_sharing:
                 req.num_computed = self.kv.match_prefix(req.rid, tokens)
                 req.prefix_hit = max(req.prefix_hit, req.num_computed)
+
+    def _window_holds(self, now: float) -> bool:
+        """Whether the admission window still holds the waiting requests back: the oldest has
+        waited less than the window, and they do not yet fill the batch's free slots."""
+        closes = self.window_closes_at()
+        if closes is None or now >= closes:
+            return False
+        free = self.config.max_batch - len(self.running)
+        return len(self.waiting) < free
 
     def _plan(self) -> list[Work[R]]:
         """Decode tokens first (one per request), then prompt chunks within the token budget."""

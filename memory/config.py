@@ -1,9 +1,9 @@
 """The memory-tier configuration: dataclasses, the TOML loader and environment overrides.
 
-What lives here: `TierConfig`, `MoEOptions` and `PoolConfig` (validated on construction),
-`parse_size`, `load_config` and `ConfigError`. What does not: chip profiles and bandwidth classes
-(`memory.profiles`), checking a strategy name against the strategy registry (`kvstrategies`),
-and building the pool from a config (the pool).
+What lives here: `TierConfig`, `MoEOptions`, `SchedulerOptions` and `PoolConfig` (validated on
+construction), `parse_size`, `load_config` and `ConfigError`. What does not: chip profiles and
+bandwidth classes (`memory.profiles`), checking a strategy name against the strategy registry
+(`kvstrategies`), and building the pool from a config (the pool).
 
 File format (TOML, see configs/unikv.toml)::
 
@@ -17,6 +17,10 @@ File format (TOML, see configs/unikv.toml)::
     [tiers.host]               # optional: capacity, low_watermark
     [tiers.ssd]                # optional: capacity, path (directory), low_watermark
     [tiers.remote]             # optional: capacity, url ("redis://..."), low_watermark
+    [scheduler]                # optional (see SchedulerOptions); unset: the chip profile's
+    batch_size = 8             # requests running at once, 1..4096
+    batching_window_ms = 40    # admission window, 0..10000 ms
+    priority_aging_s = 1.0     # starvation guard: priority improves by 1 per this many s
     [moe]                      # optional, DeepSeekMoE models (see MoEOptions)
     topk = "auto"              # router's final top-k: "auto" (chip's), "exact", "blockwise"
     topk_block = 16            # experts per block for "blockwise" (>= 2; unset: the profile's)
@@ -82,9 +86,10 @@ _UNITS = {
 }
 
 SIZE_EXPECTED = 'expected bytes > 0, a size like "512MiB", or a fraction of RAM like "25%"'
-_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers", "moe")
+_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers", "moe", "scheduler")
 MOE_TOPK = ("auto", "exact", "blockwise")
 _MOE_KEYS = ("topk", "topk_block", "expert_cache", "expert_host")
+_SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s")
 _TIER_KEYS = {
     "device": ("capacity", "low_watermark"),
     "host": ("capacity", "low_watermark"),
@@ -219,6 +224,35 @@ _MOE_CHECKS = {
 }
 
 
+def _batch_size(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise _Invalid("expected an integer 1..4096 (unset: the chip profile's)")
+    return value
+
+
+def _window_ms(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10_000:
+        raise _Invalid("expected milliseconds 0..10000 (unset: the chip profile's)")
+    return float(value)
+
+
+def _aging(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+        raise _Invalid("expected seconds > 0 and <= 3600")
+    return float(value)
+
+
+_SCHEDULER_CHECKS = {
+    "batch_size": _batch_size,
+    "batching_window_ms": _window_ms,
+    "priority_aging_s": _aging,
+}
+
+
 def _raise_field(owner: str, name: str, value: object, exc: _Invalid) -> None:
     raise ValueError(f"{owner}: {name} = {value!r}: {exc.expected}") from None
 
@@ -286,6 +320,27 @@ class MoEOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerOptions:
+    """How the engine batches requests; unset values come from the chip profile.
+
+    `batch_size` caps the running batch; `batching_window_ms` is the admission window
+    (requests arriving within it are admitted and prefilled together); `priority_aging_s` is
+    the starvation guard (a waiting request's priority improves by one per that many seconds).
+    """
+
+    batch_size: int | None = None
+    batching_window_ms: float | None = None
+    priority_aging_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, check in _SCHEDULER_CHECKS.items():
+            try:
+                check(getattr(self, name))
+            except _Invalid as exc:
+                _raise_field("SchedulerOptions", name, getattr(self, name), exc)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """The memory pool's configuration: block size, tiers, chip, strategy choice, MoE options."""
 
@@ -295,6 +350,7 @@ class PoolConfig:
     strategy: str = "auto"
     strategy_options: dict[str, Any] = field(default_factory=dict)
     moe: MoEOptions = MoEOptions()
+    scheduler: SchedulerOptions = SchedulerOptions()
     source: str = field(default="<defaults>", compare=False)  # where it was loaded from
 
     def __post_init__(self) -> None:
@@ -311,6 +367,10 @@ class PoolConfig:
                 _raise_field("PoolConfig", name, value, exc)
         if not isinstance(self.moe, MoEOptions):
             raise ValueError(f"PoolConfig: moe = {self.moe!r}: expected MoEOptions")
+        if not isinstance(self.scheduler, SchedulerOptions):
+            raise ValueError(
+                f"PoolConfig: scheduler = {self.scheduler!r}: expected SchedulerOptions"
+            )
         names = [t.name for t in self.tiers if isinstance(t, TierConfig)]
         if len(names) != len(self.tiers):
             raise ValueError(f"PoolConfig: tiers = {self.tiers!r}: expected TierConfig items")
@@ -388,10 +448,13 @@ def _env_path(var: str) -> tuple[str, ...]:
         return parts
     if len(parts) == 2 and parts[0] == "moe" and parts[1] in _MOE_KEYS:
         return parts
+    if len(parts) == 2 and parts[0] == "scheduler" and parts[1] in _SCHEDULER_KEYS:
+        return parts
     allowed = (
         ["UNIKV_BLOCK_SIZE", "UNIKV_CHIP", "UNIKV_STRATEGY", "UNIKV_STRATEGY_OPTIONS__<NAME>"]
         + [f"UNIKV_TIERS__{t.upper()}__{k.upper()}" for t in TIER_ORDER for k in _TIER_KEYS[t]]
         + [f"UNIKV_MOE__{k.upper()}" for k in _MOE_KEYS]
+        + [f"UNIKV_SCHEDULER__{k.upper()}" for k in _SCHEDULER_KEYS]
     )
     raise ConfigError(
         f"environment variable {var}: names no configuration key; allowed: {', '.join(allowed)}"
@@ -442,6 +505,9 @@ def _build(raw: dict[str, Any], loc: _Locator, ram_bytes: int | None) -> PoolCon
         kwargs["tiers"] = _build_tiers(raw["tiers"], loc, ram_bytes)
     if "moe" in raw:
         kwargs["moe"] = _build_moe(raw["moe"], loc)
+    if "scheduler" in raw:
+        kwargs["scheduler"] = _build_table(raw["scheduler"], loc, "scheduler", _SCHEDULER_CHECKS,
+                                           SchedulerOptions)  # fmt: skip
     try:
         return PoolConfig(**kwargs, source=loc.source)
     except ValueError as exc:
@@ -490,13 +556,17 @@ def _build_tiers(tables: object, loc: _Locator, ram_bytes: int | None) -> tuple[
 
 
 def _build_moe(table: object, loc: _Locator) -> MoEOptions:
+    return _build_table(table, loc, "moe", _MOE_CHECKS, MoEOptions)
+
+
+def _build_table(table: object, loc: _Locator, name: str, checks: dict, cls: type) -> Any:
+    """One options table (`[moe]`, `[scheduler]`): known keys, each value checked."""
     if not isinstance(table, dict):
-        raise loc.bad(("moe",), table, "expected a table [moe]")
+        raise loc.bad((name,), table, f"expected a table [{name}]")
     for key in table:
-        if key not in _MOE_KEYS:
-            raise loc.unknown(("moe", key), _MOE_KEYS)
-    values = {key: _check(loc, ("moe", key), table[key], _MOE_CHECKS[key]) for key in table}
-    return MoEOptions(**values)
+        if key not in checks:
+            raise loc.unknown((name, key), tuple(checks))
+    return cls(**{key: _check(loc, (name, key), table[key], checks[key]) for key in table})
 
 
 def read_toml(path: str | os.PathLike[str], what: str) -> dict[str, Any]:

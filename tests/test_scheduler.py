@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.scheduler import Scheduler, SchedulerConfig, Work
+from engine.scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from kvstrategies.kv import KVMemory
 
 NEW_TOKEN = 7  # what the fake model samples
@@ -103,25 +103,28 @@ class Req:
     num_computed: int = 0
     prefix_hit: int = 0
     finish_reason: str | None = None
+    priority: int = 0
+    arrival: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
 
-def req(rid: int, n: int, max_new: int = 100) -> Req:
+def req(rid: int, n: int, max_new: int = 100, priority: int = 0, arrival: float = 0.0) -> Req:
     """A request with an `n`-token prompt of its own tokens."""
-    return Req(rid, [rid * 1000 + i for i in range(n)], max_new)
+    return Req(rid, [rid * 1000 + i for i in range(n)], max_new, priority=priority,
+               arrival=arrival)  # fmt: skip
 
 
 def sched(kv: KVMemory, max_batch: int = 16, max_step_tokens: int = 512, **kw) -> Scheduler[Req]:
     return Scheduler(kv, SchedulerConfig(max_batch, max_step_tokens, **kw))
 
 
-def step(s: Scheduler[Req]) -> list[Work[Req]]:
+def step(s: Scheduler[Req], now: float = 0.0) -> list[Work[Req]]:
     """One step as the engine runs it, without a model: every item is computed, and an item that
     ends the known tokens samples a new one; returns the plan's work."""
-    plan = s.schedule()
+    plan = s.schedule(now)
     for r in plan.outgrown:
         r.finish_reason = "length"
     for w in plan.work:
@@ -414,3 +417,100 @@ def test_drain_returns_every_request_and_empties_the_queues():
     assert s.drain() == [a, b, late, c]
     assert s.idle()
     assert deque() == s.waiting == s.swapped
+
+
+# ---- priorities and the admission window ---------------------------------------------------------
+
+
+def prio(kv: KVMemory, max_batch: int = 16, aging_s: float = 1000.0, **kw) -> Scheduler[Req]:
+    order: PriorityOrder[Req] = PriorityOrder(max_batch, aging_s)
+    return Scheduler(kv, SchedulerConfig(max_batch, 512, **kw), order)
+
+
+def test_an_urgent_request_jumps_the_waiting_queue():
+    s = prio(FakeKV(), max_batch=1)
+    running = req(0, 4)
+    s.add(running)
+    step(s)
+    normal = [req(i, 4, arrival=float(i)) for i in (1, 2, 3)]
+    for r in normal:
+        s.add(r)
+    urgent = req(9, 4, priority=-10, arrival=9.0)
+    s.add(urgent)
+    s.finish(running)
+    assert [w.req for w in step(s, now=10.0)] == [urgent]
+    s.finish(urgent)
+    assert [w.req for w in step(s, now=10.0)] == [normal[0]]  # then arrival order
+
+
+def test_short_memory_preempts_the_highest_value_newest_among_equals():
+    kv = FakeKV(capacity=24)
+    s = prio(kv)
+    a, b = req(0, 7, priority=5, arrival=0.0), req(1, 7, priority=5, arrival=1.0)
+    c = req(2, 7, priority=-1, arrival=2.0)
+    for r in (a, b, c):
+        s.add(r)
+    step(s, now=3.0)  # 21 of 24 tokens held; the urgent one is served first
+    assert s.running == [c, a, b]
+    step(s, now=3.0)  # each needs one more: 24 fit; the next step cannot grow all three
+    step(s, now=3.0)
+    assert b not in s.running and a in s.running and c in s.running
+    assert s.preemptions == 1
+
+
+def test_waiting_time_ages_a_request_past_a_later_urgent_one():
+    s = prio(FakeKV(), max_batch=1, aging_s=1.0)
+    blocker = req(0, 4)
+    s.add(blocker)
+    step(s)
+    old = req(1, 4, priority=0, arrival=0.0)
+    s.add(old)
+    late_urgent = req(2, 4, priority=-3, arrival=10.0)
+    s.add(late_urgent)
+    s.finish(blocker)
+    # At t=10 the old request has waited 10 s: effective 0 - 10 = -10 beats -3 - 0.
+    assert [w.req for w in step(s, now=10.0)] == [old]
+
+
+def test_an_urgent_waiting_request_goes_before_a_swapped_normal_one():
+    kv = FakeKV(capacity=1000, swap=True)
+    s = prio(kv, max_batch=1)
+    normal = req(0, 4)
+    s.add(normal)
+    step(s)
+    s._preempt(normal)  # swapped out, as memory pressure would
+    assert s.swapped[0] is normal
+    urgent = req(1, 4, priority=-5, arrival=1.0)
+    s.add(urgent)
+    assert [w.req for w in step(s, now=1.0)] == [urgent]
+    s.finish(urgent)
+    assert [w.req for w in step(s, now=1.0)] == [normal]  # then it comes back, not recomputed
+
+
+def test_the_admission_window_batches_arrivals_into_one_prefill():
+    s = sched(FakeKV(), admission_window_s=0.040)
+    s.add(req(0, 8, arrival=0.0))
+    assert step(s, now=0.010) == []  # held: the window is open and the batch is not full
+    assert s.window_closes_at() == pytest.approx(0.040)
+    s.add(req(1, 8, arrival=0.020))
+    s.add(req(2, 8, arrival=0.030))
+    work = step(s, now=0.041)  # closed: all three are prefilled together
+    assert sorted(w.req.rid for w in work) == [0, 1, 2]
+    assert s.window_closes_at() is None
+
+
+def test_a_full_batch_does_not_wait_for_the_window():
+    s = sched(FakeKV(), max_batch=2, admission_window_s=5.0)
+    s.add(req(0, 4))
+    s.add(req(1, 4))
+    assert len(step(s, now=0.0)) == 2
+
+
+def test_window_zero_admits_at_once_and_bad_windows_are_refused():
+    s = sched(FakeKV())
+    s.add(req(0, 4))
+    assert len(step(s, now=0.0)) == 1
+    with pytest.raises(ValueError, match="admission_window_s = -1"):
+        SchedulerConfig(admission_window_s=-1)
+    with pytest.raises(ValueError, match="aging_s"):
+        PriorityOrder(4, aging_s=0)

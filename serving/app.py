@@ -1,0 +1,522 @@
+"""`unikv serve`: the OpenAI-compatible HTTP server around one engine.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events in
+OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, `GET /health` (the
+three-colour view, 503 when red), `GET /metrics` (Prometheus), `GET /dashboard` (one HTML page)
+and `GET /dashboard/data` (what the page draws).
+
+Admission: a request is refused with 429 and `Retry-After` when the waiting queue is full or
+when the requests in flight reach the health colour's load share of capacity (green 100%,
+yellow 80%, red 30%). A client that disconnects has its request cancelled, so its KV is freed
+within one engine step. With an API key, `/v1/*` needs `Authorization: Bearer KEY` (compared
+in constant time, never logged), as vLLM does. Errors are OpenAI's error object, never a trace.
+
+What does not live here: the wire format (`serving.protocol`), metrics (`serving.metrics`),
+health rules (`serving.health`), scheduling and generation (`engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.engine import Engine, RequestHandle
+
+from . import protocol as p
+from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate
+from .metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("unikv.serve")
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+SERIES_BUCKET_S = 5.0  # the dashboard's throughput and TTFT series: one point per 5 s
+SERIES_POINTS = 60  # five minutes of them
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    """Limits and identity of one server; validated on construction."""
+
+    model_name: str = "smollm2"
+    api_key: str | None = None
+    max_waiting: int = 64  # requests queued for admission before 429
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    disconnect_poll_s: float = 0.05  # how often a non-streamed request checks its client
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_body_bytes", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key is empty; leave it unset to serve without a key")
+
+
+class Server:
+    """One engine behind the HTTP API: admission, accounting and the health view."""
+
+    def __init__(self, make_engine: Callable[[], Awaitable[Engine]], settings: ServeSettings):
+        self.make_engine, self.settings = make_engine, settings
+        self.engine: Engine | None = None
+        self.metrics = ServerMetrics(self.memory_report, lambda: self.health().as_dict())
+        self.in_flight = 0
+        self.failures = RecentEvents()
+        self._preemptions = RecentEvents()
+        self._seen_preemptions = 0
+        self._seen_checksum = 0
+        self._checksum = RecentEvents()
+        # (bucket start, output tokens, [TTFTs]) for the dashboard's series
+        self._series: deque[list] = deque(maxlen=SERIES_POINTS)
+
+    # ---- readings ------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict:
+        """The engine's memory report (empty before the engine is up)."""
+        return self.engine.memory_report() if self.engine is not None else {}
+
+    def capacity(self) -> int:
+        """Requests the server holds at full load: the running batch plus the waiting queue."""
+        batch = self.engine.max_batch if self.engine is not None else 1
+        return batch + self.settings.max_waiting
+
+    def health(self) -> HealthView:
+        """The three-colour view from the engine's and the server's readings now."""
+        mem = self.memory_report()
+        pool = mem.get("pool") or {}
+        tiers = pool.get("tiers") or {}
+        usage = tiers.get("device", {}).get("usage", 0.0)
+        pre = mem.get("preemptions", 0)
+        if pre > self._seen_preemptions:
+            self._preemptions.add(pre - self._seen_preemptions)
+            self._seen_preemptions = pre
+        bad = pool.get("checksum_failures", 0)
+        if bad > self._seen_checksum:
+            self._checksum.add(bad - self._seen_checksum)
+            self._seen_checksum = bad
+        signals = (pool.get("health") or {}).get("signals", {})
+        return evaluate(
+            HealthInputs(
+                device_usage=usage,
+                waiting=mem.get("requests_waiting", 0),
+                max_waiting=self.settings.max_waiting,
+                preemptions_recent=self._preemptions.count(),
+                failures_recent=self.failures.count(),
+                oom_firing=bool(signals.get("oom_recent")),
+                checksum_failure=self._checksum.count() > 0,
+                tier_problems=tuple(signals.get("tier_problems", ())),
+            )
+        )
+
+    def record(self, tokens: int, ttft: float | None) -> None:
+        """Add a finished request's output tokens and TTFT to the dashboard's series."""
+        start = time.time() // SERIES_BUCKET_S * SERIES_BUCKET_S
+        if not self._series or self._series[-1][0] != start:
+            self._series.append([start, 0, []])
+        self._series[-1][1] += tokens
+        if ttft is not None:
+            self._series[-1][2].append(ttft)
+
+    def series(self) -> list[dict]:
+        """Output tokens/s and median TTFT per bucket of the last minutes."""
+        out = []
+        for start, tokens, ttfts in self._series:
+            ttft = sorted(ttfts)[len(ttfts) // 2] if ttfts else None
+            out.append({"t": start, "tokens_per_s": tokens / SERIES_BUCKET_S, "ttft_s": ttft})
+        return out
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Refuse (429) when the queue is full or the load share is reached."""
+        mem = self.memory_report()
+        if mem.get("requests_waiting", 0) >= self.settings.max_waiting:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise p.APIError(
+                429,
+                f"the request queue is full ({self.settings.max_waiting} waiting); retry shortly",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        view = self.health()
+        limit = Admission(self.capacity()).limit(view.load_share)
+        if self.in_flight >= limit:
+            self.metrics.rejected.labels(f"load_share_{view.status}").inc()
+            raise p.APIError(
+                429,
+                f"the server is {view.status} and admits {view.load_share:.0%} of its load "
+                f"({limit} requests in flight): {'; '.join(view.reasons) or 'at capacity'}",
+                type="rate_limit_error",
+                code="load_shed",
+                headers={"Retry-After": "1"},
+            )
+
+
+def create_app(server: Server) -> FastAPI:
+    """The ASGI app of `server`: routes, authentication, limits and error handling."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine = await server.make_engine()
+        try:
+            yield
+        finally:
+            # Running requests were given the grace period by uvicorn; cancel what is left.
+            await server.engine.close(cancel=True)
+
+    app = FastAPI(title="unikv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    settings = server.settings
+
+    # A plain ASGI middleware (not BaseHTTPMiddleware, which wraps `receive` and can cut
+    # streamed responses short): the API key on /v1/*, and the body size by Content-Length.
+    app.add_middleware(_Guard, settings=settings)
+
+    @app.exception_handler(p.APIError)
+    async def api_error(request: Request, exc: p.APIError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return _error(_validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(p.APIError(exc.status_code, str(exc.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        log.exception("request failed")
+        return _error(p.APIError(500, "internal server error", type="internal_error"))
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": p.now(),
+                    "owned_by": "unikv",
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _read(request, p.CompletionRequest, settings.max_body_bytes)
+        return await _serve(server, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _read(request, p.ChatCompletionRequest, settings.max_body_bytes)
+        return await _serve(server, request, body, chat=True)
+
+    @app.get("/health")
+    async def health():
+        view = server.health()
+        return JSONResponse(view.as_dict(), status_code=503 if view.status == "red" else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return HTMLResponse(DASHBOARD.read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        mem = server.memory_report()
+        pool = mem.get("pool") or {}
+        tiers = {
+            name: {"usage": t["usage"], "used": t["num_used"], "blocks": t["num_blocks"]}
+            for name, t in (pool.get("tiers") or {}).items()
+        }
+        return {
+            "health": server.health().as_dict(),
+            "tiers": tiers,
+            "running": mem.get("requests_running", 0),
+            "waiting": mem.get("requests_waiting", 0),
+            "in_flight": server.in_flight,
+            "series": server.series(),
+        }
+
+    return app
+
+
+class _Guard:
+    """Refuses a request before any handler runs: 401 without the API key, 413 when the
+    declared body is too large (a body without Content-Length is counted as it is read)."""
+
+    def __init__(self, app, settings: ServeSettings) -> None:
+        self.app, self.settings = app, settings
+        self._want = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            err = None
+            if self._want is not None and scope["path"].startswith("/v1/"):
+                got = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(got, self._want):
+                    err = p.APIError(401, "missing or wrong API key (send 'Authorization: "
+                                     "Bearer KEY')", type="authentication_error",
+                                     code="invalid_api_key")  # fmt: skip
+            size = headers.get(b"content-length", b"")
+            if err is None and size.isdigit() and int(size) > self.settings.max_body_bytes:
+                err = _too_large(self.settings.max_body_bytes)
+            if err is not None:
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+async def _read(request: Request, model: type[p._Sampling], limit: int) -> p._Sampling:
+    """The request body parsed into `model`; 413 past `limit` bytes, 400 naming a bad field."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise _too_large(limit)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise p.APIError(400, "the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise p.APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+    body.refuse_unsupported()
+    return body
+
+
+def _prompt(server: Server, body: p._Sampling, chat: bool) -> list[int]:
+    """The request's prompt as token ids (a conversation through the chat template)."""
+    tok = server.engine.tokenizer
+    if chat:
+        try:
+            text = tok.apply_chat_template(body.conversation())
+        except ValueError as e:
+            raise p.APIError(400, str(e), param="messages") from None
+        return tok.encode(text)
+    if isinstance(body.prompt, str):
+        if not body.prompt.strip():
+            raise p.APIError(400, "prompt is empty", param="prompt")
+        return tok.encode(body.prompt)
+    if not body.prompt:
+        raise p.APIError(400, "prompt is empty", param="prompt")
+    return list(body.prompt)
+
+
+def _max_tokens(server: Server, body: p._Sampling, chat: bool, prompt_len: int) -> int:
+    """max_tokens resolved: the request's, else (chat) what the context leaves; bounded."""
+    ctx = server.engine.model.cfg.context_length
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    limit = server.settings.max_tokens_limit
+    if asked is None:
+        return max(1, min(limit, ctx - prompt_len))
+    param = (
+        "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    )
+    if asked > limit:
+        raise p.APIError(
+            400, f"{param} = {asked} exceeds this server's limit of {limit}", param=param
+        )
+    if prompt_len + asked > ctx:
+        raise p.APIError(
+            400,
+            f"this model's context is {ctx} tokens; the prompt has {prompt_len} and "
+            f"{param} asks for {asked} more",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool):
+    """Admit, submit to the engine, and answer (streamed or whole)."""
+    t0 = time.perf_counter()
+    server.admit()
+    ids = _prompt(server, body, chat)
+    params = body.sampling(_max_tokens(server, body, chat, len(ids)))
+    try:
+        handle = server.engine.submit(ids, params, priority=body.priority)
+    except ValueError as e:
+        raise p.APIError(400, str(e), param="messages" if chat else "prompt") from None
+    server.in_flight += 1
+    kind = "chat.completion" if chat else "text_completion"
+    rid = p.new_id("chatcmpl" if chat else "cmpl")
+    if body.stream:
+        gen = _stream(server, handle, body, kind, rid, chat, t0)
+        return StreamingResponse(
+            gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    try:
+        done = await _whole(server, request, handle, t0)
+    finally:
+        server.in_flight -= 1
+    if done is None:
+        return Response(status_code=499)  # the client left; nobody reads this
+    choice: dict = {"index": 0, "finish_reason": p.finish_reason(done.finish_reason)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+        choice["logprobs"] = None
+    return {
+        "id": rid,
+        "object": kind,
+        "created": p.now(),
+        "model": server.settings.model_name,
+        "choices": [choice],
+        "usage": p.usage(done.prompt_tokens, done.completion_tokens),
+    }
+
+
+async def _whole(server: Server, request: Request, handle: RequestHandle, t0: float):
+    """The whole completion, or None (request cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(_consume(server, handle, t0))
+    try:
+        while not task.done():
+            if await request.is_disconnected():
+                handle.cancel()
+                task.cancel()
+                return None
+            await asyncio.wait({task}, timeout=server.settings.disconnect_poll_s)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            handle.cancel()
+
+
+async def _consume(server: Server, handle: RequestHandle, t0: float):
+    """Read a request to its end, recording its latencies."""
+    first = last = None
+    try:
+        async for _piece in handle:
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                server.metrics.ttft.observe(now - t0)
+            else:
+                server.metrics.itl.observe(now - last)
+            last = now
+    except Exception:
+        server.failures.add()
+        raise
+    _finished(server, handle, t0, first)
+    return handle.completion
+
+
+def _finished(server: Server, handle: RequestHandle, t0: float, first: float | None) -> None:
+    done = handle.completion
+    server.metrics.e2e.observe(time.perf_counter() - t0)
+    server.metrics.prompt_tokens.inc(done.prompt_tokens)
+    server.metrics.generation_tokens.inc(done.completion_tokens)
+    server.metrics.requests.labels(p.finish_reason(done.finish_reason)).inc()
+    server.record(done.completion_tokens, None if first is None else first - t0)
+
+
+async def _stream(
+    server: Server,
+    handle: RequestHandle,
+    body: p._Sampling,
+    kind: str,
+    rid: str,
+    chat: bool,
+    t0: float,
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client
+    leaves (Starlette cancels this generator, and `finally` cancels the request)."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created, model = p.now(), server.settings.model_name
+
+    def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+        if chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if body.include_usage:
+            data["usage"] = None
+        return f"data: {json.dumps(data)}\n\n"
+
+    first = last = None
+    try:
+        if chat:
+            yield chunk("", role=True)
+        async for piece in handle:
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                server.metrics.ttft.observe(now - t0)
+            else:
+                server.metrics.itl.observe(now - last)
+            last = now
+            yield chunk(piece)
+        done = handle.completion
+        yield chunk(None if chat else "", p.finish_reason(done.finish_reason))
+        if body.include_usage:
+            u = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": p.usage(done.prompt_tokens, done.completion_tokens),
+            }
+            yield f"data: {json.dumps(u)}\n\n"
+        _finished(server, handle, t0, first)
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # the stream has started: the error goes in the stream, then DONE
+        server.failures.add()
+        log.warning("stream %s failed: %s", rid, e)
+        err = p.APIError(500, f"generation failed: {e}", type="internal_error")
+        yield f"data: {json.dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.cancel()  # no-op once finished; frees the KV of a request whose client left
+        server.in_flight -= 1
+
+
+def _too_large(limit: int) -> p.APIError:
+    return p.APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+
+
+def _validation_error(errors: list[dict]) -> p.APIError:
+    """A 400 naming the first offending field, as OpenAI's error object."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+    field = ".".join(loc) or None
+    if e.get("type") == "extra_forbidden":
+        msg = f"unknown field '{field}': this server does not support it"
+    else:
+        msg = f"{field}: {e.get('msg', 'invalid value')}" if field else e.get("msg", "invalid")
+    return p.APIError(400, msg, param=field, code=e.get("type"))
+
+
+def _error(exc: p.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

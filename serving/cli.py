@@ -1,0 +1,122 @@
+"""The `unikv` console script: every engine command (`engine.cli`) plus `unikv serve`.
+
+`serve` lives here, above the engine, because the server is a layer of its own: the engine's
+command line never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from engine import cli as engine_cli
+
+DESCRIPTION = (
+    "Serve the model over an OpenAI-compatible HTTP API: /v1/completions, "
+    "/v1/chat/completions (streamed or not), /v1/models, plus /health, /metrics and /dashboard. "
+    "Binds to 127.0.0.1 unless --host says otherwise."
+)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    """The `serve` subcommand's arguments."""
+    sp = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description=DESCRIPTION,
+        epilog=engine_cli.EPILOG,
+    )
+    sp.add_argument("--model", default="smollm2", help="model name or path (default: smollm2)")
+    sp.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: --model)",
+    )
+    sp.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(engine_cli.DTYPES),
+        help="compute dtype (default: float32)",
+    )
+    sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
+    sp.add_argument("--strategy", default=None, help="KV strategy name or 'auto'")
+    sp.add_argument("--chip", default=None, help="chip profile (default: the config's)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    sp.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNIKV_API_KEY, else no key)",
+    )
+    sp.add_argument(
+        "--max-waiting",
+        type=engine_cli._positive_int,
+        default=64,
+        help="requests queued before 429 (default: 64)",
+    )
+    sp.add_argument(
+        "--max-tokens-limit",
+        type=engine_cli._positive_int,
+        default=4096,
+        help="the largest max_tokens a request may ask for (default: 4096)",
+    )
+    sp.add_argument(
+        "--max-body-bytes",
+        type=engine_cli._positive_int,
+        default=1 << 20,
+        help="largest request body (default: 1 MiB)",
+    )
+    sp.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM (default: 30)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the server and block until it is stopped (SIGINT or SIGTERM)."""
+    import uvicorn
+
+    from engine.engine import Engine
+
+    from .app import Server, ServeSettings, create_app
+
+    key = args.api_key if args.api_key is not None else os.environ.get("UNIKV_API_KEY")
+    settings = ServeSettings(
+        model_name=args.served_model_name or args.model,
+        api_key=key or None,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+    )
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: expected 0..65535")
+    if args.grace < 0:
+        raise ValueError(f"--grace {args.grace}: expected seconds >= 0")
+
+    async def make_engine() -> Engine:
+        return await Engine.create(
+            args.model,
+            dtype=args.dtype,
+            progress=True,
+            strategy=args.strategy,
+            config=args.config,
+            chip=args.chip,
+        )
+
+    app = create_app(Server(make_engine, settings))
+    uvicorn.run(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, log_level="info"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `unikv` console script."""
+    return engine_cli.main(argv, extra={"serve": (add_serve, run_serve)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The three-colour health view an operator reads, and the load share it sets.
+
+Each indicator is normal, near its limit, or abnormal, with a plain sentence for the last two:
+
+| indicator | near its limit | abnormal |
+|---|---|---|
+| KV memory (device tier) | ≥ 85% used | ≥ 95% used |
+| waiting queue | ≥ 50% of `max_waiting` | ≥ 90% |
+| preemptions | one in the last minute | ≥ 10 in the last minute |
+| failed requests (engine errors) | one in the last minute | ≥ 5 in the last minute |
+| stored KV integrity | | a checksum failure in the last minute |
+| OOM predictor | | it fired in the last minute (red on its own) |
+| store tiers' health | a tier reports a problem (e.g. a remote tier skipped) | |
+
+Green: every indicator normal, full load (share 1.0). Yellow: one or two indicators off, 80% of
+the load (share 0.8). Red: three or more off, or the OOM predictor firing: 30% (share 0.3).
+The share is enforced by the server's admission (`Admission`), not only reported.
+
+What does not live here: the pool's own counters (`memory.stats`), HTTP (`serving.app`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+NEAR, ABNORMAL = "near", "abnormal"
+SHARES = {"green": 1.0, "yellow": 0.8, "red": 0.3}
+RECENT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Indicator:
+    """One indicator's state ("normal" | "near" | "abnormal") and the sentence that explains it."""
+
+    name: str
+    state: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthView:
+    """The colour, the load share it sets and the reasons, in plain words."""
+
+    status: str
+    load_share: float
+    reasons: tuple[str, ...]
+    indicators: tuple[Indicator, ...]
+
+    def as_dict(self) -> dict:
+        """The `/health` body."""
+        return {
+            "status": self.status,
+            "load_share": self.load_share,
+            "reasons": list(self.reasons),
+            "indicators": {i.name: i.state for i in self.indicators},
+        }
+
+
+def colour(indicators: list[Indicator], oom_firing: bool) -> HealthView:
+    """Green / yellow / red from the indicators (rules in the module docstring)."""
+    off = [i for i in indicators if i.state != "normal"]
+    if oom_firing or len(off) >= 3:
+        status = "red"
+    elif off:
+        status = "yellow"
+    else:
+        status = "green"
+    reasons = tuple(i.reason for i in off)
+    return HealthView(status, SHARES[status], reasons, tuple(indicators))
+
+
+class RecentEvents:
+    """Timestamps of events (preemptions, failures) kept for `RECENT_S`."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._times: deque[float] = deque()
+
+    def add(self, n: int = 1) -> None:
+        """Record `n` events now."""
+        t = self.clock()
+        self._times.extend([t] * n)
+
+    def count(self) -> int:
+        """Events within the last `RECENT_S` seconds."""
+        cutoff = self.clock() - RECENT_S
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+        return len(self._times)
+
+
+@dataclass(slots=True)
+class HealthInputs:
+    """What the health view reads, gathered by the server each time it is asked."""
+
+    device_usage: float
+    waiting: int
+    max_waiting: int
+    preemptions_recent: int
+    failures_recent: int
+    pool_reasons: tuple[str, ...] = ()  # the pool's own reasons (OOM, checksum failures)
+    oom_firing: bool = False
+    checksum_failure: bool = False
+    tier_problems: tuple[str, ...] = field(default_factory=tuple)
+
+
+def evaluate(x: HealthInputs) -> HealthView:
+    """The health view for one set of readings."""
+    ind: list[Indicator] = []
+    u = x.device_usage
+    if u >= 0.95:
+        ind.append(Indicator("kv_memory", ABNORMAL, f"KV memory full: {u:.0%} of the device tier"))
+    elif u >= 0.85:
+        ind.append(
+            Indicator("kv_memory", NEAR, f"KV memory almost full: {u:.0%} of the device tier")
+        )
+    else:
+        ind.append(Indicator("kv_memory", "normal"))
+    share = x.waiting / x.max_waiting if x.max_waiting else 0.0
+    if share >= 0.9:
+        ind.append(
+            Indicator(
+                "queue",
+                ABNORMAL,
+                f"request queue full: {x.waiting} waiting of {x.max_waiting} allowed",
+            )
+        )
+    elif share >= 0.5:
+        ind.append(
+            Indicator(
+                "queue",
+                NEAR,
+                f"request queue filling: {x.waiting} waiting of {x.max_waiting} allowed",
+            )
+        )
+    else:
+        ind.append(Indicator("queue", "normal"))
+    p = x.preemptions_recent
+    if p >= 10:
+        ind.append(
+            Indicator(
+                "preemptions",
+                ABNORMAL,
+                f"memory pressure: {p} requests paused for memory in the last minute",
+            )
+        )
+    elif p:
+        ind.append(
+            Indicator(
+                "preemptions",
+                NEAR,
+                f"memory pressure: {p} request(s) paused for memory in the last minute",
+            )
+        )
+    else:
+        ind.append(Indicator("preemptions", "normal"))
+    f = x.failures_recent
+    if f >= 5:
+        ind.append(Indicator("failures", ABNORMAL, f"{f} requests failed in the last minute"))
+    elif f:
+        ind.append(Indicator("failures", NEAR, f"{f} request(s) failed in the last minute"))
+    else:
+        ind.append(Indicator("failures", "normal"))
+    if x.checksum_failure:
+        ind.append(
+            Indicator(
+                "integrity",
+                ABNORMAL,
+                "stored KV failed its checksum in the last minute (recomputed, not served)",
+            )
+        )
+    else:
+        ind.append(Indicator("integrity", "normal"))
+    if x.oom_firing:
+        ind.append(
+            Indicator(
+                "oom",
+                ABNORMAL,
+                "the OOM predictor expects the device tier to run out of KV memory soon",
+            )
+        )
+    else:
+        ind.append(Indicator("oom", "normal"))
+    if x.tier_problems:
+        ind.append(Indicator("tiers", NEAR, "; ".join(x.tier_problems)))
+    else:
+        ind.append(Indicator("tiers", "normal"))
+    return colour(ind, x.oom_firing)
+
+
+class Admission:
+    """How many requests may be in flight: the load share of the full capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"admission capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+
+    def limit(self, load_share: float) -> int:
+        """Requests allowed in flight at this share (at least one, so a red server still
+        serves)."""
+        return max(1, math.floor(self.capacity * load_share))

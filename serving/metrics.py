@@ -1,0 +1,127 @@
+"""Prometheus metrics of `unikv serve`, all in one place (documented in docs/serving.md).
+
+Names follow Prometheus conventions: a `unikv_` prefix, base units in the name (`_seconds`,
+`_bytes`), `_total` on counters, `_ratio` on shares. Counters and histograms the server updates
+as requests run; the gauges (and the counters the pool keeps) are read from the engine's memory
+report when Prometheus scrapes, so they are never stale.
+
+What does not live here: HTTP (`serving.app`), the health rules (`serving.health`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATUS_VALUE = {"green": 0, "yellow": 1, "red": 2}
+# Latency buckets from 5 ms to 2 minutes (CPU decode steps are tens of milliseconds).
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector:
+    """Gauges and pool counters read from the engine's memory report at scrape time."""
+
+    def __init__(self, report: Callable[[], dict], health: Callable[[], dict]) -> None:
+        self.report, self.health = report, health
+
+    def describe(self) -> list[Metric]:
+        return []  # collected live; nothing to register up front
+
+    def collect(self) -> Iterator[Metric]:
+        mem = self.report()
+        for name, key, doc in (
+            ("unikv_requests_running", "requests_running", "Requests in the running batch."),
+            ("unikv_requests_waiting", "requests_waiting", "Requests waiting for admission."),
+            ("unikv_requests_swapped", "requests_swapped", "Requests swapped out to host."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=mem.get(key, 0))
+        used = GaugeMetricFamily("unikv_kv_bytes", "KV bytes held per tier.", labels=["tier"])
+        usage = GaugeMetricFamily(
+            "unikv_kv_usage_ratio", "Share of each tier's blocks in use.", labels=["tier"]
+        )
+        pool = mem.get("pool") or {}
+        page = pool.get("page_bytes", 0)
+        for tier, t in (pool.get("tiers") or {}).items():
+            used.add_metric([tier], t["num_used"] * page)
+            usage.add_metric([tier], t["usage"])
+        yield used
+        yield usage
+        yield GaugeMetricFamily(
+            "unikv_kv_stored_bytes",
+            "KV bytes stored for live sequences (all tiers).",
+            value=mem.get("kv_bytes_used", 0),
+        )
+        prefix = pool.get("prefix") or {}
+        yield CounterMetricFamily(
+            "unikv_prefix_cache_queries",
+            "Prefix-cache block lookups.",
+            value=prefix.get("queries", 0),
+        )
+        yield CounterMetricFamily(
+            "unikv_prefix_cache_hits", "Prefix-cache block hits.", value=prefix.get("hits", 0)
+        )
+        yield CounterMetricFamily(
+            "unikv_preemptions",
+            "Requests preempted for memory (swapped or recomputed).",
+            value=mem.get("preemptions", 0),
+        )
+        view = self.health()
+        yield GaugeMetricFamily(
+            "unikv_health_status",
+            "Health colour: 0 green, 1 yellow, 2 red.",
+            value=STATUS_VALUE[view["status"]],
+        )
+        yield GaugeMetricFamily(
+            "unikv_load_share_ratio",
+            "Share of full load the health colour admits.",
+            value=view["load_share"],
+        )
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own (one per app, so tests can run many)."""
+
+    def __init__(self, report: Callable[[], dict], health: Callable[[], dict]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "unikv_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter("unikv_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter(
+            "unikv_requests",
+            "Requests finished, by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "unikv_requests_rejected",
+            "Requests refused before running, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "unikv_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "unikv_inter_token_latency_seconds",
+            "Time between consecutive streamed pieces.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "unikv_e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        r.register(_EngineCollector(report, health))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

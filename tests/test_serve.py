@@ -1,0 +1,352 @@
+"""`unikv serve` end to end: the official `openai` client and raw HTTP against live servers on
+free ports, the real model loaded once per session (the servers share it)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import kvstrategies
+from engine.engine import Engine
+from memory.config import PoolConfig, TierConfig
+from serving.app import Server, ServeSettings, create_app
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_kv(model, blocks: int = 256):
+    """The `full` strategy over a small device tier (blocks of 16 tokens)."""
+    spec = model.kv_spec()
+    page = kvstrategies.get("full").layout(spec, 16, {"dtype": None}).page_bytes
+    tiers = (TierConfig("device", blocks * page),)
+    return kvstrategies.create("full", spec, PoolConfig(tiers=tiers))
+
+
+@contextlib.contextmanager
+def live(model, tokenizer, max_batch: int = 8, **settings):
+    """A server on a free port in a thread; yields (base URL, Server)."""
+    import uvicorn
+
+    kv = small_kv(model)
+
+    async def make() -> Engine:
+        return Engine(model, tokenizer, kv=kv, max_batch=max_batch)
+
+    server = Server(make, ServeSettings(**settings))
+    port = free_port()
+    cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(cfg)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        if not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+        kv.close()
+
+
+@pytest.fixture(scope="module")
+def srv(model, tokenizer):
+    with live(model, tokenizer) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    from openai import OpenAI
+
+    return OpenAI(base_url=srv[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_until(cond, what: str, limit: float = 60.0) -> None:
+    """Poll `cond` until it holds (the suite's timeout guards a hang; this names the wait)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+# ---- the official client ---------------------------------------------------------------------
+
+
+def test_completion_with_usage_and_stop(client, tokenizer):
+    prompt = "The capital of France is"
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    text = r.choices[0].text
+    stop = text.strip().split()[0]
+    s = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert s.choices[0].finish_reason == "stop"
+    assert stop not in s.choices[0].text and text.startswith(s.choices[0].text)
+
+
+def test_streamed_completion_equals_whole_and_reports_usage(client):
+    args = dict(model="smollm2", prompt="Once upon a time", max_tokens=16, temperature=0)
+    whole = client.completions.create(**args)
+    pieces, usage, finish = [], None, None
+    for chunk in client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_multi_turn_streamed_and_not(client):
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Name another one."},
+    ]
+    r = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=10, temperature=0
+    )
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_seed_reproduces_a_sampled_answer(client):
+    args = dict(
+        model="smollm2", prompt="My favourite food is", max_tokens=12, temperature=1.0, top_p=0.95
+    )
+    a = client.completions.create(**args, seed=7).choices[0].text
+    b = client.completions.create(**args, seed=7).choices[0].text
+    others = {client.completions.create(**args, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1  # sampling does sample
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+# ---- raw HTTP: the edges ---------------------------------------------------------------------
+
+
+def test_unsupported_and_unknown_fields_are_400_naming_the_field(srv):
+    url = srv[0]
+    for body, field in (
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+        assert set(err) == {"message", "type", "param", "code"}
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_long_prompt_and_big_body_are_refused(srv, model):
+    url = srv[0]
+    ctx = model.cfg.context_length
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1] * ctx, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x" * (2 << 20)}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_api_key_is_required_and_compared(model, tokenizer):
+    with live(model, tokenizer, api_key="s3cret") as (url, _):
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        r = httpx.post(url + "/v1/completions", json=body, headers=bad, timeout=30)
+        assert r.status_code == 401 and "s3cret" not in r.text
+        good = {"Authorization": "Bearer s3cret"}
+        assert (
+            httpx.post(url + "/v1/completions", json=body, headers=good, timeout=60).status_code
+            == 200
+        )
+        assert httpx.get(url + "/health", timeout=30).status_code == 200  # not behind the key
+
+
+def test_full_queue_answers_429_with_retry_after(model, tokenizer):
+    with live(model, tokenizer, max_batch=1, max_waiting=1) as (url, server):
+        body = {"prompt": "Tell me a story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", url + "/v1/completions", json=body) as first,
+        ):
+            lines = first.iter_lines()  # kept: a dropped iterator would close the stream
+            next(lines)  # running
+            second = threading.Thread(
+                target=lambda: httpx.post(
+                    url + "/v1/completions", json={**body, "stream": False}, timeout=120
+                )
+            )
+            second.start()
+            wait_until(lambda: server.memory_report()["requests_waiting"] == 1, "a waiting one")
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 429
+            assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
+        second.join(120)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'unikv_requests_rejected_total{reason="queue_full"} 1.0' in metrics
+
+
+def test_client_leaving_mid_stream_frees_its_kv(srv):
+    url, server = srv
+    body = {
+        "prompt": "Count to one hundred:",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.engine.kv.bytes_used() > 0
+    # The stream was closed after a few chunks of 300: the request is cancelled, KV freed.
+    wait_until(lambda: server.memory_report()["requests_running"] == 0, "the cancel")
+    assert server.engine.kv.bytes_used() == 0
+    assert server.in_flight == 0
+
+
+def test_health_metrics_and_dashboard_data(srv, client):
+    url, _ = srv
+    client.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+    h = httpx.get(url + "/health", timeout=30)
+    assert h.status_code == 200
+    view = h.json()
+    assert view["status"] == "green" and view["load_share"] == 1.0 and view["reasons"] == []
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for name in (
+        "unikv_requests_running",
+        "unikv_requests_waiting",
+        "unikv_requests_swapped",
+        'unikv_kv_bytes{tier="device"}',
+        'unikv_kv_usage_ratio{tier="device"}',
+        "unikv_prefix_cache_queries_total",
+        "unikv_prefix_cache_hits_total",
+        "unikv_preemptions_total",
+        "unikv_prompt_tokens_total",
+        "unikv_generation_tokens_total",
+        "unikv_time_to_first_token_seconds_bucket",
+        "unikv_inter_token_latency_seconds_bucket",
+        "unikv_e2e_request_latency_seconds_count",
+        "unikv_health_status 0.0",
+        "unikv_load_share_ratio 1.0",
+    ):
+        assert name in text, name
+    data = httpx.get(url + "/dashboard/data", timeout=30).json()
+    assert data["health"]["status"] == "green" and "device" in data["tiers"]
+    assert any(p["tokens_per_s"] > 0 for p in data["series"])
+
+
+# ---- the process: SIGTERM with requests in flight --------------------------------------------
+
+
+def test_sigterm_finishes_running_requests_then_exits(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--strategy",
+            "full",
+            "--grace",
+            "60",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stdout.read()}")
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, "the server to start", limit=180)
+        body = {
+            "prompt": "Write a long story",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events = []
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            events.append(next(lines))
+            proc.send_signal(signal.SIGTERM)
+            events.extend(lines)
+        data = [e[6:] for e in events if e.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # ran to its 40 tokens
+        # uvicorn re-raises the signal after its graceful shutdown, as servers conventionally do.
+        assert proc.wait(120) in (0, -signal.SIGTERM)
+        assert "Finished server process" in proc.stdout.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

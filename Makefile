@@ -23,6 +23,19 @@ $(VENV)/.deps-test: $(VENV)/.deps-run
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
+# System packages the tests drive: headless Chromium + its driver (the dashboard test) and
+# redis-server (the remote tier). As root, `apt-get update` once, then install what is missing.
+SYSTEM_PKGS := chromium chromium-driver redis-server
+.PHONY: system-deps
+system-deps:
+	@missing=""; for p in $(SYSTEM_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	  else echo "missing system packages (install as root):$$missing"; fi; \
+	fi
+
 # Benchmark extras (the quanto peer, matplotlib for the charts).
 $(VENV)/.deps-bench: $(VENV)/.deps-test
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]'
@@ -31,9 +44,10 @@ $(VENV)/.deps-bench: $(VENV)/.deps-test
 run: $(VENV)/.deps-run
 	$(VENV)/bin/unikv run --prompt "$(PROMPT)" --chat
 
-test: $(VENV)/.deps-test
+test: $(VENV)/.deps-test system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.deps-test

@@ -101,6 +101,10 @@ class KVStrategy(KVCache, KVMemory):
     # ---- shared bookkeeping ------------------------------------------------------------------
 
     def begin_step(self, batch: StepBatch) -> None:
+        # NOTE: the scheduler reserved this room already; asking again costs a table lookup
+        # when nothing changed, and is needed when it did: a strategy's own begin_step may have
+        # compacted (learned_prune) or moved (hierarchical_offload) blocks since, and callers
+        # outside a scheduler (evaluation loops, recorders) reserve nothing beforehand.
         for sid, n in zip(batch.seq_ids, batch.query_lens, strict=True):
             if not self.pool.reserve(sid, n):
                 raise RuntimeError(

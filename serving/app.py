@@ -409,32 +409,47 @@ async def _whole(server: Server, request: Request, handle: RequestHandle, t0: fl
             handle.cancel()
 
 
+class _Latency:
+    """One request's timings: TTFT at its first piece, inter-token gaps after, and the
+    finished request's counters and dashboard point."""
+
+    def __init__(self, server: Server, t0: float) -> None:
+        self.server, self.t0 = server, t0
+        self.first: float | None = None
+        self.last = t0
+
+    def piece(self) -> None:
+        """A piece of text arrived now."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.server.metrics.ttft.observe(now - self.t0)
+        else:
+            self.server.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def finished(self, handle: RequestHandle) -> None:
+        """The request ended normally: count its tokens and latency."""
+        done, m = handle.completion, self.server.metrics
+        m.e2e.observe(time.perf_counter() - self.t0)
+        m.prompt_tokens.inc(done.prompt_tokens)
+        m.generation_tokens.inc(done.completion_tokens)
+        m.requests.labels(p.finish_reason(done.finish_reason)).inc()
+        ttft = None if self.first is None else self.first - self.t0
+        self.server.record(done.completion_tokens, ttft)
+
+
 async def _consume(server: Server, handle: RequestHandle, t0: float):
     """Read a request to its end, recording its latencies."""
-    first = last = None
+    lat = _Latency(server, t0)
     try:
         async for _piece in handle:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-                server.metrics.ttft.observe(now - t0)
-            else:
-                server.metrics.itl.observe(now - last)
-            last = now
+            lat.piece()
     except Exception:
         server.failures.add()
         raise
-    _finished(server, handle, t0, first)
+    lat.finished(handle)
     return handle.completion
-
-
-def _finished(server: Server, handle: RequestHandle, t0: float, first: float | None) -> None:
-    done = handle.completion
-    server.metrics.e2e.observe(time.perf_counter() - t0)
-    server.metrics.prompt_tokens.inc(done.prompt_tokens)
-    server.metrics.generation_tokens.inc(done.completion_tokens)
-    server.metrics.requests.labels(p.finish_reason(done.finish_reason)).inc()
-    server.record(done.completion_tokens, None if first is None else first - t0)
 
 
 async def _stream(
@@ -464,18 +479,12 @@ async def _stream(
             data["usage"] = None
         return f"data: {json.dumps(data)}\n\n"
 
-    first = last = None
+    lat = _Latency(server, t0)
     try:
         if chat:
             yield chunk("", role=True)
         async for piece in handle:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-                server.metrics.ttft.observe(now - t0)
-            else:
-                server.metrics.itl.observe(now - last)
-            last = now
+            lat.piece()
             yield chunk(piece)
         done = handle.completion
         yield chunk(None if chat else "", p.finish_reason(done.finish_reason))
@@ -489,7 +498,7 @@ async def _stream(
                 "usage": p.usage(done.prompt_tokens, done.completion_tokens),
             }
             yield f"data: {json.dumps(u)}\n\n"
-        _finished(server, handle, t0, first)
+        lat.finished(handle)
         yield "data: [DONE]\n\n"
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
         server.failures.add()

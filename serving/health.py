@@ -107,87 +107,34 @@ class HealthInputs:
     tier_problems: tuple[str, ...] = field(default_factory=tuple)
 
 
+def _grade(name: str, abnormal: bool, near: bool, reason: str) -> Indicator:
+    """One indicator: abnormal, near its limit, or normal (the reason only when not)."""
+    if abnormal:
+        return Indicator(name, ABNORMAL, reason)
+    return Indicator(name, NEAR, reason) if near else Indicator(name, "normal")
+
+
 def evaluate(x: HealthInputs) -> HealthView:
-    """The health view for one set of readings."""
-    ind: list[Indicator] = []
-    u = x.device_usage
-    if u >= 0.95:
-        ind.append(Indicator("kv_memory", ABNORMAL, f"KV memory full: {u:.0%} of the device tier"))
-    elif u >= 0.85:
-        ind.append(
-            Indicator("kv_memory", NEAR, f"KV memory almost full: {u:.0%} of the device tier")
-        )
-    else:
-        ind.append(Indicator("kv_memory", "normal"))
-    share = x.waiting / x.max_waiting if x.max_waiting else 0.0
-    if share >= 0.9:
-        ind.append(
-            Indicator(
-                "queue",
-                ABNORMAL,
-                f"request queue full: {x.waiting} waiting of {x.max_waiting} allowed",
-            )
-        )
-    elif share >= 0.5:
-        ind.append(
-            Indicator(
-                "queue",
-                NEAR,
-                f"request queue filling: {x.waiting} waiting of {x.max_waiting} allowed",
-            )
-        )
-    else:
-        ind.append(Indicator("queue", "normal"))
-    p = x.preemptions_recent
-    if p >= 10:
-        ind.append(
-            Indicator(
-                "preemptions",
-                ABNORMAL,
-                f"memory pressure: {p} requests paused for memory in the last minute",
-            )
-        )
-    elif p:
-        ind.append(
-            Indicator(
-                "preemptions",
-                NEAR,
-                f"memory pressure: {p} request(s) paused for memory in the last minute",
-            )
-        )
-    else:
-        ind.append(Indicator("preemptions", "normal"))
-    f = x.failures_recent
-    if f >= 5:
-        ind.append(Indicator("failures", ABNORMAL, f"{f} requests failed in the last minute"))
-    elif f:
-        ind.append(Indicator("failures", NEAR, f"{f} request(s) failed in the last minute"))
-    else:
-        ind.append(Indicator("failures", "normal"))
-    if x.checksum_failure:
-        ind.append(
-            Indicator(
-                "integrity",
-                ABNORMAL,
-                "stored KV failed its checksum in the last minute (recomputed, not served)",
-            )
-        )
-    else:
-        ind.append(Indicator("integrity", "normal"))
-    if x.oom_firing:
-        ind.append(
-            Indicator(
-                "oom",
-                ABNORMAL,
-                "the OOM predictor expects the device tier to run out of KV memory soon",
-            )
-        )
-    else:
-        ind.append(Indicator("oom", "normal"))
-    if x.tier_problems:
-        ind.append(Indicator("tiers", NEAR, "; ".join(x.tier_problems)))
-    else:
-        ind.append(Indicator("tiers", "normal"))
+    """The health view for one set of readings (thresholds in the module docstring)."""
+    u, w, m = x.device_usage, x.waiting, x.max_waiting
+    queue = w / m if m else 0.0
+    p, f = x.preemptions_recent, x.failures_recent
+    kv_word = "full" if u >= 0.95 else "almost full"
+    q_word = "full" if queue >= 0.9 else "filling"
+    ind = [
+        _grade("kv_memory", u >= 0.95, u >= 0.85,
+               f"KV memory {kv_word}: {u:.0%} of the device tier"),
+        _grade("queue", queue >= 0.9, queue >= 0.5,
+               f"request queue {q_word}: {w} waiting of {m} allowed"),
+        _grade("preemptions", p >= 10, p > 0,
+               f"memory pressure: {p} request(s) paused for memory in the last minute"),
+        _grade("failures", f >= 5, f > 0, f"{f} request(s) failed in the last minute"),
+        _grade("integrity", x.checksum_failure, False,
+               "stored KV failed its checksum in the last minute (recomputed, not served)"),
+        _grade("oom", x.oom_firing, False,
+               "the OOM predictor expects the device tier to run out of KV memory soon"),
+        _grade("tiers", False, bool(x.tier_problems), "; ".join(x.tier_problems)),
+    ]  # fmt: skip
     return colour(ind, x.oom_firing)
 
 

@@ -1,0 +1,311 @@
+"""`unikv serve` against llama.cpp's `llama-server`, through the OpenAI API, in one run.
+
+    python benchmarks/serve_load.py [--concurrency 1 8 32] [--new-tokens 64] [--text FILE]
+
+Both servers run the same weights: the packaged SmolLM2 GGUF, which unikv dequantizes to fp32,
+and the same file converted to F32 with `llama-quantize` for llama-server (found or built by
+`benchmarks/llamacpp.py`). Each server gets 2 threads and is started once; the measurements
+alternate between them (never both loaded at once). N concurrent streaming clients send
+prompts cut from the text at mixed lengths (32 to 256 tokens), `ignore_eos`, `max_tokens`
+fixed, so every request generates the same number of tokens.
+
+Reported per server and concurrency: output tokens/s, TTFT p50/p99, inter-token p99. Then:
+- **Urgent request**: TTFT of one `priority: -10` request sent while 16 normal streams run,
+  against its TTFT on the idle server (unikv only: llama-server has no priorities; its figure
+  under the same load is shown for comparison).
+- **Batching window**: a bursty arrival trace (bursts of 8 requests, 1.5 s apart) through
+  unikv with the admission window at 0 and at the chip profile's (cpu: 40 ms).
+
+Prints a human table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import environment  # noqa: E402
+from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
+from engine.gguf_loader import resolve_model_path  # noqa: E402
+
+TEXT = Path(__file__).with_name("texts") / "GPL-3.txt"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(text: str, n: int, seed: int = 0) -> list[str]:
+    """`n` prompts cut from the text, 24 to 190 words (about 32 to 256 tokens)."""
+    words = text.split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(24, 190)
+        start = rng.randrange(0, len(words) - length)
+        out.append(" ".join(words[start : start + length]))
+    return out
+
+
+class Proc:
+    """A server process on a free port, stopped on exit."""
+
+    def __init__(self, name: str, argv: list[str], port: int, env: dict) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+        self.log = os.fdopen(fd, "wb")  # kept open for the process's lifetime
+        self.log_path = path
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, limit: float = 300) -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise SystemExit(f"{self.name} did not start in {limit} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority=None) -> dict:
+    """Stream one completion; return its TTFT, inter-token gaps and token count."""
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if priority is not None:
+        body["priority"] = priority
+    t0 = time.perf_counter()
+    first, last, gaps, pieces = None, None, [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+            pieces += 1
+    return {"ttft": first - t0, "gaps": gaps, "tokens": new, "end": last - t0}
+
+
+async def load(url: str, ps: list[str], concurrency: int, new: int) -> dict:
+    """`concurrency` clients, each sending its share of `ps` one after another."""
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        queue = list(ps)
+        results: list[dict] = []
+
+        async def worker() -> None:
+            while queue:
+                results.append(await one(client, url, queue.pop(), new))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttfts = sorted(r["ttft"] for r in results)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50": _pct(ttfts, 50),
+        "ttft_p99": _pct(ttfts, 99),
+        "itl_p99": _pct(gaps, 99),
+        "requests": len(results),
+    }
+
+
+async def urgent(url: str, ps: list[str], new: int, normal: int = 16) -> dict:
+    """TTFT of an urgent request alone, and while `normal` streams run."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        idle = statistics.median(
+            [(await one(c, url, ps[0], 8, priority=-10))["ttft"] for _ in range(3)]
+        )
+        background = [asyncio.create_task(one(c, url, p, new * 2)) for p in ps[1 : normal + 1]]
+        await asyncio.sleep(2.0)  # the normal streams are all decoding by now
+        loaded = [(await one(c, url, ps[0], 8, priority=-10))["ttft"] for _ in range(3)]
+        await asyncio.gather(*background)
+    return {
+        "idle_ttft": idle,
+        "loaded_ttft": statistics.median(loaded),
+        "ratio": statistics.median(loaded) / idle,
+    }
+
+
+async def bursty(url: str, ps: list[str], new: int, bursts: int = 4, size: int = 8) -> dict:
+    """Bursts of `size` requests, `1.5 s` apart: mean TTFT and output tokens/s."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        t0 = time.perf_counter()
+        tasks = []
+        for b in range(bursts):
+            tasks += [
+                asyncio.create_task(one(c, url, ps[(b * size + i) % len(ps)], new))
+                for i in range(size)
+            ]
+            await asyncio.sleep(1.5)
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return {
+        "ttft_mean": statistics.mean(r["ttft"] for r in results),
+        "ttft_p99": _pct(sorted(r["ttft"] for r in results), 99),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def unikv_server(batch: int, window_ms: float | None) -> Proc:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "UNIKV_SCHEDULER__BATCH_SIZE": str(batch)}
+    if window_ms is not None:
+        env["UNIKV_SCHEDULER__BATCHING_WINDOW_MS"] = str(window_ms)
+    argv = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--strategy",
+        "full",
+        "--max-waiting",
+        "256",
+    ]
+    return Proc(f"unikv-w{window_ms}", argv, port, env)
+
+
+def llama_server(bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int) -> Proc:
+    port = free_port()
+    argv = [
+        str(bin_dir / "llama-server"),
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "-t",
+        "2",
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "--no-webui",
+        "-fa",
+        "on",
+    ]
+    return Proc("llama-server", argv, port, dict(os.environ))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--text", default=str(TEXT))
+    ap.add_argument("--skip-llamacpp", action="store_true", help="unikv's figures only")
+    args = ap.parse_args()
+    text = Path(args.text).read_text(encoding="utf-8")
+    top = max(args.concurrency)
+    servers = {"unikv": unikv_server(top, None)}
+    if not args.skip_llamacpp:
+        bin_dir = find_or_build()
+        f32 = converted(resolve_model_path("smollm2"), "F32", bin_dir)
+        servers["llama-server"] = llama_server(bin_dir, f32, top, 512)
+    rows, extra = [], {}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        loop = asyncio.new_event_loop()
+        for s in servers.values():  # warm-up
+            loop.run_until_complete(load(s.url, prompts(text, 4, seed=99), 2, 8))
+        for c in args.concurrency:
+            ps = prompts(text, max(4, c * args.requests_per_client), seed=c)
+            for name, s in servers.items():
+                r = loop.run_until_complete(load(s.url, ps, c, args.new_tokens))
+                rows.append({"server": name, "concurrency": c, **r})
+                print(f"  {name} c={c}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        ps = prompts(text, 20, seed=5)
+        for name, s in servers.items():
+            extra[f"urgent_{name}"] = loop.run_until_complete(urgent(s.url, ps, args.new_tokens))
+        servers.pop("unikv").stop()
+        for window in (0.0, None):  # None: the chip profile's window
+            s = unikv_server(top, window)
+            try:
+                s.wait_ready()
+                loop.run_until_complete(load(s.url, prompts(text, 4, seed=99), 2, 8))
+                key = "window_0ms" if window == 0.0 else "window_profile"
+                extra[key] = loop.run_until_complete(bursty(s.url, ps, args.new_tokens))
+            finally:
+                s.stop()
+    finally:
+        for s in servers.values():
+            s.stop()
+    _print(rows, extra)
+
+
+def _print(rows: list[dict], extra: dict) -> None:
+    print(f"{'server':13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}")
+    for r in rows:
+        print(
+            f"{r['server']:13} {r['concurrency']:>4} {r['tokens_per_s']:>7.1f} "
+            f"{r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p99'] * 1000:>7.0f}ms "
+            f"{r['itl_p99'] * 1000:>6.0f}ms"
+        )
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    for (srv, c), r in by.items():
+        peer = by.get(("llama-server", c))
+        if srv == "unikv" and peer:
+            print(f"unikv / llama-server at {c}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+    for k, v in extra.items():
+        print(k, {a: round(b, 4) for a, b in v.items()})
+    print(json.dumps({"benchmark": "serve_load", "rows": rows, **extra, "env": environment()}))
+
+
+if __name__ == "__main__":
+    main()

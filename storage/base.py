@@ -2,9 +2,11 @@
 
 What lives here: `BlockStore` (a persistent key -> bytes store of KV blocks; keys and values are
 opaque bytes), `AsyncBlockStore` (the same from asyncio, blocking calls on worker threads),
-`VerifyReport`, the errors `StoreFullError` and `ChecksumError`, and the frame every backend
-stores a value in (`encode_frame`/`decode_frame`: a 16-byte header with a CRC-32 + the payload).
-What does not: a backend (`storage.lmdb_store`), the name -> class registry
+`VerifyReport`, the errors `StoreFullError`, `StoreUnavailableError` and `ChecksumError`, and
+the frame every backend stores a value in (`encode_frame`/`decode_frame`: a 16-byte header
+with a CRC-32 + the payload).
+What does not: a backend (`storage.lmdb_store`, `storage.redis_store`, `storage.fs_store`),
+the name -> class registry
 (`storage.registry`), and anything about tokens, layers or tiers (the pool and the strategies
 decide what a block means and where it lives; a store only keeps bytes safe).
 """
@@ -45,6 +47,19 @@ class StoreFullError(OSError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(errno.ENOSPC, message, path)
         self.path = path
+
+
+class StoreUnavailableError(ConnectionError):
+    """The store's server cannot be reached now: a timeout, a refused or reset connection.
+
+    Raised by remote stores (Redis) during operation; the caller treats it as a miss (the
+    remote tier's circuit breaker). Opening a store against an unreachable server is a
+    `ValueError` instead: that is a configuration to fix, not a passing outage.
+    """
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"block store {where}: {message}")
+        self.where = where
 
 
 class ChecksumError(RuntimeError):
@@ -127,6 +142,17 @@ def check_key(key: object, max_bytes: int) -> bytes:
     if not 1 <= len(key) <= max_bytes:
         raise ValueError(f"a block key must be 1..{max_bytes} bytes, got {len(key)}")
     return key
+
+
+def check_namespace(namespace: object) -> str:
+    """`namespace` if it is a non-empty string of printable characters without ':'."""
+    if not isinstance(namespace, str) or not namespace or not namespace.isprintable():
+        raise ValueError(
+            f"a store namespace must be a non-empty printable string, got {namespace!r}"
+        )
+    if ":" in namespace:
+        raise ValueError(f"a store namespace must not contain ':', got {namespace!r}")
+    return namespace
 
 
 def check_value(key: bytes, value: object) -> Buffer:

@@ -2,13 +2,17 @@
 
 The contract tests are parametrized over `storage.available()`: a new backend gets them by
 registering and adding its test setup to `SETUPS` and `CORRUPTORS` (a test fails until it
-does). LMDB specifics: map growth, a full map or disk, bad paths, location hints, bit rot in
-the data file, and crash safety against a real child process killed with SIGKILL.
+does). Redis and Redis Cluster run against real servers (tests/_redis.py: started once per
+session on free ports with a password, skipped when redis-server is not installed); every test
+gets its own key namespace there. LMDB specifics: map growth, a full map or disk, bad paths,
+location hints, bit rot in the data file, and crash safety against a real child process killed
+with SIGKILL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -30,6 +34,7 @@ from storage.base import HEADER_BYTES, decode_frame, encode_frame
 from storage.lmdb_store import _LOC, LmdbBlockStore
 
 from ._crash_writer import block_key, block_value
+from ._redis import need_redis, redis_cluster, redis_server
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,8 +66,90 @@ def _lmdb_corrupt(kwargs: dict, k: bytes) -> None:
             txn.put(k, bytes(frame))
 
 
-SETUPS: dict[str, Callable[[Path], dict]] = {"lmdb": _lmdb_kwargs}
-CORRUPTORS: dict[str, Callable[[dict, bytes], None]] = {"lmdb": _lmdb_corrupt}
+def _namespace(root: Path) -> str:
+    """A namespace of its own for each test (the servers are shared by the session)."""
+    return hashlib.blake2b(str(root).encode(), digest_size=8).hexdigest()
+
+
+def _redis_kwargs(root: Path) -> dict:
+    return {"url": _servers.single(root).url, "namespace": _namespace(root)}
+
+
+def _cluster_kwargs(root: Path) -> dict:
+    return {"url": _servers.cluster(root).url, "namespace": _namespace(root)}
+
+
+def _redis_corrupt(kwargs: dict, k: bytes) -> None:
+    """Flip one payload byte of `k`'s value on the server, bypassing the store."""
+    import redis
+
+    if kwargs["url"].startswith("redis+cluster"):
+        client = redis.RedisCluster.from_url(kwargs["url"].replace("redis+cluster", "redis"))
+    else:
+        client = redis.Redis.from_url(kwargs["url"])
+    name = f"unikv:{kwargs['namespace']}:".encode() + k
+    frame = bytearray(client.get(name))
+    frame[-1] ^= 0x40
+    client.set(name, bytes(frame))
+    client.close()
+
+
+def _fs_kwargs(root: Path) -> dict:
+    return {"path": root / "fs", "namespace": "test", "max_bytes": 1 << 26}
+
+
+def _fs_corrupt(kwargs: dict, k: bytes) -> None:
+    """Flip one payload byte of `k`'s file, bypassing the store."""
+    name = k.hex()
+    file = Path(kwargs["path"]) / kwargs["namespace"] / name[:2] / name
+    frame = bytearray(file.read_bytes())
+    frame[-1] ^= 0x40
+    file.write_bytes(bytes(frame))
+
+
+class _Servers:
+    """The session's Redis server and cluster, started when a test first asks for them."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._single = self._cluster = None
+
+    def single(self, root: Path):
+        if self._single is None:
+            self._single = self._stack.enter_context(redis_server(root.parent / "redis-single"))
+        return self._single
+
+    def cluster(self, root: Path):
+        if self._cluster is None:
+            self._cluster = self._stack.enter_context(redis_cluster(root.parent / "redis-cluster"))
+        return self._cluster
+
+    def close(self) -> None:
+        self._stack.close()
+        self._single = self._cluster = None
+
+
+_servers = _Servers()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers():
+    yield
+    _servers.close()
+
+
+SETUPS: dict[str, Callable[[Path], dict]] = {
+    "lmdb": _lmdb_kwargs,
+    "redis": _redis_kwargs,
+    "redis_cluster": _cluster_kwargs,
+    "fs": _fs_kwargs,
+}
+CORRUPTORS: dict[str, Callable[[dict, bytes], None]] = {
+    "lmdb": _lmdb_corrupt,
+    "redis": _redis_corrupt,
+    "redis_cluster": _redis_corrupt,
+    "fs": _fs_corrupt,
+}
 
 
 @pytest.fixture(params=storage.available())
@@ -72,6 +159,8 @@ def name(request) -> str:
 
 @pytest.fixture
 def kwargs(name, tmp_path) -> dict:
+    if name.startswith("redis"):
+        need_redis()
     return SETUPS[name](tmp_path)
 
 

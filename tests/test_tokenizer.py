@@ -52,3 +52,59 @@ def test_incremental_decoder_holds_back_split_characters(tokenizer):
     pieces = [dec.push(i) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def _long_output(tokenizer, n: int = 4000) -> list[int]:
+    """Thousands of token ids: prose with multi-byte characters, with special tokens between."""
+    from tests.conftest import make_english
+
+    unicode = "naïve café 日本語のテキスト 🚀🔥 Ελληνικά"
+    parts = [make_english(40, seed=3), unicode, "tabs\t\tand  gaps"]
+    chunk = tokenizer.encode("\n".join(parts))
+    ids: list[int] = []
+    specials = sorted(tokenizer.special_ids)
+    while len(ids) < n:
+        ids += chunk + [specials[len(ids) % len(specials)]]
+    return ids[:n]
+
+
+def _streamed(tokenizer, ids: list[int]) -> str:
+    dec = IncrementalDecoder(tokenizer)
+    pieces = [dec.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == dec.text
+    return dec.text
+
+
+def test_long_streams_equal_one_shot_decode(tokenizer):
+    ids = _long_output(tokenizer)
+    assert len(ids) == 4000
+    assert _streamed(tokenizer, ids) == tokenizer.decode(ids)
+    # Cut the stream inside a multi-byte character: the held-back bytes never come out alone.
+    emoji = tokenizer.encode("🚀")
+    assert len(emoji) > 1
+    assert _streamed(tokenizer, ids + emoji[:1]) == tokenizer.decode(ids)
+    assert _streamed(tokenizer, ids + emoji) == tokenizer.decode(ids) + "🚀"
+
+
+def test_hf_tokenizer_streams_equal_one_shot_decode(tokenizer, tmp_path):
+    from engine.tokenizer import HFTokenizer
+
+    tokenizer._tk.save(str(tmp_path / "tokenizer.json"))  # the same vocabulary as tokenizer.json
+    hf = HFTokenizer(tmp_path)
+    ids = _long_output(tokenizer, 3000)
+    assert _streamed(hf, ids) == hf.decode(ids) == tokenizer.decode(ids)
+
+
+def test_streaming_never_decodes_the_whole_output(tokenizer, monkeypatch):
+    """O(1) per token: pushing never calls the whole-sequence decode."""
+
+    def whole(*args, **kwargs):
+        raise AssertionError("push decoded the whole output")
+
+    dec = IncrementalDecoder(tokenizer)
+    monkeypatch.setattr(tokenizer, "decode", whole)
+    monkeypatch.setattr(tokenizer._tk, "decode", whole, raising=False)
+    for i in tokenizer._tk.encode("streamed ünïcode 🚀", add_special_tokens=False).ids:
+        dec.push(i)
+    assert dec.text == "streamed ünïcode 🚀"

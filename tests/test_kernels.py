@@ -1,0 +1,71 @@
+"""The C kernel's build is never silent: each way it can fail shows as a PyTorch fallback with
+its reason, in `kernels.status()` (what `unikv profile` prints) and in the memory report."""
+
+import logging
+import os
+
+import pytest
+
+from engine.cli import _kernel_status, _memory_lines
+from kvstrategies import kernels
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No kernel built in this process yet, and an empty cache directory."""
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(kernels, "KERNEL_ERROR", None)
+    monkeypatch.setenv("UNIKV_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("UNIKV_NO_KERNEL", raising=False)
+    return tmp_path
+
+
+def _fallback(caplog) -> str:
+    with caplog.at_level(logging.WARNING, logger="kvstrategies.kernels"):
+        status = kernels.status(probe=True)
+    assert status.startswith("PyTorch fallback (")
+    assert f"attention kernel: {status}" in caplog.text  # logged, not silent
+    return status
+
+
+def test_no_compiler(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    assert "C compiler" in _fallback(caplog) and "cannot run" in kernels.KERNEL_ERROR
+
+
+def test_unwritable_cache_directory(fresh, monkeypatch, caplog):
+    blocker = fresh / "file"
+    blocker.write_text("a file where the directory should be")
+    monkeypatch.setenv("UNIKV_KERNEL_DIR", str(blocker / "kernels"))
+    status = _fallback(caplog)
+    assert "kernel cache directory" in status and "UNIKV_KERNEL_DIR" in status
+
+
+def test_failed_build(fresh, monkeypatch, caplog):
+    cc = fresh / "cc"
+    cc.write_text("#!/bin/sh\necho 'error: something broke' >&2\nexit 1\n")
+    os.chmod(cc, 0o755)
+    monkeypatch.setenv("CC", str(cc))
+    status = _fallback(caplog)
+    assert "failed to build hybrid_attend.c" in status and "something broke" in status
+
+
+def test_disabled_and_warned_once(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    with caplog.at_level(logging.WARNING, logger="kvstrategies.kernels"):
+        for t in (16, 32):  # two shapes, one reason: one warning
+            kernels.hybrid_kernel({**kernels.PROBE_SHAPE, "T": t})
+    assert caplog.text.count("attention kernel: PyTorch fallback") == 1
+    monkeypatch.setattr(kernels, "_libs", {})
+    monkeypatch.setenv("UNIKV_NO_KERNEL", "1")
+    assert kernels.status(probe=True) == "PyTorch fallback (disabled by UNIKV_NO_KERNEL=1)"
+
+
+def test_the_memory_report_names_the_attention_path():
+    assert _kernel_status({"kernel": "torch (no C compiler (cc/gcc) on PATH)"}) == (
+        "PyTorch fallback (no C compiler (cc/gcc) on PATH)"
+    )
+    assert _kernel_status({}) == "PyTorch (this strategy has no C kernel)"
+    mem = {"kv_bytes_peak": 1, "kv_bytes_used": 0, "attention_kernel": "PyTorch fallback (x)"}
+    assert "[attention kernel: PyTorch fallback (x)]" in _memory_lines(mem)

@@ -3,10 +3,11 @@
 `assemble` loads the model, and `build_kv` builds what serves its KV: it resolves the strategy
 for the config and chip (`kvstrategies.plan`), records what the strategy needs from the model
 (`engine.recording`: hybrid_fp16_int4's channel statistics), opens the block stores of the
-config's store tiers (`open_store`: no other module opens one for the pool), builds strategy and
-pool (`kvstrategies.create`), and places an MoE model's routed experts by the same config and
-chip. `Assembly.close` closes them in reverse order: the strategy (pending write-through lands),
-then the stores, then the model's expert cache.
+config's store tiers (`open_store`, and `open_remote_store` for `[tiers.remote] url`: no other
+module opens one for the pool), builds strategy and pool (`kvstrategies.create`), and places an
+MoE model's routed experts by the same config and chip. `Assembly.close` closes them in reverse
+order: the strategy (pending write-through lands), then the stores, then the model's expert
+cache.
 
 What does not live here: choosing a strategy (`kvstrategies.registry`), the pool (`memory/`),
 the stores (`storage/`), loading weights (`engine.loading`).
@@ -15,6 +16,7 @@ the stores (`storage/`), loading weights (`engine.loading`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +24,13 @@ import torch
 
 import kvstrategies
 from kvstrategies import Built, KVSpec, KVStrategy
+from kvstrategies.registry import content_identity
 from memory.config import PoolConfig, TierConfig, load_config
 from memory.pool import StoreTier
 from memory.profiles import ChipProfile
-from storage import BlockStore, create_store
+from memory.remote import RemoteTier
+from storage import BlockStore, create_store, open_url, url_store
+from storage.registry import redact
 
 from .loading import load_model
 from .model import LlamaModel
@@ -46,18 +51,60 @@ def open_store(config: PoolConfig, tier: TierConfig) -> BlockStore:
         raise ValueError(f"{where}: {e}") from None
 
 
+def open_remote_store(config: PoolConfig, tier: TierConfig, namespace: str) -> BlockStore:
+    """The block store the config's `[tiers.remote] url` names (Redis, Redis Cluster, a shared
+    directory), keys under `namespace`; a bad URL or an unreachable server is one line naming
+    the file, the key and the URL (its password hidden)."""
+    # Short timeouts: a lookup waits at most about connect + read before it counts as a miss.
+    args = {"namespace": namespace}
+    name, _ = _store_of(tier.path)
+    if name in ("redis", "redis_cluster"):
+        args |= {"connect_timeout_s": 0.5, "timeout_s": 1.0}
+    elif name == "fs":
+        args["max_bytes"] = tier.capacity_bytes
+    try:
+        return open_url(tier.path, **args)
+    except ValueError as e:
+        where = f"{config.source}: [tiers.remote] url = {redact(tier.path)!r}"
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _store_of(url: str) -> tuple[str | None, dict]:
+    """`storage.url_store`, or (None, {}) for a URL it refuses (`open_url` then says why)."""
+    try:
+        return url_store(url)
+    except ValueError:
+        return None, {}
+
+
 def store_tiers(name: str, spec: KVSpec, config: PoolConfig, options: dict) -> dict:
-    """Store-backed tiers for the config (today: its `[tiers.ssd]`), each over its own store,
-    laid out for strategy `name` with `options`."""
-    tc = config.tier("ssd")
-    if tc is None:
-        return {}
+    """Store-backed tiers for the config (its `[tiers.ssd]` and `[tiers.remote]`), each over
+    its own store, laid out for strategy `name` with `options`."""
     cls = kvstrategies.get(name)
     opts = cls.check_options(options)
     layout = cls.layout(spec, config.block_size or cls.default_block_size, opts)
-    store = open_store(config, tc)
-    num_blocks = tc.capacity_bytes // layout.page_bytes
-    return {"ssd": StoreTier("ssd", layout, num_blocks, store, slices=cls.store_slices(spec))}
+    slices = cls.store_slices(spec)
+    tiers: dict = {}
+    tc = config.tier("ssd")
+    if tc is not None:
+        store = open_store(config, tc)
+        tiers["ssd"] = StoreTier("ssd", layout, tc.capacity_bytes // layout.page_bytes, store,
+                                 slices=slices)  # fmt: skip
+    rc = config.tier("remote")
+    if rc is not None:
+        # The namespace is the content identity (model and weights, dtype, strategy, layout)
+        # and the value split: processes that can share blocks share it, no other ever does.
+        identity = f"{content_identity(cls, spec, opts, layout)}|slices{slices}"
+        namespace = hashlib.blake2b(identity.encode(), digest_size=12).hexdigest()
+        try:
+            store = open_remote_store(config, rc, namespace)
+        except BaseException:
+            for t in tiers.values():
+                t.close()
+            raise
+        tiers["remote"] = RemoteTier("remote", layout, rc.capacity_bytes // layout.page_bytes,
+                                     store, slices=slices)  # fmt: skip
+    return tiers
 
 
 def create_kv(

@@ -24,6 +24,12 @@ tier (the pool's `WriteThrough`) under their content hash (blake2b chain over mo
 layout and tokens). A later request, in this process or another, that starts with the same
 tokens attaches those blocks without reading them (`match_prefix`), when that beats recomputing
 (`min_disk_hit_tokens`).
+
+Remote tier (`[tiers.remote] url`, with an SSD tier): the same blocks are also written through
+to the shared server in the background (`memory.remote.RemoteWriteThrough`), and a lookup walks
+device -> host -> SSD -> remote: blocks the server holds after the local hits are copied into
+the SSD tier (promoted) and attached from there, so the step never reads the network. A slow or
+vanished server is a miss (the tier's circuit breaker), never an error.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from typing import Any
 
 import torch
 
+from memory.prefix import chain_hashes
+from memory.remote import RemoteTier, RemoteWriteThrough
 from memory.services import Prefetcher, WriteThrough
 from memory.tiers import StoreTier, TierKind
 
@@ -121,6 +129,12 @@ class HierarchicalOffloadStrategy(FullStrategy):
             pool.tiers, spec.num_layers, depth, o["io_threads"], device=pool.device, stage=_tokens
         )
         self.writer = WriteThrough(self.ssd) if self.ssd is not None else None
+        # The remote tier is shared through the SSD tier: hits are promoted into it.
+        remote = pool.tiers.get(TierKind.REMOTE)
+        self.remote = remote if isinstance(remote, RemoteTier) and self.ssd is not None else None
+        if isinstance(remote, RemoteTier) and self.ssd is None:
+            log.warning("%s: the remote tier needs an SSD tier to promote into; unused", self.name)
+        self.remote_writer = RemoteWriteThrough(self.remote) if self.remote is not None else None
         self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
         self.disk_hits = {"requests": 0, "blocks": 0, "skipped_short": 0, "skipped_slow": 0}
         # Measured rate for the disk-hit decision (EMA): prefill seconds per token, None until
@@ -133,8 +147,9 @@ class HierarchicalOffloadStrategy(FullStrategy):
 
     def begin_step(self, batch: StepBatch) -> None:
         self._step_t0 = time.perf_counter()
-        if self.writer is not None:
-            self.writer.wait_snapshots()  # blocks being persisted must not be reused before
+        for w in (self.writer, self.remote_writer):
+            if w is not None:
+                w.wait_snapshots()  # blocks being persisted must not be reused before
         for sid in batch.seq_ids:
             if self.pool.table(sid) is not None:
                 self.rebalance(sid)
@@ -264,6 +279,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
         if self.writer is not None and self.opts["persist_prefix"]:
             self.writer.wait_writes()  # content written through by this process counts
             stored = pool.stored_prefix(ids, refs)
+            if self.remote is not None:
+                stored += self._remote_hits(ids, len(refs) + len(stored))
             if stored and len(stored) * pool.block_size < self.opts["min_disk_hit_tokens"]:
                 self.disk_hits["skipped_short"] += 1
                 stored = []
@@ -276,6 +293,15 @@ class HierarchicalOffloadStrategy(FullStrategy):
             self.disk_hits["requests"] += 1
             self.disk_hits["blocks"] += len(stored)
         return n
+
+    def _remote_hits(self, ids: list[int], start: int) -> list[bytes]:
+        """Content hashes of the blocks [start, ...) of `ids` the remote tier holds, copied
+        into the SSD tier (bounded by the store's timeouts; none while its breaker is open)."""
+        hashes = list(chain_hashes(ids, self.pool.block_size, self.pool.identity))[start:]
+        found = self.remote.promote(hashes, self.ssd) if hashes else []
+        if found:
+            self.disk_hits["remote_blocks"] = self.disk_hits.get("remote_blocks", 0) + len(found)
+        return found
 
     def _disk_beats_compute(self, blocks: int) -> bool:
         """Whether reading `blocks` from the SSD tier is expected to be quicker than computing
@@ -297,12 +323,15 @@ class HierarchicalOffloadStrategy(FullStrategy):
             # Blocks [before, published) go through to the SSD tier, by content.
             for tier, blocks in self.pool.resident_chain(seq_id, before).items():
                 self.writer.submit(self.pool.tiers[tier], blocks)
+                if self.remote_writer is not None:
+                    self.remote_writer.submit(self.pool.tiers[tier], blocks)
 
     # ---- memory management hooks -------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:
-        if self.writer is not None:
-            self.writer.wait_snapshots()
+        for w in (self.writer, self.remote_writer):
+            if w is not None:
+                w.wait_snapshots()
         super().free(seq_id)
 
     def capacity_tokens(self) -> int | None:
@@ -332,10 +361,12 @@ class HierarchicalOffloadStrategy(FullStrategy):
     def close(self) -> None:
         """Finish pending writes, stop the I/O threads and close the SSD tier's store."""
         self.prefetcher.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.ssd is not None:
-            self.ssd.close()
+        for w in (self.writer, self.remote_writer):
+            if w is not None:
+                w.close()
+        for tier in (self.ssd, self.remote):
+            if tier is not None:
+                tier.close()
 
     def stats(self) -> dict:
         return super().stats() | {
@@ -343,6 +374,13 @@ class HierarchicalOffloadStrategy(FullStrategy):
             "prefetch": self.prefetcher.stats(),
             "disk_prefix_hits": dict(self.disk_hits),
             "blocks_written_through": self.writer.blocks_written if self.writer else 0,
+            "remote": None
+            if self.remote is None
+            else {
+                **self.remote.stats(),
+                "blocks_written": self.remote_writer.blocks_written,
+                "blocks_dropped": self.remote_writer.blocks_dropped,
+            },
             "demotion_failures": self.demotion_failures,
         }
 

@@ -380,6 +380,13 @@ class UnifiedMemoryPool:
         """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health."""
         snap = self.stats.snapshot()
         snap["health"] = self.health().as_dict()
+        # A tier that fails soft (the remote tier's open circuit breaker) says so here; the
+        # server's health view turns yellow with the sentence (serving/health.py).
+        problems = [p for t in self.tiers.values() if (p := _problem(t))]
+        snap["health"].setdefault("signals", {})["tier_problems"] = problems
+        for name, t in self.tiers.items():
+            if callable(getattr(t, "problem", None)):
+                snap.setdefault("tier_services", {})[name] = t.stats()
         snap["block_size"] = self.block_size
         snap["page_bytes"] = self.layout.page_bytes
         snap["sequences"] = len(self._tables)
@@ -406,3 +413,9 @@ class UnifiedMemoryPool:
             raise RuntimeError(
                 f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
             )
+
+
+def _problem(tier: Tier) -> str | None:
+    """What a tier reports as wrong now (only tiers that fail soft have `problem`)."""
+    problem = getattr(tier, "problem", None)
+    return problem() if callable(problem) else None

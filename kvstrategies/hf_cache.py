@@ -6,12 +6,24 @@ through the strategy into pool blocks and hands attention the stored keys/values
 sequence, read back from the strategy (for `full`, the stored values themselves). It exists so
 that any strategy can be checked against, and used with, transformers' own attention; unikv's
 engine attends on the stored form directly and never goes through here.
+
+Optional: it needs Hugging Face `transformers` >= 4.56 (the per-layer `Cache(layers=...)` API;
+`CacheLayerMixin` itself arrived in 4.54), which is in the `test` and `bench` extras, not a
+runtime dependency. Nothing in the runtime packages imports this module; importing it without
+transformers raises an ImportError saying what to install.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:  # optional: only the tests and benchmarks drive transformers models
+    raise ImportError(
+        "kvstrategies.hf_cache needs Hugging Face transformers>=4.56 "
+        "(pip install 'unikv[test]'); the unikv engine itself does not use it"
+    ) from e
 
 from .base import KVStrategy
 from .kv import StepBatch
@@ -26,8 +38,11 @@ class _StrategyLayer(CacheLayerMixin):
     def __init__(self, owner: StrategyCache, layer: int) -> None:
         super().__init__()
         self.owner, self.layer = owner, layer
+        self.is_initialized = False  # set by the mixin since 5.x; 4.56 has no such attribute
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ) -> None:
         self.device = key_states.device
         self.is_initialized = True
 
@@ -37,13 +52,18 @@ class _StrategyLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return self.owner._update(self.layer, key_states, value_states)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.stored() + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers < 5.x passes the query's cache positions, later ones its length.
+        n = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.owner.stored() + n, 0
 
     def get_seq_length(self) -> int:
         return self.owner.seen
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # abstract in 4.56..4.57
         return -1
 
 

@@ -142,6 +142,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
         self.prefill_s_per_token: float | None = None
         self._step_t0 = 0.0
         self.demotion_failures = 0
+        self.ssd_moves_skipped = 0  # blocks a failing SSD tier could not take
+        self._failing: set[str] = set()  # tiers whose last move failed (logged on a change)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -262,12 +264,22 @@ class HierarchicalOffloadStrategy(FullStrategy):
             if tier not in self.pool.tiers:
                 continue
             try:
-                if self.pool.move(seq_id, todo, tier, relocate_cache=True):
-                    return
+                moved = self.pool.move(seq_id, todo, tier, relocate_cache=True)
             except OSError as e:  # a full disk, an I/O error: keep the blocks where they are
                 self.demotion_failures += 1
-                log.warning("%s: blocks of sequence %s stay off the %s tier: %s",
-                            self.name, seq_id, tier, e)  # fmt: skip
+                if tier == TierKind.SSD:
+                    self.ssd_moves_skipped += len(todo)
+                if tier not in self._failing:  # once per state change, not at every step
+                    self._failing.add(tier)
+                    log.warning("%s: blocks stay off the %s tier (reported once until a move "
+                                "succeeds; skipped blocks are counted): %s",
+                                self.name, tier, e)  # fmt: skip
+                continue
+            if tier in self._failing:
+                self._failing.discard(tier)
+                log.info("%s: the %s tier takes blocks again", self.name, tier)
+            if moved:
+                return
 
     # ---- prefix sharing, in memory and on disk -----------------------------------------------
 
@@ -382,6 +394,10 @@ class HierarchicalOffloadStrategy(FullStrategy):
                 "blocks_dropped": self.remote_writer.blocks_dropped,
             },
             "demotion_failures": self.demotion_failures,
+            # Blocks the SSD tier could not take (a full disk): not written through, or kept
+            # in host memory instead of moving down. /metrics: unikv_ssd_writes_skipped_total.
+            "ssd_writes_skipped": self.ssd_moves_skipped
+            + (self.writer.writes_skipped if self.writer else 0),
         }
 
 

@@ -40,6 +40,10 @@ class WriteThrough:
     A job first copies the blocks out of their tier (a snapshot), then writes them in one
     transaction. `wait_snapshots` returns once every submitted block has been copied, so its
     memory may be reused; `wait_writes` once written.
+
+    A store that cannot take a write (a full disk) is logged once when writes start failing
+    and once when they succeed again, not at every step; `writes_skipped` counts the blocks
+    not written meanwhile (they miss later; nothing stored before is lost).
     """
 
     def __init__(self, dst: StoreTier) -> None:
@@ -48,6 +52,8 @@ class WriteThrough:
         self._snapshots: list[threading.Event] = []
         self._writes: list[concurrent.futures.Future] = []
         self.blocks_written = 0
+        self.writes_skipped = 0
+        self.failing = False  # the last write failed (logged when this changes)
 
     def submit(self, src: TensorTier, blocks: Sequence[tuple[int, bytes]]) -> None:
         """Store blocks [(block id in `src`, content hash)] unless their content is stored."""
@@ -61,7 +67,11 @@ class WriteThrough:
             snapshot = src.snapshot([b for b, _ in fresh])
         finally:
             done.set()
-        self.dst.write_content([h for _, h in fresh], snapshot)
+        try:
+            self.dst.write_content([h for _, h in fresh], snapshot)
+        except OSError:
+            self.writes_skipped += len(fresh)
+            raise
         self.blocks_written += len(fresh)
 
     def wait_snapshots(self) -> None:
@@ -71,12 +81,21 @@ class WriteThrough:
         self._snapshots.clear()
 
     def wait_writes(self) -> None:
-        """Wait for every write; a failed one (a full disk) is logged: those blocks miss."""
+        """Wait for every write; failing writes (a full disk) are logged once: those blocks
+        miss, and are counted in `writes_skipped`."""
         for job in self._writes:
             try:
                 job.result()
             except OSError as e:
-                log.warning("prefix blocks not written through: %s", e)
+                if not self.failing:
+                    log.warning("prefix blocks not written through (reported once until a "
+                                "write succeeds; skipped blocks are counted): %s", e)  # fmt: skip
+                self.failing = True
+            else:
+                if self.failing:
+                    log.info("prefix blocks are written through again (%d skipped meanwhile)",
+                             self.writes_skipped)  # fmt: skip
+                self.failing = False
         self._writes.clear()
         self._snapshots.clear()
 

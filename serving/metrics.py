@@ -68,6 +68,11 @@ class _EngineCollector:
             "Requests preempted for memory (swapped or recomputed).",
             value=mem.get("preemptions", 0),
         )
+        yield CounterMetricFamily(
+            "unikv_ssd_writes_skipped",
+            "KV blocks a full or failing SSD tier could not take (they miss later).",
+            value=mem.get("ssd_writes_skipped", 0),
+        )
         view = self.health()
         yield GaugeMetricFamily(
             "unikv_health_status",

@@ -103,7 +103,7 @@ def test_an_unusable_store_path_is_a_config_error(tmp_path):
         build_kv(spec, config=str(cfg_file))
 
 
-def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path):
+def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path, caplog):
     """The SSD tier's map cannot grow: demotions fail, blocks stay up, nothing is lost."""
     from memory.tiers import StoreTier
 
@@ -132,6 +132,9 @@ def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path):
             out = s.attend(layer, q)
         s.end_step()
     assert s.demotion_failures > 0
+    # Said once (not at every step), and the skipped blocks are counted for the report.
+    assert caplog.text.count("blocks stay off the ssd tier") == 1
+    assert s.stats()["ssd_writes_skipped"] >= s.demotion_failures
     tiers = s.stats()["tokens_by_tier"]
     assert tiers["ssd"] < 200 and tiers["host"] > 16
     # Layer 0 of the last step attends exactly over everything written, wherever it lives.

@@ -49,7 +49,7 @@ from .registry import register
 
 log = logging.getLogger(__name__)
 
-# Made by `unikv tune --kv_optimization=learned_prune --text ../shared/texts/GPL-2.txt --out DIR`
+# Made by `unikv tune --kv_optimization=learned_prune --text benchmarks/texts/GPL-2.txt --out DIR`
 # for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
 SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
 SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")

@@ -48,7 +48,7 @@ def chart(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.6))
     for scorer in dict.fromkeys(r["scorer"] for r in rows):
         pts = sorted((r["kept"], r["ppl_change_%"], r["passkey"]) for r in rows
                      if r["scorer"] == scorer)  # fmt: skip
@@ -57,8 +57,11 @@ def chart(rows: list[dict], path: str) -> None:
         b.plot([p[0] for p in pts], [p[2] for p in pts], style, label=scorer)
     a.set(xlabel="kept ratio", ylabel="PPL change vs full (%)", title="perplexity (GPL-3)")
     b.set(xlabel="kept ratio", ylabel="accuracy", title="passkey", ylim=(-0.05, 1.05))
-    a.legend()
-    fig.tight_layout()
+    # One legend for both panels, below them: inside an axes it covered the curves.
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False)
+    rows_of_legend = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
     fig.savefig(path, dpi=120)
 
 

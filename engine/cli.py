@@ -526,7 +526,7 @@ def _memory_lines(mem: dict) -> str:
         lines.append(f"[SSD tier full: {skipped} block writes skipped (those blocks will miss)]")
     corrupt = (pool or {}).get("checksum_failures")
     if corrupt:
-        lines.append(f"[checksum failures: {corrupt} corrupt stored blocks found and deleted]")
+        lines.append(f"[checksum failures: {corrupt} corrupt stored values found and deleted]")
     if "attention_kernel" in mem:
         lines.append(f"[attention kernel: {mem['attention_kernel']}]")
     return "\n".join(lines)

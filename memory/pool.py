@@ -103,6 +103,8 @@ class UnifiedMemoryPool:
                     f"stores={{'{tc.name}': ...}}: engine.assembly.build_kv opens it)"
                 )
             self.tiers[tc.name] = tier
+            if isinstance(tier, StoreTier):  # corrupt values it finds count here (health)
+                tier.on_corrupt = self.record_checksum_failure
             self.allocators[tc.name] = TierAllocator(
                 tc.name,
                 num_blocks,
@@ -362,6 +364,11 @@ class UnifiedMemoryPool:
         """Count a preempted sequence (swapped out or dropped for recompute)."""
         self.stats.record_preemption()
         self.health_monitor.record_preemption()
+
+    def record_checksum_failure(self, n: int = 1) -> None:
+        """Count `n` stored values that failed their checksum (detected, deleted, never served)."""
+        self.stats.record_checksum_failure(n)
+        self.health_monitor.record_checksum_failure()
 
     SAMPLE_EVERY_S = 0.25  # usage samples for the OOM predictor: 240 per one-minute window
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
 import numpy as np
@@ -41,7 +41,13 @@ class TierKind(StrEnum):
 
 
 class BlockLostError(RuntimeError):
-    """A block could not be read back (missing, or its checksum failed): never served as data."""
+    """A block could not be read back (missing, or its checksum failed): never served as data.
+
+    `corrupt`: how many stored values failed their checksum (and were deleted)."""
+
+    def __init__(self, message: str, corrupt: int = 0) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
 
 
 class Tier(ABC):
@@ -178,6 +184,8 @@ class StoreTier(Tier):
         }
         self._slice_dim = {a.name: a.block_dim - cut for a in layout.arenas}
         self.slice_bytes = layout.page_bytes // slices
+        # Called with the number of corrupt values found (the pool counts checksum failures).
+        self.on_corrupt: Callable[[int], None] | None = None
 
     @property
     def block_dims(self) -> dict[str, int]:
@@ -240,20 +248,50 @@ class StoreTier(Tier):
         bad = [i for i, ok in enumerate(found) if not ok]
         if bad:
             lost = [block_ids[i] for i in bad]
-            # A content entry that failed its checksum (or has another layout's length) would
-            # be hit again by every later lookup: remove it, so the next request recomputes.
-            stale = [
-                self._content[block_ids[i]] + _slice_suffix(s)
-                for i in bad
-                if block_ids[i] in self._content
-                for s in range(self.slices)
-            ]
-            if stale:
-                self._store.delete_many(stale)
+            corrupt = self._drop_corrupt(block_ids)
             raise BlockLostError(
-                f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store"
+                f"tier {self.name!r}: block(s) {lost} missing or corrupt in the store "
+                f"({corrupt} corrupt stored values deleted)",
+                corrupt,
             )
         return out
+
+    def _drop_corrupt(self, block_ids: Sequence[int]) -> int:
+        """After a failed read of `block_ids`: check every slice of every content-keyed block
+        the tier holds now (not only the slice, or the blocks, that failed: the rest of the
+        stored chains attached, whose other layers and blocks were not read yet) and delete
+        each block with a bad slice; return the corrupt values found.
+
+        One recompute then suffices: a stored chain is found again only up to its first
+        deleted block (the rest of it is a miss), and every block before that was checked.
+        Without this, each read (a layer, a promotion) would find the next corrupt block, one
+        recompute each. The cost is bounded by what the tier holds for running sequences,
+        which an offloading step reads anyway, and is paid only when corruption is found.
+        """
+        held = [self._content[b] for b in block_ids if b in self._content]
+        content = list(dict.fromkeys([*held, *self._content.values()]))
+        keys = [c + _slice_suffix(s) for c in content for s in range(self.slices)]
+        if not keys:
+            return 0
+        values = self._store.get_many(keys)  # None: missing, or failed its checksum
+        # Present but unusable: failed its checksum, or has another layout's length.
+        bad = [
+            k
+            for k, v in zip(keys, values, strict=True)
+            if (v is None and self._store.contains(k))
+            or (v is not None and len(v) != self.slice_bytes)
+        ]
+        corrupt = len(bad)
+        bad_blocks = {k[:-2] for k in bad}
+        bad_blocks |= {k[:-2] for k, v in zip(keys, values, strict=True) if v is None}
+        stale = [c + _slice_suffix(s) for c in bad_blocks for s in range(self.slices)]
+        if stale:
+            # Such an entry would be hit again by every later lookup: remove it, so the next
+            # request recomputes (and writes the block through again).
+            self._store.delete_many(stale)
+        if corrupt and self.on_corrupt is not None:
+            self.on_corrupt(corrupt)
+        return corrupt
 
     def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
         items = []

@@ -11,8 +11,8 @@ closed cleanly, so what the parent reads was committed, not flushed at exit.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,7 +41,7 @@ def main(store: str, prompt_file: str) -> None:
     asyncio.run(run())
     kv.writer.wait_writes()
     print(f"persisted {kv.writer.blocks_written}", flush=True)
-    time.sleep(600)
+    signal.pause()  # wait for the SIGKILL the test sends (no timed sleep)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,13 @@ from kvstrategies.kv import ContiguousKVCache, StepBatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+
+async def until(cond) -> None:
+    """Yield to the engine until `cond()` holds (events, not timed sleeps; the suite's timeout
+    guards a hang)."""
+    while not cond():
+        await asyncio.sleep(0.005)
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea, there lived",
@@ -60,11 +67,12 @@ async def test_concurrent_requests_equal_sequential(engine):
     """Continuous batching (joins mid-flight, chunked prefill) changes nothing in the output."""
     sequential = [await engine.generate(p, GREEDY_16) for p in PROMPTS]
 
-    async def late(i, p):
-        await asyncio.sleep(0.05 * i)  # join while others are already decoding
-        return await engine.generate(p, GREEDY_16)
-
-    concurrent = await asyncio.gather(*(late(i, p) for i, p in enumerate(PROMPTS)))
+    handles = []
+    for p in PROMPTS:  # each joins once the one before it is decoding
+        if handles:
+            await until(lambda: handles[-1]._req.output_ids)
+        handles.append(engine.submit(p, GREEDY_16))
+    concurrent = await asyncio.gather(*(h.result() for h in handles))
     assert [c.token_ids for c in concurrent] == [c.token_ids for c in sequential]
     assert engine.kv.bytes_used() == 0  # everything was freed
 
@@ -90,7 +98,7 @@ async def test_cancel_frees_memory_at_once_and_spares_others(engine, model, toke
         got += 1
         if got == 5:
             break  # leaving the loop cancels the request
-    await asyncio.sleep(0.3)
+    await until(lambda: handle._req.finish_reason is not None)
     rid = handle._req.rid
     assert handle._req.finish_reason == "cancelled"
     assert engine.kv.stored_tokens(rid) == 0
@@ -102,11 +110,11 @@ async def test_cancelling_the_awaiting_task_cancels_the_request(engine):
     task = asyncio.create_task(
         engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True))
     )
-    await asyncio.sleep(0.5)
+    await until(lambda: engine.kv.bytes_used() > 0)  # running
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.2)
+    await until(lambda: engine.memory_report()["requests_running"] == 0)
     assert engine.kv.bytes_used() == 0
     assert engine.memory_report()["requests_running"] == 0
 
@@ -212,8 +220,9 @@ async def test_chat_template_and_eos(engine):
 
 async def test_close_finishes_running_requests(model, tokenizer):
     engine = Engine(model, tokenizer)
-    task = asyncio.create_task(engine.generate(PROMPTS[0], GREEDY_16))
-    await asyncio.sleep(0.1)
+    handle = engine.submit(PROMPTS[0], GREEDY_16)
+    task = asyncio.create_task(handle.result())
+    await until(lambda: handle._req.output_ids)  # running when the engine closes
     await engine.close()
     assert (await task).finish_reason == "length"
     with pytest.raises(RuntimeError, match="closed"):
@@ -223,7 +232,7 @@ async def test_close_finishes_running_requests(model, tokenizer):
 async def test_close_with_cancel(model, tokenizer):
     engine = Engine(model, tokenizer)
     handle = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
-    await asyncio.sleep(0.2)
+    await until(lambda: handle._req.output_ids)
     await asyncio.wait_for(engine.close(cancel=True), timeout=30)
     assert (await handle.result()).finish_reason == "cancelled"
     assert engine.kv.bytes_used() == 0

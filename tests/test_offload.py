@@ -6,7 +6,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lmdb
@@ -271,9 +270,7 @@ async def test_prefix_persisted_by_a_killed_process_is_loaded_not_recomputed(
     blocks = (len(prompt) - 1) // 16
     assert int(line.split()[1]) == len(prompt) // 16
     kv = offload(model, store)
-    t0 = time.perf_counter()
     out, report = await _generate(model, tokenizer, kv, prompt)
-    assert time.perf_counter() - t0 < 120
     assert out == reference
     assert report["disk_prefix_hits"]["requests"] == 1
     assert report["disk_prefix_hits"]["blocks"] == blocks
@@ -287,21 +284,26 @@ async def test_a_corrupt_stored_block_is_a_miss_and_the_request_recomputes(
     store = tmp_path / "store"
     out, _ = await _generate(model, tokenizer, offload(model, store), prompt)
     assert out == reference
-    # Flip one byte of one stored value behind the store's back.
+    # Flip one byte of every third stored value (different blocks and layers) behind the
+    # store's back.
     env = lmdb.open(str(store), max_dbs=3)
     db = env.open_db(b"blocks")
     with env.begin(write=True, db=db) as txn:
-        key, frame = next(iter(txn.cursor()))
-        key, frame = bytes(key), bytearray(frame)
-        frame[-1] ^= 0xFF
-        txn.put(key, bytes(frame))
+        items = [(bytes(k), bytearray(v)) for k, v in txn.cursor()][::3]
+        for k, frame in items:
+            frame[-1] ^= 0xFF
+            txn.put(k, bytes(frame))
     env.close()
+    key, frame = items[0]
+    assert len(items) > 3
     with pytest.raises(Exception, match="checksum"):
         decode_frame(key, frame)
     kv = offload(model, store)
     out, report = await _generate(model, tokenizer, kv, prompt)
     assert out == reference  # never wrong KV: the request was recomputed
-    assert report["disk_prefix_hits"]["requests"] >= 1 and report["preemptions"] >= 1
+    # One recompute, not one per corrupt block; every corrupt value found was counted.
+    assert report["disk_prefix_hits"]["requests"] == 1 and report["preemptions"] == 1
+    assert report["pool"]["checksum_failures"] == len(items)
     with create_store("lmdb", path=store) as s:
         # The corrupt block was removed, and the recompute wrote the right one through again.
         assert s.get(key) is not None and s.verify().ok

@@ -266,3 +266,50 @@ def test_build_makes_the_ssd_tier_from_the_config(tmp_path):
     assert pool.allocators["ssd"].num_blocks == (16 << 20) // pool.layout.page_bytes
     assert (tmp_path / "kv").is_dir()
     pool.tiers["ssd"].close()
+
+
+def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
+    """Corrupt values in different slices (layers) of several blocks of a stored chain: the
+    first failed read checks the whole chain, deletes every corrupt block and counts them, so
+    the next lookup stops at the first one (a miss from there) and everything before reads."""
+    from memory.tiers import BlockLostError, StoreTier
+    from storage import create_store
+
+    from .test_storage import _lmdb_corrupt
+
+    path = tmp_path / "ssd"
+    store = create_store("lmdb", path=path, map_size=1 << 20)
+    tiers = (TierConfig("device", 8 * PAGE), TierConfig("ssd", 8 * PAGE, path=str(path)))
+    ssd = StoreTier("ssd", LAYOUT, 8, store, slices=2)
+    cfg = PoolConfig(block_size=BS, tiers=tiers)
+    pool = UnifiedMemoryPool(cfg, LAYOUT, identity="m", stores={"ssd": ssd})
+    tokens = list(range(6 * BS))
+    pool.reserve("a", len(tokens))
+    fill(pool, "a", 0, len(tokens), 1.0)
+    pool.publish("a", tokens)
+    assert pool.move("a", list(range(6)), "ssd")
+    hashes = pool.content_hashes("a")
+    pool.free("a")
+    assert pool.stored_prefix([*tokens, 0]) == hashes  # the whole chain is stored
+    store.close()
+    for h, s in [(hashes[1], 1), (hashes[3], 0), (hashes[4], 1)]:
+        _lmdb_corrupt({"path": path}, h + s.to_bytes(2, "little"))
+    ssd._store = store = create_store("lmdb", path=path, map_size=1 << 20)
+
+    assert pool.attach_stored("b", hashes) == len(tokens)
+    ids = [r.block_id for r in pool.table("b")]
+    with pytest.raises(BlockLostError, match="3 corrupt stored values deleted") as lost:
+        ssd.read_slice(ids, 0)  # slice 0 meets only hashes[3]; all three are found
+    assert lost.value.corrupt == 3
+    pool.free("b")
+    assert pool.stored_prefix([*tokens, 0]) == hashes[:1]  # a miss from the first corrupt one
+    assert not any(store.contains(h + s.to_bytes(2, "little")) for h in
+                   (hashes[1], hashes[3], hashes[4]) for s in (0, 1))  # fmt: skip
+    assert store.contains(hashes[2] + b"\0\0")  # intact blocks after it are kept
+    snap = pool.snapshot()
+    assert snap["checksum_failures"] == 3  # recorded where detected: stats and health see it
+    assert snap["health"]["state"] == "red" and "checksum failure" in snap["health"]["reasons"][0]
+    assert pool.attach_stored("c", hashes[:1]) == BS
+    c = [r.block_id for r in pool.table("c")]
+    assert all(torch.equal(ssd.read_slice(c, s)["kv"], torch.ones(1, BS, 3)) for s in (0, 1))
+    store.close()

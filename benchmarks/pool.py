@@ -26,12 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved, report  # noqa: E402
 from benchmarks.pool_alloc import latency, waste  # noqa: E402
 from engine import compute  # noqa: E402
-from engine.engine import Engine, default_kv  # noqa: E402
+from engine.assembly import assemble_for  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "texts" / "GPL-3.txt"
+
+
+def _full_kv(model):
+    """The `full` strategy over the default pool, as the engine builds it by default."""
+    return assemble_for(model, strategy="full").kv.strategy
 
 
 def pool_latency(iters: int = 20000) -> dict:
@@ -83,7 +89,7 @@ def main() -> None:
 
     loop = asyncio.new_event_loop()
     contiguous = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    paged_kv = compute.run_sync(default_kv, model)
+    paged_kv = compute.run_sync(_full_kv, model)
     # Prefix sharing is off for the speed comparison: both engines compute every token.
     engines = {
         "paged": loop.run_until_complete(_engine(model, tok, paged_kv, prefix_sharing=False)),
@@ -102,7 +108,7 @@ def main() -> None:
     t8 = interleaved({n: run(n, eight) for n in engines}, max(2, args.repeats // 2))
 
     # Time to first token: prefix hit vs computing the prompt.
-    ttft_engine = loop.run_until_complete(_engine(model, tok, compute.run_sync(default_kv, model)))
+    ttft_engine = loop.run_until_complete(_engine(model, tok, compute.run_sync(_full_kv, model)))
     first = SamplingParams(max_new_tokens=1, ignore_eos=True)
     cold, warm = [], []
     for r in range(args.repeats + 1):

@@ -18,6 +18,7 @@ async def until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.005)
 
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea, there lived",

@@ -244,14 +244,21 @@ def llama_server(bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int) -> Pr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[1, 8, 32],
+        help="client counts for the throughput rows (none: skip them)",
+    )
+    ap.add_argument("--skip-window", action="store_true", help="no batching-window part")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--text", default=str(TEXT))
     ap.add_argument("--skip-llamacpp", action="store_true", help="unikv's figures only")
     args = ap.parse_args()
     text = Path(args.text).read_text(encoding="utf-8")
-    top = max(args.concurrency)
+    top = max(args.concurrency or [32])
     servers = {"unikv": unikv_server(top, None)}
     if not args.skip_llamacpp:
         bin_dir = find_or_build()
@@ -274,7 +281,7 @@ def main() -> None:
         for name, s in servers.items():
             extra[f"urgent_{name}"] = loop.run_until_complete(urgent(s.url, ps, args.new_tokens))
         servers.pop("unikv").stop()
-        for window in (0.0, None):  # None: the chip profile's window
+        for window in () if args.skip_window else (0.0, None):  # None: the profile's
             s = unikv_server(top, window)
             try:
                 s.wait_ready()

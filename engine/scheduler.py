@@ -126,6 +126,14 @@ class FifoOrder(Generic[R]):
         """Whether a waiting request goes before a swapped-out one: never, in arrival order."""
         return False
 
+    def urgent(self, waiting: R, running: Sequence[R]) -> bool:
+        """Whether a waiting request skips the admission window: never, in arrival order."""
+        return False
+
+    def focus(self, running: list[R]) -> list[R]:
+        """The running requests the next step plans work for: all of them."""
+        return running
+
 
 class PriorityOrder(FifoOrder[R]):
     """Lower `priority` first (vLLM's convention), then arrival; the batch limit as FifoOrder.
@@ -167,6 +175,23 @@ class PriorityOrder(FifoOrder[R]):
     def jumps(self, waiting: R, swapped: R, now: float) -> bool:
         # Only a more urgent request overtakes one whose KV already waits on the host.
         return waiting.priority < swapped.priority
+
+    def urgent(self, waiting: R, running: Sequence[R]) -> bool:
+        # More urgent than everything running: batching it with later arrivals only delays it.
+        return bool(running) and waiting.priority < min(r.priority for r in running)
+
+    def focus(self, running: list[R]) -> list[R]:
+        """While a request more urgent than others is prefilling, the step is its own (and
+        its peers'): the others' decode tokens wait one step, so the urgent prompt's first
+        token comes after a prefill, not after a prefill plus everyone's decode."""
+        if not running:
+            return running
+        top = running[0].priority  # the batch is in (priority, arrival) order
+        if running[-1].priority == top:
+            return running
+        if any(len(r.tokens) - r.num_computed > 1 for r in running if r.priority == top):
+            return [r for r in running if r.priority == top]
+        return running
 
 
 class Scheduler(Generic[R]):
@@ -299,13 +324,15 @@ class Scheduler(Generic[R]):
         if closes is None or now >= closes:
             return False
         free = self.config.max_batch - len(self.running)
+        if self.order.urgent(self.waiting[0], self.running):
+            return False  # an urgent request does not wait for company
         return len(self.waiting) < free
 
     def _plan(self) -> list[Work[R]]:
         """Decode tokens first (one per request), then prompt chunks within the token budget."""
         budget = self.config.max_step_tokens
         plan: list[Work[R]] = []
-        known = [(req, req.tokens) for req in self.running]
+        known = [(req, req.tokens) for req in self.order.focus(self.running)]
         for req, tokens in known:
             if req.num_computed == len(tokens) - 1:
                 plan.append(Work(req, [tokens[-1]], True))

@@ -514,3 +514,27 @@ def test_window_zero_admits_at_once_and_bad_windows_are_refused():
         SchedulerConfig(admission_window_s=-1)
     with pytest.raises(ValueError, match="aging_s"):
         PriorityOrder(4, aging_s=0)
+
+
+def test_an_urgent_prefill_gets_a_step_of_its_own_then_everyone_decodes():
+    s = prio(FakeKV())
+    normal = [req(i, 4, arrival=float(i)) for i in range(3)]
+    for r in normal:
+        s.add(r)
+    step(s)  # the three prefill together
+    urgent = req(9, 40, priority=-10, arrival=5.0)
+    s.add(urgent)
+    assert shape(step(s, now=5.0)) == [(9, 40, True)]  # alone: the others wait one step
+    assert sorted(shape(step(s, now=5.0))) == [(0, 1, True), (1, 1, True), (2, 1, True),
+                                               (9, 1, True)]  # fmt: skip
+
+
+def test_an_urgent_request_skips_the_admission_window():
+    s = prio(FakeKV(), admission_window_s=5.0)
+    s.add(req(0, 4, arrival=0.0))
+    step(s, now=6.0)  # admitted once its window closed
+    s.add(req(1, 4, arrival=10.0))
+    assert shape(step(s, now=10.0)) == [(0, 1, True)]  # the normal arrival is held
+    s.add(req(2, 4, priority=-1, arrival=10.0))
+    # The urgent one opens the window for the queue, and its prefill is the step.
+    assert shape(step(s, now=10.001)) == [(2, 4, True)]

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import struct
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 Buffer = bytes | bytearray | memoryview
@@ -327,3 +329,15 @@ class AsyncBlockStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def prepare_dir(path: Path) -> None:
+    """Create the store directory if missing; a ValueError naming it if it cannot be used."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"block store path {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create block store directory {path}: {e.strerror}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"block store directory {path} is not writable")

@@ -46,6 +46,7 @@ from .base import (
     check_value,
     decode_frame,
     encode_frame,
+    prepare_dir,
 )
 from .registry import register
 
@@ -95,7 +96,7 @@ class FileBlockStore(BlockStore):
         self.root = Path(path)
         self.path = self.root / namespace
         self.max_bytes, self.fsync = max_bytes, fsync
-        _prepare_dir(self.path)
+        prepare_dir(self.path)
         self._lock = threading.Lock()
         self._n = _Counters()
         self._size = self._count_bytes()
@@ -449,15 +450,3 @@ def _size_of(file: Path) -> int:
         return file.stat().st_size
     except FileNotFoundError:
         return 0
-
-
-def _prepare_dir(path: Path) -> None:
-    """Create the store directory if missing; a ValueError naming it if it cannot be used."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"block store path {path} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create block store directory {path}: {e.strerror}") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"block store directory {path} is not writable")

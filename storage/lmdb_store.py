@@ -46,6 +46,7 @@ from .base import (
     check_value,
     decode_frame,
     encode_frame,
+    prepare_dir,
     scatter,
 )
 from .registry import register
@@ -199,7 +200,7 @@ class LmdbBlockStore(BlockStore):
             raise ValueError(f"max_map_size ({max_map_size}) must be >= map_size ({map_size})")
         if max_readers < 1:
             raise ValueError(f"max_readers must be >= 1, got {max_readers}")
-        _prepare_dir(self.path)
+        prepare_dir(self.path)
         self.readahead, self.sync, self.metasync = readahead, sync, metasync
         self.prefetch = prefetch and _CAN_PREFETCH
         self._gate = _Gate()
@@ -686,15 +687,3 @@ def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
         if buffers and n:
             buffers = [buffers[0][n:], *buffers[1:]]
     return done
-
-
-def _prepare_dir(path: Path) -> None:
-    """Create the store directory if missing; a ValueError naming it if it cannot be used."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"block store path {path} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create block store directory {path}: {e.strerror}") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"block store directory {path} is not writable")

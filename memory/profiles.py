@@ -20,7 +20,10 @@ bandwidth_class (optional pin), field_tuned, and a [tuned] table with batch_size
 kv_precision, batching_window_ms, thermal_throttle_c, l2_prefetch_depth, and optionally
 moe_topk ("exact" | "blockwise", default "exact") and moe_topk_block (experts per block,
 default DEFAULT_TOPK_BLOCK): which final top-k the MoE router should use on this chip
-(`engine.routing`; `choose_topk` applies a config's [moe] override).
+(`engine.routing`; `choose_topk` applies a config's [moe] override). An optional [sensor]
+table names the vendor tool that reads the chip's temperature: `command` (the argv, a list of
+strings, run without a shell) and `pattern` (a regular expression with exactly one group, the
+degrees Celsius); parsed into `SensorSpec`, read by `serving.sensors.CommandSensor`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import functools
 import importlib.util
 import math
 import os
+import re
+import shlex
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,7 +65,9 @@ _TOP_KEYS = (
     "bandwidth_class",
     "field_tuned",
     "tuned",
+    "sensor",
 )
+_SENSOR_KEYS = ("command", "pattern")
 _TUNED_KEYS = (
     "batch_size",
     "kv_precision",
@@ -154,6 +161,44 @@ def _tuned_problem(t: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _sensor_problem(t: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first (key, what is expected) that is wrong in a [sensor] table, or None."""
+    command = t["command"]
+    if (
+        not isinstance(command, list | tuple)
+        or not command
+        or not all(isinstance(a, str) and a for a in command)
+    ):
+        return "command", "expected a non-empty list of non-empty strings (the tool, its arguments)"
+    pattern = t["pattern"]
+    if not isinstance(pattern, str) or not pattern:
+        return "pattern", "expected a regular expression (a string) with one group"
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as exc:
+        return "pattern", f"not a regular expression: {exc}"
+    if groups != 1:
+        return "pattern", f"expected exactly one group (the degrees Celsius), found {groups}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SensorSpec:
+    """A chip's vendor temperature tool: argv (no shell) and the regex whose one group is the
+    degrees Celsius (every match counts; the hottest wins). Runs in `serving.sensors`."""
+
+    command: tuple[str, ...]
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.command, list):  # a TOML array; kept as a tuple so the spec is frozen
+            object.__setattr__(self, "command", tuple(self.command))
+        problem = _sensor_problem({"command": self.command, "pattern": self.pattern})
+        if problem is not None:
+            key, expected = problem
+            raise ValueError(f"SensorSpec: {key} = {getattr(self, key)!r}: {expected}")
+
+
 @dataclass(frozen=True, slots=True)
 class ChipProfile:
     """One chip: its device memory bandwidth (declared or measured) and tuned parameters."""
@@ -166,6 +211,7 @@ class ChipProfile:
     measure_on: str | None = None
     declared_bandwidth_gbps: float | None = None  # fallback when measuring is impossible
     pinned_class: str | None = None  # overrides the class derived from the bandwidth
+    sensor: SensorSpec | None = None  # the vendor temperature tool, when the profile names one
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -191,6 +237,10 @@ class ChipProfile:
             raise ValueError(
                 f"profile {self.name!r}: pinned_class = {self.pinned_class!r}: expected one of "
                 f"{', '.join(CLASSES)}"
+            )
+        if self.sensor is not None and not isinstance(self.sensor, SensorSpec):
+            raise ValueError(
+                f"profile {self.name!r}: sensor = {self.sensor!r}: expected a SensorSpec or None"
             )
 
     @property
@@ -281,8 +331,30 @@ def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
         measure_on=measure_on,
         declared_bandwidth_gbps=None if declared is None else float(declared),
         pinned_class=pinned,
+        sensor=_build_sensor(raw.get("sensor"), src),
         source=src,
     )
+
+
+def _build_sensor(raw: object, src: str) -> SensorSpec | None:
+    """The profile's [sensor] table as a SensorSpec (None when absent); errors name the file."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: sensor = {show_value(raw)}: expected a table [sensor]")
+    for key in raw:
+        if key not in _SENSOR_KEYS:
+            raise ConfigError(
+                f"{src}: [sensor] unknown key {show_value(key)}; allowed: {', '.join(_SENSOR_KEYS)}"
+            )
+    for key in _SENSOR_KEYS:
+        if key not in raw:
+            raise ConfigError(f"{src}: [sensor] missing key {show_value(key)}")
+    problem = _sensor_problem(raw)
+    if problem is not None:
+        key, expected = problem
+        raise ConfigError(f"{src}: [sensor] {key} = {show_value(raw[key])}: {expected}")
+    return SensorSpec(raw["command"], raw["pattern"])
 
 
 # -- bandwidth probes ------------------------------------------------------------------------
@@ -414,6 +486,9 @@ def profile_report(
         "moe_topk_reason": topk_reason,
         "expert_cache": config.moe.expert_cache,
         "expert_host": config.moe.expert_host,
+        "sensor": None
+        if profile.sensor is None
+        else {"command": list(profile.sensor.command), "pattern": profile.sensor.pattern},
     }
 
 
@@ -431,6 +506,13 @@ def _experts_line(cache: float, host: float) -> str:
         f"{cache:.0%} of routed experts on the device; of the rest {host:.0%} on host, "
         f"{1 - host:.0%} on SSD"
     )
+
+
+def _sensor_line(sensor: Mapping[str, Any] | None) -> str:
+    if sensor is None:
+        return "none declared (auto: hwmon/NVML)"
+    # The pattern as written in the TOML literal string: repr() would double every backslash.
+    return f"{shlex.join(sensor['command'])} (pattern '{sensor['pattern']}')"
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -454,6 +536,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         ("L2 prefetch depth", str(report["l2_prefetch_depth"])),
         ("MoE top-k", f"{report['moe_topk']} ({report['moe_topk_reason']})"),
         ("MoE experts", _experts_line(report["expert_cache"], report["expert_host"])),
+        ("sensor", _sensor_line(report.get("sensor"))),
         # Added by the caller that can build it (`unikv profile`: kvstrategies.kernels.status).
         *([("attention kernel", report["attention_kernel"])] if "attention_kernel" in report
           else []),

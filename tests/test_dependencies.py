@@ -52,6 +52,12 @@ def _imports(tree: ast.AST, optional: bool = False):
                                                           and _guarded(node)))  # fmt: skip
 
 
+# Import name -> distribution for optional modules whose names differ: when the module is not
+# installed here, packages_distributions() cannot tell, and the import name would be taken for
+# the distribution's.
+IMPORT_NAMES = {"pynvml": "nvidia-ml-py"}
+
+
 def _third_party() -> dict[tuple[str, bool], list[str]]:
     """{(distribution, optional): [files]} over the runtime packages."""
     dists = packages_distributions()
@@ -62,7 +68,7 @@ def _third_party() -> dict[tuple[str, bool], list[str]]:
             for top, optional in _imports(ast.parse(f.read_text(), str(f))):
                 if top in ours or top in sys.stdlib_module_names:
                     continue
-                for dist in dists.get(top, [top]):
+                for dist in dists.get(top, [IMPORT_NAMES.get(top, top)]):
                     found.setdefault((canonicalize_name(dist), optional), []).append(
                         str(f.relative_to(ROOT))
                     )

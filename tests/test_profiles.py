@@ -10,6 +10,7 @@ import memory.profiles as profiles
 from kvstrategies.registry import class_defaults
 from memory.config import ConfigError, MoEOptions, PoolConfig
 from memory.profiles import (
+    SensorSpec,
     TunedParams,
     bandwidth_class,
     choose_topk,
@@ -230,3 +231,47 @@ def test_profile_topk_keys(tmp_path: Path) -> None:
         assert str(exc.value).startswith(f"{path}: ") and fragment in str(exc.value)
     with pytest.raises(ValueError, match="moe_topk = 'auto'"):
         TunedParams(4, "fp16", 10, 80, 1, moe_topk="auto")
+
+
+SENSOR = """
+[sensor]
+command = ["vendor-smi", "-q"]
+pattern = 'Temp: (\\d+) C'
+"""
+
+
+def test_profile_sensor_table(tmp_path: Path) -> None:
+    path = tmp_path / "chip.toml"
+    path.write_text(GOOD)
+    assert load_profile(path).sensor is None
+    path.write_text(GOOD + SENSOR)
+    assert load_profile(path).sensor == SensorSpec(("vendor-smi", "-q"), r"Temp: (\d+) C")
+    cases = {
+        GOOD + SENSOR.replace('"-q"]', '"-q"]\ncolour = 1'): '[sensor] unknown key "colour"',
+        GOOD + SENSOR.replace("pattern =", "#"): '[sensor] missing key "pattern"',
+        GOOD + SENSOR.replace('["vendor-smi", "-q"]', "[]"): "[sensor] command = []: expected",
+        GOOD + SENSOR.replace('["vendor-smi", "-q"]', '"vendor-smi -q"'): "non-empty list",
+        GOOD + SENSOR.replace("(\\d+)", "\\d+"): "expected exactly one group",
+        GOOD + SENSOR.replace("(\\d+)", "(\\d+)(C)"): "found 2",
+        GOOD + SENSOR.replace("(\\d+)", "(\\d+"): "not a regular expression",
+        GOOD.replace("[tuned]", "sensor = 'vendor-smi'\n[tuned]"): "expected a table [sensor]",
+    }
+    for text, fragment in cases.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            load_profile(path)
+        assert str(exc.value).startswith(f"{path}: ") and fragment in str(exc.value), exc.value
+    with pytest.raises(ValueError, match="SensorSpec: pattern"):
+        SensorSpec(("x",), "no group")
+
+
+def test_vendor_profiles_declare_a_sensor_and_the_report_shows_it() -> None:
+    for name in ("ascend910b", "mlu370", "hygon_dcu", "mtt_s4000"):
+        assert load_profile(name).sensor is not None, name
+    report = profile_report("ascend910b", None, env={})
+    assert report["sensor"]["command"][0] == "atlas-smi"
+    assert json.loads(json.dumps(report)) == report
+    line = next(ln for ln in format_report(report).splitlines() if ln.startswith("sensor"))
+    assert "atlas-smi info -t temp" in line and "(pattern 'Temperature" in line
+    cpu = format_report(profile_report("kunpeng920", None, env={}))
+    assert "none declared (auto: hwmon/NVML)" in cpu

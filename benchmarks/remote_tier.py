@@ -96,16 +96,18 @@ def ttft_round(model, tok, prompt, root: Path, urls: dict[str, str], rnd: int) -
     """One round: A computes and shares through each URL, then B's TTFT per case."""
     out = {}
     for case, url in urls.items():
-        a = strategy(model, root / f"a-{case}-{rnd}", url)
+        a = strategy(model, root / f"a-{case}-{len(prompt)}-{rnd}", url)
         asyncio.run(ttft(model, tok, a, prompt))  # (a remote hit itself after round 0)
         a.remote_writer.wait_writes()
+        wrote = (a.remote_writer.blocks_written, a.remote_writer.blocks_dropped,
+                 a.remote.breaker.reason, dict(a.remote.counts))  # fmt: skip
         a.close()
-        b = strategy(model, root / f"b-{case}-{rnd}", url)
+        b = strategy(model, root / f"b-{case}-{len(prompt)}-{rnd}", url)
         out[case] = asyncio.run(ttft(model, tok, b, prompt))
         hits = b.stats()["disk_prefix_hits"].get("remote_blocks", 0)
         b.close()
-        assert hits == (len(prompt) - 1) // b.pool.block_size, (case, hits)
-    fresh = strategy(model, root / f"r-{rnd}", None)
+        assert hits == (len(prompt) - 1) // b.pool.block_size, (case, rnd, len(prompt), hits, wrote)
+    fresh = strategy(model, root / f"r-{len(prompt)}-{rnd}", None)
     out["recompute"] = asyncio.run(ttft(model, tok, fresh, prompt))
     fresh.close()
     return out

@@ -131,6 +131,7 @@ class Engine:
         max_batch: int | None = None,
         max_step_tokens: int = 512,
         admission_window_ms: float | None = None,
+        weights: str = "native",
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 
@@ -138,17 +139,18 @@ class Engine:
         `chip` (a profile name) and `strategy_options` (over the file's) choose how KV is
         stored; see `engine.assembly.build_kv`. `max_batch` and `admission_window_ms` default
         to the config's `[scheduler]` table, else the chip profile's `batch_size` and
-        `batching_window_ms`.
+        `batching_window_ms`. `weights` (native, float32, bfloat16): how the weights are kept
+        and multiplied (see `engine.loading.load_model`).
         """
         if kv is not None:
-            m, tok = await compute.run(load_model, model, dtype, device, progress)
+            m, tok = await compute.run(load_model, model, dtype, device, progress, weights)
             engine = cls(m, tok, kv=kv, max_batch=max_batch or 16,
                          max_step_tokens=max_step_tokens,
                          admission_window_ms=admission_window_ms or 0.0)  # fmt: skip
             engine.kv_choice = "given by the caller"
             return engine
         parts = await compute.run(assemble, model, dtype, device, strategy, config, chip,
-                                  strategy_options, progress)  # fmt: skip
+                                  strategy_options, progress, weights)  # fmt: skip
         sched = parts.scheduling
         try:
             engine = cls(
@@ -216,7 +218,15 @@ class Engine:
     def memory_report(self) -> dict:
         """KV bytes stored and held now, the peak stored, pool statistics, request counts."""
         counts = {"kv_bytes_peak": self.peak_kv_bytes, **self.scheduler.report()}
-        return self.kv.stats() | self.model.memory_report() | counts
+        kv = self.kv.stats()
+        # The kernel registry's choices: the strategy's attention and the model's ops, with the
+        # fallbacks in force (a sentence each, which the server's health view shows).
+        kernels = {**kv.pop("kernels", {}), **self.model.operators.report()}
+        ops = {
+            "kernels": kernels,
+            "operator_fallbacks": [r["problem"] for r in kernels.values() if "problem" in r],
+        }
+        return kv | self.model.memory_report() | ops | counts
 
     @property
     def max_batch(self) -> int:

@@ -152,6 +152,10 @@ class KVStrategy(KVCache, KVMemory):
         if self.pool.table(seq_id) is not None:
             self.pool.publish(seq_id, token_ids)
 
+    def prefix_digest(self, limit: int) -> tuple[int, str, list[bytes]] | None:
+        pool = self.pool
+        return pool.block_size, pool.identity, pool.prefixes.cache.newest(limit)
+
     def swap_out(self, seq_id: int) -> bool:
         # A sequence without blocks has nothing to swap: the caller drops it to recompute.
         has_blocks = self.pool.table(seq_id) is not None

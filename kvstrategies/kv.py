@@ -179,6 +179,12 @@ class KVMemory(ABC):
         """Offer the stored KV of `seq_id` (holding `token_ids`) for prefix sharing."""
         return None
 
+    def prefix_digest(self, limit: int) -> tuple[int, str, list[bytes]] | None:
+        """(block size, content identity, up to `limit` newest cached block hashes): what a
+        request router needs to send a prompt where its prefix is cached. None when this
+        store shares no prefixes."""
+        return None
+
     def swap_out(self, seq_id: int) -> bool:
         """Move `seq_id` off the compute device to make room; False if not possible."""
         return False

@@ -1,9 +1,9 @@
 """The memory-tier configuration: dataclasses, the TOML loader and environment overrides.
 
-What lives here: `TierConfig`, `MoEOptions`, `SchedulerOptions` and `PoolConfig` (validated on
-construction), `parse_size`, `load_config` and `ConfigError`. What does not: chip profiles and
-bandwidth classes (`memory.profiles`), checking a strategy name against the strategy registry
-(`kvstrategies`), and building the pool from a config (the pool).
+What lives here: `TierConfig`, `MoEOptions`, `SchedulerOptions`, `ThermalOptions` and
+`PoolConfig` (validated on construction), `parse_size`, `load_config` and `ConfigError`. What
+does not: chip profiles and bandwidth classes (`memory.profiles`), checking a strategy name
+against the strategy registry (`kvstrategies`), and building the pool from a config (the pool).
 
 File format (TOML, see configs/unikv.toml)::
 
@@ -21,6 +21,12 @@ File format (TOML, see configs/unikv.toml)::
     batch_size = 8             # requests running at once, 1..4096
     batching_window_ms = 40    # admission window, 0..10000 ms
     priority_aging_s = 1.0     # starvation guard: priority improves by 1 per this many s
+    [thermal]                  # optional (see ThermalOptions): replicas' cooling windows
+    sensor = "auto"            # auto, hwmon, nvml, command (the profile's), none, scripted:PATH
+    margin_c = 3.0             # readings this close to the chip's thermal_throttle_c count
+    readings = 3               # consecutive such readings start a cooling window
+    hysteresis_c = 5.0         # cooling ends below thermal_throttle_c - hysteresis_c
+    interval_s = 1.0           # seconds between readings
     [moe]                      # optional, DeepSeekMoE models (see MoEOptions)
     topk = "auto"              # router's final top-k: "auto" (chip's), "exact", "blockwise"
     topk_block = 16            # experts per block for "blockwise" (>= 2; unset: the profile's)
@@ -86,10 +92,21 @@ _UNITS = {
 }
 
 SIZE_EXPECTED = 'expected bytes > 0, a size like "512MiB", or a fraction of RAM like "25%"'
-_TOP_KEYS = ("block_size", "chip", "strategy", "strategy_options", "tiers", "moe", "scheduler")
+_TOP_KEYS = (
+    "block_size",
+    "chip",
+    "strategy",
+    "strategy_options",
+    "tiers",
+    "moe",
+    "scheduler",
+    "thermal",
+)
 MOE_TOPK = ("auto", "exact", "blockwise")
 _MOE_KEYS = ("topk", "topk_block", "expert_cache", "expert_host")
 _SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s")
+_THERMAL_KEYS = ("sensor", "margin_c", "readings", "hysteresis_c", "interval_s")
+SENSOR_KINDS = ("auto", "hwmon", "nvml", "command", "none")
 _TIER_KEYS = {
     "device": ("capacity", "low_watermark"),
     "host": ("capacity", "low_watermark"),
@@ -253,6 +270,40 @@ _SCHEDULER_CHECKS = {
 }
 
 
+def _sensor(value: object) -> str:
+    scripted = isinstance(value, str) and value.startswith("scripted:") and len(value) > 9
+    if value not in SENSOR_KINDS and not scripted:
+        raise _Invalid(f"expected one of {', '.join(SENSOR_KINDS)} or scripted:PATH")
+    return str(value)
+
+
+def _degrees(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 50:
+        raise _Invalid("expected degrees Celsius 0..50")
+    return float(value)
+
+
+def _readings(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise _Invalid("expected an integer 1..100 (consecutive readings)")
+    return value
+
+
+def _interval(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 600:
+        raise _Invalid("expected seconds > 0 and <= 600")
+    return float(value)
+
+
+_THERMAL_CHECKS = {
+    "sensor": _sensor,
+    "margin_c": _degrees,
+    "readings": _readings,
+    "hysteresis_c": _degrees,
+    "interval_s": _interval,
+}
+
+
 def _raise_field(owner: str, name: str, value: object, exc: _Invalid) -> None:
     raise ValueError(f"{owner}: {name} = {value!r}: {exc.expected}") from None
 
@@ -341,6 +392,36 @@ class SchedulerOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class ThermalOptions:
+    """How a replica watches its temperature (`serving.cooling`): which sensor, and the
+    cooling rule around the chip profile's `thermal_throttle_c`.
+
+    `readings` consecutive readings at or above `thermal_throttle_c - margin_c` start a cooling
+    window (no new requests; the queue finishes at half the batch size); it ends at the first
+    reading below `thermal_throttle_c - hysteresis_c`. `hysteresis_c` must be at least
+    `margin_c`, or a replica could leave and re-enter cooling at the same temperature.
+    """
+
+    sensor: str = "auto"
+    margin_c: float = 3.0
+    readings: int = 3
+    hysteresis_c: float = 5.0
+    interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, check in _THERMAL_CHECKS.items():
+            try:
+                check(getattr(self, name))
+            except _Invalid as exc:
+                _raise_field("ThermalOptions", name, getattr(self, name), exc)
+        if self.hysteresis_c < self.margin_c:
+            raise ValueError(
+                f"ThermalOptions: hysteresis_c = {self.hysteresis_c:g} is below margin_c = "
+                f"{self.margin_c:g}: a replica would flap in and out of cooling"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """The memory pool's configuration: block size, tiers, chip, strategy choice, MoE options."""
 
@@ -351,6 +432,7 @@ class PoolConfig:
     strategy_options: dict[str, Any] = field(default_factory=dict)
     moe: MoEOptions = MoEOptions()
     scheduler: SchedulerOptions = SchedulerOptions()
+    thermal: ThermalOptions = ThermalOptions()
     source: str = field(default="<defaults>", compare=False)  # where it was loaded from
 
     def __post_init__(self) -> None:
@@ -371,6 +453,8 @@ class PoolConfig:
             raise ValueError(
                 f"PoolConfig: scheduler = {self.scheduler!r}: expected SchedulerOptions"
             )
+        if not isinstance(self.thermal, ThermalOptions):
+            raise ValueError(f"PoolConfig: thermal = {self.thermal!r}: expected ThermalOptions")
         names = [t.name for t in self.tiers if isinstance(t, TierConfig)]
         if len(names) != len(self.tiers):
             raise ValueError(f"PoolConfig: tiers = {self.tiers!r}: expected TierConfig items")
@@ -450,11 +534,14 @@ def _env_path(var: str) -> tuple[str, ...]:
         return parts
     if len(parts) == 2 and parts[0] == "scheduler" and parts[1] in _SCHEDULER_KEYS:
         return parts
+    if len(parts) == 2 and parts[0] == "thermal" and parts[1] in _THERMAL_KEYS:
+        return parts
     allowed = (
         ["UNIKV_BLOCK_SIZE", "UNIKV_CHIP", "UNIKV_STRATEGY", "UNIKV_STRATEGY_OPTIONS__<NAME>"]
         + [f"UNIKV_TIERS__{t.upper()}__{k.upper()}" for t in TIER_ORDER for k in _TIER_KEYS[t]]
         + [f"UNIKV_MOE__{k.upper()}" for k in _MOE_KEYS]
         + [f"UNIKV_SCHEDULER__{k.upper()}" for k in _SCHEDULER_KEYS]
+        + [f"UNIKV_THERMAL__{k.upper()}" for k in _THERMAL_KEYS]
     )
     raise ConfigError(
         f"environment variable {var}: names no configuration key; allowed: {', '.join(allowed)}"
@@ -509,6 +596,9 @@ def _build(raw: dict[str, Any], loc: _Locator, ram_bytes: int | None) -> PoolCon
         kwargs["scheduler"] = _build_table(raw["scheduler"], loc, "scheduler", _SCHEDULER_CHECKS,
                                            SchedulerOptions)  # fmt: skip
     try:
+        if "thermal" in raw:
+            kwargs["thermal"] = _build_table(raw["thermal"], loc, "thermal", _THERMAL_CHECKS,
+                                             ThermalOptions)  # fmt: skip
         return PoolConfig(**kwargs, source=loc.source)
     except ValueError as exc:
         raise ConfigError(f"{loc.source}: {exc}") from None

@@ -124,6 +124,15 @@ class PrefixCache:
         """The entry stored under hash `h` (no verification, no counting)."""
         return self._by_hash.get(h)
 
+    def newest(self, limit: int) -> list[bytes]:
+        """The hashes of the `limit` most recently cached blocks, newest last (what a replica
+        tells a request router about its prefix cache)."""
+        if limit <= 0:
+            return []
+        keys = reversed(self._by_hash)  # dicts keep insertion order: the newest come first
+        out = [h for _, h in zip(range(limit), keys, strict=False)]
+        return out[::-1]
+
     def hash_of(self, ref: BlockRef) -> bytes | None:
         """The hash a block is cached under, or None."""
         return self._by_ref.get(ref)

@@ -93,7 +93,11 @@ class Server:
         return batch + self.settings.max_waiting
 
     def health(self) -> HealthView:
-        """The three-colour view from the engine's and the server's readings now."""
+        """The three-colour view from the engine's and the server's readings now (replicas
+        give their own view, over theirs: `serving.replicas.ReplicaClient.health_view`)."""
+        own_view = getattr(self.engine, "health_view", None)
+        if own_view is not None:
+            return own_view()
         mem = self.memory_report()
         pool = mem.get("pool") or {}
         tiers = pool.get("tiers") or {}
@@ -117,6 +121,7 @@ class Server:
                 oom_firing=bool(signals.get("oom_recent")),
                 checksum_failure=self._checksum.count() > 0,
                 tier_problems=tuple(signals.get("tier_problems", ())),
+                operator_fallbacks=tuple(mem.get("operator_fallbacks", ())),
             )
         )
 
@@ -228,7 +233,11 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         view = server.health()
-        return JSONResponse(view.as_dict(), status_code=503 if view.status == "red" else 200)
+        body = view.as_dict()
+        replicas = server.memory_report().get("replicas")
+        if replicas is not None:
+            body["replicas"] = replicas
+        return JSONResponse(body, status_code=503 if view.status == "red" else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -376,13 +385,16 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
         server.in_flight -= 1
     if done is None:
         return Response(status_code=499)  # the client left; nobody reads this
+    # Which replica answered, with replicas (`serving.replicas`); absent for one engine.
+    where = getattr(handle, "replica", None)
+    headers = {"x-unikv-replica": where} if where else None
     choice: dict = {"index": 0, "finish_reason": p.finish_reason(done.finish_reason)}
     if chat:
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
         choice["text"] = done.text
         choice["logprobs"] = None
-    return {
+    body = {
         "id": rid,
         "object": kind,
         "created": p.now(),
@@ -390,6 +402,7 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
         "choices": [choice],
         "usage": p.usage(done.prompt_tokens, done.completion_tokens),
     }
+    return JSONResponse(body, headers=headers)
 
 
 async def _whole(server: Server, request: Request, handle: RequestHandle, t0: float):

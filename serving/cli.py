@@ -67,6 +67,41 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         default=1 << 20,
         help="largest request body (default: 1 MiB)",
     )
+    rep = sp.add_argument_group(
+        "replicas (Ray Serve; needs the 'replicas' extra: pip install 'unikv[replicas]')"
+    )
+    rep.add_argument(
+        "--replicas",
+        type=engine_cli._positive_int,
+        default=None,
+        help="serve N engine replicas as one Ray Serve deployment behind this HTTP API, routed "
+        "by health, prefix affinity and queue length (default: one engine in this process)",
+    )
+    rep.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a "
+        "local Ray; every node needs unikv installed",
+    )
+    rep.add_argument(
+        "--replica-threads",
+        type=engine_cli._positive_int,
+        default=1,
+        help="compute threads (and Ray CPUs) per replica (default: 1)",
+    )
+    rep.add_argument(
+        "--router",
+        default="unikv",
+        choices=("unikv", "power_of_two"),
+        help="replica routing: unikv's (health, prefix affinity, queue) or Ray Serve's "
+        "default power-of-two-choices, for comparison (default: unikv)",
+    )
+    rep.add_argument(
+        "--sensor",
+        default=None,
+        help="temperature sensor of each replica: auto, hwmon, nvml, command (the chip "
+        "profile's), none, or scripted:PATH (default: the config's [thermal] sensor)",
+    )
     sp.add_argument(
         "--grace",
         type=float,
@@ -77,11 +112,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the server and block until it is stopped (SIGINT or SIGTERM)."""
-    import uvicorn
-
-    from engine.engine import Engine
-
-    from .app import Server, ServeSettings, create_app
+    from .app import ServeSettings
 
     key = args.api_key if args.api_key is not None else os.environ.get("UNIKV_API_KEY")
     settings = ServeSettings(
@@ -96,7 +127,36 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace}: expected seconds >= 0")
 
-    async def make_engine() -> Engine:
+    if args.replicas is None:
+        for flag in ("ray_address", "sensor"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
+        return _run(args, settings)
+
+    from .replicas import Replicas, ReplicaSpec
+
+    spec = ReplicaSpec(model=args.model, dtype=args.dtype, strategy=args.strategy,
+                       config=args.config, chip=args.chip, threads=args.replica_threads,
+                       sensor=args.sensor, max_waiting=args.max_waiting)  # fmt: skip
+    replicas = Replicas(spec, args.replicas, address=args.ray_address, router=args.router)
+    client = replicas.start()
+    try:
+        return _run(args, settings, client)
+    finally:
+        replicas.stop()
+
+
+def _run(args: argparse.Namespace, settings, client=None) -> int:
+    """uvicorn around one engine built here, or around the replicas' `client`."""
+    import uvicorn
+
+    from engine.engine import Engine
+
+    from .app import Server, create_app
+
+    async def make_engine():
+        if client is not None:
+            return client
         return await Engine.create(
             args.model,
             dtype=args.dtype,

@@ -84,6 +84,68 @@ class _EngineCollector:
             "Share of full load the health colour admits.",
             value=view["load_share"],
         )
+        if "replicas" in mem:
+            yield from _replica_metrics(mem["replicas"], mem.get("router") or {})
+
+
+def _replica_metrics(replicas: dict, router: dict) -> Iterator[Metric]:
+    """Per-replica readings and the router's counts (`unikv serve --replicas`)."""
+    temp = GaugeMetricFamily(
+        "unikv_replica_temperature_celsius",
+        "Last sensor reading of each replica.",
+        labels=["replica"],
+    )
+    cooling = GaugeMetricFamily(
+        "unikv_replica_cooling", "1 while a replica is in a cooling window.", labels=["replica"]
+    )
+    status = GaugeMetricFamily(
+        "unikv_replica_health_status",
+        "Replica health colour: 0 green, 1 yellow, 2 red.",
+        labels=["replica"],
+    )
+    moves = CounterMetricFamily(
+        "unikv_replica_cooling_transitions",
+        "Cooling windows entered and left, per replica.",
+        labels=["replica", "direction"],
+    )
+    inflight = GaugeMetricFamily(
+        "unikv_replica_requests_in_flight",
+        "Requests in flight on each replica.",
+        labels=["replica"],
+    )
+    hits = CounterMetricFamily(
+        "unikv_replica_prefix_cache_hits",
+        "Prefix-cache block hits per replica.",
+        labels=["replica"],
+    )
+    for name, r in replicas.items():
+        if r.get("temperature_c") is not None:
+            temp.add_metric([name], r["temperature_c"])
+        cooling.add_metric([name], 1.0 if r.get("cooling") else 0.0)
+        status.add_metric([name], STATUS_VALUE.get(r.get("status", "green"), 2))
+        moves.add_metric([name, "enter"], r.get("cooling_entered", 0))
+        moves.add_metric([name, "leave"], r.get("cooling_left", 0))
+        inflight.add_metric([name], r.get("in_flight", 0))
+        hits.add_metric([name], r.get("prefix_hits", 0))
+    yield from (temp, cooling, status, moves, inflight, hits)
+    routed = CounterMetricFamily(
+        "unikv_router_decisions",
+        "Requests routed, by the rule that chose the replica.",
+        labels=["reason"],
+    )
+    for reason, n in sorted((router.get("decisions") or {}).items()):
+        routed.add_metric([reason], n)
+    yield routed
+    yield CounterMetricFamily(
+        "unikv_router_retries",
+        "Requests retried on another replica before any text.",
+        value=router.get("retried", 0),
+    )
+    yield CounterMetricFamily(
+        "unikv_router_lost_streams",
+        "Started streams ended with an error because their replica died.",
+        value=router.get("lost_streams", 0),
+    )
 
 
 class ServerMetrics:

@@ -105,6 +105,7 @@ class HealthInputs:
     oom_firing: bool = False
     checksum_failure: bool = False
     tier_problems: tuple[str, ...] = field(default_factory=tuple)
+    operator_fallbacks: tuple[str, ...] = field(default_factory=tuple)  # kernels on a fallback
 
 
 def _grade(name: str, abnormal: bool, near: bool, reason: str) -> Indicator:
@@ -134,6 +135,7 @@ def evaluate(x: HealthInputs) -> HealthView:
         _grade("oom", x.oom_firing, False,
                "the OOM predictor expects the device tier to run out of KV memory soon"),
         _grade("tiers", False, bool(x.tier_problems), "; ".join(x.tier_problems)),
+        _grade("operators", False, bool(x.operator_fallbacks), "; ".join(x.operator_fallbacks)),
     ]  # fmt: skip
     return colour(ind, x.oom_firing)
 

@@ -257,7 +257,9 @@ def assemble(
     chip: str | None = None,
     options: dict | None = None,
     progress: bool = False,
+    weights: str = "float32",
 ) -> Assembly:
-    """Load `model` and build what serves its KV (see `build_kv`)."""
-    m, tok = load_model(model, dtype, device, progress)
+    """Load `model` (`weights`: native, float32 or bfloat16) and build what serves its KV
+    (see `build_kv`)."""
+    m, tok = load_model(model, dtype, device, progress, weights)
     return assemble_for(m, tok, strategy, config, chip, options, progress)

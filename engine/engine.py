@@ -131,7 +131,7 @@ class Engine:
         max_batch: int | None = None,
         max_step_tokens: int = 512,
         admission_window_ms: float | None = None,
-        weights: str = "native",
+        weights: str = "float32",
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,10 @@ import torch
 from tqdm import tqdm
 
 from .config import ModelConfig, ModelLoadError
+from .quantized import FORMATS as QUANT_FORMATS
+from .quantized import QuantizedTensor, scales
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_QUANT_TYPES = (
@@ -144,15 +149,37 @@ def open_gguf(path: Path):
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
+WEIGHT_MODES = ("native", "float32", "bfloat16")
+
+
+def check_weights(weights: str) -> str:
+    """`weights` if it names a weight mode, else a ValueError naming the choices."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights {weights!r} is not supported; choose one of: "
+                         f"{', '.join(WEIGHT_MODES)}")  # fmt: skip
+    return weights
+
+
 def load_gguf(
-    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
-    """Read config and dequantized tensors (HF Llama layout names) from a GGUF file."""
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    weights: str = "float32",
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], object]:
+    """Read config and tensors (HF Llama layout names) from a GGUF file.
+
+    `weights`: "float32" decodes every tensor to `dtype`; "bfloat16" decodes the 2-D ones to
+    bf16; "native" keeps Q8_0 / Q4_0 / Q4_1 tensors packed (`QuantizedTensor`, multiplied by
+    the engine's native kernels) and decodes the rest to `dtype`, with one logged note naming
+    the types that had to be decoded.
+    """
     from gguf import GGMLQuantizationType, quants
 
+    check_weights(weights)
     reader = open_gguf(path)
     cfg = dataclasses.replace(read_config(reader, path), fingerprint=file_fingerprint(path))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedTensor] = {}
+    decoded: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype.name not in SUPPORTED_QUANT_TYPES:
@@ -161,6 +188,11 @@ def load_gguf(
                 f"{', '.join(SUPPORTED_QUANT_TYPES)}"
             )
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first
+        if weights == "native" and qtype.name in QUANT_FORMATS and len(shape) == 2:
+            tensors[t.name] = _packed(t, qtype.name, shape, cfg, path)
+            continue
+        if weights == "native" and qtype.name not in ("F32", "F16", "BF16"):
+            decoded.add(qtype.name)
         try:
             arr = quants.dequantize(t.data, qtype).reshape(shape)
         except Exception as e:
@@ -172,9 +204,27 @@ def load_gguf(
         if not np.isfinite(arr).all():
             raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite values")
         # Copy: F32 tensors are read-only views of the memory-mapped file.
-        tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(dtype)
+        tdtype = torch.bfloat16 if weights == "bfloat16" and len(shape) == 2 else dtype
+        tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(tdtype)
+    if decoded:
+        log.info("--weights native: no native kernel for %s; those tensors run as float32",
+                 ", ".join(sorted(decoded)))  # fmt: skip
     check_tensors(cfg, tensors, path)
     return cfg, tensors, reader
+
+
+def _packed(t, qtype: str, shape: tuple[int, int], cfg: ModelConfig, path: Path) -> QuantizedTensor:
+    """A GGUF tensor's blocks as a `QuantizedTensor` (Q/K rows un-permuted like the floats)."""
+    arr = np.asarray(t.data).reshape(shape[0], -1, QUANT_FORMATS[qtype])  # [rows, blocks, bytes]
+    if ".attn_q." in t.name:
+        arr = _reverse_rope_permute(arr, cfg.num_heads)
+    elif ".attn_k." in t.name:
+        arr = _reverse_rope_permute(arr, cfg.num_kv_heads)
+    q = QuantizedTensor(qtype, torch.from_numpy(np.array(arr, dtype=np.uint8, copy=True)))
+    d, m = scales(q)
+    if not (torch.isfinite(d).all() and (m is None or torch.isfinite(m).all())):
+        raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite scales")
+    return q
 
 
 def check_tensors(

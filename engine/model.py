@@ -12,15 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from kvstrategies.kv import KVCache, KVSpec, StepBatch
+from kvstrategies.operators import OperatorSet
 
 from .config import ModelConfig
+from .linear import SplitLinear, build_linear, rms_norm
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as the reference implementation does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+__all__ = ["LlamaModel", "RotaryTable", "SplitLinear", "rms_norm"]  # re-exported for callers
 
 
 class RotaryTable:
@@ -57,38 +54,6 @@ class RotaryTable:
         return x * cos + rotated * sin
 
 
-class SplitLinear:
-    """y = x @ W.T with W stored as column slices, [P, in, out/P], multiplied by one `bmm`.
-
-    NOTE: on CPU, MKL runs a matrix-vector product (decode at batch 1) on one core, and skinny
-    matrix products poorly. Splitting the output columns into P slices and multiplying them as a
-    batch lets every core stream its own slice of the weights: measured here 33 -> 16 ms per token
-    at batch 1 (two cores), and never slower up to 256 rows. Results equal `x @ W.T` bit for bit.
-    """
-
-    def __init__(self, weight: torch.Tensor, parts: int) -> None:
-        out_features, in_features = weight.shape
-        while out_features % parts:
-            parts //= 2
-        self.parts, self.out_features = parts, out_features
-        # weight: [out, in] -> [in, out] -> [P, in, out/P]
-        w = weight.t().contiguous().view(in_features, parts, out_features // parts)
-        self.weight = w.permute(1, 0, 2).contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, in] -> [N, out]."""
-        if self.parts == 1:
-            return x @ self.weight[0]
-        n = x.shape[0]
-        y = torch.bmm(x.expand(self.parts, n, x.shape[1]), self.weight)  # [P, N, out/P]
-        return y.permute(1, 0, 2).reshape(n, self.out_features)
-
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows of W (as an embedding table) for `index`: [N] -> [N, in]."""
-        per = self.out_features // self.parts
-        return self.weight[index // per, :, index % per]
-
-
 class LlamaModel:
     """Weights plus a packed forward pass. Not an `nn.Module`: nothing here is trained."""
 
@@ -107,19 +72,25 @@ class LlamaModel:
 
         # One slice per core on CPU; accelerators run one plain matmul.
         self._parts = 4 if self.device.type == "cpu" else 1
+        # Every matmul, norm and rope goes through the kernel registry (kvstrategies.operators):
+        # the first implementation this device offers, switched to the next if it fails.
+        self.operators = OperatorSet(self.device, owner=self)
+        self._rms, self._rope = self.operators["rmsnorm"], self.operators["rope"]
 
-        def lin(*names: str) -> SplitLinear:
-            return SplitLinear(torch.cat([w(n) for n in names]), self._parts)
+        def lin(*names: str, prepare: bool = True):
+            # A weight in a format with a native kernel stays packed (engine.linear).
+            return build_linear([tensors[n] for n in names], dtype, self.device, self._parts,
+                                self.operators, prepare)  # fmt: skip
 
         self.lm_head = lin("output.weight" if not cfg.tie_embeddings else "token_embd.weight")
         # Tied embeddings read their rows out of the lm_head's slices: no second copy.
-        self.embed = self.lm_head if cfg.tie_embeddings else lin("token_embd.weight")
+        self.embed = self.lm_head if cfg.tie_embeddings else lin("token_embd.weight", prepare=False)
         self.norm = w("output_norm.weight")
         self.layers = [self._build_layer(i, w, lin) for i in range(cfg.num_layers)]
         self.rope = self._build_rope()
 
     def _build_layer(self, i: int, w, lin) -> tuple:
-        """Layer i's weights: `w(name)` gives a tensor, `lin(*names)` one fused `SplitLinear`."""
+        """Layer i's weights: `w(name)` gives a tensor, `lin(*names)` one fused `Linear`."""
         p = f"blk.{i}."
         # Fusing Q/K/V and gate/up turns five matmuls into two: fewer passes over activations.
         return (w(p + "attn_norm.weight"),
@@ -140,15 +111,15 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         n = x.shape[0]
         attn_norm, wqkv, wo, ffn_norm, wgu, wdown = self.layers[li]
-        h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
+        h = self._rms(x, attn_norm, cfg.rms_norm_eps)
         qkv = wqkv(h)  # [N, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = self.rope.apply(q.view(n, hq, d), positions)  # [N, Hq, D]
-        k = self.rope.apply(k.view(n, hkv, d), positions)  # [N, Hkv, D]
+        q = self._rope(self.rope, q.view(n, hq, d), positions)  # [N, Hq, D]
+        k = self._rope(self.rope, k.view(n, hkv, d), positions)  # [N, Hkv, D]
         kv.append(li, k, v.view(n, hkv, d))
         attn = kv.attend(li, q)  # [N, Hq, D]
         x = x + wo(attn.reshape(n, hq * d))
-        h = rms_norm(x, ffn_norm, cfg.rms_norm_eps)
+        h = self._rms(x, ffn_norm, cfg.rms_norm_eps)
         gate, up = wgu(h).chunk(2, dim=-1)
         return x + wdown(F.silu(gate) * up)
 
@@ -163,8 +134,9 @@ class LlamaModel:
         return None
 
     def memory_report(self) -> dict:
-        """What the model itself holds beyond its weights (none for a dense Llama)."""
-        return {}
+        """The weights' formats (tensors and bytes per format); the kernels are reported by
+        the engine from `operators` (every model class has them)."""
+        return {"weights": weight_formats(self)}
 
     @torch.inference_mode()
     def forward(
@@ -192,9 +164,24 @@ class LlamaModel:
         if kv.wants_token_logprobs:
             # A cache that scores tokens by their surprisal sees every row's next-token
             # distribution (the whole step's logits: costs one lm_head pass per prefill token).
-            logits = self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))
+            logits = self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
             kv.observe_logprobs(batch, tokens, torch.log_softmax(logits.float(), dim=-1))
             return logits if logits_rows is None else logits[logits_rows]
         if logits_rows is not None:
             x = x[logits_rows]
-        return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps))
+        return self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
+
+
+def weight_formats(model: LlamaModel) -> dict[str, dict[str, int]]:
+    """Per stored weight format: how many (fused) linear layers hold it and their bytes."""
+    out: dict[str, dict[str, int]] = {}
+    lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
+    if model.embed is not model.lm_head:
+        lins.append(model.embed)
+    for lin in lins:
+        w = lin.weight
+        nbytes = w.nbytes if hasattr(w, "nbytes") else w.weight.numel() * w.weight.element_size()
+        entry = out.setdefault(lin.fmt, {"layers": 0, "bytes": 0})
+        entry["layers"] += 1
+        entry["bytes"] += nbytes
+    return out

@@ -102,8 +102,8 @@ def _output_column_norms(model: LlamaModel, rec: ChannelRecorder) -> torch.Tenso
     wo_sq = torch.zeros(cfg.num_layers, hkv, d)
     if rec.value_dim is None:
         for li, layer in enumerate(model.layers):
-            w = layer[2].weight.float()  # o_proj as [P, in = Hq * D, out / P]
-            wo_sq[li] = w.square().sum((0, 2)).view(hkv, g, d).sum(1)  # [Hkv, D]
+            w = layer[2].to_dense()  # o_proj as [out, in = Hq * D], decoded if packed
+            wo_sq[li] = w.square().sum(0).view(hkv, g, d).sum(1)  # [Hkv, D]
     return wo_sq
 
 

@@ -40,6 +40,8 @@ from . import kernels
 from .base import KVSpec, KVStrategy
 from .calibration import METHODS
 from .kv import StepBatch, merge_partials
+from .operators import FnImplementation, OperatorSet
+from .operators import register as register_op
 from .options import Option
 from .quant import BITS, SCALES, ChannelPlan, channel_counts, header_low, pack, quantize, unpack
 from .registry import register
@@ -226,6 +228,7 @@ class HybridStrategy(KVStrategy):
                  "G": spec.query_group, "SF": int(r.scales == "fp8"),
                  "LAT": int(spec.latent), "DV": spec.v_dim}  # fmt: skip
         self._kernel = kernels.hybrid_kernel(shape) if dev.type == "cpu" else None
+        self.operators = OperatorSet(dev, owner=self)
 
     @staticmethod
     def channel_plan(spec: KVSpec, o: dict[str, Any]) -> ChannelPlan:
@@ -416,31 +419,38 @@ class HybridStrategy(KVStrategy):
         kp, vp = self._pending[layer]
         q = q.float().contiguous()
         out = self._empty_out(q)  # [N, Hq, Dv]
-        h, v_dim = self.spec.num_kv_heads, self.spec.v_dim
-        g = q.shape[1] // h
+        attend_seq = self.operators["attention.hybrid"]  # the C kernel, else PyTorch
         for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
-            rows, n = b.rows(i), b.query_lens[i]
+            rows = b.rows(i)
             dense = self._dense[sid][layer]  # [P, H, S + T, D]
             dk, dv = dense[0, :, seq.lo : seq.hi], dense[-1, :, seq.lo : seq.hi]
-            ck, cv = kp[rows], vp[rows]  # [n, H, D], contiguous slices of the step's tokens
-            if self._kernel is not None and g * n <= _KERNEL_MAX_ROWS:
-                small = g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT
-                if small:  # everything in one call, output written in the model's layout
-                    self._call_kernel(layer, q[rows], seq, dk, dv, ck, cv, out[rows])
-                    continue
-            qg = self._queries(layer, q[rows])
-            if self._kernel is not None and g * n <= _KERNEL_MAX_ROWS:
-                o, lse = self._call_kernel(layer, q[rows], seq, dk, dv, None, None, None)
-            else:
-                o, lse = self._attend_torch(layer, qg, seq.ids, dk, dv, seq.mask0)
-            # The step's own tokens (causal), merged with the stored part by log-sum-exp.
-            o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
-            o, _ = merge_partials([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
-            o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
-            o = o[..., :v_dim]  # a latent cache attended with its keys as values: [H, G*n, Dv]
-            out[rows] = o.reshape(h, g, n, v_dim).permute(2, 0, 1, 3).reshape(n, h * g, v_dim)
+            # kp[rows], vp[rows]: [n, H, D], contiguous slices of the step's tokens
+            attend_seq(self, layer, q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows])
         self._flush(layer)
         return out.to(self.spec.dtype)
+
+    def _attend_seq(self, layer, q, seq, dk, dv, ck, cv, out, kernel: bool) -> torch.Tensor:
+        """One sequence's attention written into `out` [n, Hq, Dv] (a view of the step's
+        output): stored blocks by the C kernel (`kernel`, few query rows) or PyTorch, merged
+        with the step's own tokens by log-sum-exp."""
+        h, v_dim = self.spec.num_kv_heads, self.spec.v_dim
+        n, g = q.shape[0], q.shape[1] // h
+        kernel = kernel and g * n <= _KERNEL_MAX_ROWS
+        if kernel and g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT:
+            self._call_kernel(layer, q, seq, dk, dv, ck, cv, out)  # all in one call, in place
+            return out
+        qg = self._queries(layer, q)
+        if kernel:
+            o, lse = self._call_kernel(layer, q, seq, dk, dv, None, None, None)
+        else:
+            o, lse = self._attend_torch(layer, qg, seq.ids, dk, dv, seq.mask0)
+        # The step's own tokens (causal), merged with the stored part by log-sum-exp.
+        o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
+        o, _ = merge_partials([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
+        o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
+        o = o[..., :v_dim]  # a latent cache attended with its keys as values: [H, G*n, Dv]
+        out.copy_(o.reshape(h, g, n, v_dim).permute(2, 0, 1, 3).reshape(n, h * g, v_dim))
+        return out
 
     def _queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [n, Hq, D] -> [H, G * n, D], rows (g, t), channels in key order, scaled."""
@@ -589,6 +599,7 @@ class HybridStrategy(KVStrategy):
         if self.spec.latent:
             out["channels"]["values"] = f"the keys' first {self.spec.v_dim} channels"
         out["kernel"] = "c" if self._kernel is not None else f"torch ({kernels.KERNEL_ERROR})"
+        out["kernels"] = self.operators.report()
         return out
 
 
@@ -654,3 +665,29 @@ def _attend_dense(q, k, v, n):
         qh, kh, vh, 0.0, True, scale=1.0
     )
     return out.reshape(h, rows, d), lse.reshape(h, rows)
+
+
+def _c_available(device: torch.device, strategy: Any) -> str | None:
+    if device.type != "cpu":
+        return "the C kernel is for CPU tiers"
+    if strategy is None or strategy._kernel is None:
+        return kernels.KERNEL_ERROR or "not built for this record shape"
+    return None
+
+
+# The C kernel first where its library is built for the strategy's record shape; PyTorch (the
+# reference) everywhere. A breaker switches to PyTorch when the kernel raises or runs slow.
+register_op(
+    FnImplementation(
+        "attention.hybrid",
+        "c",
+        lambda st, *a: st._attend_seq(*a, kernel=True),
+        ("cpu",),
+        _c_available,
+    ),
+    preference=10,
+)
+register_op(FnImplementation(
+    "attention.hybrid", "torch", lambda st, *a: st._attend_seq(*a, kernel=False),
+    ("*",),
+), preference=90, reference=True)  # fmt: skip

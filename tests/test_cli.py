@@ -139,7 +139,17 @@ def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, c
     from engine.evaluate import perplexity
 
     proc = _cli(
-        "eval", "ppl", "--text", str(text_file), "--tokens", "320", "--json", "--strategy", "full"
+        "eval",
+        "ppl",
+        "--text",
+        str(text_file),
+        "--tokens",
+        "320",
+        "--json",
+        "--strategy",
+        "full",
+        "--weights",
+        "float32",  # the in-process model is the float32 one
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)  # stdout is exactly one JSON document (`| jq .ppl` works)

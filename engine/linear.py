@@ -1,0 +1,282 @@
+"""Linear layers in their stored weight format, and the engine's ops in the kernel registry.
+
+What lives here: `SplitLinear` (float weights, multiplied as column slices), `PackedWeight` (a
+GGUF-quantized weight kept packed, with the forms its kernels prepared), `Linear` (one layer:
+a weight plus the breaker of its format's matmul op), `build_linear`, and the registry entries of
+the matmul ops (one per weight format), `rmsnorm` and `rope`. What does not: the registry and the
+breaker (`kvstrategies.operators`), the block formats (`engine.quantized`), the forward pass
+(`engine.model`).
+
+Ops and their entries, in preference order (the last is the reference, available everywhere):
+- matmul.float (weights in the compute dtype): split_bmm (CPU), mm.
+- matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
+- matmul.q8_0: int4x2 (CPU: PyTorch's int4 kernel over two nibble planes, group-exact),
+  int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
+- matmul.q4_0, matmul.q4_1: int4 (CPU: `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
+- rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
+
+NOTE: PyTorch's int4 and int8 CPU kernels are fast only for bf16 activations (measured here at
+batch 1 on SmolLM2's 49152 x 576 head: int4 1.2 ms in bf16, 56 ms in float32, against 8 ms for
+float32 weights), so the native entries multiply in bf16 and return the caller's dtype: the
+activations and the group scales are rounded to bf16 (docs/kernels.md gives the error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
+
+from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
+
+log = logging.getLogger(__name__)
+NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+class SplitLinear:
+    """y = x @ W.T with W stored as column slices, [P, in, out/P], multiplied by one `bmm`.
+
+    NOTE: on CPU, MKL runs a matrix-vector product (decode at batch 1) on one core, and skinny
+    matrix products poorly. Splitting the output columns into P slices and multiplying them as a
+    batch lets every core stream its own slice of the weights: measured here 33 -> 16 ms per token
+    at batch 1 (two cores), and never slower up to 256 rows. Results equal `x @ W.T` bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor, parts: int) -> None:
+        out_features, in_features = weight.shape
+        while out_features % parts:
+            parts //= 2
+        self.parts, self.out_features = parts, out_features
+        # weight: [out, in] -> [in, out] -> [P, in, out/P]
+        w = weight.t().contiguous().view(in_features, parts, out_features // parts)
+        self.weight = w.permute(1, 0, 2).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out]."""
+        if self.parts == 1:
+            return x @ self.weight[0]
+        n = x.shape[0]
+        y = torch.bmm(x.expand(self.parts, n, x.shape[1]), self.weight)  # [P, N, out/P]
+        return y.permute(1, 0, 2).reshape(n, self.out_features)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of W (as an embedding table) for `index`: [N] -> [N, in]."""
+        per = self.out_features // self.parts
+        return self.weight[index // per, :, index % per]
+
+    def to_dense(self) -> torch.Tensor:
+        """W as float32 [out, in]."""
+        # [P, in, out/P] -> [P, out/P, in] -> [out, in]: column p * out/P + j is slice p's j.
+        return self.weight.transpose(1, 2).reshape(self.out_features, -1).float()
+
+
+class PackedWeight:
+    """A quantized weight kept as its GGUF blocks, plus the forms its kernels prepared from
+    them (built once, on a kernel's first use, and kept)."""
+
+    def __init__(self, q: QuantizedTensor, dtype: torch.dtype) -> None:
+        self.q, self.dtype = q, dtype
+        self.out_features, self.in_features = q.shape
+        self.forms: dict[str, object] = {}
+
+    def form(self, name: str, build: Callable[[QuantizedTensor], object]) -> object:
+        f = self.forms.get(name)
+        if f is None:
+            f = self.forms[name] = build(self.q)
+        return f
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of W (as an embedding table) for `index`, decoded: [N] -> [N, in]."""
+        return dequantize(self.q.rows(index)).to(self.dtype)
+
+    def to_dense(self) -> torch.Tensor:
+        return dequantize(self.q)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + sum(
+            sum(t.numel() * t.element_size() for t in f if isinstance(t, torch.Tensor))
+            for f in self.forms.values()
+            if isinstance(f, tuple)
+        )
+
+
+class Linear:
+    """One linear layer: its weight in its stored format and the breaker of that format's op."""
+
+    __slots__ = ("weight", "op", "fmt")
+
+    def __init__(self, weight: SplitLinear | PackedWeight, op: Breaker, fmt: str) -> None:
+        self.weight, self.op, self.fmt = weight, op, fmt
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out]."""
+        return self.op(x, self.weight)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(index)
+
+    def to_dense(self) -> torch.Tensor:
+        """The weight as float32 [out, in] (decoded if packed)."""
+        return self.weight.to_dense()
+
+
+def native_op(qtype: str, device: torch.device) -> str | None:
+    """The matmul op that runs `qtype` packed on `device`, or None when only the reference
+    (dequantize per call) would: then the weight is better dequantized once at load."""
+    if qtype not in NATIVE_FORMATS:
+        return None
+    op = f"matmul.{qtype.lower()}"
+    return op if len(choose(op, device)[0]) > 1 else None
+
+
+def build_linear(
+    tensors: Sequence[torch.Tensor | QuantizedTensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    parts: int,
+    operators: OperatorSet,
+    prepare: bool = True,
+) -> Linear:
+    """One fused layer of `tensors` (stacked along the output rows). Packed tensors of one
+    format with a native kernel on `device` stay packed (the kernel's form is prepared now
+    unless `prepare` is False: an embedding table only reads rows); anything else is decoded
+    to `dtype`. bf16 tensors under a float32 model keep bf16 (matmul.bf16)."""
+    qtypes = {t.qtype if isinstance(t, QuantizedTensor) else None for t in tensors}
+    if len(qtypes) == 1 and (qtype := next(iter(qtypes))) is not None:
+        op = native_op(qtype, device)
+        if op is not None:
+            q = QuantizedTensor(qtype, torch.cat([t.blocks for t in tensors]))
+            lin = Linear(PackedWeight(q, dtype), operators[op], qtype)
+            if prepare:
+                _prepare(lin)
+            return lin
+    dense = [dequantize(t) if isinstance(t, QuantizedTensor) else t for t in tensors]
+    keep_bf16 = all(t.dtype == torch.bfloat16 for t in dense) and dtype != torch.bfloat16
+    wdtype = torch.bfloat16 if keep_bf16 else dtype
+    w = torch.cat([t.to(device=device, dtype=wdtype) for t in dense])
+    op = "matmul.bf16" if keep_bf16 else "matmul.float"
+    return Linear(SplitLinear(w, parts), operators[op], "BF16" if keep_bf16 else "float")
+
+
+def _prepare(lin: Linear) -> None:
+    impl = lin.op.active
+    prep = getattr(impl, "prepare", None)
+    if prep is not None:
+        prep(lin.weight)
+
+
+# ---- the registry entries -----------------------------------------------------------------
+
+
+def _aten(name: str) -> Callable[[torch.device, object], str | None]:
+    def available(device: torch.device, owner: object) -> str | None:
+        if device.type != "cpu":
+            return "a CPU kernel"
+        try:
+            getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            return f"this torch build has no aten.{name}"
+        return None
+
+    return available
+
+
+def _mm_slices(x: torch.Tensor, w: SplitLinear) -> torch.Tensor:
+    """The reference float matmul: one plain product per column slice."""
+    wd = w.weight
+    if wd.dtype != x.dtype:
+        return torch.cat([x.float() @ wd[p].float() for p in range(w.parts)], -1).to(x.dtype)
+    return torch.cat([x @ wd[p] for p in range(w.parts)], -1)
+
+
+def _mm_dequant(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """The reference packed matmul: decode the whole weight, then a float32 product."""
+    return (x.float() @ dequantize(w.q).t()).to(x.dtype)
+
+
+def _int4_form(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c, s, z = int4_groups(q)  # [N, K'], [N, K'/32] x 2
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 2)
+    sz = torch.stack((s.t(), z.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K'/32, N, 2]
+    return packed, sz
+
+
+def _int4_mm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    packed, sz = w.form("int4", _int4_form)
+    xb = x.to(torch.bfloat16)
+    if w.q.qtype == "Q8_0":
+        xb = torch.cat((xb, xb), dim=-1)  # [N, 2K]: the high and the low nibble plane
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, sz).to(x.dtype)
+
+
+def _int8_form(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w8, s = int8_rows(q)
+    return w8, s.to(torch.bfloat16)
+
+
+def _int8_mm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    w8, s = w.form("int8", _int8_form)
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w8, s).to(x.dtype)
+
+
+class _Packed(FnImplementation):
+    """A packed-weight entry that can build its form ahead of the first call."""
+
+    def __init__(self, op, name, fn, form_name, build, available) -> None:
+        super().__init__(op, name, fn, ("cpu",), available)
+        self._form = (form_name, build)
+
+    def prepare(self, w: PackedWeight) -> None:
+        w.form(*self._form)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as the reference implementation does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def _register() -> None:
+    register(FnImplementation("matmul.float", "split_bmm", lambda x, w: w(x)), 10)
+    register(FnImplementation("matmul.float", "mm", _mm_slices, ("*",)), 90, reference=True)
+    register(
+        FnImplementation(
+            "matmul.bf16", "split_bmm", lambda x, w: w(x.to(torch.bfloat16)).to(x.dtype),
+            ("cpu", "cuda"),
+        ), 10,
+    )  # fmt: skip
+    register(FnImplementation("matmul.bf16", "mm", _mm_slices, ("*",)), 90, reference=True)
+    int4 = _aten("_weight_int4pack_mm_for_cpu")
+    for fmt in NATIVE_FORMATS:
+        op = f"matmul.{fmt.lower()}"
+        name = "int4x2" if fmt == "Q8_0" else "int4"
+        register(_Packed(op, name, _int4_mm, "int4", _int4_form, int4), 10)
+        if fmt == "Q8_0":
+            int8 = _aten("_weight_int8pack_mm")
+            register(_Packed(op, "int8", _int8_mm, "int8", _int8_form, int8), 20)
+        register(FnImplementation(op, "dequant", _mm_dequant, ("*",)), 90, reference=True)
+    has_fused = hasattr(F, "rms_norm")
+    register(
+        FnImplementation(
+            "rmsnorm", "fused", _fused_rms_norm, ("cpu", "cuda"),
+            lambda d, o: None if has_fused else "this torch has no F.rms_norm",
+        ), 10,
+    )  # fmt: skip
+    register(FnImplementation("rmsnorm", "torch", rms_norm, ("*",)), 90, reference=True)
+    register(
+        FnImplementation("rope", "rotate_half", lambda t, x, pos: t.apply(x, pos), ("*",)),
+        90, reference=True,
+    )  # fmt: skip
+
+
+_register()

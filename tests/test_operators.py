@@ -1,0 +1,212 @@
+"""The kernel registry and its circuit breaker: choice per device, fallback on a raise or on a
+slow window (fake clock, never the wall clock), re-probe and restore after the cool-down, and
+the contract that every registered implementation agrees with its op's reference."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import engine.linear as linear
+import kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
+from engine.quantized import FORMATS, QuantizedTensor
+from kvstrategies import operators
+from kvstrategies.operators import Breaker, BreakerSettings, FnImplementation
+
+
+class Clock:
+    """A fake clock: each implementation advances it by its own cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _impls(clock: Clock, cost: dict, fail: set):
+    def make(name):
+        def fn(x):
+            clock.now += cost[name]
+            if name in fail:
+                raise RuntimeError(f"{name} broke")
+            return x * 2  # every implementation gives the same answer
+
+        return FnImplementation("test.op", name, fn, ("*",))
+
+    return [make("fast"), make("ref")]
+
+
+SETTINGS = BreakerSettings(every=1, window=4, calibration=2, tolerance=0.15, cooldown_s=100)
+
+
+def test_a_raising_implementation_is_rerun_on_the_next_and_restored(caplog):
+    clock, cost, fail = Clock(), {"fast": 1.0, "ref": 5.0}, set()
+    b = Breaker("test.op", _impls(clock, cost, fail), SETTINGS, clock)
+    assert b(torch.tensor(1.0)) == 2
+    fail.add("fast")
+    with caplog.at_level(logging.WARNING, logger="kvstrategies.operators"):
+        for _ in range(5):  # the failing call's answer comes from the next implementation
+            assert b(torch.tensor(3.0)) == 6
+    assert b.active.name == "ref" and caplog.text.count("switched off") == 1  # logged once
+    r = b.report()
+    assert r["fallbacks"] == 1 and "raised RuntimeError: fast broke" in r["problem"]
+    fail.clear()
+    clock.now += 100  # the cool-down is over: re-probed, timed, restored after a good window
+    for _ in range(3 + 4):
+        assert b(torch.tensor(1.0)) == 2
+    assert b.active.name == "fast" and b.report()["restores"] == 1
+    assert "problem" not in b.report()
+
+
+def test_a_slow_implementation_is_switched_off_and_stays_off_while_slow():
+    clock, cost = Clock(), {"fast": 1.0, "ref": 3.0}
+    b = Breaker("test.op", _impls(clock, cost, set()), SETTINGS, clock)
+    for _ in range(3 + 4):  # warm-up + calibration (budget 1.0) + a window within budget
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast"
+    cost["fast"] = 1.1  # 10% slower: within the 15% tolerance
+    for _ in range(8):
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast"
+    cost["fast"] = 1.2  # 20% slower over a whole window: switched off
+    for _ in range(4):
+        assert b(torch.tensor(1.0)) == 2
+    assert b.active.name == "ref" and "1.20x" in b.report()["switched_off"]["fast"]
+    for _ in range(5):
+        assert b(torch.tensor(1.0)) == 2  # service goes on, on the reference
+    cost["fast"] = 4.0  # slower than the reference's own budget (3.0, measured meanwhile)
+    clock.now += 100
+    for _ in range(8):  # re-probed, still slow (its window judged again): off again
+        b(torch.tensor(1.0))
+    assert b.active.name == "ref" and b.report()["fallbacks"] == 2
+    cost["fast"] = 1.0
+    clock.now += 100
+    for _ in range(4):
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast" and b.report()["restores"] == 1
+
+
+def test_no_switch_to_a_known_slower_implementation():
+    """A machine-wide slowdown slows every kernel: the breaker keeps one that is still faster
+    than the next implementation's own budget."""
+    clock, cost = Clock(), {"fast": 1.0, "ref": 3.0}
+    impls = _impls(clock, cost, set())
+    b = Breaker("test.op", impls[::-1], SETTINGS, clock)  # ref first, to calibrate it
+    for _ in range(3):
+        b(torch.tensor(1.0))
+    b._states.reverse()
+    b._use(0)
+    for _ in range(3):
+        b(torch.tensor(1.0))
+    cost["fast"] = 2.0  # 2x its budget, still faster than ref's 3.0
+    for _ in range(12):
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast" and b.report()["fallbacks"] == 0
+
+
+def test_the_reference_raising_reaches_the_caller():
+    clock = Clock()
+    b = Breaker("test.op", _impls(clock, {"fast": 1, "ref": 1}, {"fast", "ref"}), SETTINGS, clock)
+    with pytest.raises(RuntimeError, match="ref broke"):
+        b(torch.tensor(1.0))
+
+
+def test_choice_per_device_and_unknown_op():
+    chosen, skipped = operators.choose("attention.hybrid", "cpu")
+    assert [i.name for i in chosen] == ["torch"] and "c" in skipped  # no strategy: no library
+    cuda = [i.name for i in operators.implementations("matmul.q4_1", "cuda")]
+    assert cuda == ["dequant"]  # the int4 CPU kernel is not offered there
+    assert [i.name for i in operators.implementations("matmul.bf16", "cuda")][0] == "split_bmm"
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        operators.implementations("nope")
+
+
+def test_breaker_overhead_is_small():
+    """Documents the overhead stated in kvstrategies/operators.py (not a timing assertion
+    beyond a generous bound): a healthy breaker's call against a direct call."""
+    impl = FnImplementation("test.op", "id", lambda x: x)
+    b = Breaker("test.op", [impl], BreakerSettings())
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        impl.fn(1)
+    direct = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        b(1)
+    through = time.perf_counter() - t0
+    assert (through - direct) / n < 20e-6
+
+
+# ---- the contract: every implementation agrees with its op's reference ---------------------
+
+
+def _packed(fmt: str, rows: int = 64, cols: int = 128) -> QuantizedTensor:
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType[fmt])
+    return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(rows, -1, FORMATS[fmt]))
+
+
+def _example(op: str):
+    """(args, relative tolerance) for one call of `op`."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 128)
+    if op == "matmul.float":
+        return (x, linear.SplitLinear(torch.randn(64, 128), 4)), 1e-5
+    if op == "matmul.bf16":
+        return (x, linear.SplitLinear(torch.randn(64, 128).bfloat16(), 4)), 1e-2
+    if op.startswith("matmul.q"):
+        fmt = op.removeprefix("matmul.").upper()
+        # bf16 activations and scales in the native kernels; int8 requantizes rows (1.5%)
+        return (x, linear.PackedWeight(_packed(fmt), torch.float32)), 2e-2
+    if op == "rmsnorm":
+        return (x, torch.rand(128), 1e-6), 1e-5
+    if op == "rope":
+        from engine.config import ModelConfig
+        from engine.model import RotaryTable
+
+        cfg = ModelConfig("t", "llama", 10, 64, 128, 1, 2, 2, 32, 1e-6, 1e4, 64)
+        return (RotaryTable(cfg, torch.device("cpu"), torch.float32),
+                torch.randn(5, 2, 32), torch.arange(5)), 1e-6  # fmt: skip
+    return None, 0.0
+
+
+CASES = [(op, impl) for op in operators.ops() for impl in operators.implementations(op)]
+
+
+@pytest.mark.parametrize("op,impl", CASES, ids=[f"{o}:{i.name}" for o, i in CASES])
+def test_every_implementation_agrees_with_the_reference(op, impl):
+    if op == "attention.hybrid":
+        pytest.skip("attention: kernel vs torch is compared in tests/test_hybrid.py")
+    if op.startswith("test."):
+        pytest.skip("a test's own op")
+    if "cpu" not in impl.devices and "*" not in impl.devices:
+        pytest.skip(f"{impl.name} is for {impl.devices}")
+    if impl.available(torch.device("cpu")) is not None:
+        pytest.skip(impl.available(torch.device("cpu")))
+    args, rtol = _example(op)
+    assert args is not None, f"op {op} has no example in this contract test: add one"
+    got, want = impl(*args), operators.reference(op)(*args)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err <= rtol, f"{op}:{impl.name} differs from the reference by {err:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["matmul.float", "matmul.bf16", "rmsnorm"])
+def test_cuda_entries_agree(op):
+    args, rtol = _example(op)
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    if op.startswith("matmul"):
+        w = args[1]
+        w.weight = w.weight.cuda()
+    impl = operators.choose(op, "cuda")[0][0]
+    got, want = impl(*args), operators.reference(op)(*args)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= rtol

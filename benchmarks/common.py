@@ -43,7 +43,7 @@ def environment() -> dict:
 
 def report(name: str, rows: list[dict], columns: list[str], extra: dict | None = None) -> None:
     """Print a human table, then one JSON line with everything."""
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))

@@ -129,8 +129,10 @@ def store_throughput(server: Server, size: int, pipeline: int, n: int) -> dict:
         s.clear()
     env = {**os.environ, "REDISCLI_AUTH": PASSWORD}
     csv = subprocess.run(
+        # -r n: random keys over n names, as ours are n distinct keys (without it every SET
+        # overwrites one key and every GET reads that one cache-hot value).
         ["redis-benchmark", "-p", str(server.port), "-a", PASSWORD, "-t", "set,get",
-         "-d", str(size), "-P", str(pipeline), "-n", str(n), "-c", "1", "--csv"],
+         "-d", str(size), "-P", str(pipeline), "-n", str(n), "-r", str(n), "-c", "1", "--csv"],
         capture_output=True, text=True, env=env,
     ).stdout  # fmt: skip
     rps = {}
@@ -185,6 +187,13 @@ def main() -> None:
     p.add_argument("--values", type=int, default=4000, help="values per throughput run")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dir", default=None, help="where stores go (default: a temp dir)")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["ttft", "throughput", "decode"],
+        choices=["ttft", "throughput", "decode"],
+        help="which figures to measure",
+    )
     args = p.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", progress=False)
@@ -193,7 +202,7 @@ def main() -> None:
     try:
         urls = {"redis_hit": server.url, "file_hit": f"file://{root}/shared"}
         rows = []
-        for n in sorted(args.lengths):
+        for n in sorted(args.lengths) if "ttft" in args.parts else ():
             prompt = context_ids(tok, n)
             samples: dict[str, list[float]] = {}
             for rnd in range(args.repeats + 1):
@@ -210,8 +219,11 @@ def main() -> None:
         probe = strategy(model, root / "probe", None)
         size = probe.ssd.slice_bytes
         probe.close()
-        throughput = store_throughput(server, size, args.pipeline, args.values)
-        decode = decode_cost(model, tok, root, server.url, args.repeats, args.new_tokens)
+        throughput = decode = None
+        if "throughput" in args.parts:
+            throughput = store_throughput(server, size, args.pipeline, args.values)
+        if "decode" in args.parts:
+            decode = decode_cost(model, tok, root, server.url, args.repeats, args.new_tokens)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrategies.kv import KVCache, StepBatch
+from kvstrategies.registry import Built
 from memory.config import PoolConfig
 from memory.pool import BlockLostError
 
@@ -232,6 +233,32 @@ class Engine:
     def max_batch(self) -> int:
         """The most requests that run in one step."""
         return self.scheduler.config.max_batch
+
+    @property
+    def built(self) -> Built | None:
+        """How the KV store was chosen and built (config, chip profile), when the engine built
+        it; None for a store the caller gave."""
+        return self._assembly.kv if self._assembly is not None else None
+
+    def limit_batch(self, limit: int | None) -> None:
+        """Admit at most `limit` requests into the running batch from now on (None: back to
+        `max_batch`). Requests running beyond it finish; none is preempted for it. A replica in
+        a cooling window halves its batch this way."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        self.scheduler.order.max_batch = self.max_batch if limit is None else limit
+        self._wakeup.set()
+
+    @property
+    def batch_limit(self) -> int:
+        """The running batch's limit now (`max_batch` unless `limit_batch` lowered it)."""
+        return self.scheduler.order.max_batch
+
+    def prefix_digest(self, limit: int = 2048) -> tuple[int, str, list[bytes]] | None:
+        """The KV store's (block size, content identity, newest cached block hashes), for a
+        request router's prefix affinity; None when the store shares no prefixes."""
+        digest = getattr(self.kv, "prefix_digest", None)
+        return digest(limit) if digest is not None else None
 
     async def close(self, cancel: bool = False) -> None:
         """Stop accepting requests; finish (or with `cancel`, cancel) the ones in flight."""

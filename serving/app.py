@@ -381,6 +381,9 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
         )
     try:
         done = await _whole(server, request, handle, t0)
+    except Exception as e:  # as a stream says it: the engine's (or lost replica's) reason
+        log.warning("request %s failed: %s", rid, e)
+        raise p.APIError(500, f"generation failed: {e}", type="internal_error") from None
     finally:
         server.in_flight -= 1
     if done is None:

@@ -63,12 +63,17 @@ class ReplicaSpec:
     sensor: str | None = None  # None: the config's [thermal] sensor
     max_waiting: int = 64
     stats_period_s: float = 1.0
+    # Simulation for benchmarks: while the sensor reads at or above the chip's limit, each
+    # engine step takes this much longer (0.3: 30% slower, the throttling the field measured).
+    simulate_throttle: float = 0.0
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 < self.stats_period_s <= 60:
             raise ValueError(f"stats_period_s must be in (0, 60], got {self.stats_period_s}")
+        if not 0 <= self.simulate_throttle <= 10:
+            raise ValueError(f"simulate_throttle must be in [0, 10], got {self.simulate_throttle}")
 
 
 # ---- the replica -------------------------------------------------------------------------------
@@ -113,14 +118,32 @@ class EngineReplica:
         self.cooling.name = self.name
         self.interval_s = thermal.interval_s
         self._seq = 0
+        self._hot = False  # the last reading was at or above the limit
+        if s.simulate_throttle:
+            self._throttle_steps(s.simulate_throttle)
         self._watch = asyncio.get_running_loop().create_task(self._watch_sensor())
         log.info("replica %s up: %s; sensor %s", self.name, engine.kv_choice,
                  self.sensor.describe() if self.sensor else "none")  # fmt: skip
+
+    def _throttle_steps(self, slowdown: float) -> None:
+        """The benchmark's hot chip: while `_hot`, every engine step takes `slowdown` longer."""
+        step = self.engine._step
+
+        async def throttled() -> bool:
+            t0 = time.perf_counter()
+            ran = await step()
+            if ran and self._hot:
+                await asyncio.sleep((time.perf_counter() - t0) * slowdown)
+            return ran
+
+        self.engine._step = throttled
 
     async def _watch_sensor(self) -> None:
         """Read the sensor every `interval_s`; a cooling window halves the batch limit."""
         while True:
             temp = await asyncio.to_thread(self.sensor.read) if self.sensor else None
+            if temp is not None:
+                self._hot = temp >= self.cooling.limit_c
             change = self.cooling.observe(temp)
             if change == "enter":
                 self.engine.limit_batch(max(1, self.engine.max_batch // 2))

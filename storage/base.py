@@ -24,18 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import crc32c
+
 Buffer = bytes | bytearray | memoryview
 
-# Frame: magic, format version, flags (0), CRC-32, payload length; then the payload.
-# Why CRC-32 (zlib.crc32) and not blake2b: it is a media/torn-write check, not a defence against
-# an adversary, and it sits on every read. Measured on one 737,280-byte block on this host:
-# zlib.crc32 6.9 GB/s, blake2b (8 or 16 bytes) 1.4 GB/s, sha256 2.0 GB/s; blake2b would cost
-# ~0.5 ms a block, as much as reading the block from the disk. CRC-32 finds every burst of
-# <= 32 bits and misses random damage with probability 2**-32. The CRC covers the key and the
-# length as well as the payload, so a value written under the wrong key is caught too.
-# Content identity (prefix hashes) is the pool's business and uses a real hash.
+# Frame: magic, format version, flags (0), checksum, payload length; then the payload.
+# Why a CRC and not blake2b: it is a media/torn-write check, not a defence against an adversary,
+# and it sits on every read and write. Why CRC-32C (Castagnoli, the `crc32c` package, SSE4.2 /
+# ARMv8 instructions) since frame version 2: measured on 98,304-byte values on this host,
+# crc32c 21 GB/s, zlib.crc32 2.4 GB/s, blake2b 1.4 GB/s; with zlib the checksum alone cost more
+# than sending the value to Redis on loopback. CRC-32C finds every burst of <= 32 bits and
+# misses random damage with probability 2**-32. The CRC covers the key and the length as well as
+# the payload, so a value written under the wrong key is caught too. Version 1 frames (zlib's
+# CRC-32) are still read. Content identity (prefix hashes) is the pool's business (a real hash).
 _MAGIC = b"uK"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 1: zlib.crc32; 2: CRC-32C
 _HEADER = struct.Struct("<2sBBIQ")
 HEADER_BYTES = _HEADER.size  # 16
 
@@ -88,7 +91,7 @@ class VerifyReport:
 
 def encode_frame(key: bytes, payload: Buffer) -> bytes:
     """The stored form of `payload` under `key`: header (with the CRC) + payload."""
-    crc = zlib.crc32(payload, _seed(key, len(payload)))
+    crc = crc32c.crc32c(payload, _seed(key, len(payload), FRAME_VERSION))
     return _HEADER.pack(_MAGIC, FRAME_VERSION, 0, crc, len(payload)) + payload
 
 
@@ -106,14 +109,15 @@ def check_parts(key: bytes, header: Buffer, parts: Sequence[Buffer]) -> None:
     """Check a frame read in pieces (its header, then the payload scattered over `parts`, in
     order); a ChecksumError if it is damaged."""
     magic, version, _flags, crc, length = _HEADER.unpack_from(header)
-    if magic != _MAGIC or version != FRAME_VERSION:
+    if magic != _MAGIC or version not in _CRC:
         raise ChecksumError(key, f"bad header (magic {magic!r}, version {version})")
     stored = sum(len(p) for p in parts)
     if length != stored:
         raise ChecksumError(key, f"length {length} in header, {stored} stored")
-    c = _seed(key, length)
+    fn = _CRC[version]
+    c = _seed(key, length, version)
     for p in parts:
-        c = zlib.crc32(p, c)
+        c = fn(p, c)
     if c != crc:
         raise ChecksumError(key, "checksum mismatch")
 
@@ -132,8 +136,12 @@ def decode_frame(key: bytes, frame: Buffer) -> bytes:
     return bytes(memoryview(frame)[HEADER_BYTES:])
 
 
-def _seed(key: bytes, length: int) -> int:
-    return zlib.crc32(length.to_bytes(8, "little"), zlib.crc32(key))
+_CRC = {1: zlib.crc32, 2: crc32c.crc32c}  # frame version -> CRC function (data, running crc)
+
+
+def _seed(key: bytes, length: int, version: int) -> int:
+    fn = _CRC[version]
+    return fn(length.to_bytes(8, "little"), fn(key))
 
 
 def check_key(key: object, max_bytes: int) -> bytes:

@@ -12,10 +12,10 @@ values, and `keys`, `len` and `clear` touch this namespace only. Eviction is the
 (`maxmemory-policy allkeys-lru`, see docs/configuration.md); an optional TTL bounds how long a
 value lives.
 
-Atomicity: on one server a batch is one MULTI/EXEC transaction. A cluster cannot run one
-transaction over keys in different slots (and spreading keys over the slots is the point), so a
-cluster batch that fails part-way deletes what it wrote, best effort: values are keyed by
-content, so a leftover value is still correct data, never a wrong answer.
+Atomicity: on one server a batch is one MSET (with a TTL, one MULTI/EXEC transaction of SETs).
+A cluster cannot run one transaction over keys in different slots (and spreading keys over the
+slots is the point), so a cluster batch that fails part-way deletes what it wrote, best effort:
+values are keyed by content, so a leftover value is still correct data, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -305,10 +305,34 @@ class RedisBlockStore(BlockStore):
         return frames
 
     def _write(self, frames: dict[bytes, bytes]) -> None:
-        pipe = self._client.pipeline(transaction=True)
+        if self.ttl_ms is not None:  # SET ... PX per key, in one MULTI/EXEC transaction
+            pipe = self._client.pipeline(transaction=True)
+            for key, frame in frames.items():
+                pipe.set(self._k(key), frame, px=self.ttl_ms)
+            pipe.execute()
+            return
+        # One MSET (atomic on one server), packed here into one buffer: redis-py sends each
+        # large argument with a system call of its own, which measured 1.5x slower for 98 KB
+        # values than this one send (the copy into the buffer costs ~1/30 of the CRC).
+        parts = [b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(frames))]
         for key, frame in frames.items():
-            pipe.set(self._k(key), frame, px=self.ttl_ms)
-        pipe.execute()
+            name = self._k(key)
+            parts += (b"$%d\r\n%s\r\n$%d\r\n" % (len(name), name, len(frame)), frame, b"\r\n")
+        self._send_packed(b"".join(parts))
+
+    def _send_packed(self, command: bytes) -> None:
+        """Send one command already in the wire format and read its reply (an error reply
+        raises, as redis-py's own calls do)."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([command])
+            conn.read_response()
+        except BaseException:
+            conn.disconnect()  # a command sent part-way leaves the connection unusable
+            raise
+        finally:
+            pool.release(conn)
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
         """Remove the keys (one command on a server); how many were present."""

@@ -17,13 +17,17 @@ implementation of its op and the call is re-run there, so the caller still gets 
 answer; an implementation whose latency over a window (median of `window` timed calls, each
 divided by its budget for that shape) exceeds its budget by more than `tolerance` (15%) is
 switched the same way (its own answer is still returned), unless the next implementation's own
-budget for that shape is slower still. The budget is the implementation's own median latency
-over its first `calibration` timed calls of each shape bucket (after one warm-up call):
-measured when the model first runs, at load or warm-up. Each transition is logged once and
-counted. After `cooldown_s` the switched-off implementation is re-probed: it serves again,
-timed on every call, and is restored after a window back within budget (or switched off
-again). The last implementation (the reference) is never switched off: if it raises, the error
-goes to the caller.
+budget for that shape is slower still. A switch for slowness is a trial: the next
+implementation's first window is timed against the slow one's budgets, and if it is no faster
+than the slow one was (a machine-wide slowdown: another process on the cores, a throttled chip),
+the slow one is put back at once and its budgets are scaled to the pace it ran at (counted as a
+`rebase`): a busy machine is no reason to run a slower kernel. The budget is the
+implementation's own median latency over its first `calibration` timed calls of each shape
+bucket (after one warm-up call): measured when the model first runs, at load or warm-up. Each
+transition is logged once and counted. After `cooldown_s` the switched-off implementation is re-
+probed: it serves again, timed on every call, and is restored after a window back within budget
+(or switched off again). The last implementation (the reference) is never switched off: if it
+raises, the error goes to the caller.
 
 Timing is injectable (`clock`) so tests never read the wall clock. Overhead, measured with a
 micro-benchmark (200,000 calls of a no-op through a healthy breaker against direct calls, 2
@@ -195,6 +199,7 @@ class _State:
     probing: bool = False
     fallbacks: int = 0  # times switched off
     restores: int = 0
+    rebases: int = 0  # times put back because the next was no faster (budgets scaled)
     failures: int = 0  # calls that raised
     reason: str = ""  # why it was last switched off
 
@@ -223,6 +228,9 @@ class Breaker:
         self._fn = impls[0].__call__
         self._countdown = self.settings.every
         self._degraded = False  # some implementation is switched off or on probation
+        # A switch for slowness on trial: (slow implementation, its slow ratio, the next's
+        # latencies over the slow one's budgets).
+        self._trial: tuple[int, float, list[float]] | None = None
 
     @property
     def active(self) -> Implementation:
@@ -275,6 +283,8 @@ class Breaker:
 
     def _observe(self, i: int, key: tuple, dt: float) -> None:
         s, cfg = self._states[i], self.settings
+        if self._trial is not None and self._judge_trial(i, key, dt):
+            return
         budget = s.budgets.get(key)
         if budget is None:
             got = s.samples.setdefault(key, [])
@@ -289,7 +299,8 @@ class Breaker:
         ratio = statistics.median(s.window)
         slower_next = ratio > 1 + cfg.tolerance and self._next_is_slower(i, key, ratio * budget)
         if ratio > 1 + cfg.tolerance and not slower_next:
-            self._switch_off(i, f"{ratio:.2f}x its calibrated latency over {cfg.window} calls")
+            if self._switch_off(i, f"{ratio:.2f}x its calibrated latency over {cfg.window} calls"):
+                self._trial = (i, ratio, [])
             return
         s.window.clear()  # judged: the next window starts afresh
         if s.probing:  # within budget, or slow but still faster than the next: back in service
@@ -297,6 +308,37 @@ class Breaker:
             s.restores += 1
             self._degraded = any(t.open_until is not None or t.probing for t in self._states)
             log.warning("operator %s: %s restored (%.2fx its budget)", self.op, s.impl.name, ratio)
+
+    def _judge_trial(self, j: int, key: tuple, dt: float) -> bool:
+        """Time the implementation j that replaced a slow one against the slow one's budgets;
+        after a window, put the slow one back if j is no faster. True when the trial ended."""
+        slow, ratio, seen = self._trial
+        if j == slow:
+            self._trial = None
+            return False
+        budget = self._states[slow].budgets.get(key)
+        if budget is None or key in self._states[j].samples:  # no yardstick, or j's warm-up
+            return False
+        seen.append(dt / budget)
+        if len(seen) < self.settings.window:
+            return False
+        self._trial = None
+        mine = statistics.median(seen)
+        if mine < ratio:
+            return False  # faster than the slow one was: the switch stands
+        s = self._states[slow]
+        s.open_until, s.probing, s.reason = None, False, ""
+        s.rebases += 1
+        s.budgets = {k: b * ratio for k, b in s.budgets.items()}
+        s.window.clear()
+        self._degraded = any(t.open_until is not None or t.probing for t in self._states)
+        self._use(slow)
+        log.info(
+            "operator %s: %s is no faster (%.2fx of %s's budget, %s ran at %.2fx): %s is back, "
+            "its budgets scaled to the machine's pace",
+            self.op, self._states[j].impl.name, mine, s.impl.name, s.impl.name, ratio, s.impl.name,
+        )  # fmt: skip
+        return True
 
     def _next_is_slower(self, i: int, key: tuple, latency: float) -> bool:
         """Whether the implementation a slow i would hand over to is known (by its own budget
@@ -338,6 +380,7 @@ class Breaker:
             "candidates": [s.impl.name for s in self._states],
             "fallbacks": sum(s.fallbacks for s in self._states),
             "restores": sum(s.restores for s in self._states),
+            "rebases": sum(s.rebases for s in self._states),
         }
         off = [s for s in self._states if s.open_until is not None]
         if off:

@@ -73,13 +73,13 @@ def test_a_slow_implementation_is_switched_off_and_stays_off_while_slow():
     for _ in range(8):
         b(torch.tensor(1.0))
     assert b.active.name == "fast"
-    cost["fast"] = 1.2  # 20% slower over a whole window: switched off
+    cost["fast"] = 3.5  # 3.5x over a whole window, and slower than ref (3.0): switched off
     for _ in range(4):
         assert b(torch.tensor(1.0)) == 2
-    assert b.active.name == "ref" and "1.20x" in b.report()["switched_off"]["fast"]
-    for _ in range(5):
+    assert b.active.name == "ref" and "3.50x" in b.report()["switched_off"]["fast"]
+    for _ in range(8):  # ref's trial window: 3.0 against fast's 3.5, faster: the switch stands
         assert b(torch.tensor(1.0)) == 2  # service goes on, on the reference
-    cost["fast"] = 4.0  # slower than the reference's own budget (3.0, measured meanwhile)
+    assert b.active.name == "ref" and b.report()["rebases"] == 0
     clock.now += 100
     for _ in range(8):  # re-probed, still slow (its window judged again): off again
         b(torch.tensor(1.0))
@@ -89,6 +89,27 @@ def test_a_slow_implementation_is_switched_off_and_stays_off_while_slow():
     for _ in range(4):
         b(torch.tensor(1.0))
     assert b.active.name == "fast" and b.report()["restores"] == 1
+
+
+def test_a_slow_switch_is_undone_when_the_next_is_no_faster(caplog):
+    """Everything slows down (another process on the cores): the fallback's trial window is no
+    faster than the slow implementation was, so the slow one is back, its budget rescaled."""
+    clock, cost = Clock(), {"fast": 1.0, "ref": 3.0}
+    b = Breaker("test.op", _impls(clock, cost, set()), SETTINGS, clock)
+    for _ in range(3 + 4):
+        b(torch.tensor(1.0))
+    cost["fast"] = 1.5  # 1.5x over a window: switched off, on trial
+    for _ in range(4):
+        b(torch.tensor(1.0))
+    assert b.active.name == "ref"
+    with caplog.at_level(logging.INFO, logger="kvstrategies.operators"):
+        for _ in range(3 + 4):  # ref calibrates, then a window at 3.0x fast's budget
+            assert b(torch.tensor(1.0)) == 2
+    assert b.active.name == "fast" and b.report()["rebases"] == 1
+    assert "is no faster" in caplog.text and "problem" not in b.report()
+    for _ in range(12):  # 1.5 is now within fast's rescaled budget: no new switch
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast" and b.report()["fallbacks"] == 1
 
 
 def test_no_switch_to_a_known_slower_implementation():

@@ -113,6 +113,8 @@ class RedisBlockStore(BlockStore):
             "socket_timeout": timeout_s,
             "retry": Retry(NoBackoff(), 0),
             "decode_responses": False,
+            # Replies carry whole blocks: read them in 1 MiB pieces, not redis-py's 64 KiB.
+            "socket_read_size": 1 << 20,
         }
         password = password or urllib.parse.urlsplit(url).password or os.environ.get(PASSWORD_ENV)
         if password:

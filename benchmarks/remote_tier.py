@@ -113,44 +113,50 @@ def ttft_round(model, tok, prompt, root: Path, urls: dict[str, str], rnd: int) -
     return out
 
 
-def store_throughput(server: Server, size: int, pipeline: int, n: int) -> dict:
-    """MB/s of put_many/get_many in batches of `pipeline` vs redis-benchmark SET/GET."""
+def store_throughput(server: Server, size: int, pipeline: int, n: int, repeats: int) -> dict:
+    """MB/s of put_many/get_many in batches of `pipeline` vs redis-benchmark SET/GET: both over
+    the same `n` keys, after one untimed pass each (so both overwrite values that exist and
+    read from warm connections); the median of `repeats` timed passes."""
     value = os.urandom(size)
     keys = [i.to_bytes(8, "little") * 4 for i in range(n)]
-    with open_url(server.url, namespace="bench") as s:
-        t0 = time.perf_counter()
-        for i in range(0, n, pipeline):
-            s.put_many([(k, value) for k in keys[i : i + pipeline]])
-        put_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(0, n, pipeline):
-            s.get_many(keys[i : i + pipeline])
-        get_s = time.perf_counter() - t0
-        s.clear()
     env = {**os.environ, "REDISCLI_AUTH": PASSWORD}
-    csv = subprocess.run(
-        # -r n: random keys over n names, as ours are n distinct keys (without it every SET
-        # overwrites one key and every GET reads that one cache-hot value).
-        ["redis-benchmark", "-p", str(server.port), "-a", PASSWORD, "-t", "set,get",
-         "-d", str(size), "-P", str(pipeline), "-n", str(n), "-r", str(n), "-c", "1", "--csv"],
-        capture_output=True, text=True, env=env,
-    ).stdout  # fmt: skip
-    rps = {}
-    for line in csv.splitlines()[1:]:
-        cells = [c.strip('"') for c in line.split(",")]
-        rps[cells[0]] = float(cells[1])
+    # -r n: random keys over n names, as ours are n distinct keys (without it every SET
+    # overwrites one key and every GET reads that one cache-hot value).
+    cmd = ["redis-benchmark", "-p", str(server.port), "-a", PASSWORD, "-t", "set,get",
+           "-d", str(size), "-P", str(pipeline), "-n", str(n), "-r", str(n), "-c", "1", "--csv"]  # fmt: skip
+    ours: dict[str, list[float]] = {"put": [], "get": []}
+    peer: dict[str, list[float]] = {"SET": [], "GET": []}
     mb = size * n / 1e6
-    ours_put, ours_get = mb / put_s, mb / get_s
-    peer_put, peer_get = rps.get("SET", 0) * size / 1e6, rps.get("GET", 0) * size / 1e6
+    with open_url(server.url, namespace="bench") as s:
+        for rnd in range(repeats + 1):
+            t0 = time.perf_counter()
+            for i in range(0, n, pipeline):
+                s.put_many([(k, value) for k in keys[i : i + pipeline]])
+            put_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(0, n, pipeline):
+                s.get_many(keys[i : i + pipeline])
+            get_s = time.perf_counter() - t0
+            csv = subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
+            if not rnd:
+                continue  # the untimed pass
+            ours["put"].append(mb / put_s)
+            ours["get"].append(mb / get_s)
+            for line in csv.splitlines()[1:]:
+                cells = [c.strip('"') for c in line.split(",")]
+                peer[cells[0]].append(float(cells[1]) * size / 1e6)
+        s.clear()
+    put, get = statistics.median(ours["put"]), statistics.median(ours["get"])
+    peer_put, peer_get = statistics.median(peer["SET"]), statistics.median(peer["GET"])
     return {
         "value_bytes": size,
         "pipeline": pipeline,
-        "put_MBps": ours_put,
-        "get_MBps": ours_get,
+        "put_MBps": put,
+        "get_MBps": get,
         "redis_benchmark_set_MBps": peer_put,
         "redis_benchmark_get_MBps": peer_get,
-        "put_ratio": ours_put / peer_put if peer_put else None,
-        "get_ratio": ours_get / peer_get if peer_get else None,
+        "put_ratio": put / peer_put,
+        "get_ratio": get / peer_get,
     }
 
 
@@ -221,7 +227,7 @@ def main() -> None:
         probe.close()
         throughput = decode = None
         if "throughput" in args.parts:
-            throughput = store_throughput(server, size, args.pipeline, args.values)
+            throughput = store_throughput(server, size, args.pipeline, args.values, args.repeats)
         if "decode" in args.parts:
             decode = decode_cost(model, tok, root, server.url, args.repeats, args.new_tokens)
     finally:

@@ -12,7 +12,7 @@ least 2x the default router's), and where requests went while replica 0 was hot.
 Then the Ray overhead: one replica through Ray against the same engine in this process, on the
 same sequential requests (median latency ratio).
 
-    python benchmarks/replicas.py [--rate 1.5] [--seconds 60] [--prefixes 6]
+    python benchmarks/replicas.py [--rate 1.2] [--seconds 60] [--prefixes 24]
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ TOPICS = ["a lighthouse keeper", "a tea merchant", "a chess club", "a mountain r
 
 
 def prompts(tok, n_prefixes: int, n: int, seed: int) -> list[list[int]]:
-    """`n` prompts, each a shared system prompt (~200 tokens) plus its own question."""
+    """`n` prompts, each a shared system prompt (~250 tokens) plus its own question."""
     rng = random.Random(seed)
     heads = []
     for k in range(n_prefixes):
         topic = TOPICS[k % len(TOPICS)]
         text = (f"System prompt {k}. You are a careful assistant who writes about {topic}. "
                 + " ".join(f"Rule {i}: answer briefly about {topic}, plainly and kindly."
-                           for i in range(14)))  # fmt: skip
+                           for i in range(18)))  # fmt: skip
         heads.append(tok.encode(text))
     return [heads[rng.randrange(n_prefixes)] + tok.encode(f" Question {i}: what happens next?")
             for i in range(n)]  # fmt: skip
@@ -169,9 +169,14 @@ def ray_overhead(spec: ReplicaSpec, ps, n: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
+    p.add_argument("--rate", type=float, default=1.2, help="arrivals per second")
     p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--prefixes", type=int, default=6)
+    p.add_argument(
+        "--prefixes",
+        type=int,
+        default=24,
+        help="shared prefixes; their KV is twice what one replica's pool caches",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-requests", type=int, default=12)
     args = p.parse_args()
@@ -182,7 +187,10 @@ def main() -> None:
     sensors = d / "sensors"
     sensors.mkdir()
     cfg = d / "unikv.toml"
-    cfg.write_text('strategy = "full"\n[tiers.device]\ncapacity = "512MiB"\n'
+    # 128 MiB of `full` KV: ~2,900 tokens, a third of the 24 prefixes (~6,000 tokens) plus
+    # the running requests. Affinity can keep each prefix on one replica; spreading them makes
+    # every replica cycle through all of them.
+    cfg.write_text('strategy = "full"\n[tiers.device]\ncapacity = "128MiB"\n'
                    "[thermal]\ninterval_s = 0.25\n")  # fmt: skip
     spec = ReplicaSpec(config=str(cfg), sensor=f"scripted:{sensors}", stats_period_s=0.25,
                        simulate_throttle=0.3)  # fmt: skip

@@ -14,17 +14,14 @@ front finds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from . import routing
 from .routing import ReplicaState, RoutingPolicy
 
 try:
-    from ray.serve.request_router import RequestRouter
-except ImportError:  # no 'replicas' extra: nothing builds this router then (Ray Serve would)
-    RequestRouter = object  # type: ignore[assignment,misc]
-if TYPE_CHECKING:
-    from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+    from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+except ImportError:  # no 'replicas' extra: nothing builds these routers then (Ray Serve would)
+    RequestRouter = PowerOfTwoChoicesRequestRouter = object  # type: ignore[assignment,misc]
 
 
 def request_hashes(pending: PendingRequest | None) -> list[bytes]:
@@ -34,10 +31,38 @@ def request_hashes(pending: PendingRequest | None) -> list[bytes]:
     return list(pending.args[0].get("prefix_hashes") or ())
 
 
-class UnikvRouter(RequestRouter):
+class _Reports:
+    """What the front reads from the router in its process: each replica's last report."""
+
+    def replica_stats(self) -> dict[str, dict]:
+        """Each live replica's last report, with Ray's count of its requests in flight."""
+        out = {}
+        for rid, r in list(self.curr_replicas.items()):
+            stats = dict(r.routing_stats or {})
+            stats["in_flight"] = self._queue(r, stats)
+            out[rid.unique_id] = stats
+        return out
+
+    def _queue(self, r: RunningReplica, stats: dict) -> int:
+        cached = self.replica_queue_len_cache.get(r.replica_id)
+        return int(cached) if cached is not None else int(stats.get("queue", 0))
+
+
+class PowerOfTwoRouter(_Reports, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router, unchanged (the baseline of benchmarks/replicas.py), plus the
+    registration through which the front reads the replicas' reports."""
+
+    policy = None  # no unikv policy: no decisions to count
+
+    def initialize_state(self, **kwargs: object) -> None:
+        super().initialize_state(**kwargs)
+        routing.register(self)
+
+
+class UnikvRouter(_Reports, RequestRouter):
     """Health share, then prefix affinity, then queue length (see `serving.routing`)."""
 
-    def initialize_state(self, imbalance: int = 4, window: int = 50, **_: object) -> None:
+    def initialize_state(self, imbalance: int = 2, window: int = 50, **_: object) -> None:
         self.policy = RoutingPolicy(imbalance=imbalance, window=window)
         self._hash_sets: dict[str, tuple[int, frozenset[bytes]]] = {}
         self._asked: dict[str, tuple[list[bytes], str]] = {}
@@ -69,22 +94,7 @@ class UnikvRouter(RequestRouter):
         self.policy.forget(replica_id.unique_id)
         self._hash_sets.pop(replica_id.unique_id, None)
 
-    # ---- what the front reads ------------------------------------------------------------------
-
-    def replica_stats(self) -> dict[str, dict]:
-        """Each live replica's last report, with Ray's count of its requests in flight."""
-        out = {}
-        for rid, r in list(self.curr_replicas.items()):
-            stats = dict(r.routing_stats or {})
-            stats["in_flight"] = self._queue(r, stats)
-            out[rid.unique_id] = stats
-        return out
-
     # ---- helpers -------------------------------------------------------------------------------
-
-    def _queue(self, r: RunningReplica, stats: dict) -> int:
-        cached = self.replica_queue_len_cache.get(r.replica_id)
-        return int(cached) if cached is not None else int(stats.get("queue", 0))
 
     def _state(self, r: RunningReplica) -> ReplicaState:
         stats = r.routing_stats or {}

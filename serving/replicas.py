@@ -46,7 +46,7 @@ REPORTED_HASHES = 2048  # newest cached block hashes a replica reports
 ROUTERS = {
     "unikv": "serving.ray_router:UnikvRouter",
     # Ray Serve's default, for comparison (benchmarks/replicas.py).
-    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "power_of_two": "serving.ray_router:PowerOfTwoRouter",
 }
 
 
@@ -266,7 +266,8 @@ class ReplicaClient:
                  for k in ("requests_running", "requests_waiting", "preemptions", "kv_bytes_used",
                            "prefix_queries", "prefix_hits")}  # fmt: skip
         router = routing.current()
-        decisions = dict(router.policy.decisions) if router is not None else {}
+        policy = getattr(router, "policy", None)
+        decisions = dict(policy.decisions) if policy is not None else {}
         return {
             **total,
             "kv_choice": self.kv_choice,
@@ -432,7 +433,7 @@ class Replicas:
         period = self.spec.stats_period_s
         router_config = RequestRouterConfig(
             request_router_class=ROUTERS[self.router],
-            request_router_kwargs=self.router_kwargs if self.router == "unikv" else {},
+            request_router_kwargs=self.router_kwargs,
             request_routing_stats_period_s=period,
             request_routing_stats_timeout_s=max(2 * period, 5.0),
         )

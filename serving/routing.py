@@ -12,7 +12,10 @@ This is the policy of unikv's Ray Serve request router (`serving.ray_router` ada
 2. **Prefix affinity.** Among the candidates, the replica whose prefix cache holds the most of
    the request's leading blocks, by the pool's chained content hashes (the replicas report
    their newest cached hashes; the policy also remembers what it sent where, since reports are
-   periodic), unless its queue is longer than the shortest queue by more than `imbalance`.
+   periodic), unless its queue is longer than the shortest queue by more than `imbalance`
+   (default 2: a CPU replica runs a handful of requests at once, and two more ahead of a request
+   cost about what recomputing a long prefix does; SGLang's cache-aware router scales the same
+   rule to GPU batches with 64).
 3. **Queue length.** Otherwise (no match, or too busy), the candidates by queue length.
 
 The ranks returned are what Ray's router tries in order (within a rank, the shortest queue).
@@ -52,7 +55,7 @@ class Decision:
 class RoutingPolicy:
     """unikv's ranking of replicas (rules in the module docstring)."""
 
-    def __init__(self, imbalance: int = 4, window: int = 50, remember: int = 4096) -> None:
+    def __init__(self, imbalance: int = 2, window: int = 50, remember: int = 4096) -> None:
         if imbalance < 0 or window < 1 or remember < 0:
             raise ValueError(
                 f"imbalance >= 0, window >= 1, remember >= 0 expected; got {imbalance}, "

@@ -1,0 +1,108 @@
+"""Where a batch-1 decode step's time goes: matmul, attention (KV append + attend), norm, rope,
+the rest of the tensor ops, sampling, and Python (the step's wall time that no op accounts for).
+
+Runs `--steps` greedy decode steps of the real model after a `--context`-token prefill, under
+`torch.profiler` (CPU activities, with Python stacks), and charges every operator's self time
+to the part of the step its innermost unikv frame belongs to: `kvstrategies/` is attention (KV
+append and attend), `engine/linear.py`'s matmuls and norm, the model's RoPE table, sampling
+(the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The profiler
+costs microseconds per op, so the step's wall time is also measured without it; "python" is
+that wall time minus the ops' share of the profiled run, scaled to the unprofiled one.
+
+    python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+
+# (path fragment, function name or None for any) -> part; the first match, innermost frame first
+RULES = [
+    ("kvstrategies/", None, "attention"),
+    ("engine/linear.py", "rms_norm", "norm"),
+    ("engine/linear.py", "_fused_rms_norm", "norm"),
+    ("engine/linear.py", None, "matmul"),
+    ("engine/model.py", "apply", "rope"),
+    ("benchmarks/kv_quant_speed.py", "decode", "sampling"),
+    ("engine/model.py", None, "other ops"),
+]
+
+
+def part_of(stack: list[str]) -> str:
+    """The part of the step an op belongs to, by the innermost frame a rule knows."""
+    for frame in stack:  # innermost first
+        for path, fn, part in RULES:
+            if path in frame and (fn is None or frame.endswith(": " + fn)):
+                return part
+    return "other ops"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--weights", default="float32")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--strategy", default="full")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    m, tok = load_model(args.model, progress=False, weights=args.weights)
+    kv = build(m, tok, args.strategy)
+    ids = context_ids(tok, args.context)
+    first = prefill(m, kv, ids, 0)
+    pos = len(ids)
+    decode(m, kv, first, pos, 8, 0)  # warm-up: calibrations, breakers' budgets
+    pos += 8
+    wall = decode(m, kv, first, pos, args.steps, 0) / args.steps
+    pos += args.steps
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        t0 = time.perf_counter()
+        decode(m, kv, first, pos, args.steps, 0)
+        prof_wall = (time.perf_counter() - t0) / args.steps
+    kv.close()
+    spent: dict[str, float] = defaultdict(float)
+    ops: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        t = e.self_cpu_time_total / 1e6
+        if t <= 0 or e.name.startswith("ProfilerStep"):
+            continue
+        spent[part_of(list(e.stack or []))] += t
+        ops[e.name] += t
+    steps = args.steps
+    op_total = sum(spent.values()) / steps
+    scale = wall / prof_wall
+    rows = {k: v / steps * scale * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    python_ms = max(0.0, wall - op_total * scale) * 1e3
+    out = {
+        "wall_ms_per_step": wall * 1e3,
+        "tok_s": 1 / wall,
+        "profiled_wall_ms": prof_wall * 1e3,
+        "ms_by_part": rows,
+        "python_and_untracked_ms": python_ms,
+        "top_ops_ms": {
+            k: v / steps * scale * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]
+        },  # fmt: skip
+        "settings": vars(args),
+    }
+    print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s)")
+    for k, v in rows.items():
+        print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
+    print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""unikv's engine against llama.cpp on the same GGUF files, both columns from one run.
+
+llama.cpp is found or built by `benchmarks/llamacpp.py` (from the `llama-cpp-python` source
+package on PyPI; about 15 minutes on 2 cores the first time), and the packaged SmolLM2 file is
+requantized with its `llama-quantize` to F32 and Q8_0 (cached beside the build). Each case runs
+`llama-bench` (2 threads, its own timing of the generation or prompt phase) and the same work
+through unikv's model (`model.forward` with the KV strategy, greedy argmax per token: the
+engine's decode loop without the scheduler), interleaved: llama.cpp, unikv, llama.cpp, ...;
+the median of `--repeats` rounds.
+
+| case | llama.cpp | unikv |
+|---|---|---|
+| decode, batch 1, weights F32 / Q8_0 / Q4_1 | `-p 0 -n N` | `--weights float32` / `native` |
+| prefill, 512 tokens, F32 weights | `-p 512 -n 0` | one 512-token chunk |
+| decode at C tokens of context, F32 | `-d C -fa on -ctk/-ctv f16, q4_0` | `full`, `hybrid` |
+
+    python benchmarks/vs_llamacpp.py [--contexts 2048 8000] [--new-tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import report  # noqa: E402
+from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
+from engine.gguf_loader import resolve_model_path  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+
+
+def llama_bench(bin_dir: Path, gguf: Path, *args: str) -> float:
+    """tokens/s of one llama-bench test (its average over 1 repetition)."""
+    out = subprocess.run(
+        [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", "-r", "1", "-o", "json", *args],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def unikv_decode(model, tok, strategy: str, depth: int, n: int) -> float:
+    """tokens/s of n greedy decode steps after a `depth`-token prefill (16 at least)."""
+    kv = build(model, tok, strategy)
+    try:
+        ids = context_ids(tok, max(16, depth))
+        first = prefill(model, kv, ids, 0)
+        return n / decode(model, kv, first, len(ids), n, 0)
+    finally:
+        kv.close()
+
+
+def unikv_prefill(model, tok, n: int) -> float:
+    kv = build(model, tok, "full")
+    try:
+        ids = context_ids(tok, n)
+        t0 = time.perf_counter()
+        prefill(model, kv, ids, 0, chunk=n)
+        return n / (time.perf_counter() - t0)
+    finally:
+        kv.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="*", default=[2048, 8000])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip", nargs="*", default=[], choices=["weights", "prefill", "context"])
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    bins = find_or_build()
+    shipped = resolve_model_path("smollm2")
+    files = {"F32": converted(shipped, "F32", bins), "Q8_0": converted(shipped, "Q8_0", bins),
+             "Q4_1": shipped}  # fmt: skip
+    n = args.new_tokens
+    # (case, llama.cpp call, unikv call): the callables return tokens/s.
+    cases: list[tuple[str, object, object]] = []
+    models: dict[str, tuple] = {}
+
+    def model(kind: str, weights: str):
+        if (kind, weights) not in models:
+            models[kind, weights] = load_model(str(files[kind]), progress=False, weights=weights)
+        return models[kind, weights]
+
+    if "weights" not in args.skip:
+        for kind, weights in (("F32", "float32"), ("Q8_0", "native"), ("Q4_1", "native")):
+            m, tok = model(kind, weights)
+            cases.append((f"decode b1, {kind} weights (unikv --weights {weights})",
+                          lambda f=files[kind]: llama_bench(bins, f, "-p", "0", "-n", str(n)),
+                          lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n)))  # fmt: skip
+    if "prefill" not in args.skip:
+        m, tok = model("F32", "float32")
+        cases.append(("prefill 512 tokens, F32 weights",
+                      lambda: llama_bench(bins, files["F32"], "-p", "512", "-n", "0"),
+                      lambda: unikv_prefill(m, tok, 512)))  # fmt: skip
+    if "context" not in args.skip:
+        m, tok = model("F32", "float32")
+        for ctx in args.contexts:
+            for kv_llama, strategy in (("f16", "full"), ("q4_0", "hybrid_fp16_int4")):
+                flags = ("-p", "0", "-n", str(n), "-d", str(ctx), "-fa", "on",
+                         "-ctk", kv_llama, "-ctv", kv_llama)  # fmt: skip
+                name = f"decode at {ctx} context: llama.cpp {kv_llama} KV, unikv {strategy}"
+                cases.append((name,
+                              lambda flags=flags: llama_bench(bins, files["F32"], *flags),
+                              lambda c=ctx, s=strategy: unikv_decode(m, tok, s, c, n)))  # fmt: skip
+    rows = []
+    for name, peer, ours in cases:
+        ours()  # warm-up (calibration files, lazy packing, page cache)
+        a, b = [], []
+        for _ in range(args.repeats):
+            a.append(peer())
+            b.append(ours())
+        row = {"case": name, "llama_cpp_tok_s": statistics.median(a),
+               "unikv_tok_s": statistics.median(b)}  # fmt: skip
+        row["ratio"] = row["unikv_tok_s"] / row["llama_cpp_tok_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio"],
+           {"new_tokens": n, "repeats": args.repeats, "llama_cpp": str(bins)})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

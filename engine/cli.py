@@ -172,9 +172,15 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         sp.add_argument(
             "--strategy",
             default=None,
-            help="KV strategy name, or 'auto' for the chip's bandwidth class (default: the "
-            "config file's, else auto)",
+            help="KV strategy: a preset name, FORMAT+PLACEMENT+SELECTION, or 'auto' for the "
+            "chip's choice (default: the config file's, else auto)",
         )
+        axes = sp.add_argument_group(
+            "strategy axes", "set one axis of the strategy (the others: --strategy's, else auto)"
+        )
+        for axis, names in _axis_choices().items():
+            axes.add_argument(f"--kv-{axis}", default=None, choices=names,
+                              help=f"KV {axis} (default: by the chip)")  # fmt: skip
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
         sp.add_argument(
             "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
@@ -456,16 +462,42 @@ def _kernel_status(mem: dict) -> str:
     return f"PyTorch fallback ({kernel.removeprefix('torch (').removesuffix(')')})"
 
 
+def _axis_choices() -> dict[str, list[str]]:
+    """Each strategy axis and its names (`--kv-format`, `--kv-placement`, `--kv-selection`)."""
+    from kvstrategies import formats, placement, selection
+
+    return {"format": list(formats.FORMATS), "placement": list(placement.PLACEMENTS),
+            "selection": list(selection.SELECTIONS)}  # fmt: skip
+
+
+def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str | None:
+    """--strategy with the --kv-AXIS flags applied: each given axis replaces that axis of
+    --strategy's (a preset's axes, a composed name's, or "auto" ones; without --strategy, of
+    the config file's strategy). None when neither is given."""
+    import kvstrategies
+    from kvstrategies import composed
+
+    given = {a: getattr(args, f"kv_{a}", None) for a in composed.AXES}
+    if not any(given.values()):
+        return args.strategy
+    base = args.strategy or config_strategy
+    auto = ("auto",) * 3
+    axes = auto if base == "auto" else composed.parse(base) or kvstrategies.get(base).axes
+    return composed.name_of(tuple(given[a] or x for a, x in zip(composed.AXES, axes, strict=True)))
+
+
 def _check_kv_args(args: argparse.Namespace) -> None:
-    """Fail on a bad config file or strategy name before the (slow) model load."""
+    """Fail on a bad config file or strategy name before the (slow) model load; folds the
+    --kv-AXIS flags into args.strategy."""
     import kvstrategies
     from memory.config import load_config
 
     cfg = load_config(args.config)
+    args.strategy = strategy_arg(args, cfg.strategy)
     name = args.strategy or cfg.strategy
-    if name == "auto":  # what auto will pick
+    if name == "auto" or "+" in name:  # what auto (or an "auto" axis) will pick
         name = kvstrategies.choose(cfg, name, getattr(args, "chip", None))[0]
-    opts = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    opts = cfg.strategy_options if cfg.strategy in (name, "auto") or "+" in cfg.strategy else {}
     kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
 
 
@@ -552,7 +584,8 @@ def _profile(args: argparse.Namespace) -> dict:
     from kvstrategies import kernels
     from memory.profiles import format_report, profile_report
 
-    report = profile_report(args.chip, args.config, kvstrategies.select)
+    report = profile_report(args.chip, args.config, kvstrategies.select,
+                            axes_of=lambda name: kvstrategies.get(name).axes)  # fmt: skip
     # Built (or found in the cache) now, so a missing compiler shows here, not mid-run.
     report["attention_kernel"] = kernels.status(probe=True)
     report["kernels"] = _registry_choices(check_device(getattr(args, "device", "cpu")))

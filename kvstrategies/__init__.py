@@ -1,5 +1,6 @@
-"""KV strategies: the KV seam (`kv`), one file per strategy behind `KVStrategy`, a registry,
-selection by bandwidth class."""
+"""KV strategies: the KV seam (`kv`), strategies behind `KVStrategy` composed of three axes
+(`formats`, `placement`, `selection`, put together by `composed`), the registry of the four
+presets, selection by chip (kv_precision and bandwidth class)."""
 
 from .base import KVStrategy
 from .kv import KVCache, KVMemory, KVSpec, StepBatch

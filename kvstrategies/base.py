@@ -50,6 +50,13 @@ class KVStrategy(KVCache, KVMemory):
     # it and completes the options (strategies never drive the model). Known: "channel_stats"
     # (a calibration file of per-channel statistics, named by option `calibration`).
     needs: ClassVar[frozenset[str]] = frozenset()
+    # The three axes this strategy is (format, placement, selection; `kvstrategies.composed`)
+    # and the options its format fixes (merged over the checked ones, never user-set).
+    axes: ClassVar[tuple[str, str, str]] = ("", "resident", "all")
+    fixed: ClassVar[dict[str, Any]] = {}
+    # Where a tiered placement put this step's blocks (`kvstrategies.offload.TieredPlacement`):
+    # per batch sequence its (tier, block ids) or ("staged", index) groups; None when resident.
+    _groups: list | None = None
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, options: dict | None = None) -> None:
         self.pool, self.spec = pool, spec
@@ -61,7 +68,15 @@ class KVStrategy(KVCache, KVMemory):
     def check_options(cls, options: dict | None) -> dict[str, Any]:
         """Options checked against the declarations and merged over their defaults; an unknown
         name or a bad value is a ValueError naming it and what is allowed."""
+        options = dict(options or {})
+        for key, value in cls.fixed.items():  # checked options passed again carry them
+            if key in options and options.pop(key) != value:
+                raise ValueError(
+                    f"strategy {cls.name!r}: option {key} is fixed to {value!r} by its format "
+                    f"{cls.axes[0]}"
+                )
         opts = validate(cls.name, cls.options, options)
+        opts.update(cls.fixed)
         cls.check_combination(opts)
         return opts
 
@@ -144,13 +159,60 @@ class KVStrategy(KVCache, KVMemory):
         return self.pool.capacity_tokens("device")
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        if not self._can_attach(token_ids):
+            return 0
         # Keep at least one token to compute, so the request gets logits for its next token.
         refs = self.pool.match_prefix(token_ids[:-1])
-        return self.pool.attach_prefix(seq_id, refs) if refs else 0
+        n = self.pool.attach_prefix(seq_id, refs) if refs else 0
+        if n:
+            self._attached(seq_id, token_ids)
+        return n
 
     def publish(self, seq_id: int, token_ids: list[int]) -> None:
         if self.pool.table(seq_id) is not None:
             self.pool.publish(seq_id, token_ids)
+            self._published(seq_id, token_ids)
+
+    # Prefix hooks of a format that keeps state beside its blocks (hybrid's fp16 sinks); a
+    # placement that attaches blocks its own way (tiered: from disk too) calls them as well.
+    def _can_attach(self, token_ids: list[int]) -> bool:
+        """Whether a sequence starting with `token_ids` can be attended from shared blocks."""
+        return True
+
+    def _attached(self, seq_id: int, token_ids: list[int]) -> None:
+        """`seq_id` was attached to shared blocks of `token_ids`."""
+
+    def _published(self, seq_id: int, token_ids: list[int]) -> None:
+        """`seq_id`'s blocks of `token_ids` were published for sharing."""
+
+    # Hooks a placement and a selection use to work on any format (`full` and `hybrid` define
+    # them): the per-layer block views of an arena, how many of a sequence's leading blocks
+    # attention reads from pool blocks, which tiers it reads in place, what the prefetcher
+    # stages, a sequence's stored tokens, and compaction of its kept tokens.
+    def _arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer views of a tier's arena, as this format indexes them."""
+        raise NotImplementedError(f"strategy {self.name!r} has no tiered placement")
+
+    def _pool_blocks(self, past: int, new: int) -> int:
+        """Leading blocks of a sequence that attention reads from the pool's arenas."""
+        return -(-(past + new) // self.pool.block_size)
+
+    def _in_place(self, tier: str) -> bool:
+        """Whether attention reads blocks of `tier` in place (else they are staged)."""
+        return tier == "device"
+
+    def _staged(self, layer: int, count: bool) -> list | None:
+        """The prefetcher's staged groups of `layer` per batch sequence (tiered only)."""
+        return None
+
+    def _token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+        """Stored tokens [lo, hi) of `seq_id` as K and V: [L, 2, Hkv, hi - lo, D], model order."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot read tokens back")
+
+    def _compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
+        """Keep, in each (layer, KV head), tokens lo + rel[layer, head] of [lo, n), moved down
+        to [lo, lo + rel.shape[-1]) (the caller truncates the pool's table)."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot compact its tokens")
 
     def prefix_digest(self, limit: int) -> tuple[int, str, list[bytes]] | None:
         pool = self.pool

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from memory.pool import BLOCKS, ArenaSpec, BlockLayout
+from memory.tiers import TierKind
 
 from .base import KVSpec, KVStrategy
 from .kv import DTYPES, StepBatch, attention_runs
@@ -26,6 +27,7 @@ class FullStrategy(KVStrategy):
     """Keys and values stored as they are computed (dtype configurable), paged."""
 
     name = "full"
+    axes = ("fp32", "resident", "all")  # the dtype option: fp32, or the compute dtype
     tolerance = 1e-5
     lossless = True
     options = (
@@ -55,18 +57,60 @@ class FullStrategy(KVStrategy):
     def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
         super().__init__(pool, spec, options)
         arena = pool.arena("kv")
-        num_layers, parts, heads, nb, bs, d = arena.shape
-        # Per layer: [P, heads, all token slots, dim] — a view, so writes land in the arena.
-        self._layers = [arena[i].view(parts, heads, nb * bs, d) for i in range(num_layers)]
+        self._layers = self._arena_layers(arena)
         self._bytes_per_token = spec.elements_per_token * arena.dtype.itemsize
         self.scale = spec.scale
 
     def _prepare(self, batch: StepBatch) -> None:
-        pool = self.pool
+        pool, bs = self.pool, self.pool.block_size
         seqs = list(zip(batch.seq_ids, self._past, batch.query_lens, strict=True))
         self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
-        # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
-        self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
+        if self._groups is None:
+            # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
+            self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
+            return
+        # Tiered: per sequence its pieces in token order, (tier, runs) read in place or
+        # ("staged", index) filled by the prefetcher.
+        self._pieces = []
+        for (_, p, n), groups in zip(seqs, self._groups, strict=True):
+            total = p + n
+            pieces = [g if g[0] == "staged" else (g[0], _runs(g[1], bs)) for g in groups]
+            # The last block may be partly filled: trim the last run of the last piece.
+            kind, runs = pieces[-1]
+            assert kind == TierKind.DEVICE, "the block being written is always on the device"
+            s, e = runs[-1]
+            runs[-1] = (s, e - (-(-total // bs) * bs - total))
+            self._pieces.append(pieces)
+
+    def _kv_pieces(self, layer: int, count: bool = True) -> list[list[torch.Tensor]]:
+        """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views
+        into the arenas (and, tiered, the prefetched staged tensors)."""
+        if self._groups is None:
+            a = self._layers[layer]
+            out = []
+            for runs in self._runs:
+                # a[:, :, start:end]: [P, Hkv, S_r, D] views into the arena, no copy. When
+                # decode growth left a sequence in several runs, the long first run (the
+                # prompt) stays a view and the short tail runs are gathered into one piece:
+                # each piece costs an attention call per layer, a small copy costs less than
+                # several calls.
+                pieces = [a[:, :, s:e] for s, e in runs]
+                if len(pieces) > 2:
+                    pieces = [pieces[0], torch.cat(pieces[1:], dim=2)]
+                out.append(pieces)
+            return out
+        staged = self._staged(layer, count)
+        arenas = {tier: views[layer] for tier, views in self._tier_layers.items()}
+        out = []
+        for i, pieces in enumerate(self._pieces):
+            kv = []
+            for kind, what in pieces:
+                if kind == "staged":
+                    kv.append(staged[i][what])
+                else:
+                    kv.extend(arenas[kind][:, :, s:e] for s, e in what)
+            out.append(kv)
+        return out
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self._layers[layer]
@@ -77,32 +121,52 @@ class FullStrategy(KVStrategy):
             a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        a = self._layers[layer]
-        b = self._batch
         out = self._empty_out(q)
-        for i, runs in enumerate(self._runs):
-            # a[:, :, start:end]: [P, Hkv, S_r, D] views into the arena, no copy. When decode
-            # growth left a sequence in several runs, the long first run (the prompt) stays a
-            # view and the short tail runs are gathered into one piece: each piece costs an
-            # attention call per layer, a small copy costs less than several calls.
-            pieces = [a[:, :, s:e] for s, e in runs]
-            if len(pieces) > 2:
-                pieces = [pieces[0], torch.cat(pieces[1:], dim=2)]
+        for i, pieces in enumerate(self._kv_pieces(layer)):
             pieces = [self._cast(p, q.dtype) for p in pieces]
-            rows = b.rows(i)
+            rows = self._batch.rows(i)
             out[rows] = attention_runs(
                 q[rows], [self._split(p) for p in pieces], self._past[i], self.scale
             )
         return out
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        a = self._layers[layer]
         ks, vs = [], []
-        for runs in self._runs:
-            k, v = self._split(torch.cat([a[:, :, s:e] for s, e in runs], dim=2))
+        for pieces in self._kv_pieces(layer, count=False):
+            k, v = self._split(torch.cat(pieces, dim=2))
             ks.append(k)
             vs.append(v)
         return ks, vs
+
+    # ---- hooks of the tiered placement and the pruned selection ------------------------------
+
+    def _arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        nl, parts, heads, nb, bs, d = arena.shape
+        # Per layer: [P, heads, all token slots, dim] — a view, so writes land in the arena.
+        return [arena[i].view(parts, heads, nb * bs, d) for i in range(nl)]
+
+    def _in_place(self, tier: str) -> bool:
+        # Host blocks are attended in place when the compute device reads host memory.
+        return tier == TierKind.DEVICE or (tier == TierKind.HOST and not self.stage_host)
+
+    @staticmethod
+    def _stage(data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A staged group's "kv" slice as one run of tokens (runs on the prefetcher's thread)."""
+        x = data["kv"]
+        kv, h, nb, bs, d = x.shape
+        return x.reshape(kv, h, nb * bs, d)  # [P, H, nb, bs, D] -> [P, H, nb * bs, D]
+
+    def _token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+        slots = self.pool.slot_ids(seq_id, lo, hi)
+        return torch.stack([a.index_select(2, slots) for a in self._layers])  # [L, P, H, T, D]
+
+    def _compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
+        m = lo + rel.shape[-1]
+        slots = self.pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
+        for layer, a in enumerate(self._layers):  # [P, heads, slots, dim]: kept tokens move down
+            x = a.index_select(2, slots)  # [P, Hkv, n - lo, D]
+            idx = rel[layer][None, :, :, None].expand(x.shape[0], -1, -1, x.shape[-1])
+            a.index_copy_(2, slots[: m - lo], x.gather(2, idx))
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored [P, Hkv, S, D] -> (k [Hkv, S, D], v [Hkv, S, Dv]); a latent cache's v is a
@@ -115,3 +179,14 @@ class FullStrategy(KVStrategy):
 
     def bytes_used(self) -> int:
         return self.pool.total_tokens() * self._bytes_per_token
+
+
+def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:
+    """Block ids as (start_slot, end_slot) runs of consecutive slots."""
+    runs: list[list[int]] = []
+    for b in ids:
+        if runs and runs[-1][1] == b * bs:
+            runs[-1][1] += bs
+        else:
+            runs.append([b * bs, (b + 1) * bs])
+    return [(s, e) for s, e in runs]

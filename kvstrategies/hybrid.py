@@ -21,6 +21,11 @@ channels of the dequantized key. Attention then runs with the keys as values (th
 value fields, the kernel reads value rows from key rows) and keeps the output's first
 `value_dim` channels; the `v_*` options do not apply.
 
+The class is the `packed` format of `kvstrategies.formats`: `hybrid` as configured, `int8` with
+every channel at 8 bits (one class: no calibration needed). Under a tiered placement its packed
+blocks move and are staged as records (`_packed` gathers the ones off the device); under a
+pruned selection `_compact` re-packs the kept tokens.
+
 One pool block holds, per layer and KV head, one byte record with the fields listed in
 `_Record` (the layout the kernel reads). Bytes reported are the records of quantized blocks plus
 the side buffers' fp16 tokens: every nibble, scale, low, fp16 channel and window byte.
@@ -118,6 +123,7 @@ class HybridStrategy(KVStrategy):
     """fp16 important channels + int4 (and optionally int2) packed channels, per pool block."""
 
     name = "hybrid_fp16_int4"
+    axes = ("hybrid", "resident", "all")
     default_for = ("high",)  # a high-bandwidth chip wants a smaller cache (DESIGN.md)
     tolerance = 0.5  # |attend - exact| on the contract tests' N(0, 1) data
     # The contract runs int4 + fp16 channels: with the default half of the key channels at int2,
@@ -261,10 +267,12 @@ class HybridStrategy(KVStrategy):
     def _prepare(self, batch: StepBatch) -> None:
         self._pending.clear()
         self._seqs = []
-        for sid, past in zip(batch.seq_ids, self._past, strict=True):
+        for i, (sid, past) in enumerate(zip(batch.seq_ids, self._past, strict=True)):
             self._dense_buf(sid)
             nb = past // self.T
             ids = self.pool.table(sid).block_ids()[:nb]
+            if self._groups is not None and any(g[0] != "device" for g in self._groups[i]):
+                ids = list(range(nb))  # tiered, not all on the device: records gathered per layer
             # Dense tokens: sinks + the block being filled; with no packed block yet the sinks
             # are simply the first tokens of that block.
             lo = 0 if nb else self.S
@@ -367,10 +375,11 @@ class HybridStrategy(KVStrategy):
         parts["vsc"] = torch.stack([x.reshape(bsz, h, -1) for x in v_sc], -2) if v_sc else empty
         return torch.cat([_bytes(parts[name], bsz, h) for name, _ in r.fields], -1)
 
-    def _records(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V [B, H, T, D] (stored channel order) of blocks `ids`."""
+    def _records(self, recs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [B, H, T, D] (stored channel order) of rows `ids` of one layer's
+        records `recs` [*, H, REC]."""
         r = self.rec
-        raw = self._arena[layer].index_select(0, ids)  # [B, H, REC]
+        raw = recs.index_select(0, ids)  # [B, H, REC]
         bsz, h, _ = raw.shape
         t, (kf, km, kl), (vf, vm, vl) = r.T, r.k, r.v
         f = {}
@@ -420,30 +429,53 @@ class HybridStrategy(KVStrategy):
         q = q.float().contiguous()
         out = self._empty_out(q)  # [N, Hq, Dv]
         attend_seq = self.operators["attention.hybrid"]  # the C kernel, else PyTorch
+        records = self._packed(layer, count=True)
         for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
             rows = b.rows(i)
             dense = self._dense[sid][layer]  # [P, H, S + T, D]
             dk, dv = dense[0, :, seq.lo : seq.hi], dense[-1, :, seq.lo : seq.hi]
             # kp[rows], vp[rows]: [n, H, D], contiguous slices of the step's tokens
-            attend_seq(self, layer, q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows])
-        self._flush(layer)
+            attend_seq(self, layer, records[i], q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows])
+        # NOTE: the step's tokens move into the side buffers at end_step, not here: `read`
+        # (a pruned selection's observers, the transformers adapter) may follow `attend`.
         return out.to(self.spec.dtype)
 
-    def _attend_seq(self, layer, q, seq, dk, dv, ck, cv, out, kernel: bool) -> torch.Tensor:
+    def _packed(self, layer: int, count: bool) -> list[torch.Tensor]:
+        """Per batch sequence, the records [*, H, REC] its `_Seq.ids` index for `layer`: the
+        device arena, or (tiered, some blocks elsewhere) its packed blocks gathered in order
+        from the device arena and the prefetcher's staged groups."""
+        arena = self._arena[layer]
+        if self._groups is None:
+            return [arena] * len(self._seqs)
+        staged = self._staged(layer, count)
+        out = []
+        for i, groups in enumerate(self._groups):
+            if all(kind == "device" for kind, _ in groups):
+                out.append(arena)
+                continue
+            parts = [
+                staged[i][what] if kind == "staged" else arena.index_select(0, _ids(what, arena))
+                for kind, what in groups
+            ]
+            out.append(torch.cat(parts).contiguous())  # [nb, H, REC]
+        return out
+
+    def _attend_seq(self, layer, recs, q, seq, dk, dv, ck, cv, out, kernel: bool):
         """One sequence's attention written into `out` [n, Hq, Dv] (a view of the step's
-        output): stored blocks by the C kernel (`kernel`, few query rows) or PyTorch, merged
-        with the step's own tokens by log-sum-exp."""
+        output): stored blocks (rows `seq.ids` of `recs`, one layer's records) by the C kernel
+        (`kernel`, few query rows) or PyTorch, merged with the step's own tokens by
+        log-sum-exp."""
         h, v_dim = self.spec.num_kv_heads, self.spec.v_dim
         n, g = q.shape[0], q.shape[1] // h
         kernel = kernel and g * n <= _KERNEL_MAX_ROWS
         if kernel and g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT:
-            self._call_kernel(layer, q, seq, dk, dv, ck, cv, out)  # all in one call, in place
+            self._call_kernel(layer, recs, q, seq, dk, dv, ck, cv, out)  # one call, in place
             return out
         qg = self._queries(layer, q)
         if kernel:
-            o, lse = self._call_kernel(layer, q, seq, dk, dv, None, None, None)
+            o, lse = self._call_kernel(layer, recs, q, seq, dk, dv, None, None, None)
         else:
-            o, lse = self._attend_torch(layer, qg, seq.ids, dk, dv, seq.mask0)
+            o, lse = self._attend_torch(recs, qg, seq.ids, dk, dv, seq.mask0)
         # The step's own tokens (causal), merged with the stored part by log-sum-exp.
         o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
         o, _ = merge_partials([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
@@ -460,7 +492,7 @@ class HybridStrategy(KVStrategy):
         qg = torch.gather(qg, 2, self._k_order[layer][:, None, :].expand_as(qg))
         return qg * self.scale
 
-    def _call_kernel(self, layer, q, seq, dk, dv, ck, cv, out_raw):
+    def _call_kernel(self, layer, recs, q, seq, dk, dv, ck, cv, out_raw):
         """The C kernel on one sequence; with `out_raw` it writes the final output there,
         otherwise it returns (out [H, G*n, D] in stored value order, lse [H, G*n])."""
         r = self.rec
@@ -471,7 +503,7 @@ class HybridStrategy(KVStrategy):
             out = torch.empty(h, hq // h * n, d)
             lse = torch.empty(h, hq // h * n)
         self._kernel.hybrid_attend(
-            self._arena[layer].data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.nbytes,
+            recs.data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.nbytes,
             self._offsets.data_ptr(), h, hq // h, n, q.data_ptr(),
             self._k_order[layer].data_ptr(), self._v_order[layer].data_ptr(), self.scale,
             dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d, kernels.ptr(ck),
@@ -480,12 +512,12 @@ class HybridStrategy(KVStrategy):
         )  # fmt: skip
         return out, lse
 
-    def _attend_torch(self, layer, qg, ids, dk, dv, mask0, chunk: int = 32):
+    def _attend_torch(self, recs, qg, ids, dk, dv, mask0, chunk: int = 32):
         """Stored part by PyTorch: `chunk` packed blocks dequantized at a time (never the whole
         cache), each attended with its log-sum-exp, then the dense tokens."""
         parts = []
         for c in range(0, len(ids), chunk):
-            k, v = self._records(layer, ids[c : c + chunk])  # [B, H, T, D]
+            k, v = self._records(recs, ids[c : c + chunk])  # [B, H, T, D]
             bsz, h, t, d = k.shape
             k = k.transpose(0, 1).reshape(h, bsz * t, d)
             v = k if self.spec.latent else v.transpose(0, 1).reshape(h, bsz * t, d)
@@ -498,9 +530,7 @@ class HybridStrategy(KVStrategy):
         return merge_partials(parts)
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        ks, vs = self._reconstruct(layer)
-        self._flush(layer)
-        return ks, vs
+        return self._reconstruct(layer)
 
     def _reconstruct(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What `attend` of this step sees, as K [H, S, D] and V [H, S, Dv] per sequence in
@@ -508,30 +538,44 @@ class HybridStrategy(KVStrategy):
         b = self._batch
         kp, vp = self._pending[layer]
         ks, vs = [], []
+        records = self._packed(layer, count=False)
         for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
-            past, rows = self._past[i], b.rows(i)
-            tail = past - seq.nb * self.T
-            dense = self._dense[sid][layer].float()
-            pieces_k, pieces_v = [], []
-            if seq.nb:
-                k, v = self._records(layer, seq.ids)  # [B, H, T, D]
-                h, d = k.shape[1], k.shape[3]
-                k = k.transpose(0, 1).reshape(h, -1, d).clone()
-                v = v.transpose(0, 1).reshape(h, -1, d).clone()
-                k[:, : self.S], v[:, : self.S] = dense[0, :, : self.S], dense[-1, :, : self.S]
-                pieces_k.append(k)
-                pieces_v.append(v)
-            pieces_k += [dense[0, :, self.S : self.S + tail], kp[rows].transpose(0, 1)]
-            pieces_v += [dense[-1, :, self.S : self.S + tail], vp[rows].transpose(0, 1)]
-            k, v = torch.cat(pieces_k, 1), torch.cat(pieces_v, 1)
-            # Back to the model's channel order.
-            k = torch.gather(k, 2, self._k_inverse[layer][:, None, :].expand_as(k))
+            rows = b.rows(i)
+            k, v = self._stored(layer, records[i], seq.ids, self._dense[sid], self._past[i])
+            k = torch.cat([k, kp[rows].transpose(0, 1)], 1)
+            v = torch.cat([v, vp[rows].transpose(0, 1)], 1)
+            k, v = self._model_order(layer, k, v)
             ks.append(k)
-            if self.spec.latent:
-                vs.append(k[..., : self.spec.v_dim])
-            else:
-                vs.append(torch.gather(v, 2, self._v_inverse[layer][:, None, :].expand_as(v)))
+            vs.append(v[..., : self.spec.v_dim] if self.spec.latent else v)
         return ks, vs
+
+    def _stored(self, layer, recs, ids, dense, n) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's `n` stored tokens of `layer`, K and V [H, n, D] float in stored channel
+        order: its packed blocks (rows `ids` of `recs`) with the fp16 sinks over their first
+        tokens, then the fp16 tail of its side buffer `dense` [L, P, H, S + T, D]."""
+        nb = n // self.T
+        dense = dense[layer].float()
+        pieces_k, pieces_v = [], []
+        if nb:
+            k, v = self._records(recs, ids)  # [B, H, T, D]
+            h, d = k.shape[1], k.shape[3]
+            k = k.transpose(0, 1).reshape(h, -1, d).clone()
+            v = v.transpose(0, 1).reshape(h, -1, d).clone()
+            k[:, : self.S], v[:, : self.S] = dense[0, :, : self.S], dense[-1, :, : self.S]
+            pieces_k.append(k)
+            pieces_v.append(v)
+        tail = n - nb * self.T
+        pieces_k.append(dense[0, :, self.S : self.S + tail])
+        pieces_v.append(dense[-1, :, self.S : self.S + tail])
+        return torch.cat(pieces_k, 1), torch.cat(pieces_v, 1)
+
+    def _model_order(self, layer, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [H, S, D] from stored channel order back to the model's (a latent cache's V:
+        its K)."""
+        k = torch.gather(k, 2, self._k_inverse[layer][:, None, :].expand_as(k))
+        if self.spec.latent:
+            return k, k
+        return k, torch.gather(v, 2, self._v_inverse[layer][:, None, :].expand_as(v))
 
     def end_step(self) -> None:
         for layer in list(self._pending):
@@ -542,14 +586,63 @@ class HybridStrategy(KVStrategy):
         self._pending.clear()
         super().abort_step()
 
+    # ---- hooks of the tiered placement and the pruned selection ------------------------------
+
+    def _arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        return list(arena)  # per layer [NB, H, REC]
+
+    def _pool_blocks(self, past: int, new: int) -> int:
+        return past // self.T  # the packed blocks; newer tokens are in the side buffer
+
+    @staticmethod
+    def _stage(data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return data["kv"]  # [nb, H, REC]: attended as gathered records
+
+    def _seq_tokens(self, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored tokens of `seq_id` between steps, K and V [H, n, D], stored order."""
+        n = self.pool.num_tokens(seq_id)
+        ids = _ids(self.pool.table(seq_id).block_ids()[: n // self.T], self._arena)
+        return self._stored(layer, self._arena[layer], ids, self._dense[seq_id], n)
+
+    def _token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+        kv = []
+        for layer in range(self.spec.num_layers):
+            k, v = self._model_order(layer, *self._seq_tokens(seq_id, layer))
+            kv.append(torch.stack([k[:, lo:hi], v[:, lo:hi]]))
+        return torch.stack(kv)  # [L, 2, H, T, D]
+
+    def _compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
+        """Kept tokens move down, re-packed: blocks from the first one that changes in any
+        (layer, head) are dequantized, gathered and quantized again (earlier blocks keep their
+        bytes); what no longer fills a block goes to the fp16 side buffer."""
+        T, m = self.T, lo + rel.shape[-1]
+        moved = (rel != torch.arange(rel.shape[-1])).flatten(0, 1).any(0).nonzero()
+        first = lo + (int(moved[0]) if len(moved) else rel.shape[-1])  # first changed token
+        f, nb = first // T, m // T  # blocks [f, nb) are written again
+        ids = _ids(self.pool.table(seq_id).block_ids()[f:nb], self._arena)
+        dense = self._dense[seq_id]
+        for layer in range(self.spec.num_layers):
+            k, v = self._seq_tokens(seq_id, layer)  # [H, n, D]
+            idx = rel[layer][..., None].expand(-1, -1, k.shape[-1])
+            k = torch.cat([k[:, :lo], k[:, lo:].gather(1, idx)], 1)  # [H, m, D]
+            v = k if self.spec.latent else torch.cat([v[:, :lo], v[:, lo:].gather(1, idx)], 1)
+            if nb > f:
+                h, d = k.shape[0], k.shape[-1]
+                kb = k[:, f * T : nb * T].reshape(h, nb - f, T, d).transpose(0, 1)
+                vb = v[:, f * T : nb * T].reshape(h, nb - f, T, d).transpose(0, 1)
+                recs = self._quantize(kb, vb, self.S if f == 0 else 0)  # [nb - f, H, REC]
+                self._arena[layer].index_copy_(0, ids, recs)
+            tail = m - nb * T
+            for part, x in zip(dense[layer], (k, v), strict=False):  # a latent cache: keys only
+                part[:, self.S : self.S + tail] = x[:, nb * T : m]
+
     # ---- sequences and accounting ------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:
         self._dense.pop(seq_id, None)
         super().free(seq_id)
 
-    def publish(self, seq_id: int, token_ids: list[int]) -> None:
-        super().publish(seq_id, token_ids)
+    def _published(self, seq_id: int, token_ids: list[int]) -> None:
         if self.S and seq_id in self._dense and len(token_ids) >= self.T:
             # Sequences that attach these blocks need the fp16 sinks that block 0 leaves out.
             key = tuple(token_ids[: self.S])
@@ -558,14 +651,15 @@ class HybridStrategy(KVStrategy):
             while len(self._sink_cache) > 64:
                 self._sink_cache.pop(next(iter(self._sink_cache)))
 
-    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        sinks = self._sink_cache.get(tuple(token_ids[: self.S])) if self.S else None
-        if self.S and sinks is None:
-            return 0  # without the sinks' fp16 KV the shared blocks cannot be attended
-        reused = super().match_prefix(seq_id, token_ids)
-        if reused:
-            self._dense_buf(seq_id)[:, :, :, : self.S] = sinks
-        return reused
+    def _can_attach(self, token_ids: list[int]) -> bool:
+        # Without the sinks' fp16 KV the shared blocks cannot be attended.
+        return not self.S or tuple(token_ids[: self.S]) in self._sink_cache
+
+    def _attached(self, seq_id: int, token_ids: list[int]) -> None:
+        if self.S:
+            self._dense_buf(seq_id)[:, :, :, : self.S] = self._sink_cache[
+                tuple(token_ids[: self.S])
+            ]
 
     def _dense_tokens(self, seq_id: int) -> int:
         n = self.pool.num_tokens(seq_id)
@@ -601,6 +695,11 @@ class HybridStrategy(KVStrategy):
         out["kernel"] = "c" if self._kernel is not None else f"torch ({kernels.KERNEL_ERROR})"
         out["kernels"] = self.operators.report()
         return out
+
+
+def _ids(ids, like: torch.Tensor) -> torch.Tensor:
+    """Block ids as an int64 tensor on `like`'s device."""
+    return torch.tensor(list(ids), dtype=torch.int64, device=like.device)
 
 
 def _classes(counts: tuple[int, int, int]) -> list[tuple[int, int]]:

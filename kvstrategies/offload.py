@@ -1,7 +1,13 @@
-"""The `hierarchical_offload` strategy: K/V by recency on the device, host and SSD tiers.
+"""The `tiered` placement (`TieredPlacement`) and its preset `hierarchical_offload`: blocks by
+recency on the device, host and SSD tiers.
 
-Layout and write path are `full`'s (uncompressed K/V, the model's dtype), so attention is exact
-and the strategy is lossless. What differs is where a sequence's blocks live:
+`TieredPlacement` is a mixin over any format's strategy class (`kvstrategies.composed` puts it
+before `full`'s or `hybrid`'s); the format says which leading blocks attention reads from the
+pool, which tiers it reads in place and what a staged group becomes (`_pool_blocks`,
+`_in_place`, `_stage`), and attends over the groups this placement fixes per step (`_groups`,
+`_staged`). A quantized format's blocks move, are staged and written through as their packed
+records. `hierarchical_offload` is the mixin over `full` (uncompressed K/V, the model's dtype):
+attention is exact and the strategy lossless. Where a sequence's blocks live:
 
     oldest ................................................................ newest
     [ SSD tier (LMDB, one value per block and layer) | host tier | device tier ]
@@ -39,8 +45,6 @@ import math
 import time
 from typing import Any
 
-import torch
-
 from memory.prefix import chain_hashes
 from memory.remote import RemoteTier, RemoteWriteThrough
 from memory.services import Prefetcher, WriteThrough
@@ -48,7 +52,7 @@ from memory.tiers import StoreTier, TierKind
 
 from .base import KVSpec
 from .full import FullStrategy
-from .kv import StepBatch, attention_runs
+from .kv import StepBatch
 from .options import Option
 from .registry import register
 
@@ -57,16 +61,15 @@ log = logging.getLogger(__name__)
 _HOST_ACCESS = ("auto", "stage")
 
 
-@register
-class HierarchicalOffloadStrategy(FullStrategy):
-    """Uncompressed K/V whose blocks move device -> host -> SSD as they age; exact attention."""
+class TieredPlacement:
+    """The `tiered` placement: a format's blocks move device -> host -> SSD as they age.
 
-    name = "hierarchical_offload"
-    tolerance = 1e-5
-    lossless = True
-    default_for = ("medium",)  # a medium-bandwidth chip spills to host and SSD (DESIGN.md)
+    A mixin before a format's strategy class (`full`'s, `hybrid`'s): it places blocks, stages
+    those attention cannot read in place (the format's `_in_place`, `_stage`) and writes
+    prefixes through; the format attends over what `_groups` and `_staged` say.
+    """
+
     options = (
-        *FullStrategy.options,
         Option("device_window", int, 1024, "newest tokens kept on the device tier", low=1,
                allowed_text=">= 1 (the block being written is always on the device)"),
         Option("host_window", int, 2048, "the next newest tokens, kept in host memory (older "
@@ -84,9 +87,6 @@ class HierarchicalOffloadStrategy(FullStrategy):
         Option("io_threads", int, 2, "threads reading the SSD tier (each runs one layer's "
                "fetch)", low=1),
     )  # fmt: skip
-    # Options that change what a block holds; the others (windows, prefetch) only move blocks,
-    # so prefixes persisted under one setting are found under another.
-    content_options = ("dtype",)
     # 64-token blocks: one SSD value per block and layer is then 96 KiB for SmolLM2 (fp32),
     # large enough that disk reads run near the device's bandwidth (16-token values of 24 KiB
     # spend most of a read on per-value overhead: measured 0.53 GB/s cold vs ... at 64).
@@ -118,16 +118,19 @@ class HierarchicalOffloadStrategy(FullStrategy):
                 f"strategy {self.name!r}: the SSD tier must store one value per layer "
                 f"(slices = {spec.num_layers}), got slices = {self.ssd.slices}"
             )
-        # Host blocks are attended in place when the compute device reads host memory.
+        # Host blocks are attended in place when the compute device reads host memory (and
+        # the format reads other arenas than the device's: `_in_place`).
         self.stage_host = o["host_access"] == "stage" or pool.device.type != "cpu"
-        if self.host is not None:
-            arena = pool.arena("kv", TierKind.HOST)
-            nl, kv, heads, nb, bs_, d = arena.shape
-            self._host_layers = [arena[i].view(kv, heads, nb * bs_, d) for i in range(nl)]
+        self._tier_layers = {
+            tier: self._arena_layers(pool.arena("kv", tier))
+            for tier in (TierKind.DEVICE, TierKind.HOST)
+            if tier in pool.tiers and self._in_place(tier)
+        }
         depth = o["prefetch_depth"] or 1
         self.prefetcher = Prefetcher(
-            pool.tiers, spec.num_layers, depth, o["io_threads"], device=pool.device, stage=_tokens
-        )
+            pool.tiers, spec.num_layers, depth, o["io_threads"], device=pool.device,
+            stage=self._stage,
+        )  # fmt: skip
         self.writer = WriteThrough(self.ssd) if self.ssd is not None else None
         # The remote tier is shared through the SSD tier: hits are promoted into it.
         remote = pool.tiers.get(TierKind.REMOTE)
@@ -158,67 +161,28 @@ class HierarchicalOffloadStrategy(FullStrategy):
         super().begin_step(batch)
 
     def _prepare(self, batch: StepBatch) -> None:
-        pool, bs = self.pool, self.pool.block_size
-        seqs = list(zip(batch.seq_ids, self._past, batch.query_lens, strict=True))
-        self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
-        # Per sequence: its pieces in token order, ("device"|"host", runs) read in place or
-        # ("staged", index) filled by the prefetcher; the plan lists what is to be staged.
-        self._pieces, plan = [], []
-        for sid, p, n in seqs:
-            total = p + n
-            refs = pool.table(sid).refs[: -(-total // bs)]
-            pieces, staged = [], []
+        pool = self.pool
+        # Per sequence: the blocks attention reads from the pool (the format's count), grouped
+        # by tier in token order: (tier, ids) read in place or ("staged", index) filled by the
+        # prefetcher; the plan lists what is to be staged.
+        self._groups, plan = [], []
+        for sid, p, n in zip(batch.seq_ids, self._past, batch.query_lens, strict=True):
+            refs = pool.table(sid).refs[: self._pool_blocks(p, n)]
+            groups, staged = [], []
             for tier, ids in _segments(refs):
-                if tier == TierKind.DEVICE or (tier == TierKind.HOST and not self.stage_host):
-                    pieces.append((tier, _runs(ids, bs)))
+                if self._in_place(tier):
+                    groups.append((tier, ids))
                 else:
-                    pieces.append(("staged", len(staged)))
+                    groups.append(("staged", len(staged)))
                     staged.append((tier, tuple(ids)))
-            # The last block may be partly filled: trim the last run of the last piece.
-            kind, runs = pieces[-1]
-            assert kind == TierKind.DEVICE, "the block being written is always on the device"
-            s, e = runs[-1]
-            runs[-1] = (s, e - (-(-total // bs) * bs - total))
-            self._pieces.append(pieces)
+            self._groups.append(groups)
             plan.append((sid, tuple(staged)))
         self._plan = tuple(plan) if any(staged for _, staged in plan) else None
         self.prefetcher.start_step(self._plan)
+        super()._prepare(batch)
 
-    def _sequence_kv(self, layer: int, count: bool) -> list[list[torch.Tensor]]:
-        """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views of
-        the device (and, in place, host) arena runs, and the prefetched staged tensors."""
-        staged = self.prefetcher.get(layer, count) if self._plan is not None else None
-        arenas = {TierKind.DEVICE: self._layers[layer]}
-        if self.host is not None:
-            arenas[TierKind.HOST] = self._host_layers[layer]
-        out = []
-        for i, pieces in enumerate(self._pieces):
-            kv = []
-            for kind, what in pieces:
-                if kind == "staged":
-                    kv.append(staged[i][what])
-                else:
-                    kv.extend(arenas[kind][:, :, s:e] for s, e in what)
-            out.append(kv)
-        return out
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = self._empty_out(q)
-        for i, kv in enumerate(self._sequence_kv(layer, count=True)):
-            kv = [self._cast(x, q.dtype) for x in kv]
-            rows = self._batch.rows(i)
-            out[rows] = attention_runs(
-                q[rows], [self._split(x) for x in kv], self._past[i], self.scale
-            )
-        return out
-
-    def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        ks, vs = [], []
-        for kv in self._sequence_kv(layer, count=False):
-            k, v = self._split(torch.cat(kv, dim=2))
-            ks.append(k)
-            vs.append(v)
-        return ks, vs
+    def _staged(self, layer: int, count: bool) -> list | None:
+        return self.prefetcher.get(layer, count) if self._plan is not None else None
 
     def end_step(self) -> None:
         b = self._batch
@@ -284,6 +248,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
     # ---- prefix sharing, in memory and on disk -----------------------------------------------
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        if not self._can_attach(token_ids):
+            return 0
         pool = self.pool
         ids = token_ids[:-1]  # at least one token is computed, for the next token's logits
         refs = pool.match_prefix(ids)
@@ -304,6 +270,8 @@ class HierarchicalOffloadStrategy(FullStrategy):
             n = pool.attach_stored(seq_id, stored)
             self.disk_hits["requests"] += 1
             self.disk_hits["blocks"] += len(stored)
+        if n:
+            self._attached(seq_id, token_ids)
         return n
 
     def _remote_hits(self, ids: list[int], start: int) -> list[bytes]:
@@ -330,6 +298,7 @@ class HierarchicalOffloadStrategy(FullStrategy):
             return
         before = len(self.pool.content_hashes(seq_id))
         self.pool.publish(seq_id, token_ids)
+        self._published(seq_id, token_ids)
         persist = self.writer is not None and self.opts["persist_prefix"]
         if persist and seq_id in self._pending_persist:
             # Blocks [before, published) go through to the SSD tier, by content.
@@ -405,13 +374,6 @@ def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-def _tokens(data: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A staged group's "kv" slice as one run of tokens (runs on the prefetcher's thread)."""
-    x = data["kv"]
-    kv, h, nb, bs, d = x.shape
-    return x.reshape(kv, h, nb * bs, d)  # [P, H, nb, bs, D] -> [P, H, nb * bs, D]
-
-
 def _segments(refs) -> list[tuple[str, list[int]]]:
     """Consecutive refs of one tier grouped: [(tier, [block ids])] in table order."""
     out: list[tuple[str, list[int]]] = []
@@ -423,12 +385,16 @@ def _segments(refs) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:
-    """Block ids as (start_slot, end_slot) runs of consecutive slots."""
-    runs: list[list[int]] = []
-    for b in ids:
-        if runs and runs[-1][1] == b * bs:
-            runs[-1][1] += bs
-        else:
-            runs.append([b * bs, (b + 1) * bs])
-    return [(s, e) for s, e in runs]
+@register
+class HierarchicalOffloadStrategy(TieredPlacement, FullStrategy):
+    """Uncompressed K/V whose blocks move device -> host -> SSD as they age; exact attention."""
+
+    name = "hierarchical_offload"
+    axes = ("fp32", "tiered", "all")
+    tolerance = 1e-5
+    lossless = True
+    default_for = ("medium",)  # a medium-bandwidth chip spills to host and SSD (DESIGN.md)
+    options = (*FullStrategy.options, *TieredPlacement.options)
+    # Options that change what a block holds; the others (windows, prefetch) only move blocks,
+    # so prefixes persisted under one setting are found under another.
+    content_options = ("dtype",)

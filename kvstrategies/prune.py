@@ -1,6 +1,8 @@
 """Token pruning: evict the tokens a scorer ranks lowest, and compact the cache (issue 6).
 
-The `learned_prune` strategy: the eviction and compaction machinery over `full`'s layout, the
+The `pruned` selection (`PrunedSelection`, a mixin over any format's strategy class: the format
+reads tokens back for the head, `_token_kv`, and compacts its blocks, `_compact`) and its preset
+`learned_prune`: the eviction and compaction machinery over `full`'s layout, the
 learned head's scorer (`prune_head.py`; trained by `unikv tune --kv_optimization=learned_prune`)
 and the in-house baseline scorers it is measured against under the same interface, at the same
 kept ratio.
@@ -64,17 +66,13 @@ def _check_head_file(strategy: str, head: Any) -> None:
         )
 
 
-@register
-class PruneStrategy(FullStrategy):
-    """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
+class PrunedSelection:
+    """The `pruned` selection: a scorer ranks tokens, the lowest lose their KV, the cache is
+    compacted. A mixin before a format's strategy class: the format reads tokens back for the
+    head (`_token_kv`) and compacts its blocks (`_compact`)."""
 
-    name = "learned_prune"
-    tolerance = 1e-5  # over the kept tokens (see `read`)
-    lossless = False
     evicts = True
-    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache (DESIGN.md)
     options = (
-        *FullStrategy.options,
         Option("scorer", str, "head", "what ranks tokens: the learned head, or a baseline",
                choices=SCORERS),
         Option("kept_ratio", float, 0.5, "share of the tokens seen that keep their KV",
@@ -110,7 +108,7 @@ class PruneStrategy(FullStrategy):
         self.head = None
         self._scored: dict[int, int] = {}  # per sequence: stored tokens the head has scored
         if self.scorer == "head":
-            self.head = self._load_head(o["head"], spec)
+            self.head = type(self)._load_head(o["head"], spec)
             if self.head is None:
                 self.scorer = "surprisal"
         self.evicted = 0  # tokens evicted, and tokens fed, since the strategy was built
@@ -120,10 +118,10 @@ class PruneStrategy(FullStrategy):
             self.scorer == "head" and o["surprisal_weight"] > 0
         )
         self._last_lp: dict[int, torch.Tensor] = {}  # each sequence's last next-token log-probs
-        self._pending: list[int] = []  # sequences whose eviction waits for log-probabilities
+        self._awaiting_lp: list[int] = []  # sequences whose eviction waits for log-probabilities
 
-    @staticmethod
-    def _load_head(head, spec):
+    @classmethod
+    def _load_head(cls, head, spec):
         """The given head (an error if it does not fit the model), or the shipped one; None when
         no head was given and the shipped one is for another model (a latent cache's always is):
         then the surprisal rule ranks, with a warning."""
@@ -131,7 +129,7 @@ class PruneStrategy(FullStrategy):
 
         if spec.latent and head is not None:
             raise ValueError(
-                "strategy 'learned_prune': option head: a pruning head reads each token's key "
+                f"strategy {cls.name!r}: option head: a pruning head reads each token's key "
                 "and value, a latent (MLA) cache stores one latent vector; leave head unset "
                 "(surprisal ranks) or choose another scorer"
             )
@@ -216,8 +214,7 @@ class PruneStrategy(FullStrategy):
         n, done = self.pool.num_tokens(seq_id), self._scored.get(seq_id, 0)
         if n == done:
             return
-        slots = self.pool.slot_ids(seq_id, done, n)
-        kv = torch.stack([a.index_select(2, slots) for a in self._layers])  # [L, 2, H, T, D]
+        kv = self._token_kv(seq_id, done, n)  # [L, 2, H, T, D]
         kv = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).float()  # [L, H, T, 2D]
         layers = torch.arange(kv.shape[0]).view(-1, 1, 1).expand(kv.shape[:-1])
         with torch.no_grad():
@@ -231,7 +228,7 @@ class PruneStrategy(FullStrategy):
             self.seen_total += n
         super().end_step()
         if self.wants_token_logprobs:  # after the scores arrive (observe_logprobs) ...
-            self._pending = list(b.seq_ids)  # ... or, from a caller that has none, next step
+            self._awaiting_lp = list(b.seq_ids)  # ... or, from a caller that has none, next step
         else:
             for sid in b.seq_ids:
                 self._evict(sid)
@@ -254,7 +251,7 @@ class PruneStrategy(FullStrategy):
                 self._scores[sid][..., -n:] += self.opts["surprisal_weight"] * nll
             self._last_lp[sid] = lp[-1].clone()  # not a view: the step's rows can go
             self._evict(sid)
-        self._pending = []
+        self._awaiting_lp = []
 
     # ---- eviction and compaction -------------------------------------------------------------
 
@@ -292,12 +289,7 @@ class PruneStrategy(FullStrategy):
         order = torch.arange(n).expand_as(keep)
         kept = torch.where(keep, order, order + n).sort(-1).values[..., :m]
         kept = kept.expand(*scores.shape[:2], m)  # [L, Hkv, m]
-        slots = pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
-        rel = kept[..., lo:] - lo
-        for layer, a in enumerate(self._layers):  # [P, heads, slots, dim]: kept tokens move down
-            x = a.index_select(2, slots)  # [P, Hkv, n - lo, D]
-            idx = rel[layer][None, :, :, None].expand(x.shape[0], -1, -1, x.shape[-1])
-            a.index_copy_(2, slots[: m - lo], x.gather(2, idx))
+        self._compact(seq_id, lo, n, kept[..., lo:] - lo)  # the sinks stay where they are
         pool.truncate(seq_id, m)
         self._scores[seq_id] = scores.gather(-1, kept)
         self._pos[seq_id] = pos.gather(-1, kept)
@@ -307,10 +299,10 @@ class PruneStrategy(FullStrategy):
     # ---- hooks -------------------------------------------------------------------------------
 
     def begin_step(self, batch: StepBatch) -> None:
-        for sid in self._pending:  # no log-probabilities came (a caller without a model head)
+        for sid in self._awaiting_lp:  # no log-probabilities came (a caller without a model head)
             if sid in self._seen:
                 self._evict(sid)
-        self._pending = []
+        self._awaiting_lp = []
         self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
         super().begin_step(batch)
 
@@ -336,3 +328,15 @@ class PruneStrategy(FullStrategy):
             "tokens_seen": self.seen_total,
             "kept_ratio": self.pool.total_tokens() / seen if seen else 1.0,  # live sequences
         }
+
+
+@register
+class PruneStrategy(PrunedSelection, FullStrategy):
+    """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
+
+    name = "learned_prune"
+    axes = ("fp32", "resident", "pruned")
+    tolerance = 1e-5  # over the kept tokens (see `read`)
+    lossless = False
+    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache (DESIGN.md)
+    options = (*FullStrategy.options, *PrunedSelection.options)

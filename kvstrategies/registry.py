@@ -30,7 +30,55 @@ _strategies: Registry[KVStrategy] = Registry(
 )
 register = _strategies.register
 available = _strategies.available
-get = _strategies.get
+
+
+def get(name: str) -> type[KVStrategy]:
+    """The strategy class called `name`: a preset, or a composed FORMAT+PLACEMENT+SELECTION
+    (`kvstrategies.composed`); a ValueError lists the presets and the axes."""
+    from . import composed
+
+    if composed.SEP in name:
+        return composed.get(name)
+    try:
+        return _strategies.get(name)
+    except ValueError as e:
+        raise ValueError(f"{e}; or {_AXES_TEXT}") from None
+
+
+_AXES_TEXT = "FORMAT+PLACEMENT+SELECTION (e.g. hybrid+tiered+all)"
+
+
+def preset_for(axes: tuple[str, str, str], names: Iterable[str] | None = None) -> str | None:
+    """The preset that is exactly this combination, if one is (among `names`)."""
+    for name in available() if names is None else names:
+        if name in available() and get(name).axes == tuple(axes):
+            return name
+    return None
+
+
+def resolve_axes(
+    name: str, bandwidth_class: str, precision: str | None
+) -> tuple[tuple[str, str, str], str]:
+    """A composed name's "auto" axes ("auto": all three) filled from the chip: the format by
+    `precision` (the profile's kv_precision; None: the class default's format), placement and
+    selection as the class default preset's. Returns the axes and what was picked, in words."""
+    from . import composed, formats
+
+    axes = composed.parse(name) or ("auto", "auto", "auto")
+    default = get(class_defaults()[bandwidth_class]).axes
+    full, picked, by_class = [], [], []
+    for i, axis in enumerate(axes):
+        if axis != "auto":
+            full.append(axis)
+        elif i == 0 and precision is not None:
+            full.append(formats.for_precision(precision))
+            picked.append(f"format {full[-1]} (kv_precision {precision})")
+        else:
+            full.append(default[i])
+            by_class.append(f"{composed.AXES[i]} {full[-1]}")
+    if by_class:
+        picked.append(f"{', '.join(by_class)} ({bandwidth_class} class)")
+    return (full[0], full[1], full[2]), "; ".join(picked)
 
 
 # What "auto" runs when the strategy that declares itself a class's default is not available.
@@ -58,16 +106,24 @@ def class_defaults() -> dict[str, str]:
 
 
 def select(
-    bandwidth_class: str, config: PoolConfig, names: Iterable[str] | None = None
+    bandwidth_class: str,
+    config: PoolConfig,
+    names: Iterable[str] | None = None,
+    precision: str | None = None,
 ) -> tuple[str, str]:
     """The strategy for a chip class under a config, and why: the configured one, else the
     class default, else `FALLBACK`. `names` narrows the registered strategies to those
-    available (default: all).
+    available (default: all). With the chip's `precision` (its profile's kv_precision),
+    "auto" is composed: the format it picks x the class default's placement and selection
+    (the preset of that combination where one is); a composed name's "auto" axes likewise.
 
-    Raises ValueError for an unknown class, a configured strategy that is not available, or
-    "auto" when neither the class default nor the fallback is available.
+    Raises ValueError for an unknown class, a configured strategy that is not available or a
+    refused combination, or "auto" when neither the class default nor the fallback is
+    available.
     """
     from memory.profiles import CLASSES
+
+    from . import composed
 
     if bandwidth_class not in CLASSES:
         raise ValueError(
@@ -76,6 +132,21 @@ def select(
     names = sorted(set(available() if names is None else names))
     listed = ", ".join(names) or "none"
     configured = config.strategy
+    if composed.SEP in configured or (configured == "auto" and precision is not None):
+        axes, why = resolve_axes(configured, bandwidth_class, precision)
+        preset = preset_for(axes)
+        if preset is None or preset in names:
+            composed.compose(*axes)  # a refused combination says why
+            name = preset or composed.name_of(axes)
+            if configured == "auto":
+                shown = f" = {composed.name_of(axes)}" if preset else ""
+                return name, f"auto: {why}{shown}"
+            return name, f"configured strategy {configured!r}" + (f" ({why})" if why else "")
+        if configured != "auto":
+            raise ValueError(
+                f"strategy {preset!r} ({configured}) is not available; available: {listed}"
+            )
+        # "auto" whose preset is not available: the class default or the fallback, below
     if configured != "auto":
         if configured not in names:
             raise ValueError(
@@ -177,6 +248,8 @@ def plan(
     name, reason, profile, cls_name, gbps = choose(cfg, strategy, chip)
     # Options in the file belong to the strategy the file names (or to whichever "auto" picks).
     from_file = cfg.strategy_options if cfg.strategy in (name, "auto") else {}
+    if "+" in cfg.strategy:  # a composed name with "auto" axes: its options are the file's
+        from_file = cfg.strategy_options
     try:
         get(name).check_options(from_file)
     except ValueError as e:
@@ -212,7 +285,8 @@ def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None
     profile = load_profile(chip or cfg.chip)
     gbps, _ = resolve_bandwidth(profile)
     cls_name = profile.pinned_class or bandwidth_class(gbps)
-    name, reason = select(cls_name, _with_strategy(cfg, strategy))
+    precision = profile.tuned.kv_precision
+    name, reason = select(cls_name, _with_strategy(cfg, strategy), precision=precision)
     return name, reason, profile, cls_name, gbps
 
 

@@ -9,7 +9,9 @@ File format (TOML, see configs/unikv.toml)::
 
     block_size = 16            # tokens per block, 1..1024 (default: the strategy's own)
     chip = "cpu"               # a profile name under configs/profiles/
-    strategy = "auto"          # "auto" (by bandwidth class) or a strategy name
+    strategy = "auto"          # "auto" (by the chip), a preset name, or FORMAT+PLACEMENT+SELECTION
+                               # (or a [strategy] table: format, placement, selection; a
+                               # missing axis is "auto")
     [strategy_options]         # free-form, passed to the strategy, which validates it
     [tiers.device]             # required
     capacity = "25%"           # bytes (int), "512MiB" / "2GB", or a percentage of host RAM
@@ -179,8 +181,27 @@ def _name(value: object, what: str) -> str:
     return value
 
 
+# The three axes of a composed strategy, as a `[strategy]` table writes them (kvstrategies
+# checks the names: this module only knows their shape).
+STRATEGY_AXES = ("format", "placement", "selection")
+
+
 def _strategy(value: object) -> str:
-    return _name(value, '"auto" or a strategy name')
+    """A strategy name, or a composed FORMAT+PLACEMENT+SELECTION (axes may be "auto"); a
+    `[strategy]` table of the axes becomes the latter (a missing axis: "auto")."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(STRATEGY_AXES))
+        if unknown:
+            raise _Invalid(f"unknown key(s) {', '.join(unknown)}; allowed: "
+                           f"{', '.join(STRATEGY_AXES)}")  # fmt: skip
+        parts = [_name(value.get(a, "auto"), f"a {a} name") for a in STRATEGY_AXES]
+        return "+".join(parts)
+    if isinstance(value, str) and value.count("+") == 2:
+        for part in value.split("+"):
+            _name(part, 'FORMAT+PLACEMENT+SELECTION, each "auto" or a name')
+        return value
+    return _name(value, '"auto", a strategy name or a [strategy] table of format, placement, '
+                 "selection")  # fmt: skip
 
 
 def _watermark(value: object) -> float:

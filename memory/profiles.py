@@ -434,15 +434,18 @@ def resolve_bandwidth(profile: ChipProfile) -> tuple[float, str]:
 def profile_report(
     chip: str | None = None,
     config_path: str | os.PathLike[str] | None = None,
-    select: Callable[[str, PoolConfig], tuple[str, str]] | None = None,
+    select: Callable[..., tuple[str, str]] | None = None,
     *,
     env: Mapping[str, str] | None = None,
+    axes_of: Callable[[str], tuple[str, str, str]] | None = None,
 ) -> dict[str, Any]:
     """Everything `unikv profile` shows, as a JSON-serializable dict.
 
     `chip` overrides the config's chip; without `config_path` the defaults (plus UNIKV_
-    environment overrides) are used. `select(bandwidth class, config)` gives the strategy and
-    why (`kvstrategies.select`); without it the report names none.
+    environment overrides) are used. `select(bandwidth class, config, precision=...)` gives
+    the strategy and why (`kvstrategies.select`); without it the report names none.
+    `axes_of(strategy)` gives its (format, placement, selection) (`kvstrategies.get(name).axes`)
+    for the report's `parameters`: what each profile parameter sets in the running system.
     """
     config = load_config(config_path, env=env)
     profile = load_profile(chip if chip is not None else config.chip)
@@ -457,9 +460,12 @@ def profile_report(
         class_source = (
             f"pinned by the profile (DESIGN.md field table); {gbps:g} GB/s alone would be {derived}"
         )
-    strategy, reason = select(cls, config) if select is not None else (None, "")
-    topk, topk_block, topk_reason = choose_topk(profile, config)
     t = profile.tuned
+    strategy, reason = (None, "")
+    if select is not None:
+        strategy, reason = select(cls, config, precision=t.kv_precision)
+    axes = axes_of(strategy) if axes_of is not None and strategy is not None else None
+    topk, topk_block, topk_reason = choose_topk(profile, config)
     return {
         "chip": profile.name,
         "display_name": profile.display_name,
@@ -489,7 +495,58 @@ def profile_report(
         "sensor": None
         if profile.sensor is None
         else {"command": list(profile.sensor.command), "pattern": profile.sensor.pattern},
+        "axes": None
+        if axes is None
+        else dict(zip(("format", "placement", "selection"), axes, strict=True)),
+        "parameters": parameter_effects(profile, config, cls, axes),
     }
+
+
+def parameter_effects(
+    profile: ChipProfile, config: PoolConfig, cls: str, axes: tuple[str, str, str] | None
+) -> dict[str, str]:
+    """Per profile parameter, what it sets in the running system (or what overrides it):
+    kv_precision the format, the bandwidth class placement and selection, l2_prefetch_depth
+    the tiered prefetcher, batch_size and batching_window_ms the scheduler, thermal_throttle_c
+    the replicas' cooling rule. `axes`: the strategy's (format, placement, selection)."""
+    t, auto = profile.tuned, config.strategy == "auto"
+    sched, thermal = config.scheduler, config.thermal
+    out: dict[str, str] = {}
+    if axes is None:
+        out["kv_precision"] = f"{t.kv_precision}: the KV format of an auto strategy"
+        out["bandwidth_class"] = f"{cls}: placement and selection of an auto strategy"
+    else:
+        fmt, place, sel = axes
+        how = "picks" if auto or "auto" in config.strategy.split("+")[:1] else "would pick"
+        out["kv_precision"] = f"{t.kv_precision}: {how} format {fmt}" + (
+            "" if how == "picks" else f" (the configured strategy {config.strategy!r} sets it)"
+        )
+        out["bandwidth_class"] = f"{cls}: placement {place}, selection {sel}" + (
+            "" if auto else f" (unless the configured strategy {config.strategy!r} sets them)"
+        )
+    depth = max(1, t.l2_prefetch_depth)
+    tiered = axes is not None and axes[1] == "tiered"
+    out["l2_prefetch_depth"] = (
+        f"{t.l2_prefetch_depth}: the tiered prefetcher reads {depth} "
+        "layers ahead (strategy option prefetch_depth unset)"
+        + ("" if tiered or axes is None else "; unused: resident")
+    )
+    batch = f"config [scheduler] batch_size = {sched.batch_size}" if sched.batch_size else None
+    out["batch_size"] = f"{t.batch_size}: " + (
+        f"overridden by {batch}" if batch else "the scheduler's batch limit"
+    )
+    window = sched.batching_window_ms
+    out["batching_window_ms"] = f"{t.batching_window_ms:g}: " + (
+        f"overridden by config [scheduler] batching_window_ms = {window:g}"
+        if window is not None
+        else "the scheduler's admission window"
+    )
+    out["thermal_throttle_c"] = (
+        f"{t.thermal_throttle_c:g}: the replicas' cooling rule enters at "
+        f"{t.thermal_throttle_c - thermal.margin_c:g} °C for {thermal.readings} readings, "
+        f"leaves below {t.thermal_throttle_c - thermal.hysteresis_c:g} °C"
+    )
+    return out
 
 
 def _human_bytes(n: int) -> str:
@@ -527,6 +584,11 @@ def format_report(report: Mapping[str, Any]) -> str:
             if report["strategy"] is not None
             else []
         ),
+        *(
+            [("composed", " x ".join(f"{k} {v}" for k, v in report["axes"].items()))]
+            if report.get("axes")
+            else []
+        ),
         ("config", str(report["config"])),
         ("block size", f"{report['block_size']} tokens"),
         ("batch size", f"{report['batch_size']} ({tuned})"),
@@ -543,6 +605,10 @@ def format_report(report: Mapping[str, Any]) -> str:
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if report.get("parameters"):
+        lines.append("profile parameters (what each sets)")
+        pw = max(len(k) for k in report["parameters"])
+        lines.extend(f"  {k:<{pw}}  {v}" for k, v in report["parameters"].items())
     lines.append("tiers")
     lines.append(f"  {'name':<8}{'capacity':>12}  path")
     for tier in report["tiers"]:

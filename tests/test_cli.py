@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import kvstrategies
 from engine.cli import main
 
 from .conftest import make_english
@@ -169,11 +170,12 @@ def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, c
     assert result["tokens"] == 320 and result["kept_ratio"] == 1.0
     assert result["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
     assert result["kv_bytes"] == ref.kv_bytes
-    # auto on a CPU is learned_prune: half the tokens kept; its flags reach it.
+    # auto on a CPU is hybrid+resident+pruned (the cpu profile's fp16+int4, the low class's
+    # pruning): half the tokens kept, packed; its flags reach it.
     base = ["eval", "ppl", "--text", str(text_file), "--tokens", "320", "--prefill", "64"]
     assert main([*base, "--json"]) == 0
     auto = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert auto["strategy"] == "learned_prune" and 0.45 <= auto["kept_ratio"] <= 0.55
+    assert auto["strategy"] == "hybrid+resident+pruned" and 0.45 <= auto["kept_ratio"] <= 0.55
     assert auto["kv_bytes"] < 0.56 * result["kv_bytes"]
     assert main([*base, "--kept-ratio", "0.75", "--scorer", "streaming", "--json"]) == 0
     assert 0.7 <= json.loads(capsys.readouterr().out.splitlines()[-1])["kept_ratio"] <= 0.8
@@ -189,7 +191,9 @@ def test_run_streams_and_reports(capfd):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout
-    assert "attention kernel: PyTorch (this strategy has no C kernel)" in proc.stdout
+    # auto on a CPU: hybrid+resident+pruned, attended on the packed blocks by the C kernel
+    assert "[strategy: hybrid+resident+pruned" in proc.stdout
+    assert "attention kernel: C (" in proc.stdout
 
 
 @pytest.mark.slow
@@ -263,12 +267,10 @@ def test_profile_json(chip, cls, capsys):
     report = json.loads(captured.out)  # stdout is exactly one JSON document
     assert report["chip"] == chip and report["class"] == cls
     assert report["bandwidth_gbps"] > 0 and report["tiers"][0]["name"] == "device"
-    assert report["strategy"] in (
-        "full",
-        "hybrid_fp16_int4",
-        "hierarchical_offload",
-        "learned_prune",
-    )
+    axes = {"high": ("resident", "all"), "medium": ("tiered", "all"), "low": ("resident", "pruned")}
+    assert tuple(report["axes"].values())[1:] == axes[cls]  # composed by the profile
+    assert kvstrategies.get(report["strategy"]).axes == tuple(report["axes"].values())
+    assert set(report["parameters"]) >= {"kv_precision", "l2_prefetch_depth", "batch_size"}
     # The readable table goes to stderr, with the attention kernel's state.
     assert any(line.startswith("chip") for line in captured.err.splitlines())
     assert report["attention_kernel"].startswith(("C (", "PyTorch fallback ("))

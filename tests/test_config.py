@@ -23,7 +23,15 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
 
 @pytest.mark.parametrize(
     "name",
-    ["unikv.toml", "offload.toml", "small.toml", "hybrid.toml", "hybrid_tight.toml", "prune.toml"],
+    [
+        "unikv.toml",
+        "offload.toml",
+        "small.toml",
+        "hybrid.toml",
+        "hybrid_tight.toml",
+        "prune.toml",
+        "composed.toml",
+    ],  # fmt: skip
 )
 def test_shipped_configs_load(name: str) -> None:
     import kvstrategies
@@ -89,7 +97,10 @@ def test_capacity_error_message_names_file_key_value_and_allowed(tmp_path: Path)
         ("block_size = 2048", "block_size = 2048: expected an integer from 1 to 1024"),
         ('block_size = "16"', 'block_size = "16": expected an integer'),
         ("block_size = true", "block_size = true: expected an integer"),
-        ('strategy = "Full-KV"', 'strategy = "Full-KV": expected "auto" or a strategy name'),
+        (
+            'strategy = "Full-KV"',
+            'strategy = "Full-KV": expected "auto", a strategy name or a [strategy] table',
+        ),
         ('chip = "tpu9"', 'chip = "tpu9": expected one of ascend910b, br100, cpu, cuda'),
         ("strategy_options = 3", "strategy_options = 3: expected a table"),
         (

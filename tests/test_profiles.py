@@ -123,7 +123,7 @@ def choose_strategy(cls: str, strategy: str, names: set[str]) -> tuple[str, str]
 
 def only(names: set[str]):
     """`kvstrategies.select` as if only `names` were available (profile_report's `select`)."""
-    return lambda cls, config: kvstrategies.select(cls, config, names)
+    return lambda cls, config, precision=None: kvstrategies.select(cls, config, names, precision)
 
 
 def test_choose_strategy() -> None:

@@ -1,0 +1,296 @@
+"""Strategies composed of format x placement x selection: names, refusals, the config table and
+flags that write them, the combinations the single-axis strategies could not express (hybrid
+blocks tiered to host and SSD, a pruned hybrid cache), and every chip-profile parameter acting
+on what it claims to (the format, placement and selection, the prefetcher, the scheduler, the
+cooling rule). Small specs, no model: milliseconds to seconds."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstrategies
+from engine.assembly import Scheduling, create_kv
+from engine.cli import build_parser, strategy_arg
+from kvstrategies import composed
+from kvstrategies.kv import StepBatch
+from memory.config import PoolConfig, TierConfig, load_config
+from memory.profiles import load_profile, profile_report
+
+SPEC = kvstrategies.KVSpec(2, 2, 16, torch.float32, identity="composed")
+BS = 8
+PRESETS = {
+    "full": ("fp32", "resident", "all"),
+    "hybrid_fp16_int4": ("hybrid", "resident", "all"),
+    "hierarchical_offload": ("fp32", "tiered", "all"),
+    "learned_prune": ("fp32", "resident", "pruned"),
+}
+
+
+def test_presets_are_combinations_of_the_axes():
+    assert {n: kvstrategies.get(n).axes for n in kvstrategies.available()} == PRESETS
+    for axes in PRESETS.values():
+        assert axes in composed.combinations()
+    # Built from the same parts: a preset and its composition share their classes.
+    assert (
+        kvstrategies.get("hierarchical_offload").__mro__[1:]
+        == (kvstrategies.get("fp32+tiered+all").__mro__[1:])
+    )
+
+
+def test_refused_and_unknown_combinations_say_why():
+    with pytest.raises(ValueError, match=r"'hybrid\+tiered\+pruned' is refused: tiered placement "
+                       "with pruned selection: pruning compacts"):  # fmt: skip
+        kvstrategies.get("hybrid+tiered+pruned")
+    with pytest.raises(ValueError, match="unknown KV format 'int3'; formats: fp32, bf16"):
+        kvstrategies.get("int3+resident+all")
+    with pytest.raises(ValueError, match="FORMAT\\+PLACEMENT\\+SELECTION"):
+        kvstrategies.get("hybrid+tiered")
+    with pytest.raises(ValueError, match="unknown strategy 'nope'; supported: .*; or FORMAT"):
+        kvstrategies.get("nope")
+    # A fixed option cannot be set otherwise.
+    with pytest.raises(ValueError, match="option dtype is fixed to 'float16' by its format fp16"):
+        kvstrategies.get("fp16+resident+all").check_options({"dtype": "float32"})
+    with pytest.raises(ValueError, match="option bits is fixed to 8 by its format int8"):
+        kvstrategies.get("int8+resident+all").check_options({"bits": 4})
+
+
+def _make(name, tmp_path, tag, **opts):
+    cls = kvstrategies.get(name)
+    opts = cls.check_options({**cls.contract_options, **opts})
+    page = cls.layout(SPEC, BS, opts).page_bytes
+    tiers = (
+        TierConfig("device", 64 * page),
+        TierConfig("host", 64 * page),
+        TierConfig("ssd", 64 * page, path=str(tmp_path / tag)),
+    )
+    return create_kv(name, SPEC, PoolConfig(block_size=BS, tiers=tiers), opts)
+
+
+def _drive(s, steps, seed=0):
+    """Feeds the same random K/V/Q through `s`; returns every attention output."""
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for seq_ids, lens in steps:
+        b = StepBatch(seq_ids, lens)
+        for sid, n in zip(seq_ids, lens, strict=True):
+            assert s.reserve(sid, n)
+        s.begin_step(b)
+        for layer in range(SPEC.num_layers):
+            k = torch.randn(b.num_tokens, 2, 16, generator=g)
+            v = torch.randn(b.num_tokens, 2, 16, generator=g)
+            q = torch.randn(b.num_tokens, 4, 16, generator=g)
+            s.append(layer, k, v)
+            outs.append(s.attend(layer, q))
+        s.end_step()
+    return outs
+
+
+STEPS = [([0], [30]), ([0, 1], [1, 19])] + [([1, 0], [1, 1])] * 12 + [([0], [9])]
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "int8"])
+def test_tiered_quantized_blocks_move_packed_and_attend_as_resident(tmp_path, fmt):
+    tiered = _make(f"{fmt}+tiered+all", tmp_path, "t")
+    resident = _make(f"{fmt}+resident+all", tmp_path, "r")
+    try:
+        for a, b in zip(_drive(tiered, STEPS), _drive(resident, STEPS), strict=True):
+            assert (a - b).abs().max() <= 1e-5
+        by_tier = tiered.pool.tokens_by_tier()
+        assert by_tier.get("ssd", 0) > 0 and by_tier.get("host", 0) > 0, by_tier
+        # What moves is the packed record: the SSD tier's page is the format's, not fp32's.
+        ssd = tiered.pool.tiers["ssd"]
+        full_page = kvstrategies.get("fp32+tiered+all").layout(SPEC, BS, {"dtype": "float32"})
+        assert ssd.layout.page_bytes == tiered.pool.layout.page_bytes
+        assert ssd.layout.page_bytes * 2 < full_page.page_bytes
+        assert tiered.stats()["prefetch"]["layers_fetched"] > 0  # staged through the prefetcher
+        assert tiered.bytes_used() == resident.bytes_used()
+    finally:
+        tiered.close()
+        resident.close()
+
+
+def test_a_pruned_hybrid_cache_compacts_packed_blocks(tmp_path):
+    pruned = _make("hybrid+resident+pruned", tmp_path, "p", kept_ratio=0.5)
+    fp32 = _make("fp32+resident+pruned", tmp_path, "f", kept_ratio=0.5)
+    steps = [([0], [40])] + [([0], [1])] * 20
+    _drive(pruned, steps)
+    _drive(fp32, steps)
+    assert pruned.stored_tokens(0) == fp32.stored_tokens(0) < 60
+    assert pruned.stats()["tokens_evicted"] > 0
+    # Packed and pruned: far fewer bytes than pruned fp32, and the freed blocks went back.
+    assert pruned.bytes_used() * 3 < fp32.bytes_used()
+    used = sum(a.num_used for a in pruned.pool.allocators.values())
+    assert used == -(-pruned.stored_tokens(0) // BS)
+    pruned.free(0)
+    assert pruned.bytes_used() == 0
+
+
+def test_config_table_and_flags_write_a_combination(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[strategy]\nformat = "hybrid"\nplacement = "tiered"\nselection = "all"\n')
+    assert load_config(path).strategy == "hybrid+tiered+all"
+    assert kvstrategies.plan(config=path).name == "hybrid+tiered+all"
+    path.write_text('[strategy]\nformat = "int8"\n')  # the other axes by the chip
+    p = kvstrategies.plan(config=path, chip="kunpeng920")
+    assert p.name == "int8+resident+pruned" and "low class" in p.reason
+    path.write_text('[strategy]\nformat = "hybrid"\nplacement = "tiered"\nselection = "pruned"\n')
+    with pytest.raises(ValueError, match="refused: tiered placement with pruned selection"):
+        kvstrategies.plan(config=path)
+    path.write_text('[strategy]\nshape = "round"\n')
+    with pytest.raises(ValueError, match="unknown key.*shape; allowed: format, placement"):
+        load_config(path)
+    path.write_text('strategy = "full"\n')  # a name keeps working
+    assert kvstrategies.plan(config=path).name == "full"
+
+    def parsed(*argv):
+        return strategy_arg(build_parser().parse_args(["run", "--prompt", "x", *argv]))
+
+    assert parsed("--strategy", "full") == "full"
+    assert parsed("--kv-format", "hybrid", "--kv-placement", "tiered") == "hybrid+tiered+auto"
+    assert parsed("--strategy", "learned_prune", "--kv-format", "int8") == "int8+resident+pruned"
+    assert parsed("--strategy", "hybrid+tiered+all", "--kv-format", "fp16") == "fp16+tiered+all"
+
+
+# ---- every profile parameter acts -----------------------------------------------------------
+
+PROFILE = """display_name = "test chip"
+bandwidth = {bandwidth}
+[tuned]
+batch_size = {batch}
+kv_precision = "{precision}"
+batching_window_ms = {window}
+thermal_throttle_c = {throttle}
+l2_prefetch_depth = {depth}
+"""
+BASE = {"bandwidth": 500, "batch": 8, "precision": "fp16", "window": 10, "throttle": 80,
+        "depth": 2}  # fmt: skip
+
+
+def chip(tmp_path: Path, **changes) -> str:
+    """A profile file that differs from BASE in `changes` only."""
+    values = {**BASE, **changes}
+    path = tmp_path / f"chip_{abs(hash(tuple(sorted(values.items()))))}.toml"
+    path.write_text(PROFILE.format(**values))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("precision", "fmt"),
+    [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("int8", "int8"),
+     ("fp16+int4", "hybrid")],
+)  # fmt: skip
+def test_kv_precision_picks_the_format(tmp_path, precision, fmt):
+    p = kvstrategies.plan(config=PoolConfig(), chip=chip(tmp_path, precision=precision))
+    assert kvstrategies.get(p.name).axes == (fmt, "tiered", "all")  # medium: tiered
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "place", "sel"),
+    [(1500, "resident", "all"), (500, "tiered", "all"), (100, "resident", "pruned")],
+)
+def test_bandwidth_class_picks_placement_and_selection(tmp_path, bandwidth, place, sel):
+    p = kvstrategies.plan(config=PoolConfig(), chip=chip(tmp_path, bandwidth=bandwidth))
+    assert kvstrategies.get(p.name).axes == ("fp16", place, sel)
+
+
+def test_prefetch_depth_reaches_the_prefetcher(tmp_path):
+    for depth in (1, 3):
+        built = kvstrategies.build(SPEC, "fp16+tiered+all", PoolConfig(),
+                                   chip=chip(tmp_path, depth=depth))  # fmt: skip
+        assert built.strategy.prefetcher.depth == depth
+        built.strategy.close()
+
+
+def test_batch_size_and_window_set_the_scheduler(tmp_path):
+    a = Scheduling.of(PoolConfig(), load_profile(chip(tmp_path, batch=8, window=10)))
+    b = Scheduling.of(PoolConfig(), load_profile(chip(tmp_path, batch=24, window=30)))
+    assert (a.max_batch, a.admission_window_ms) == (8, 10.0)
+    assert (b.max_batch, b.admission_window_ms) == (24, 30.0)
+
+
+def test_thermal_throttle_sets_the_cooling_rule(tmp_path):
+    from serving.cooling import Cooling
+
+    rules = [
+        Cooling.from_options(load_profile(chip(tmp_path, throttle=t)).tuned.thermal_throttle_c,
+                             PoolConfig().thermal)
+        for t in (75, 88)
+    ]  # fmt: skip
+    assert [r.limit_c for r in rules] == [75, 88]
+
+
+def test_profile_report_names_the_composition_and_each_parameter(tmp_path):
+    report = profile_report(chip(tmp_path, precision="fp16+int4"), None, kvstrategies.select,
+                            axes_of=lambda n: kvstrategies.get(n).axes)  # fmt: skip
+    assert report["strategy"] == "hybrid+tiered+all"
+    assert report["axes"] == {"format": "hybrid", "placement": "tiered", "selection": "all"}
+    effects = report["parameters"]
+    assert set(effects) == {"kv_precision", "bandwidth_class", "l2_prefetch_depth",
+                            "batch_size", "batching_window_ms", "thermal_throttle_c"}  # fmt: skip
+    assert "picks format hybrid" in effects["kv_precision"]
+    assert "placement tiered, selection all" in effects["bandwidth_class"]
+    assert "reads 2 layers ahead" in effects["l2_prefetch_depth"]
+    assert "batch limit" in effects["batch_size"]
+    assert "admission window" in effects["batching_window_ms"]
+    assert "cooling rule enters at 77" in effects["thermal_throttle_c"]
+
+
+def test_every_shipped_profile_composes_a_default_that_builds():
+    from memory.config import list_profiles
+
+    for name in list_profiles():
+        if name == "cpu":
+            continue  # measures the host: covered by the other profiles' classes
+        p = kvstrategies.plan(config=PoolConfig(), chip=name)
+        fmt = kvstrategies.get(p.name).axes[0]
+        prec = load_profile(name).tuned.kv_precision
+        assert fmt == {"fp16+int4": "hybrid"}.get(prec, prec), (name, p.name)
+        built = kvstrategies.build(SPEC, p.name, PoolConfig(), chip=name)
+        _drive(built.strategy, STEPS[:3])
+        built.strategy.close()
+
+
+def test_packed_blocks_written_through_are_found_by_another_process(tmp_path):
+    """hybrid x tiered: the prompt's packed blocks go through to the SSD tier by content; a new
+    strategy over the same store attaches them and attends as the one that computed them."""
+    tokens = list(range(100, 100 + 5 * BS + 3))
+    opts = {"sink_tokens": 0, "persist_prefix": True}
+
+    def prefill(s, seq):
+        s.reserve(seq, len(tokens))
+        _drive_one(s, seq, len(tokens), torch.Generator().manual_seed(0))
+        s.publish(seq, tokens)
+
+    a = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
+    prefill(a, 0)
+    a.close()
+    assert a.writer.blocks_written == 5
+    b = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
+    assert b.match_prefix(1, tokens) == 5 * BS
+    assert b.stats()["disk_prefix_hits"]["blocks"] == 5
+    # The next token over the attached blocks = over the same tokens computed here.
+    ref = _make("hybrid+resident+all", tmp_path, "ref", sink_tokens=0)
+    prefill(ref, 1)
+    ref.free(1)  # its blocks stay published: seq 1 starts on them like b's does
+    assert ref.match_prefix(1, tokens) == 5 * BS
+    for s in (b, ref):
+        s.reserve(1, 1)
+    out_b = _drive_one(b, 1, 1, torch.Generator().manual_seed(1))
+    out_ref = _drive_one(ref, 1, 1, torch.Generator().manual_seed(1))
+    for x, y in zip(out_b, out_ref, strict=True):
+        assert (x - y).abs().max() <= 1e-5
+    b.close()
+    ref.close()
+
+
+def _drive_one(s, seq, n, g):
+    """One step of `n` tokens for `seq` with random K/V/Q from `g`; the outputs per layer."""
+    s.begin_step(StepBatch([seq], [n]))
+    outs = []
+    for layer in range(SPEC.num_layers):
+        k, v = torch.randn(2, n, 2, 16, generator=g)
+        s.append(layer, k, v)
+        outs.append(s.attend(layer, torch.randn(n, 4, 16, generator=g)))
+    s.end_step()
+    return outs

@@ -267,6 +267,11 @@ class HybridStrategy(KVStrategy):
     def _prepare(self, batch: StepBatch) -> None:
         self._pending.clear()
         self._seqs = []
+        if self._groups is not None:  # tiered: the device groups' block ids, once per step
+            self._group_ids = [
+                [None if kind == "staged" else _ids(what, self._arena) for kind, what in groups]
+                for groups in self._groups
+            ]
         for i, (sid, past) in enumerate(zip(batch.seq_ids, self._past, strict=True)):
             self._dense_buf(sid)
             nb = past // self.T
@@ -454,8 +459,8 @@ class HybridStrategy(KVStrategy):
                 out.append(arena)
                 continue
             parts = [
-                staged[i][what] if kind == "staged" else arena.index_select(0, _ids(what, arena))
-                for kind, what in groups
+                staged[i][what] if kind == "staged" else arena.index_select(0, ids)
+                for (kind, what), ids in zip(groups, self._group_ids[i], strict=True)
             ]
             out.append(torch.cat(parts).contiguous())  # [nb, H, REC]
         return out

@@ -509,27 +509,25 @@ def parameter_effects(
     kv_precision the format, the bandwidth class placement and selection, l2_prefetch_depth
     the tiered prefetcher, batch_size and batching_window_ms the scheduler, thermal_throttle_c
     the replicas' cooling rule. `axes`: the strategy's (format, placement, selection)."""
-    t, auto = profile.tuned, config.strategy == "auto"
-    sched, thermal = config.scheduler, config.thermal
-    out: dict[str, str] = {}
-    if axes is None:
-        out["kv_precision"] = f"{t.kv_precision}: the KV format of an auto strategy"
-        out["bandwidth_class"] = f"{cls}: placement and selection of an auto strategy"
-    else:
-        fmt, place, sel = axes
-        how = "picks" if auto or "auto" in config.strategy.split("+")[:1] else "would pick"
-        out["kv_precision"] = f"{t.kv_precision}: {how} format {fmt}" + (
-            "" if how == "picks" else f" (the configured strategy {config.strategy!r} sets it)"
-        )
-        out["bandwidth_class"] = f"{cls}: placement {place}, selection {sel}" + (
-            "" if auto else f" (unless the configured strategy {config.strategy!r} sets them)"
-        )
-    depth = max(1, t.l2_prefetch_depth)
-    tiered = axes is not None and axes[1] == "tiered"
-    out["l2_prefetch_depth"] = (
-        f"{t.l2_prefetch_depth}: the tiered prefetcher reads {depth} "
-        "layers ahead (strategy option prefetch_depth unset)"
-        + ("" if tiered or axes is None else "; unused: resident")
+    t, sched, thermal = profile.tuned, config.scheduler, config.thermal
+    # Which axes the chip chooses: all for "auto", the "auto" ones of FORMAT+PLACEMENT+SELECTION.
+    written = config.strategy.split("+") if "+" in config.strategy else [config.strategy] * 3
+    by_chip = [config.strategy == "auto" or w == "auto" for w in written]
+    fmt, place, sel = axes if axes is not None else ("?", "?", "?")
+    fixed = f"unused: the configured strategy {config.strategy!r} sets"
+    out = {
+        "kv_precision": f"{t.kv_precision}: "
+        + (f"picks format {fmt}" if by_chip[0] else f"{fixed} format {fmt}"),
+        "bandwidth_class": f"{cls}: "
+        + (f"picks placement {place}, selection {sel}" if any(by_chip[1:])
+           else f"{fixed} placement {place}, selection {sel}"),
+    }  # fmt: skip
+    depth = config.strategy_options.get("prefetch_depth")
+    out["l2_prefetch_depth"] = f"{t.l2_prefetch_depth}: " + (
+        f"overridden by [strategy_options] prefetch_depth = {depth}"
+        if depth is not None
+        else f"the tiered prefetcher reads {max(1, t.l2_prefetch_depth)} layers ahead"
+        + ("" if place in ("tiered", "?") else " (unused by this resident placement)")
     )
     batch = f"config [scheduler] batch_size = {sched.batch_size}" if sched.batch_size else None
     out["batch_size"] = f"{t.batch_size}: " + (

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -36,6 +37,13 @@ from serving.replicas import Replicas, ReplicaSpec  # noqa: E402
 LIMIT_C = 85.0  # the cpu profile's thermal_throttle_c
 TOPICS = ["a lighthouse keeper", "a tea merchant", "a chess club", "a mountain railway",
           "a bakery at dawn", "a lost violin", "a river ferry", "a night market"]  # fmt: skip
+
+
+def write_reading(sensors: Path, rank: int, celsius: float) -> None:
+    """Replace a replica's scripted reading atomically (a reader never sees half a file)."""
+    tmp = sensors / f".{rank}.tmp"
+    tmp.write_text(str(celsius))
+    os.replace(tmp, sensors / str(rank))
 
 
 def prompts(tok, n_prefixes: int, n: int, seed: int) -> list[list[int]]:
@@ -82,14 +90,14 @@ async def episode(client, sensors: Path, ps: list[list[int]], rate: float, secon
         now = time.perf_counter() - t_start
         phase_hot = seconds / 3 <= now < 2 * seconds / 3
         if phase_hot != hot[0]:
-            (sensors / "0").write_text(str(LIMIT_C + 2 if phase_hot else LIMIT_C - 25))
+            write_reading(sensors, 0, LIMIT_C + 2 if phase_hot else LIMIT_C - 25)
             hot[0] = phase_hot
         if now >= t:
             tasks.append(asyncio.ensure_future(one(ps[i % len(ps)])))
             i += 1
             t += rng.expovariate(rate)
         await asyncio.sleep(min(0.01, max(0.0, t - now)))
-    (sensors / "0").write_text(str(LIMIT_C - 25))
+    write_reading(sensors, 0, LIMIT_C - 25)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t_start
     after = client.memory_report()
@@ -111,7 +119,7 @@ async def episode(client, sensors: Path, ps: list[list[int]], rate: float, secon
 
 def run_router(router: str, spec: ReplicaSpec, sensors: Path, args, ps) -> dict:
     for rank in range(3):
-        (sensors / str(rank)).write_text("40")
+        write_reading(sensors, rank, 40)
     reps = Replicas(spec, 3, router=router)
     client = reps.start()
     try:

@@ -8,6 +8,7 @@ an error event). The tests run in order on one deployment, each leaving it healt
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -83,7 +84,10 @@ def by_rank(url: str, rank: int) -> tuple[str, dict]:
 
 
 def heat(sensors: Path, rank: int, value) -> None:
-    (sensors / str(rank)).write_text(json.dumps(value) if isinstance(value, dict) else str(value))
+    """Replace a replica's scripted reading atomically (a reader never sees half a file)."""
+    tmp = sensors / f".{rank}.tmp"
+    tmp.write_text(json.dumps(value) if isinstance(value, dict) else str(value))
+    os.replace(tmp, sensors / str(rank))
 
 
 def test_second_request_with_the_prefix_lands_on_the_same_replica_and_hits(cluster):

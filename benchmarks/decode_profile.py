@@ -41,13 +41,20 @@ RULES = [
 ]
 
 
-def part_of(stack: list[str]) -> str:
-    """The part of the step an op belongs to, by the innermost frame a rule knows."""
-    for frame in stack:  # innermost first
+def part_of(event) -> str:
+    """The part of the step an op belongs to, by the innermost Python frame a rule knows (the
+    profiler records Python calls as events: an op's ancestors are its stack)."""
+    e = event.cpu_parent
+    while e is not None:
         for path, fn, part in RULES:
-            if path in frame and (fn is None or frame.endswith(": " + fn)):
+            if path in e.name and (fn is None or e.name.endswith(": " + fn)):
                 return part
+        e = e.cpu_parent
     return "other ops"
+
+
+def is_python(event) -> bool:
+    return ".py(" in event.name or event.name.startswith("<built-in")
 
 
 def main() -> None:
@@ -77,9 +84,9 @@ def main() -> None:
     ops: dict[str, float] = defaultdict(float)
     for e in prof.events():
         t = e.self_cpu_time_total / 1e6
-        if t <= 0 or e.name.startswith("ProfilerStep"):
+        if t <= 0 or e.name.startswith("ProfilerStep") or is_python(e):
             continue
-        spent[part_of(list(e.stack or []))] += t
+        spent[part_of(e)] += t
         ops[e.name] += t
     steps = args.steps
     op_total = sum(spent.values()) / steps

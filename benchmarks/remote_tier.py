@@ -123,7 +123,8 @@ def store_throughput(server: Server, size: int, pipeline: int, n: int, repeats: 
     # -r n: random keys over n names, as ours are n distinct keys (without it every SET
     # overwrites one key and every GET reads that one cache-hot value).
     cmd = ["redis-benchmark", "-p", str(server.port), "-a", PASSWORD, "-t", "set,get",
-           "-d", str(size), "-P", str(pipeline), "-n", str(n), "-r", str(n), "-c", "1", "--csv"]  # fmt: skip
+           "-d", str(size), "-P", str(pipeline), "-n", str(n), "-r", str(n), "-c", "1",
+           "--csv"]  # fmt: skip
     ours: dict[str, list[float]] = {"put": [], "get": []}
     peer: dict[str, list[float]] = {"SET": [], "GET": []}
     mb = size * n / 1e6

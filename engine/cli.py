@@ -175,12 +175,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
             help="KV strategy: a preset name, FORMAT+PLACEMENT+SELECTION, or 'auto' for the "
             "chip's choice (default: the config file's, else auto)",
         )
-        axes = sp.add_argument_group(
-            "strategy axes", "set one axis of the strategy (the others: --strategy's, else auto)"
-        )
-        for axis, names in _axis_choices().items():
-            axes.add_argument(f"--kv-{axis}", default=None, choices=names,
-                              help=f"KV {axis} (default: by the chip)")  # fmt: skip
+        add_axis_flags(sp)
         sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
         sp.add_argument(
             "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
@@ -460,6 +455,16 @@ def _kernel_status(mem: dict) -> str:
     if kernel == "torch (None)":  # not on a CPU: the kernel is never built there
         return "PyTorch (the C kernel is for CPU tiers)"
     return f"PyTorch fallback ({kernel.removeprefix('torch (').removesuffix(')')})"
+
+
+def add_axis_flags(sp: argparse.ArgumentParser) -> None:
+    """`--kv-format`, `--kv-placement`, `--kv-selection` (folded in by `strategy_arg`)."""
+    axes = sp.add_argument_group(
+        "strategy axes", "set one axis of the strategy (the others: --strategy's, else auto)"
+    )
+    for axis, names in _axis_choices().items():
+        axes.add_argument(f"--kv-{axis}", default=None, choices=names,
+                          help=f"KV {axis} (default: by the chip)")  # fmt: skip
 
 
 def _axis_choices() -> dict[str, list[str]]:

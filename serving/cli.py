@@ -40,7 +40,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="compute dtype (default: float32)",
     )
     sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
-    sp.add_argument("--strategy", default=None, help="KV strategy name or 'auto'")
+    sp.add_argument(
+        "--strategy",
+        default=None,
+        help="KV strategy: a preset name, FORMAT+PLACEMENT+SELECTION, or 'auto' (default: the "
+        "config file's, else auto)",
+    )
+    engine_cli.add_axis_flags(sp)
     sp.add_argument("--chip", default=None, help="chip profile (default: the config's)")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -112,8 +118,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the server and block until it is stopped (SIGINT or SIGTERM)."""
+    from memory.config import load_config
+
     from .app import ServeSettings
 
+    args.strategy = engine_cli.strategy_arg(args, load_config(args.config).strategy)
     key = args.api_key if args.api_key is not None else os.environ.get("UNIKV_API_KEY")
     settings = ServeSettings(
         model_name=args.served_model_name or args.model,

@@ -299,7 +299,8 @@ class Breaker:
         ratio = statistics.median(s.window)
         slower_next = ratio > 1 + cfg.tolerance and self._next_is_slower(i, key, ratio * budget)
         if ratio > 1 + cfg.tolerance and not slower_next:
-            if self._switch_off(i, f"{ratio:.2f}x its calibrated latency over {cfg.window} calls"):
+            why = f"{ratio:.2f}x its calibrated latency over {cfg.window} calls"
+            if self._switch_off(i, why, trial=True):
                 self._trial = (i, ratio, [])
             return
         s.window.clear()  # judged: the next window starts afresh
@@ -324,8 +325,13 @@ class Breaker:
             return False
         self._trial = None
         mine = statistics.median(seen)
-        if mine < ratio:
-            return False  # faster than the slow one was: the switch stands
+        if mine < ratio:  # faster than the slow one was: the switch stands
+            slow_impl = self._states[slow]
+            log.warning(
+                "operator %s: %s switched off (%s); %s is faster (%.2fx of its budget)",
+                self.op, slow_impl.impl.name, slow_impl.reason, self._states[j].impl.name, mine,
+            )  # fmt: skip
+            return False
         s = self._states[slow]
         s.open_until, s.probing, s.reason = None, False, ""
         s.rebases += 1
@@ -348,8 +354,10 @@ class Breaker:
         budget = None if nxt is None else nxt.budgets.get(key)
         return budget is not None and budget >= latency
 
-    def _switch_off(self, i: int, reason: str) -> bool:
-        """Take implementation i out of service (False if it is the last one)."""
+    def _switch_off(self, i: int, reason: str, trial: bool = False) -> bool:
+        """Take implementation i out of service (False if it is the last one). A switch on
+        trial (for slowness) is logged at INFO: a busy machine trips it, and the trial undoes
+        it; it is logged as a warning once the trial confirms it (`_judge_trial`)."""
         s = self._states[i]
         if i == len(self._states) - 1:
             return False
@@ -360,9 +368,10 @@ class Breaker:
         self._degraded = True
         nxt = next(j for j in range(i + 1, len(self._states)) if self._states[j].open_until is None)
         self._use(nxt)
-        log.warning(
-            "operator %s: %s switched off (%s); using %s",
-            self.op, s.impl.name, reason, self._states[nxt].impl.name,
+        log.log(
+            logging.INFO if trial else logging.WARNING,
+            "operator %s: %s switched off (%s)%s; using %s", self.op, s.impl.name, reason,
+            ", on trial" if trial else "", self._states[nxt].impl.name,
         )  # fmt: skip
         return True
 

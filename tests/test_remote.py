@@ -202,15 +202,13 @@ def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_p
     prefill(a, 0, TOKENS)
     a.remote_writer.wait_writes()
     server.stop()
-    t0 = time.perf_counter()
     prefill(a, 1, [t + 1 for t in TOKENS], seed=1)  # the write-through fails in the background
-    assert time.perf_counter() - t0 < 2.0
-    a.remote_writer.wait_writes()
-    t0 = time.perf_counter()
+    a.remote_writer.wait_writes()  # (the failure is the writer thread's, never the step's)
+    assert a.remote.breaker.is_open
+    skipped = a.remote.breaker.skipped
     assert a.match_prefix(2, [t + 2 for t in TOKENS]) == 0  # a miss, not an error
-    assert a.match_prefix(3, [t + 3 for t in TOKENS]) == 0  # skipped: no wait at all
-    assert time.perf_counter() - t0 < 3.0
-    assert a.remote.breaker.is_open and a.remote.breaker.skipped >= 1
+    assert a.match_prefix(3, [t + 3 for t in TOKENS]) == 0
+    assert a.remote.breaker.skipped >= skipped + 2  # refused while open: no server round trip
     problems = a.pool.snapshot()["health"]["signals"]["tier_problems"]
     assert problems and "remote tier unavailable" in problems[0]
     view = evaluate(HealthInputs(0.1, 0, 10, 0, 0, tier_problems=tuple(problems)))

@@ -308,20 +308,9 @@ def _build_profile(name: str, raw: dict[str, Any], src: str) -> ChipProfile:
     tuned_raw = raw["tuned"]
     if not isinstance(tuned_raw, dict):
         raise bad("tuned", tuned_raw, "expected a table [tuned]")
-    allowed = (*_TUNED_KEYS, *_TUNED_OPTIONAL)
-    for key in tuned_raw:
-        if key not in allowed:
-            raise ConfigError(
-                f"{src}: [tuned] unknown key {show_value(key)}; allowed: {', '.join(allowed)}"
-            )
-    for key in _TUNED_KEYS:
-        if key not in tuned_raw:
-            raise ConfigError(f"{src}: [tuned] missing key {show_value(key)}")
     # Checked here too (not only in __post_init__) so the error names the file and TOML key.
-    problem = _tuned_problem(tuned_raw)
-    if problem is not None:
-        key, expected = problem
-        raise ConfigError(f"{src}: [tuned] {key} = {show_value(tuned_raw[key])}: {expected}")
+    _check_table(tuned_raw, "tuned", _TUNED_KEYS, (*_TUNED_KEYS, *_TUNED_OPTIONAL),
+                 _tuned_problem, src)  # fmt: skip
     return ChipProfile(
         name=name,
         display_name=display,
@@ -342,19 +331,25 @@ def _build_sensor(raw: object, src: str) -> SensorSpec | None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: sensor = {show_value(raw)}: expected a table [sensor]")
+    _check_table(raw, "sensor", _SENSOR_KEYS, _SENSOR_KEYS, _sensor_problem, src)
+    return SensorSpec(raw["command"], raw["pattern"])
+
+
+def _check_table(raw: dict, name: str, required, allowed, problem_of, src: str) -> None:
+    """A profile table's keys (none unknown, none of `required` missing) and values
+    (`problem_of` gives the first bad key and what is expected); errors name the file."""
     for key in raw:
-        if key not in _SENSOR_KEYS:
+        if key not in allowed:
             raise ConfigError(
-                f"{src}: [sensor] unknown key {show_value(key)}; allowed: {', '.join(_SENSOR_KEYS)}"
+                f"{src}: [{name}] unknown key {show_value(key)}; allowed: {', '.join(allowed)}"
             )
-    for key in _SENSOR_KEYS:
+    for key in required:
         if key not in raw:
-            raise ConfigError(f"{src}: [sensor] missing key {show_value(key)}")
-    problem = _sensor_problem(raw)
+            raise ConfigError(f"{src}: [{name}] missing key {show_value(key)}")
+    problem = problem_of(raw)
     if problem is not None:
         key, expected = problem
-        raise ConfigError(f"{src}: [sensor] {key} = {show_value(raw[key])}: {expected}")
-    return SensorSpec(raw["command"], raw["pattern"])
+        raise ConfigError(f"{src}: [{name}] {key} = {show_value(raw[key])}: {expected}")
 
 
 # -- bandwidth probes ------------------------------------------------------------------------

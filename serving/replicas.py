@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from engine.engine import Completion
+from engine.engine import Completion, RequestHandle
 from engine.sampling import SamplingParams
 from memory.prefix import chain_hashes
 
@@ -325,10 +325,11 @@ class ReplicaClient:
         """Nothing to close here: `Replicas.stop` shuts the deployment down."""
 
 
-class RemoteHandle:
-    """One request on a replica: iterate it for text pieces, as `engine.RequestHandle`."""
+class RemoteHandle(RequestHandle):
+    """One request on a replica: iterate it for text pieces, await `result()` or `cancel()`
+    it, as a local engine's `RequestHandle`."""
 
-    def __init__(self, client: ReplicaClient, payload: dict) -> None:
+    def __init__(self, client: ReplicaClient, payload: dict) -> None:  # not the engine's
         self.client, self.payload = client, payload
         self.completion: Completion | None = None
         self.replica: str | None = None
@@ -370,12 +371,6 @@ class RemoteHandle:
                 self.client.retried += 1
                 log.warning("replica %s failed before answering (%s); retrying on another",
                             self.replica, type(e).__name__)  # fmt: skip
-
-    async def result(self) -> Completion:
-        async for _ in self:
-            pass
-        assert self.completion is not None
-        return self.completion
 
     def cancel(self) -> None:
         """Cancel the request on its replica (no-op once finished)."""

@@ -394,8 +394,13 @@ class Breaker:
         off = [s for s in self._states if s.open_until is not None]
         if off:
             out["switched_off"] = {s.impl.name: s.reason for s in off}
+        # A health problem is an implementation that failed; one switched off for being slower
+        # than a faster alternative is the registry adapting (reported above, counted, logged),
+        # and on a busy machine would keep the health view yellow for nothing.
+        broken = [s for s in off if s.reason.startswith("raised")]
+        if broken:
             out["problem"] = f"operator {self.op}: " + "; ".join(
-                f"{s.impl.name} switched off ({s.reason}), using {self.active.name}" for s in off
+                f"{s.impl.name} switched off ({s.reason}), using {self.active.name}" for s in broken
             )
         return out
 

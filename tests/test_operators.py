@@ -76,6 +76,7 @@ def test_a_slow_implementation_is_switched_off_and_stays_off_while_slow():
     for _ in range(4):
         assert b(torch.tensor(1.0)) == 2
     assert b.active.name == "ref" and "3.50x" in b.report()["switched_off"]["fast"]
+    assert "problem" not in b.report()  # slower than another is adaptation, not ill health
     for _ in range(8):  # ref's trial window: 3.0 against fast's 3.5, faster: the switch stands
         assert b(torch.tensor(1.0)) == 2  # service goes on, on the reference
     assert b.active.name == "ref" and b.report()["rebases"] == 0

@@ -16,7 +16,8 @@ This is the policy of unikv's Ray Serve request router (`serving.ray_router` ada
    (default 2: a CPU replica runs a handful of requests at once, and two more ahead of a request
    cost about what recomputing a long prefix does; SGLang's cache-aware router scales the same
    rule to GPU batches with 64).
-3. **Queue length.** Otherwise (no match, or too busy), the candidates by queue length.
+3. **Queue length.** Otherwise (no match, or too busy), the candidates by queue length; equal
+   queues by how few of the last `window` requests each was sent.
 
 The ranks returned are what Ray's router tries in order (within a rank, the shortest queue).
 """
@@ -82,7 +83,9 @@ class RoutingPolicy:
             m = self._matched(r, hashes)
             if m > matched or (m == matched and m and best is not None and r.queue < best.queue):
                 best, matched = r, m
-        by_queue = sorted(candidates, key=lambda r: r.queue)
+        # Equal queues go to the replica routed to least lately (a replica back from cooling
+        # is not left idle behind one that always comes first).
+        by_queue = sorted(candidates, key=lambda r: (r.queue, self.recent.count(r.id)))
         if best is not None and best.queue <= shortest + self.imbalance:
             rest = [r.id for r in by_queue if r is not best]
             ranks = [[best.id]] + ([rest] if rest else [])

@@ -90,6 +90,16 @@ def heat(sensors: Path, rank: int, value) -> None:
     os.replace(tmp, sensors / str(rank))
 
 
+@pytest.fixture(autouse=True)
+def cool(cluster):
+    """Every test starts with both replicas cool and green (a failed test leaves none hot)."""
+    url, sensors, _ = cluster
+    for rank in (0, 1):
+        heat(sensors, rank, 40)
+    wait_until(lambda: all(not r["cooling"] and r["status"] != "red"
+                           for r in replicas(url).values()), "both replicas cool", 60)  # fmt: skip
+
+
 def test_second_request_with_the_prefix_lands_on_the_same_replica_and_hits(cluster):
     url, _, _ = cluster
     first = complete(url, "Affinity. " + BODY)
@@ -134,8 +144,14 @@ def test_red_replica_gets_only_its_share(cluster):
     name_a, _ = by_rank(url, 0)
     # A holds a prefix every request below starts with: affinity alone would send all to A.
     prompt = "Share. " + BODY
-    while complete(url, prompt).headers["x-unikv-replica"] != name_a:
-        pass  # (the first went to B; B holds it too now, so send until A does as well)
+    if complete(url, prompt).headers["x-unikv-replica"] != name_a:
+        # It went to B: cool B for a moment, so that A computes (and caches) it too.
+        name_b, _ = by_rank(url, 1)
+        heat(sensors, 1, LIMIT_C + 1)
+        wait_until(lambda: replicas(url)[name_b]["cooling"], "replica B to enter cooling", 30)
+        assert complete(url, prompt).headers["x-unikv-replica"] == name_a
+        heat(sensors, 1, 40)
+        wait_until(lambda: not replicas(url)[name_b]["cooling"], "replica B to cool", 30)
     heat(sensors, 0, {"temp_c": 40, "health": "red"})
     wait_until(lambda: replicas(url)[name_a]["status"] == "red", "replica A to report red", 30)
     counts = {}

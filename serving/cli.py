@@ -142,7 +142,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
         return _run(args, settings)
 
+    from memory.config import SENSOR_KINDS
+
     from .replicas import Replicas, ReplicaSpec
+
+    kind = args.sensor
+    if kind is not None and kind not in SENSOR_KINDS and not kind.startswith("scripted:"):
+        raise ValueError(
+            f"--sensor {kind!r}: expected one of {', '.join(SENSOR_KINDS)} or scripted:PATH"
+        )
 
     spec = ReplicaSpec(model=args.model, dtype=args.dtype, strategy=args.strategy,
                        config=args.config, chip=args.chip, threads=args.replica_threads,

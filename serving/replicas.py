@@ -222,8 +222,10 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.name}: the engine loop stopped: {task.exception()}")
 
     async def __del__(self) -> None:  # Ray Serve awaits an async __del__ on shutdown
-        self._watch.cancel()
-        await self.engine.close(cancel=True)
+        if hasattr(self, "_watch"):  # (a constructor that failed has nothing to stop)
+            self._watch.cancel()
+        if hasattr(self, "engine"):
+            await self.engine.close(cancel=True)
 
 
 # ---- the front ----------------------------------------------------------------------------------

@@ -185,6 +185,16 @@ class KVStrategy(KVCache, KVMemory):
     def _published(self, seq_id: int, token_ids: list[int]) -> None:
         """`seq_id`'s blocks of `token_ids` were published for sharing."""
 
+    def _prefix_state(self, token_ids: list[int]) -> bytes | None:
+        """What this format keeps beside the published blocks of `token_ids` and a sequence
+        attaching them needs (persisted beside block 0 by a tiered placement); None: nothing."""
+        return None
+
+    def _load_prefix_state(self, token_ids: list[int], data: bytes) -> bool:
+        """Take `_prefix_state` bytes of `token_ids` read back (another process's); then
+        `_can_attach(token_ids)` holds. False when they do not fit this strategy."""
+        return False
+
     # Hooks a placement and a selection use to work on any format (`full` and `hybrid` define
     # them): the per-layer block views of an arena, how many of a sequence's leading blocks
     # attention reads from pool blocks, which tiers it reads in place, what the prefetcher

@@ -23,8 +23,10 @@ value fields, the kernel reads value rows from key rows) and keeps the output's 
 
 The class is the `packed` format of `kvstrategies.formats`: `hybrid` as configured, `int8` with
 every channel at 8 bits (one class: no calibration needed). Under a tiered placement its packed
-blocks move and are staged as records (`_packed` gathers the ones off the device); under a
-pruned selection `_compact` re-packs the kept tokens.
+blocks move and are staged as records (`_packed` gathers the ones off the device), and the fp16
+sinks of a published prompt are persisted beside its block 0 (`_prefix_state`, read back in
+another process by `_load_prefix_state`); under a pruned selection `_compact` re-packs the kept
+tokens.
 
 One pool block holds, per layer and KV head, one byte record with the fields listed in
 `_Record` (the layout the kernel reads). Bytes reported are the records of quantized blocks plus
@@ -33,6 +35,7 @@ the side buffers' fp16 tokens: every nibble, scale, low, fp16 channel and window
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -650,15 +653,37 @@ class HybridStrategy(KVStrategy):
     def _published(self, seq_id: int, token_ids: list[int]) -> None:
         if self.S and seq_id in self._dense and len(token_ids) >= self.T:
             # Sequences that attach these blocks need the fp16 sinks that block 0 leaves out.
-            key = tuple(token_ids[: self.S])
-            self._sink_cache.pop(key, None)
-            self._sink_cache[key] = self._dense[seq_id][:, :, :, : self.S].clone()
-            while len(self._sink_cache) > 64:
-                self._sink_cache.pop(next(iter(self._sink_cache)))
+            sinks = self._dense[seq_id][:, :, :, : self.S].clone()
+            self._remember_sinks(tuple(token_ids[: self.S]), sinks)
 
     def _can_attach(self, token_ids: list[int]) -> bool:
         # Without the sinks' fp16 KV the shared blocks cannot be attended.
         return not self.S or tuple(token_ids[: self.S]) in self._sink_cache
+
+    def _sink_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, s.stored_parts, s.num_kv_heads, self.S, s.head_dim)
+
+    def _prefix_state(self, token_ids: list[int]) -> bytes | None:
+        # The sinks' fp16 K/V [L, P, H, S, D], raw bytes: what block 0 leaves out.
+        sinks = self._sink_cache.get(tuple(token_ids[: self.S])) if self.S else None
+        if sinks is None:
+            return None
+        return sinks.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _load_prefix_state(self, token_ids: list[int], data: bytes) -> bool:
+        shape = self._sink_shape()
+        if not self.S or len(data) != 2 * math.prod(shape):
+            return False  # another shape's bytes (the hash names the layout: not expected)
+        sinks = torch.frombuffer(bytearray(data), dtype=torch.float16).view(shape)
+        self._remember_sinks(tuple(token_ids[: self.S]), sinks.to(self._arena.device))
+        return True
+
+    def _remember_sinks(self, key: tuple[int, ...], sinks: torch.Tensor) -> None:
+        self._sink_cache.pop(key, None)
+        self._sink_cache[key] = sinks
+        while len(self._sink_cache) > 64:
+            self._sink_cache.pop(next(iter(self._sink_cache)))
 
     def _attached(self, seq_id: int, token_ids: list[int]) -> None:
         if self.S:

@@ -29,7 +29,9 @@ Persistent prefix cache: full blocks written by a prefill step are written throu
 tier (the pool's `WriteThrough`) under their content hash (blake2b chain over model identity,
 layout and tokens). A later request, in this process or another, that starts with the same
 tokens attaches those blocks without reading them (`match_prefix`), when that beats recomputing
-(`min_disk_hit_tokens`).
+(`min_disk_hit_tokens`). What a format keeps beside its blocks and an attaching sequence needs
+(hybrid's fp16 sinks, which block 0 leaves out) is written as a side value beside block 0, in
+the same transaction, and read back before a prefix is attached (`_load_side`).
 
 Remote tier (`[tiers.remote] url`, with an SSD tier): the same blocks are also written through
 to the shared server in the background (`memory.remote.RemoteWriteThrough`), and a lookup walks
@@ -145,6 +147,7 @@ class TieredPlacement:
         self.prefill_s_per_token: float | None = None
         self._step_t0 = 0.0
         self.demotion_failures = 0
+        self.side_values_written = 0  # format state persisted beside block 0 (hybrid's sinks)
         self.ssd_moves_skipped = 0  # blocks a failing SSD tier could not take
         self._failing: set[str] = set()  # tiers whose last move failed (logged on a change)
 
@@ -248,14 +251,16 @@ class TieredPlacement:
     # ---- prefix sharing, in memory and on disk -----------------------------------------------
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        if not self._can_attach(token_ids):
-            return 0
         pool = self.pool
         ids = token_ids[:-1]  # at least one token is computed, for the next token's logits
+        persist = self.writer is not None and self.opts["persist_prefix"]
+        if persist:
+            self.writer.wait_writes()  # content written through by this process counts
+        if not self._can_attach(token_ids) and not (persist and self._load_side(ids, token_ids)):
+            return 0
         refs = pool.match_prefix(ids)
         stored = []
-        if self.writer is not None and self.opts["persist_prefix"]:
-            self.writer.wait_writes()  # content written through by this process counts
+        if persist:
             stored = pool.stored_prefix(ids, refs)
             if self.remote is not None:
                 stored += self._remote_hits(ids, len(refs) + len(stored))
@@ -273,6 +278,27 @@ class TieredPlacement:
         if n:
             self._attached(seq_id, token_ids)
         return n
+
+    def _load_side(self, ids: list[int], token_ids: list[int]) -> bool:
+        """The format's state beside block 0 of `ids` (hybrid's fp16 sinks), read from the SSD
+        tier, else from the remote tier (then copied into the SSD tier), and given to the
+        format; False when neither holds it (the prefix is then recomputed)."""
+        bs = self.pool.block_size
+        if len(ids) < bs:
+            return False
+        first = next(chain_hashes(ids[:bs], bs, self.pool.identity))
+        data = self.ssd.read_side(first)
+        if data is None and self.remote is not None:
+            data = self.remote.read_side(first)
+            if data is not None:
+                try:
+                    self.ssd.write_content([], {}, [(first, data)])
+                except OSError as e:  # a full SSD: used for this request only
+                    log.warning("%s: prefix state not copied to the SSD tier: %s", self.name, e)
+        if data is None or not self._load_prefix_state(token_ids, data):
+            return False
+        self.disk_hits["side_loads"] = self.disk_hits.get("side_loads", 0) + 1
+        return True
 
     def _remote_hits(self, ids: list[int], start: int) -> list[bytes]:
         """Content hashes of the blocks [start, ...) of `ids` the remote tier holds, copied
@@ -301,11 +327,20 @@ class TieredPlacement:
         self._published(seq_id, token_ids)
         persist = self.writer is not None and self.opts["persist_prefix"]
         if persist and seq_id in self._pending_persist:
-            # Blocks [before, published) go through to the SSD tier, by content.
-            for tier, blocks in self.pool.resident_chain(seq_id, before).items():
-                self.writer.submit(self.pool.tiers[tier], blocks)
+            # Blocks [before, published) go through to the SSD tier, by content; what the format
+            # keeps beside block 0 (hybrid's sinks) goes in the same transaction as block 0.
+            chain = self.pool.content_hashes(seq_id)
+            state = self._prefix_state(token_ids) if before == 0 and chain else None
+            sides = [(chain[0], state)] if state is not None else []
+            jobs = self.pool.resident_chain(seq_id, before)
+            if sides and not any(h == chain[0] for b in jobs.values() for _, h in b):
+                jobs = {TierKind.DEVICE: [], **jobs}  # block 0 is not in a tensor tier
+            for tier, blocks in jobs.items():
+                mine = sides if any(h == chain[0] for _, h in blocks) or not blocks else []
+                self.writer.submit(self.pool.tiers[tier], blocks, mine)
                 if self.remote_writer is not None:
-                    self.remote_writer.submit(self.pool.tiers[tier], blocks)
+                    self.remote_writer.submit(self.pool.tiers[tier], blocks, mine)
+                self.side_values_written += len(mine)
 
     # ---- memory management hooks -------------------------------------------------------------
 
@@ -355,6 +390,7 @@ class TieredPlacement:
             "prefetch": self.prefetcher.stats(),
             "disk_prefix_hits": dict(self.disk_hits),
             "blocks_written_through": self.writer.blocks_written if self.writer else 0,
+            "side_values_written": self.side_values_written,
             "remote": None
             if self.remote is None
             else {

@@ -225,8 +225,18 @@ class RemoteTier(StoreTier):
         self.counts["promoted_blocks"] += good
         return wanted[:good]
 
-    def write_content(self, content_keys: Sequence[bytes], snapshot: Mapping[str, np.ndarray]):
-        self._guarded("write", lambda: StoreTier.write_content(self, content_keys, snapshot), None)
+    def write_content(
+        self,
+        content_keys: Sequence[bytes],
+        snapshot: Mapping[str, np.ndarray],
+        sides: Sequence[tuple[bytes, bytes]] = (),
+    ):
+        self._guarded(
+            "write", lambda: StoreTier.write_content(self, content_keys, snapshot, sides), None
+        )
+
+    def read_side(self, content_key: bytes) -> bytes | None:
+        return self._guarded("read", lambda: StoreTier.read_side(self, content_key), None)
 
     def read(self, block_ids):
         # Not reached through the pool (hits are promoted, never attached here); a failure
@@ -274,7 +284,8 @@ class RemoteWriteThrough(WriteThrough):
         self.max_pending = max_pending
         self.blocks_dropped = 0
 
-    def _write(self, src: TensorTier, blocks: list[tuple[int, bytes]], done: threading.Event):
+    def _write(self, src: TensorTier, blocks: list[tuple[int, bytes]], done: threading.Event,
+               sides: tuple[tuple[bytes, bytes], ...] = ()):  # fmt: skip
         try:
             with self._count:
                 full = self._pending >= self.max_pending or self.dst.breaker.state == "open"
@@ -286,16 +297,17 @@ class RemoteWriteThrough(WriteThrough):
             snapshot = src.snapshot([b for b, _ in blocks])
         finally:
             done.set()
-        return self._net.submit(self._send, [h for _, h in blocks], snapshot)
+        return self._net.submit(self._send, [h for _, h in blocks], snapshot, sides)
 
-    def _send(self, hashes: list[bytes], snapshot) -> None:
+    def _send(self, hashes: list[bytes], snapshot, sides=()) -> None:
         try:
             present = self.dst.present(hashes) if len(hashes) else 0
             # Content already there (another process wrote it) is not sent again; a chain's
-            # blocks are written in order, so the stored ones lead.
+            # blocks are written in order, so the stored ones lead. Side values always go.
             rest = hashes[present:]
-            if rest:
-                self.dst.write_content(rest, {n: a[present:] for n, a in snapshot.items()})
+            if rest or sides:
+                part = {n: a[present:] for n, a in snapshot.items()}
+                self.dst.write_content(rest, part, sides)
                 self.blocks_written += len(rest)
         finally:
             with self._count:

@@ -55,20 +55,31 @@ class WriteThrough:
         self.writes_skipped = 0
         self.failing = False  # the last write failed (logged when this changes)
 
-    def submit(self, src: TensorTier, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """Store blocks [(block id in `src`, content hash)] unless their content is stored."""
+    def submit(
+        self,
+        src: TensorTier,
+        blocks: Sequence[tuple[int, bytes]],
+        sides: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """Store blocks [(block id in `src`, content hash)] unless their content is stored,
+        and the side values `sides` [(content hash, bytes)] in the same transaction."""
         done = threading.Event()
         self._snapshots.append(done)
-        self._writes.append(self._pool.submit(self._write, src, list(blocks), done))
+        job = self._pool.submit(self._write, src, list(blocks), done, tuple(sides))
+        self._writes.append(job)
 
-    def _write(self, src: TensorTier, blocks: list[tuple[int, bytes]], done: threading.Event):
+    def _write(self, src: TensorTier, blocks: list[tuple[int, bytes]], done: threading.Event,
+               sides: tuple[tuple[bytes, bytes], ...] = ()):  # fmt: skip
         try:
             fresh = [(b, h) for b, h in blocks if not self.dst.has_content(h)]
             snapshot = src.snapshot([b for b, _ in fresh])
         finally:
             done.set()
         try:
-            self.dst.write_content([h for _, h in fresh], snapshot)
+            if sides:
+                self.dst.write_content([h for _, h in fresh], snapshot, sides)
+            else:
+                self.dst.write_content([h for _, h in fresh], snapshot)
         except OSError:
             self.writes_skipped += len(fresh)
             raise

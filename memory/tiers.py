@@ -9,6 +9,11 @@ What does not: which blocks a sequence holds (`memory.allocator`, `memory.pool`)
 description (`memory.layout`), the stores themselves (`storage/`), and moving blocks between
 tiers (`UnifiedMemoryPool.move`).
 
+Side values: a block stored by content may have one side value beside it (`write_content`'s
+`sides`, `read_side`), bytes a format keeps next to the block that a sequence attaching it
+needs too (hybrid's fp16 attention sinks beside block 0). It is written in the block's
+transaction and checksummed like a block; a missing or corrupt one is a miss.
+
 Slices: a block may be read in slices, one per entry of each arena's first axis (a KV layout's
 layers), so a strategy can read one layer of many blocks while the previous layer computes.
 A `StoreTier` with `slices` > 1 stores each (block, slice) as its own value.
@@ -310,12 +315,18 @@ class StoreTier(Tier):
         if items:
             self._store.put_many(items)  # one transaction: all blocks land, or none
 
-    def write_content(self, content_keys: Sequence[bytes], snapshot: Mapping[str, np.ndarray]):
-        """Store blocks by content key, from a `TensorTier.snapshot` of them (same order).
+    def write_content(
+        self,
+        content_keys: Sequence[bytes],
+        snapshot: Mapping[str, np.ndarray],
+        sides: Sequence[tuple[bytes, bytes]] = (),
+    ):
+        """Store blocks by content key, from a `TensorTier.snapshot` of them (same order), and
+        `sides` [(content key, bytes)]: side values, in the same transaction.
 
         The values are byte for byte those `write` stores for the same blocks.
         """
-        items = []
+        items = [(_side_key(key), data) for key, data in sides]
         for i, key in enumerate(content_keys):
             for s in range(self.slices):
                 views = [
@@ -329,6 +340,14 @@ class StoreTier(Tier):
                 )
         if items:
             self._store.put_many(items)  # one transaction: all blocks land, or none
+
+    # -- side values -----------------------------------------------------------------------
+
+    def read_side(self, content_key: bytes) -> bytes | None:
+        """The side value stored beside the block of `content_key` (what a format keeps next
+        to a block and a sequence attaching it needs: hybrid's fp16 sinks beside block 0), or
+        None when missing or corrupt (a miss: the request recomputes)."""
+        return self._store.get(_side_key(content_key))
 
     # -- the store -------------------------------------------------------------------------
 
@@ -347,6 +366,11 @@ def _byte_runs(a: np.ndarray) -> list[memoryview]:
     if a.flags.c_contiguous:
         return [memoryview(a).cast("B")]
     return [c for sub in a for c in _byte_runs(sub)]
+
+
+def _side_key(content_key: bytes) -> bytes:
+    # A suffix no slice index reaches: a side value never meets a block's values.
+    return content_key + b"\xff\xffside"
 
 
 def _slice_suffix(index: int) -> bytes:

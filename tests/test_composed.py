@@ -251,37 +251,77 @@ def test_every_shipped_profile_composes_a_default_that_builds():
         built.strategy.close()
 
 
-def test_packed_blocks_written_through_are_found_by_another_process(tmp_path):
-    """hybrid x tiered: the prompt's packed blocks go through to the SSD tier by content; a new
-    strategy over the same store attaches them and attends as the one that computed them."""
+@pytest.mark.parametrize("sinks", [0, 4, "default"])
+def test_packed_blocks_written_through_are_found_by_another_process(tmp_path, sinks):
+    """hybrid x tiered: the prompt's packed blocks go through to the SSD tier by content, with
+    the fp16 sinks block 0 leaves out beside it; a new strategy over the same store (nothing
+    else shared) attaches them and attends bit for bit as the one that computed them does
+    over its own published blocks."""
     tokens = list(range(100, 100 + 5 * BS + 3))
-    opts = {"sink_tokens": 0, "persist_prefix": True}
+    opts = {} if sinks == "default" else {"sink_tokens": sinks}
 
     def prefill(s, seq):
         s.reserve(seq, len(tokens))
         _drive_one(s, seq, len(tokens), torch.Generator().manual_seed(0))
         s.publish(seq, tokens)
 
+    def next_token(s):
+        assert s.match_prefix(1, tokens) == 5 * BS
+        s.reserve(1, 1)
+        return _drive_one(s, 1, 1, torch.Generator().manual_seed(1))
+
     a = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
     prefill(a, 0)
+    a.free(0)
+    expected = next_token(a)  # over its own published blocks and in-process sinks
     a.close()
     assert a.writer.blocks_written == 5
+    assert a.side_values_written == (1 if a.S else 0)
     b = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
-    assert b.match_prefix(1, tokens) == 5 * BS
-    assert b.stats()["disk_prefix_hits"]["blocks"] == 5
-    # The next token over the attached blocks = over the same tokens computed here.
-    ref = _make("hybrid+resident+all", tmp_path, "ref", sink_tokens=0)
-    prefill(ref, 1)
-    ref.free(1)  # its blocks stay published: seq 1 starts on them like b's does
-    assert ref.match_prefix(1, tokens) == 5 * BS
-    for s in (b, ref):
-        s.reserve(1, 1)
-    out_b = _drive_one(b, 1, 1, torch.Generator().manual_seed(1))
-    out_ref = _drive_one(ref, 1, 1, torch.Generator().manual_seed(1))
-    for x, y in zip(out_b, out_ref, strict=True):
+    got = next_token(b)
+    hits = b.stats()["disk_prefix_hits"]
+    assert (hits["requests"], hits["blocks"]) == (1, 5)
+    assert hits.get("side_loads", 0) == (1 if b.S else 0)
+    for x, y in zip(got, expected, strict=True):
+        assert torch.equal(x, y)
+    # The same tokens computed by a resident cache: attention within rounding of the kernel's
+    # chunking (device blocks read in place there, staged records here).
+    ref = _make("hybrid+resident+all", tmp_path, "ref", **opts)
+    prefill(ref, 0)
+    ref.free(0)
+    for x, y in zip(got, next_token(ref), strict=True):
         assert (x - y).abs().max() <= 1e-5
     b.close()
     ref.close()
+
+
+def test_sinks_are_shared_through_the_remote_tier(tmp_path):
+    """A remote tier (a shared directory here) carries block 0's sinks too: a pool with its own
+    SSD directory attaches the prompt and copies the sinks into its SSD tier."""
+    tokens = list(range(7, 7 + 3 * BS + 1))
+    url = (tmp_path / "remote").as_uri()
+
+    def make(tag):
+        cls = kvstrategies.get("hybrid+tiered+all")
+        opts = cls.check_options({**cls.contract_options, "sink_tokens": 4})
+        page = cls.layout(SPEC, BS, opts).page_bytes
+        tiers = (TierConfig("device", 64 * page), TierConfig("host", 64 * page),
+                 TierConfig("ssd", 64 * page, path=str(tmp_path / tag)),
+                 TierConfig("remote", 64 * page, path=url))  # fmt: skip
+        return create_kv(cls.name, SPEC, PoolConfig(block_size=BS, tiers=tiers), opts)
+
+    a = make("ssd-a")
+    a.reserve(0, len(tokens))
+    _drive_one(a, 0, len(tokens), torch.Generator().manual_seed(0))
+    a.publish(0, tokens)
+    a.close()
+    assert a.remote_writer.blocks_written == 3
+    b = make("ssd-b")
+    assert b.match_prefix(1, tokens) == 3 * BS
+    hits = b.stats()["disk_prefix_hits"]
+    assert hits["remote_blocks"] == 3 and hits["side_loads"] == 1
+    assert b.ssd.read_side(b.pool.content_hashes(1)[0]) is not None  # now local
+    b.close()
 
 
 def _drive_one(s, seq, n, g):

@@ -246,16 +246,15 @@ async def _generate(model, tokenizer, kv, prompt):
     return out.token_ids, report
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-async def test_prefix_persisted_by_a_killed_process_is_loaded_not_recomputed(
-    model, tokenizer, prompt, reference, tmp_path
-):
-    store = tmp_path / "store"
+def _persist_in_child(tmp_path, prompt, *args) -> tuple[int, list[int]]:
+    """Run `prompt` in a child process (tests/_prefix_writer.py with `args`) over the store
+    at tmp_path / "store", SIGKILLed once its blocks are written through: (blocks written,
+    the child's generated tokens)."""
     ids_file = tmp_path / "prompt.txt"
     ids_file.write_text(" ".join(map(str, prompt)))
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "_prefix_writer.py"), str(store), str(ids_file)],
+        [sys.executable, str(HERE / "_prefix_writer.py"), str(tmp_path / "store"),
+         str(ids_file), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -267,13 +266,48 @@ async def test_prefix_persisted_by_a_killed_process_is_loaded_not_recomputed(
         if child.poll() is None:
             child.kill()
             child.wait()
-    blocks = (len(prompt) - 1) // 16
-    assert int(line.split()[1]) == len(prompt) // 16
-    kv = offload(model, store)
+    blocks, *tokens = map(int, line.split()[1:])
+    return blocks, tokens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_prefix_persisted_by_a_killed_process_is_loaded_not_recomputed(
+    model, tokenizer, prompt, reference, tmp_path
+):
+    written, child_tokens = _persist_in_child(tmp_path, prompt)
+    assert written == len(prompt) // 16 and child_tokens == reference
+    kv = offload(model, tmp_path / "store")
     out, report = await _generate(model, tokenizer, kv, prompt)
     assert out == reference
     assert report["disk_prefix_hits"]["requests"] == 1
-    assert report["disk_prefix_hits"]["blocks"] == blocks
+    assert report["disk_prefix_hits"]["blocks"] == (len(prompt) - 1) // 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_hybrid_prefix_from_another_process_is_attached_with_its_fp16_sinks(
+    model, tokenizer, prompt, calibration, tmp_path
+):
+    """hybrid x tiered with the default sinks: another process's prompt is found on disk with
+    the fp16 sinks written beside block 0, attached (not recomputed), and greedy decoding
+    gives the tokens the process that computed it got."""
+    name = "hybrid+tiered+all"
+    written, child_tokens = _persist_in_child(tmp_path, prompt, name, str(calibration))
+    assert written == len(prompt) // 16
+    spec = model.kv_spec()
+    opts = {**SMALL, "calibration": str(calibration)}
+    cfg = config(tmp_path / "store")
+    kv = create_kv(name, spec, cfg, opts)
+    out, report = await _generate(model, tokenizer, kv, prompt)
+    hits = report["disk_prefix_hits"]
+    assert hits["requests"] == 1 and hits["blocks"] == (len(prompt) - 1) // 16
+    assert hits["side_loads"] == (1 if kv.S else 0)
+    assert out == child_tokens
+    # And the same as recomputing here, in a pool that shares nothing.
+    fresh = create_kv(name, spec, config(tmp_path / "fresh"), opts)
+    recomputed, report = await _generate(model, tokenizer, fresh, prompt)
+    assert report["disk_prefix_hits"]["requests"] == 0 and recomputed == child_tokens
 
 
 @pytest.mark.slow

@@ -5,6 +5,9 @@ key is NNNNN. Remember it. NNNNN is the pass key." at a depth of 10%, 50% or 90%
 more filler, then the question "What is the pass key? The pass key is". The model continues
 with 8 greedy tokens; a sample is correct when the 5-digit key appears in them. The question
 is the prompt's last tokens: a strategy that keeps a recent window never drops it.
+
+`filler` replaces the repeated sentences by a text of your own (a development text, so that
+retrieval is measured per text): its first tokens fill the prompt, the text repeated if short.
 """
 
 from __future__ import annotations
@@ -52,27 +55,40 @@ class PasskeyResult:
         return asdict(self)
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of a prompt of about `length` tokens (never more) with the needle at `depth`."""
+def passkey_prompt(
+    tokenizer, length: int, depth: float, key: int, filler: str | None = None
+) -> list[int]:
+    """Token ids of a prompt of about `length` tokens (never more) with the needle at `depth`;
+    `filler` is the text around the needle (default: the repeated FILLER sentences)."""
     if length < MIN_LENGTH:
         raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {length}")
+    if filler is not None and not filler.strip():
+        raise ValueError("the passkey filler text is empty")
     head = tokenizer.encode(INSTRUCTION)
     pin = tokenizer.encode(needle(key))
     tail = tokenizer.encode(QUESTION)
-    sentence = tokenizer.encode(FILLER)
+    sentence = tokenizer.encode(FILLER if filler is None else filler)
     budget = length - len(head) - len(pin) - len(tail)
-    filler = (sentence * (budget // len(sentence) + 1))[:budget]
-    # Sentences stay whole: the filler ends, and the needle goes, after a period.
+    filler_ids = (sentence * (budget // len(sentence) + 1))[:budget]
+    # Sentences stay whole: the filler ends, and the needle goes, after a period that ends a
+    # sentence (whitespace follows: not the one in "Node.js").
     period = tokenizer.encode(".")[-1]
 
-    def boundary(i: int) -> int:
-        while i > 0 and filler[i - 1] != period:
-            i -= 1
-        return i
+    def ends_sentence(j: int) -> bool:
+        if filler_ids[j - 1] != period:
+            return False
+        return j == len(filler_ids) or tokenizer.decode([filler_ids[j]])[:1].isspace()
 
-    filler = filler[: boundary(len(filler))]
-    at = boundary(round(depth * len(filler)))
-    return head + filler[:at] + pin + filler[at:] + tail
+    def boundary(i: int) -> int:
+        j = i
+        while j > 0 and not ends_sentence(j):
+            j -= 1
+        # A text with no sentence end before i (code, a heading) keeps the cut where it was.
+        return j if j > 0 else i
+
+    filler_ids = filler_ids[: boundary(len(filler_ids))]
+    at = boundary(round(depth * len(filler_ids)))
+    return head + filler_ids[:at] + pin + filler_ids[at:] + tail
 
 
 def passkey(
@@ -84,8 +100,10 @@ def passkey(
     seed: int = 0,
     chunk: int = 512,
     progress: bool = False,
+    filler: str | None = None,
 ) -> PasskeyResult:
-    """Run `samples` passkey prompts of `length` tokens through `kv` (depths cycle 10/50/90%)."""
+    """Run `samples` passkey prompts of `length` tokens through `kv` (depths cycle 10/50/90%),
+    around `filler` text if given (see `passkey_prompt`)."""
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     if length + NEW_TOKENS > model.cfg.context_length:
@@ -101,7 +119,7 @@ def passkey(
     for i in tqdm(range(samples), desc="passkey", unit="sample", disable=not progress):
         depth = DEPTHS[i % len(DEPTHS)]
         key = rng.randrange(10_000, 100_000)
-        ids = passkey_prompt(tokenizer, length, depth, key)
+        ids = passkey_prompt(tokenizer, length, depth, key, filler)
         lengths.append(len(ids))
         seq = 1_000_000 + i
         out: list[int] = []

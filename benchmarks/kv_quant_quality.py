@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvstrategies  # noqa: E402
 from benchmarks.common import report  # noqa: E402
+from benchmarks.peers import quanto_run  # noqa: E402
 from engine.assembly import build_kv  # noqa: E402
 from engine.evaluate import perplexity, read_text  # noqa: E402
-from engine.gguf_loader import resolve_model_path  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,58 +83,6 @@ def engine_run(model, tok, ids, name, options=None, block_size=None):
     logits = []
     res = perplexity(model, ids, kv, logits_out=logits)
     return res, torch.cat(logits)
-
-
-def quanto_run(ids, nbits: int, prefill=256, chunk=16):
-    """The protocol through transformers' Llama with QuantizedCache(quanto)."""
-    from transformers import AutoModelForCausalLM, QuantizedCache
-
-    path = resolve_model_path("smollm2")
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    cache = QuantizedCache(
-        backend="quanto", config=hf.config, nbits=nbits, q_group_size=64, residual_length=128
-    )
-    out, nll, scored = [], 0.0, 0
-    starts = [0, *range(prefill, len(ids), chunk)]
-    with torch.inference_mode():
-        for i, start in enumerate(starts):
-            end = prefill if i == 0 else min(start + chunk, len(ids))
-            x = torch.tensor([ids[start:end]])
-            logits = hf(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
-            first = end - 1 if i == 0 else start
-            last = min(end, len(ids) - 1)
-            rows = logits[first - start : last - start]
-            if len(rows):
-                t = torch.tensor(ids[first + 1 : last + 1])
-                nll -= torch.log_softmax(rows, -1).gather(1, t[:, None]).sum().item()
-                scored += len(t)
-                out.append(rows)
-    stored = 0
-    for layer in cache.layers:
-        for name in ("_quantized_keys", "_quantized_values"):
-            stored += _tensor_bytes(getattr(layer, name, None))
-        stored += layer.keys.numel() * layer.keys.element_size() * 2  # the residual window
-    cfg = hf.config
-    elems = (
-        len(ids)
-        * cfg.num_hidden_layers
-        * 2
-        * cfg.num_key_value_heads
-        * (cfg.hidden_size // cfg.num_attention_heads)
-    )
-    return float(torch.tensor(nll / scored).exp()), torch.cat(out), stored * 8 / elems
-
-
-def _tensor_bytes(t) -> int:
-    """Bytes of a (possibly quanto-subclassed) tensor: the sum of its inner plain tensors."""
-    if t is None:
-        return 0
-    if hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
 
 
 def plot(rows: list[dict], path: Path) -> None:

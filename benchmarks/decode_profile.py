@@ -5,11 +5,14 @@ Runs `--steps` greedy decode steps of the real model after a `--context`-token p
 `torch.profiler` (CPU activities, with Python stacks), and charges every operator's self time
 to the part of the step its innermost unikv frame belongs to: `kvstrategies/` is attention (KV
 append and attend), `engine/linear.py`'s matmuls and norm, the model's RoPE table, sampling
-(the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The profiler
-costs microseconds per op, so the step's wall time is also measured without it; "python" is
-that wall time minus the ops' share of the profiled run, scaled to the unprofiled one.
+(the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The matmul
+C kernel (`engine/gemv.c`, called through ctypes) is no torch op: its time is the self time of
+the Python functions in `engine/gemv.py` that call it. The profiler costs microseconds per op,
+so the step's wall time is also measured without it; "python" is that wall time minus the
+ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
+        [--weights float32|native] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from engine.loading import load_model  # noqa: E402
+from kvstrategies.operators import summary  # noqa: E402
 
 # (path fragment, function name or None for any) -> part; the first match, innermost frame first
 RULES = [
@@ -39,6 +43,7 @@ RULES = [
     ("benchmarks/kv_quant_speed.py", "decode", "sampling"),
     ("engine/model.py", None, "other ops"),
 ]
+C_KERNEL = "engine/gemv.py("  # the Python frames that call the matmul C kernel (engine/gemv.c)
 
 
 def part_of(event) -> str:
@@ -64,8 +69,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--strategy", default="full")
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     m, tok = load_model(args.model, progress=False, weights=args.weights)
     kv = build(m, tok, args.strategy)
     ids = context_ids(tok, args.context)
@@ -80,10 +86,15 @@ def main() -> None:
         decode(m, kv, first, pos, args.steps, 0)
         prof_wall = (time.perf_counter() - t0) / args.steps
     kv.close()
+    kernels = summary(m.operators.report())  # which entry served each op (a breaker may switch)
     spent: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = defaultdict(float)
     for e in prof.events():
         t = e.self_cpu_time_total / 1e6
+        if t > 0 and C_KERNEL in e.name:  # a C kernel called by ctypes is no torch op: its time
+            spent["matmul"] += t  # is its Python caller's self time
+            ops["gemv.c (ctypes)"] += t
+            continue
         if t <= 0 or e.name.startswith("ProfilerStep") or is_python(e):
             continue
         spent[part_of(e)] += t
@@ -102,12 +113,14 @@ def main() -> None:
         "top_ops_ms": {
             k: v / steps * scale * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]
         },  # fmt: skip
+        "kernels": kernels,
         "settings": vars(args),
     }
     print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s)")
     for k, v in rows.items():
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")
+    print(f"  kernels: {kernels}")
     print(json.dumps(out))
 
 

@@ -8,17 +8,22 @@ breaker (`kvstrategies.operators`), the block formats (`engine.quantized`), the 
 (`engine.model`).
 
 Ops and their entries, in preference order (the last is the reference, available everywhere):
-- matmul.float (weights in the compute dtype): split_bmm (CPU), mm.
+- matmul.float (weights in the compute dtype): gemv (CPU, AVX-512: `engine/gemv.c` for decode,
+  at most `gemv.MAX_ROWS` rows of float32; larger batches go on to split_bmm), split_bmm (CPU),
+  mm.
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
-- matmul.q8_0: int4x2 (CPU: PyTorch's int4 kernel over two nibble planes, group-exact),
-  int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
-- matmul.q4_0, matmul.q4_1: int4 (CPU: `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
+- matmul.q8_0: gemv (CPU, AVX-512: the GGUF blocks decoded in registers, float32 activations;
+  larger batches go on to int4x2), int4x2 (CPU: PyTorch's int4 kernel over two nibble planes,
+  group-exact), int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
+- matmul.q4_0, matmul.q4_1: gemv (as for Q8_0; larger batches: int4), int4 (CPU:
+  `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
 - rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
-NOTE: PyTorch's int4 and int8 CPU kernels are fast only for bf16 activations (measured here at
-batch 1 on SmolLM2's 49152 x 576 head: int4 1.2 ms in bf16, 56 ms in float32, against 8 ms for
-float32 weights), so the native entries multiply in bf16 and return the caller's dtype: the
-activations and the group scales are rounded to bf16 (docs/kernels.md gives the error).
+NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed weights) are fast
+only for bf16 activations (measured here at batch 1 on SmolLM2's 49152 x 576 head: int4 1.2 ms
+in bf16, 56 ms in float32, against 8 ms for float32 weights), so those entries multiply in bf16
+and return the caller's dtype: the activations and the group scales are rounded to bf16
+(docs/kernels.md gives the error). The gemv entry (decode) keeps float32 activations.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 
 from kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
 
+from . import gemv
 from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
 
 log = logging.getLogger(__name__)
@@ -38,40 +44,42 @@ NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 
 
 class SplitLinear:
-    """y = x @ W.T with W stored as column slices, [P, in, out/P], multiplied by one `bmm`.
+    """y = x @ W.T with W stored row-major [out, in], multiplied by the decode kernel (a few rows,
+    `engine.gemv`) or, for larger batches, as column slices by one `bmm`.
 
     NOTE: on CPU, MKL runs a matrix-vector product (decode at batch 1) on one core, and skinny
     matrix products poorly. Splitting the output columns into P slices and multiplying them as a
     batch lets every core stream its own slice of the weights: measured here 33 -> 16 ms per token
-    at batch 1 (two cores), and never slower up to 256 rows. Results equal `x @ W.T` bit for bit.
+    at batch 1 (two cores), and never slower up to 256 rows. The slices are a view of the
+    row-major weight ([P, out/P, in] read transposed, which `bmm` takes as it is: measured here
+    as fast as the copied [P, in, out/P] layout from 8 to 512 rows), so the gemv kernel and the
+    bmm share one copy of the weights.
     """
 
     def __init__(self, weight: torch.Tensor, parts: int) -> None:
         out_features, in_features = weight.shape
         while out_features % parts:
             parts //= 2
-        self.parts, self.out_features = parts, out_features
-        # weight: [out, in] -> [in, out] -> [P, in, out/P]
-        w = weight.t().contiguous().view(in_features, parts, out_features // parts)
-        self.weight = w.permute(1, 0, 2).contiguous()
+        self.parts, self.out_features, self.in_features = parts, out_features, in_features
+        self.weight = weight.contiguous()  # [out, in]
+        # [out, in] -> [P, out/P, in] -> [P, in, out/P]: a view, no copy
+        self.slices = self.weight.view(parts, out_features // parts, in_features).transpose(1, 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
         if self.parts == 1:
-            return x @ self.weight[0]
+            return x @ self.slices[0]
         n = x.shape[0]
-        y = torch.bmm(x.expand(self.parts, n, x.shape[1]), self.weight)  # [P, N, out/P]
+        y = torch.bmm(x.expand(self.parts, n, x.shape[1]), self.slices)  # [P, N, out/P]
         return y.permute(1, 0, 2).reshape(n, self.out_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of W (as an embedding table) for `index`: [N] -> [N, in]."""
-        per = self.out_features // self.parts
-        return self.weight[index // per, :, index % per]
+        return self.weight[index]
 
     def to_dense(self) -> torch.Tensor:
         """W as float32 [out, in]."""
-        # [P, in, out/P] -> [P, out/P, in] -> [out, in]: column p * out/P + j is slice p's j.
-        return self.weight.transpose(1, 2).reshape(self.out_features, -1).float()
+        return self.weight.float()
 
 
 class PackedWeight:
@@ -187,11 +195,11 @@ def _aten(name: str) -> Callable[[torch.device, object], str | None]:
 
 
 def _mm_slices(x: torch.Tensor, w: SplitLinear) -> torch.Tensor:
-    """The reference float matmul: one plain product per column slice."""
+    """The reference float matmul: one plain product."""
     wd = w.weight
     if wd.dtype != x.dtype:
-        return torch.cat([x.float() @ wd[p].float() for p in range(w.parts)], -1).to(x.dtype)
-    return torch.cat([x @ wd[p] for p in range(w.parts)], -1)
+        return (x.float() @ wd.float().t()).to(x.dtype)
+    return x @ wd.t()
 
 
 def _mm_dequant(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -235,6 +243,35 @@ class _Packed(FnImplementation):
         w.form(*self._form)
 
 
+def _gemv_available(device: torch.device, owner: object) -> str | None:
+    return "a CPU kernel" if device.type != "cpu" else gemv.unavailable()
+
+
+def _gemv_float(x: torch.Tensor, w: SplitLinear) -> torch.Tensor:
+    """Decode (at most gemv.MAX_ROWS rows of float32) by the C kernel, anything else by bmm."""
+    n = x.shape[0]
+    if not 0 < n <= gemv.MAX_ROWS or x.dtype != torch.float32 or w.weight.dtype != torch.float32:
+        return w(x)
+    return gemv.gemv_float(x, w.weight)
+
+
+def _blocks(q: QuantizedTensor) -> torch.Tensor:
+    return q.blocks.contiguous()  # the same tensor when it already is (no copy)
+
+
+def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
+    """The packed entry: decode rows by the C kernel on the GGUF blocks (float32 activations),
+    larger batches by `large` (the format's next entry: prefill keeps PyTorch's kernels)."""
+
+    def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        if not 0 < x.shape[0] <= gemv.MAX_ROWS or w.in_features > gemv.MAX_IN:
+            return large(x, w)
+        y = gemv.gemv_packed(x.float(), w.form("blocks", _blocks), w.q.qtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    return fn
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as the reference implementation does."""
     xf = x.float()
@@ -247,6 +284,7 @@ def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def _register() -> None:
+    register(FnImplementation("matmul.float", "gemv", _gemv_float, ("cpu",), _gemv_available), 5)
     register(FnImplementation("matmul.float", "split_bmm", lambda x, w: w(x)), 10)
     register(FnImplementation("matmul.float", "mm", _mm_slices, ("*",)), 90, reference=True)
     register(
@@ -257,8 +295,14 @@ def _register() -> None:
     )  # fmt: skip
     register(FnImplementation("matmul.bf16", "mm", _mm_slices, ("*",)), 90, reference=True)
     int4 = _aten("_weight_int4pack_mm_for_cpu")
+    has_int4 = int4(torch.device("cpu"), None) is None
     for fmt in NATIVE_FORMATS:
         op = f"matmul.{fmt.lower()}"
+        # gemv's batches above MAX_ROWS go to the int4 kernel (its form is prepared with it)
+        large, form = (
+            (_int4_mm, ("int4", _int4_form)) if has_int4 else (_mm_dequant, ("blocks", _blocks))
+        )
+        register(_Packed(op, "gemv", _gemv_packed(large), *form, _gemv_available), 5)
         name = "int4x2" if fmt == "Q8_0" else "int4"
         register(_Packed(op, name, _int4_mm, "int4", _int4_form, int4), 10)
         if fmt == "Q8_0":

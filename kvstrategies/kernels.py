@@ -1,4 +1,5 @@
-"""Build and load the small C kernel `hybrid_attend.c` on first use.
+"""Build and load the small C kernels on first use: `hybrid_attend.c` here, and the engine's own
+(`engine/gemv.c`, through `build`).
 
 Compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into a cache directory
 (`$UNIKV_KERNEL_DIR`, default `~/.cache/unikv/kernels`), keyed by a hash of the source, the
@@ -29,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -45,13 +47,17 @@ PROBE_SHAPE = {"T": 16, "D": 64, "NF": 8, "NM": 48, "NL": 8, "VF": 8, "VM": 48, 
                "B": 4, "LB": 2, "G": 3, "SF": 0, "LAT": 0, "DV": 64}  # fmt: skip
 
 
-def _cpu_key() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("" where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        return ""
+
+
+def _cpu_key() -> str:
+    return platform.machine() + cpu_flags()
 
 
 def cache_dir() -> Path:
@@ -63,15 +69,19 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(defines: list[str]) -> Path:
+def build(source: Path, defines: Sequence[str] = ()) -> Path:
+    """The shared library of the C file `source` compiled with `FLAGS` and `defines`: found in
+    `cache_dir()` (keyed by the source, the flags and the CPU) or built there now. Raises
+    RuntimeError saying why it cannot be built (no compiler, an unwritable directory, the
+    compiler's error)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH; set CC or install gcc")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     flags = [*FLAGS, *defines]
     key = hashlib.blake2b(src + " ".join(flags).encode() + _cpu_key().encode(), digest_size=8)
     root = cache_dir()
-    lib = root / f"hybrid_attend-{key.hexdigest()}.so"
+    lib = root / f"{source.stem}-{key.hexdigest()}.so"
     if lib.exists():
         return lib
     try:
@@ -86,12 +96,12 @@ def _build(defines: list[str]) -> Path:
     try:
         try:
             proc = subprocess.run(
-                [cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+                [cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True
             )
         except OSError as e:  # $CC names no program, or one that cannot run
             raise RuntimeError(f"C compiler {cc} cannot run ({e.strerror})") from None
         if proc.returncode:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{cc} failed to build {source.name}: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -113,7 +123,7 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
         KERNEL_ERROR = f"block size {shape['T']} or head dim {shape['D']} not a multiple of 16"
         return None
     try:
-        lib = ctypes.CDLL(str(_build([f"-DK{k}={v}" for k, v in key])))
+        lib = ctypes.CDLL(str(build(SOURCE, [f"-DK{k}={v}" for k, v in key])))
     except (OSError, RuntimeError) as e:
         KERNEL_ERROR = str(e)
         if KERNEL_ERROR not in _warned:  # once per reason, not once per strategy built

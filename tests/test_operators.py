@@ -231,3 +231,83 @@ def test_cuda_entries_agree(op):
     impl = operators.choose(op, "cuda")[0][0]
     got, want = impl(*args), operators.reference(op)(*args)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= rtol
+
+
+# ---- the decode kernel (engine/gemv.c): a few rows, odd shapes, one and two threads ----------
+
+
+def _gemv_entry(op: str):
+    impl = next(i for i in operators.implementations(op, "cpu") if i.name == "gemv")
+    reason = impl.available(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    return impl
+
+
+# (out, in): out not a multiple of the thread split or of 16, in not a multiple of 16 (float) or
+# of 64 (the blocks: in is a multiple of 32 there), a single output row, one block per row.
+FLOAT_SHAPES = [(67, 100), (1, 16), (130, 577), (257, 1536), (96, 7)]
+PACKED_SHAPES = [(67, 96), (1, 32), (130, 32), (257, 576), (80, 1568)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("fmt", ["float", *sorted(FORMATS)])
+def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads):
+    op = f"matmul.{fmt.lower()}"
+    impl, ref = _gemv_entry(op), operators.reference(op)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out, cols in FLOAT_SHAPES if fmt == "float" else PACKED_SHAPES:
+            torch.manual_seed(out + cols)
+            x = torch.randn(rows, cols)
+            if fmt == "float":
+                w = linear.SplitLinear(torch.randn(out, cols), 4)
+            else:
+                w = linear.PackedWeight(_packed(fmt, out, cols), torch.float32)
+            got, want = impl(x, w), ref(x, w)
+            assert got.shape == (rows, out)
+            # float32 activations, the weights decoded exactly: only the sums' order differs
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-5, f"{op} {rows}x{cols} @ {out}x{cols}: {err:.2e}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", ["float", "Q8_0", "Q4_1"])
+def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, monkeypatch):
+    """Prefill keeps PyTorch's kernels: a call of more rows than gemv.MAX_ROWS (or of none)
+    never reaches the C library."""
+    from engine import gemv
+
+    op = f"matmul.{fmt.lower()}"
+    impl = _gemv_entry(op)
+
+    def boom(*args):
+        raise AssertionError("the C kernel was called for a large batch")
+
+    monkeypatch.setattr(gemv, "gemv_float", boom)
+    monkeypatch.setattr(gemv, "gemv_packed", boom)
+    x = torch.randn(gemv.MAX_ROWS + 1, 128)
+    w = (linear.SplitLinear(torch.randn(64, 128), 4) if fmt == "float"
+         else linear.PackedWeight(_packed(fmt), torch.float32))  # fmt: skip
+    want = operators.reference(op)(x, w)
+    err = ((impl(x, w) - want).norm() / want.norm()).item()
+    assert err < 2e-2
+    assert impl(x[:0], w).shape == (0, 64)  # no rows (an empty logits selection): not C either
+
+
+def test_gemv_unavailable_says_why(monkeypatch):
+    from engine import gemv
+    from kvstrategies import kernels
+
+    monkeypatch.setattr(gemv, "_state", {})
+    monkeypatch.setenv("UNIKV_NO_KERNEL", "1")
+    assert gemv.unavailable() == "disabled by UNIKV_NO_KERNEL=1"
+    monkeypatch.setattr(gemv, "_state", {})
+    monkeypatch.delenv("UNIKV_NO_KERNEL")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2")
+    assert "no avx512f / avx512bw" in gemv.unavailable()
+    chosen, skipped = operators.choose("matmul.q4_1", "cpu")
+    assert "gemv" in skipped and chosen[0].name != "gemv"  # the next entry serves

@@ -1,0 +1,88 @@
+"""The decode matrix-vector kernel `gemv.c`: built on first use, loaded, and called.
+
+What lives here: `unavailable()` (why this machine cannot run the kernel, or None), `MAX_ROWS`
+(the most activation rows one call takes: decode; larger batches keep PyTorch's matrix
+products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
+GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations). What does not: the registry entries that
+choose between this and PyTorch (`engine.linear`), the build and its cache
+(`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
+directory, the same libgomp as torch, so the kernel's OpenMP threads are torch's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kvstrategies import kernels
+
+SOURCE = Path(__file__).with_name("gemv.c")
+MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
+MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
+FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
+log = logging.getLogger(__name__)
+_state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
+
+
+def _load() -> ctypes.CDLL | None:
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")  # type: ignore[return-value]
+    if os.environ.get("UNIKV_NO_KERNEL") == "1":
+        _state["error"] = "disabled by UNIKV_NO_KERNEL=1"
+        return None
+    flags = kernels.cpu_flags().split()
+    missing = [f for f in ("avx512f", "avx512bw") if f not in flags]
+    if missing:
+        _state["error"] = f"this CPU has no {' / '.join(missing)} (gemv.c needs AVX-512)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(kernels.build(SOURCE)))
+    except (OSError, RuntimeError) as e:
+        _state["error"] = str(e)
+        log.warning("matmul kernel gemv.c: PyTorch fallback (%s)", e)
+        return None
+    lib.gemv_max_in.restype = ctypes.c_long
+    if not lib.gemv_ok() or lib.gemv_max_rows() != MAX_ROWS or lib.gemv_max_in() != MAX_IN:
+        _state["error"] = "gemv.c was built without AVX-512 (is -march=native honoured?)"
+        return None
+    p, i, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.gemv_f32.argtypes = [p, i, p, lng, lng, p, i]
+    lib.gemv_q.argtypes = [i, p, i, p, lng, lng, p, i]
+    lib.gemv_f32.restype = lib.gemv_q.restype = None
+    _state["lib"] = lib
+    return lib
+
+
+def unavailable() -> str | None:
+    """None when the kernel is built (or buildable) and this CPU runs it, else why not."""
+    _load()
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def gemv_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: float32 [N, in] (N <= MAX_ROWS), w: float32 [out, in] contiguous -> [N, out]."""
+    n = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty((n, w.shape[0]), dtype=torch.float32)
+    _state["lib"].gemv_f32(  # type: ignore[attr-defined]
+        x.data_ptr(), n, w.data_ptr(), w.shape[0], w.shape[1], y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def gemv_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x: float32 [N, in] (N <= MAX_ROWS, in <= MAX_IN), blocks: a contiguous uint8
+    [out, in / 32, bytes] of `qtype` -> [N, out]."""
+    n = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
+    _state["lib"].gemv_q(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), blocks.shape[0],
+        blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return y

@@ -44,14 +44,21 @@ class RotaryTable:
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = (emb.cos() * attention_factor).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
+        # rotate_half(x) = roll(x, D/2) with its first half negated: the sign goes into sin
+        half = self.sin.shape[-1] // 2
+        self._sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        self._last: tuple | None = None  # (positions, cos, signed sin) of the last call
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x: [N, H, D] by each row's position (rotate-half convention)."""
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        last = self._last
+        if last is None or last[0] is not positions:
+            # Every layer of a step rotates by the same positions: gathered once per step. (The
+            # tuple holds `positions`, so no later tensor can reuse its identity.)
+            last = self._last = (positions, self.cos[positions].unsqueeze(1),
+                                 self._sin_signed[positions].unsqueeze(1))  # fmt: skip
+        # x * cos + rotate_half(x) * sin, with cos, sin: [N, 1, D]
+        return torch.addcmul(x * last[1], x.roll(x.shape[-1] // 2, -1), last[2])
 
 
 class LlamaModel:
@@ -112,11 +119,13 @@ class LlamaModel:
         n = x.shape[0]
         attn_norm, wqkv, wo, ffn_norm, wgu, wdown = self.layers[li]
         h = self._rms(x, attn_norm, cfg.rms_norm_eps)
-        qkv = wqkv(h)  # [N, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = self._rope(self.rope, q.view(n, hq, d), positions)  # [N, Hq, D]
-        k = self._rope(self.rope, k.view(n, hkv, d), positions)  # [N, Hkv, D]
-        kv.append(li, k, v.view(n, hkv, d))
+        # [N, (Hq + 2 Hkv) D] -> [N, Hq + 2 Hkv, D] -> q and k [N, Hq + Hkv, D], v [N, Hkv, D]
+        qk, v = wqkv(h).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
+        # NOTE: q and k rotated by one call (a decode step's Python is mostly per-op overhead)
+        q, k = self._rope(self.rope, qk, positions).split([hq, hkv], dim=1)
+        if n > 1:  # one row's head slices are contiguous already
+            q, k = q.contiguous(), k.contiguous()
+        kv.append(li, k, v)
         attn = kv.attend(li, q)  # [N, Hq, D]
         x = x + wo(attn.reshape(n, hq * d))
         h = self._rms(x, ffn_norm, cfg.rms_norm_eps)

@@ -1,9 +1,11 @@
-"""Decode step time of `hierarchical_offload` with its host and SSD tiers in use, against the
-same strategy with every block on the device, same model, same process, interleaved.
+"""Decode step time of a tiered strategy with its host and SSD tiers in use, against the same
+strategy with every block on the device, same model, same process, interleaved; by default
+for `hierarchical_offload` (fp32 blocks: the baseline) and `hybrid+tiered+all` (packed
+fp16+int4 records, 7.3x fewer bytes per block than fp32) in the same run.
 
-For each context length, five caches prefill the same text, then decode `--new-tokens` greedy
-tokens per round, rounds alternating device, host, host_stage, ssd, ssd_cold after a warm-up
-round; the step time is the median over rounds.
+For each context length and strategy, one cache per case prefills the same text, then decodes
+`--new-tokens` greedy tokens per round, rounds alternating every (strategy, case) after a
+warm-up round; the step time is the median over rounds.
 
 - device: windows larger than the context (every block on the device tier): the compute-only
   step, and the baseline;
@@ -19,13 +21,16 @@ round; the step time is the median over rounds.
 
 "I/O only" is the time to fetch the ssd_cold step's SSD blocks, every layer, from a cold cache
 through the store with the prefetcher's thread count and nothing else running: the pure I/O
-time for the bytes read. "raw" is the disk's own ceiling for the same number of reads of the
-same size (O_DIRECT, 16 threads, benchmarks/store_bandwidth.py), for context.
-Goals (issue 5), reported, never asserted: host <= 1.05 x device; ssd_cold <= 1.1 x
-max(device, I/O only).
+time for the bytes read (per strategy: its own blocks' bytes). "raw" is the disk's own
+ceiling for the same number of reads of the same size (O_DIRECT, 16 threads,
+benchmarks/store_bandwidth.py), for context.
+Goals, reported, never asserted: host <= 1.05 x device (issue 5); ssd_cold <= 1.1 x
+max(device, I/O only) (issue 5 for fp32; issue 22 for `tiered x hybrid`, whose SSD step
+moves 3.6x fewer bytes than fp16 and 7.3x fewer than fp32).
 
     python benchmarks/offload_speed.py [--contexts 4096 8192] [--new-tokens 16] [--repeats 5]
         [--threads 2] [--prefetch-depth N] [--io-threads N]
+        [--strategies hierarchical_offload hybrid+tiered+all] [--cases device ... ssd_cold]
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from engine.assembly import build_kv  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from memory.config import PoolConfig, TierConfig  # noqa: E402
 
-NAME = "hierarchical_offload"
+STRATEGIES = ("hierarchical_offload", "hybrid+tiered+all")  # the first is the baseline
 HUGE = 1 << 20
 CASES = {  # name -> (options, evict the store's pages before each step)
     "device": ({"device_window": HUGE}, False),
@@ -62,7 +67,8 @@ CASES = {  # name -> (options, evict the store's pages before each step)
 }
 
 
-def build(model, store_dir: Path, options: dict, depth: int | None, threads: int | None = None):
+def build(model, tok, name: str, store_dir: Path, options: dict, depth: int | None,
+          threads: int | None = None):  # fmt: skip
     tiers = (TierConfig("device", 4 << 30), TierConfig("host", 4 << 30),
              TierConfig("ssd", 8 << 30, path=str(store_dir)))  # fmt: skip
     opts = {**options, "persist_prefix": False}
@@ -71,7 +77,9 @@ def build(model, store_dir: Path, options: dict, depth: int | None, threads: int
     if threads is not None:
         opts["io_threads"] = threads
     spec = model.kv_spec()
-    built = build_kv(spec, NAME, PoolConfig(tiers=tiers), options=opts)
+    # With the model: what the strategy needs (hybrid's calibration file) is found or made.
+    built = build_kv(spec, name, PoolConfig(tiers=tiers), options=opts, model=model,
+                     tokenizer=tok)  # fmt: skip
     return built.strategy
 
 
@@ -100,61 +108,77 @@ def io_only(kv, seq: int, threads: int) -> tuple[float, int]:
 def raw_mbps(kv) -> float:
     """The disk's O_DIRECT bandwidth for reads of one SSD value's size (16 threads)."""
     count = sum(r.tier == "ssd" for r in kv.pool.table(0).refs) * kv.spec.num_layers
-    return raw_read(kv.ssd.store.path / "data.mdb", kv.ssd.slice_bytes, count, 16)[0]
+    # O_DIRECT reads whole 4 KiB pages: a packed record's value is rounded up to them.
+    size = -(-kv.ssd.slice_bytes // 4096) * 4096
+    return raw_read(kv.ssd.store.path / "data.mdb", size, count, 16)[0]
 
 
 def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
     # Decoding must stay inside the model's context (8,192 for SmolLM2: "8K" is 8,096 + 96).
     n = min(n, model.cfg.context_length - (args.repeats + 1) * args.new_tokens)
     ids = context_ids(tok, n)
+    runs = [(name, case) for name in args.strategies for case in args.cases]
     caches, firsts = {}, {}
-    for name, (options, _) in CASES.items():
-        kv = build(model, root / f"{n}-{name}", options, args.prefetch_depth, args.io_threads)
-        firsts[name] = prefill(model, kv, ids, seq=0)
-        caches[name] = kv
-    pos = {name: n for name in CASES}
-    samples: dict[str, list[float]] = {name: [] for name in CASES}
-    io: list[float] = []
-    io_bytes = 0
+    for i, (name, case) in enumerate(runs):
+        options = CASES[case][0]
+        kv = build(model, tok, name, root / f"{n}-{i}-{case}", options, args.prefetch_depth,
+                   args.io_threads)  # fmt: skip
+        firsts[name, case] = prefill(model, kv, ids, seq=0)
+        caches[name, case] = kv
+    pos = dict.fromkeys(runs, n)
+    samples: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    io: dict[str, list[float]] = {name: [] for name in args.strategies}
+    io_bytes: dict[str, int] = {}
+    cold = "ssd_cold" in args.cases
     for r in range(args.repeats + 1):  # round 0 warms up
-        for name, (_, cold) in CASES.items():
-            kv = caches[name]
-            hook = (lambda kv=kv: evict(kv)) if cold else None
-            sec = decode(model, kv, firsts[name], pos[name], args.new_tokens, 0, hook)
-            pos[name] += args.new_tokens
+        for run in runs:
+            kv = caches[run]
+            hook = (lambda kv=kv: evict(kv)) if CASES[run[1]][1] else None
+            sec = decode(model, kv, firsts[run], pos[run], args.new_tokens, 0, hook)
+            pos[run] += args.new_tokens
             if r:
-                samples[name].append(sec / args.new_tokens)
-        if r:
-            sec, io_bytes = io_only(caches["ssd_cold"], 0, caches["ssd_cold"].opts["io_threads"])
-            io.append(sec)
-    step = {name: statistics.median(s) for name, s in samples.items()}
-    io_s = statistics.median(io)
-    raw = statistics.median(raw_mbps(caches["ssd_cold"]) for _ in range(3))
+                samples[run].append(sec / args.new_tokens)
+        if r and cold:
+            for name in args.strategies:
+                kv = caches[name, "ssd_cold"]
+                sec, io_bytes[name] = io_only(kv, 0, kv.opts["io_threads"])
+                io[name].append(sec)
+    step = {run: statistics.median(s) for run, s in samples.items()}
     rows = []
-    for name, kv in caches.items():
+    for (name, case), kv in caches.items():
         stats = kv.stats()
         pf = stats["prefetch"]
         row = {
             "context": n,
-            "case": name,
-            "step_ms": step[name] * 1000,
-            "vs_device": step[name] / step["device"],
+            "strategy": name,
+            "case": case,
+            "step_ms": step[name, case] * 1000,
+            "vs_device": step[name, case] / step[name, "device"]
+            if (name, "device") in step
+            else None,
             "tokens_dev/host/ssd": "/".join(
                 str(stats["tokens_by_tier"][t]) for t in ("device", "host", "ssd")
             ),  # fmt: skip
             "hit_ratio": pf["hit_ratio"],
             "wait_ms_per_step": None,
+            "fetch_ms_per_step": None,
         }
         if pf["layers_fetched"]:
             steps = pf["layers_fetched"] / kv.spec.num_layers
             row["wait_ms_per_step"] = pf["wait_s"] * 1000 / steps
-        if name == "ssd_cold":
-            bound = max(step["device"], io_s)
+            row["fetch_ms_per_step"] = pf["fetch_s"] * 1000 / steps
+        if case == "ssd_cold" and (name, "device") in step:
+            io_s = statistics.median(io[name])
+            raw = statistics.median(raw_mbps(kv) for _ in range(3))
+            bound = max(step[name, "device"], io_s)
             row["io_only_ms"] = io_s * 1000
-            row["io_MBps"] = io_bytes / io_s / 1e6
+            row["io_MB_per_step"] = io_bytes[name] / 1e6
+            row["io_MBps"] = io_bytes[name] / io_s / 1e6
             row["raw_MBps"] = raw
-            row["vs_bound"] = step[name] / bound
-            row["vs_raw_bound"] = step[name] / max(step["device"], io_bytes / raw / 1e6)
+            row["vs_bound"] = step[name, case] / bound
+            row["vs_raw_bound"] = step[name, case] / max(
+                step[name, "device"], io_bytes[name] / raw / 1e6
+            )
         rows.append(row)
         kv.close()
     caches.clear()
@@ -172,7 +196,22 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     p.add_argument("--io-threads", type=int, default=None, help="SSD reader threads")
     p.add_argument("--threads", type=int, default=2, help="torch compute threads (default 2)")
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        default=list(STRATEGIES),
+        help="tiered strategies measured, interleaved (default: fp32 and hybrid)",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        choices=list(CASES),
+        help="placements measured (device is every ratio's compute-only baseline)",
+    )
     args = p.parse_args()
+    if "device" not in args.cases:
+        p.error("--cases must include device: the compute-only baseline of every ratio")
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2", progress=False)
     root = Path(tempfile.mkdtemp(prefix="unikv-offload-", dir=args.dir))
@@ -182,27 +221,31 @@ def main() -> None:
             rows += run_context(model, tok, n, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    goals = {}
-    for n in dict.fromkeys(r["context"] for r in rows):
-        by = {r["case"]: r for r in rows if r["context"] == n}
-        goals[n] = {
-            "host_vs_device": by["host"]["vs_device"],
-            "host_goal_met": by["host"]["vs_device"] <= 1.05,
-            "ssd_cold_vs_bound": by["ssd_cold"]["vs_bound"],
-            "ssd_goal_met": by["ssd_cold"]["vs_bound"] <= 1.1,
-        }
+    goals: dict[str, dict] = {}
+    for n, name in dict.fromkeys((r["context"], r["strategy"]) for r in rows):
+        by = {r["case"]: r for r in rows if r["context"] == n and r["strategy"] == name}
+        g = goals.setdefault(f"{name} @ {n}", {})
+        if "host" in by:
+            g["host_vs_device"] = by["host"]["vs_device"]
+            g["host_goal_met"] = by["host"]["vs_device"] <= 1.05
+        if "ssd_cold" in by:
+            g["ssd_cold_vs_bound"] = by["ssd_cold"]["vs_bound"]
+            g["ssd_goal_met"] = by["ssd_cold"]["vs_bound"] <= 1.1
     report(
         "offload_speed",
         rows,
         [
             "context",
+            "strategy",
             "case",
             "step_ms",
             "vs_device",
             "tokens_dev/host/ssd",
             "hit_ratio",
             "wait_ms_per_step",
+            "fetch_ms_per_step",
             "io_only_ms",
+            "io_MB_per_step",
             "io_MBps",
             "raw_MBps",
             "vs_bound",

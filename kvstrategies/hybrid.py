@@ -23,10 +23,10 @@ value fields, the kernel reads value rows from key rows) and keeps the output's 
 
 The class is the `packed` format of `kvstrategies.formats`: `hybrid` as configured, `int8` with
 every channel at 8 bits (one class: no calibration needed). Under a tiered placement its packed
-blocks move and are staged as records (`_packed` gathers the ones off the device), and the fp16
-sinks of a published prompt are persisted beside its block 0 (`_prefix_state`, read back in
-another process by `_load_prefix_state`); under a pruned selection `_compact` re-packs the kept
-tokens.
+blocks move and are attended where they are (`_parts`: device and, on a CPU, host records in
+place, the others as the records the prefetcher staged), and the fp16 sinks of a published
+prompt are persisted beside its block 0 (`_prefix_state`, read back in another process by
+`_load_prefix_state`); under a pruned selection `_compact` re-packs the kept tokens.
 
 One pool block holds, per layer and KV head, one byte record with the fields listed in
 `_Record` (the layout the kernel reads). Bytes reported are the records of quantized blocks plus
@@ -231,6 +231,7 @@ class HybridStrategy(KVStrategy):
         self._dense: dict[int, torch.Tensor] = {}
         self._sink_cache: dict[tuple[int, ...], torch.Tensor] = {}  # first tokens -> sinks
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
         r = self.rec
         shape = {"T": r.T, "D": spec.head_dim, "NF": r.k[0], "NM": r.k[1], "NL": r.k[2],
                  "VF": r.v[0], "VM": r.v[1], "VL": r.v[2], "B": r.bits, "LB": r.low_bits,
@@ -280,7 +281,7 @@ class HybridStrategy(KVStrategy):
             nb = past // self.T
             ids = self.pool.table(sid).block_ids()[:nb]
             if self._groups is not None and any(g[0] != "device" for g in self._groups[i]):
-                ids = list(range(nb))  # tiered, not all on the device: records gathered per layer
+                ids = list(range(nb))  # tiered, not all on the device: rows of `_packed`
             # Dense tokens: sinks + the block being filled; with no packed block yet the sinks
             # are simply the first tokens of that block.
             lo = 0 if nb else self.S
@@ -437,56 +438,92 @@ class HybridStrategy(KVStrategy):
         q = q.float().contiguous()
         out = self._empty_out(q)  # [N, Hq, Dv]
         attend_seq = self.operators["attention.hybrid"]  # the C kernel, else PyTorch
-        records = self._packed(layer, count=True)
+        parts = self._parts(layer, count=True)
         for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
             rows = b.rows(i)
             dense = self._dense[sid][layer]  # [P, H, S + T, D]
             dk, dv = dense[0, :, seq.lo : seq.hi], dense[-1, :, seq.lo : seq.hi]
             # kp[rows], vp[rows]: [n, H, D], contiguous slices of the step's tokens
-            attend_seq(self, layer, records[i], q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows])
+            attend_seq(self, layer, parts[i], q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows])
         # NOTE: the step's tokens move into the side buffers at end_step, not here: `read`
         # (a pruned selection's observers, the transformers adapter) may follow `attend`.
         return out.to(self.spec.dtype)
 
-    def _packed(self, layer: int, count: bool) -> list[torch.Tensor]:
-        """Per batch sequence, the records [*, H, REC] its `_Seq.ids` index for `layer`: the
-        device arena, or (tiered, some blocks elsewhere) its packed blocks gathered in order
-        from the device arena and the prefetcher's staged groups."""
-        arena = self._arena[layer]
+    def _parts(self, layer: int, count: bool) -> list[list[tuple[torch.Tensor, _Seq]]]:
+        """Per batch sequence, its packed blocks of `layer` as pieces in token order: (records
+        [*, H, REC], the `_Seq` of the piece's rows there). Resident, or tiered with every
+        block on the device: one piece, the device arena. Tiered otherwise: one per group, read
+        in place (the device arena; the host arena on a CPU) or staged by the prefetcher, so
+        attention never copies the records it can read where they are."""
         if self._groups is None:
-            return [arena] * len(self._seqs)
+            arena = self._arena[layer]
+            return [[(arena, seq)] for seq in self._seqs]
         staged = self._staged(layer, count)
         out = []
-        for i, groups in enumerate(self._groups):
+        for i, (groups, seq) in enumerate(zip(self._groups, self._seqs, strict=True)):
             if all(kind == "device" for kind, _ in groups):
-                out.append(arena)
+                out.append([(self._arena[layer], seq)])
                 continue
-            parts = [
-                staged[i][what] if kind == "staged" else arena.index_select(0, ids)
-                for (kind, what), ids in zip(groups, self._group_ids[i], strict=True)
-            ]
-            out.append(torch.cat(parts).contiguous())  # [nb, H, REC]
+            pieces = []
+            for (kind, what), ids in zip(groups, self._group_ids[i], strict=True):
+                if kind == "staged":
+                    recs = staged[i][what].contiguous()  # [nb, H, REC], as the kernel reads
+                    ids = self._arange(recs.shape[0], recs.device)
+                else:
+                    recs = self._tier_layers[kind][layer]
+                mask0 = seq.mask0 if not pieces else 0
+                pieces.append((recs, _Seq(len(ids), ids, mask0, 0, 0)))
+            out.append(pieces)
         return out
 
-    def _attend_seq(self, layer, recs, q, seq, dk, dv, ck, cv, out, kernel: bool):
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        """Rows 0..n-1 as an int64 tensor (cached: asked per layer and staged group)."""
+        key = (n, device)
+        got = self._aranges.get(key)
+        if got is None:
+            got = self._aranges[key] = torch.arange(n, dtype=torch.int64, device=device)
+        return got
+
+    def _packed(self, layer: int, count: bool) -> list[torch.Tensor]:
+        """Per batch sequence, the records [*, H, REC] its `_Seq.ids` index for `layer`: the
+        device arena, or (tiered, some blocks elsewhere) its pieces gathered in order (what
+        `read` reconstructs from; attention reads the pieces where they are)."""
+        out = []
+        for pieces, seq in zip(self._parts(layer, count), self._seqs, strict=True):
+            if len(pieces) == 1 and pieces[0][1] is seq:  # the arena, rows `seq.ids`
+                out.append(pieces[0][0])
+            else:
+                out.append(torch.cat([r.index_select(0, s.ids) for r, s in pieces]))
+        return out
+
+    def _attend_seq(self, layer, pieces, q, seq, dk, dv, ck, cv, out, kernel: bool):
         """One sequence's attention written into `out` [n, Hq, Dv] (a view of the step's
-        output): stored blocks (rows `seq.ids` of `recs`, one layer's records) by the C kernel
-        (`kernel`, few query rows) or PyTorch, merged with the step's own tokens by
-        log-sum-exp."""
+        output): stored blocks (`pieces` of `_parts`: rows of one layer's records each) by the
+        C kernel (`kernel`, few query rows) or PyTorch, the dense tokens (`dk`, `dv`) and the
+        step's own tokens, merged by log-sum-exp."""
         h, v_dim = self.spec.num_kv_heads, self.spec.v_dim
         n, g = q.shape[0], q.shape[1] // h
         kernel = kernel and g * n <= _KERNEL_MAX_ROWS
-        if kernel and g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT:
+        if len(pieces) == 1 and kernel and g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT:
+            recs, seq = pieces[0]
             self._call_kernel(layer, recs, q, seq, dk, dv, ck, cv, out)  # one call, in place
             return out
-        qg = self._queries(layer, q)
-        if kernel:
-            o, lse = self._call_kernel(layer, recs, q, seq, dk, dv, None, None, None)
-        else:
-            o, lse = self._attend_torch(recs, qg, seq.ids, dk, dv, seq.mask0)
-        # The step's own tokens (causal), merged with the stored part by log-sum-exp.
-        o2, lse2 = _attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n)
-        o, _ = merge_partials([(o, lse), (o2, lse2)])  # [H, G * n, D], stored value order
+        # Each piece is one partial (output, log-sum-exp); the dense tokens go with the last
+        # one, and so do the step's own tokens where the kernel takes them.
+        fused = kernel and g * n * (dk.shape[1] + n) <= _DENSE_KERNEL_LIMIT
+        qg = None if fused else self._queries(layer, q)
+        parts = []
+        for j, (recs, s) in enumerate(pieces):
+            last = j == len(pieces) - 1
+            pk, pv = (dk, dv) if last else (dk[:, :0], dv[:, :0])
+            if kernel:
+                cur = (ck, cv) if last and fused else (None, None)
+                parts.append(self._call_kernel(layer, recs, q, s, pk, pv, *cur, None))
+            else:
+                parts.append(self._attend_torch(recs, qg, s.ids, pk, pv, s.mask0))
+        if not fused:  # the step's own tokens (causal)
+            parts.append(_attend_dense(qg, ck.transpose(0, 1), cv.transpose(0, 1), n))
+        o, _ = merge_partials(parts)  # [H, G * n, D], stored value order
         o = torch.gather(o, 2, self._v_inverse[layer][:, None, :].expand_as(o))
         o = o[..., :v_dim]  # a latent cache attended with its keys as values: [H, G*n, Dv]
         out.copy_(o.reshape(h, g, n, v_dim).permute(2, 0, 1, 3).reshape(n, h * g, v_dim))
@@ -601,6 +638,10 @@ class HybridStrategy(KVStrategy):
 
     def _pool_blocks(self, past: int, new: int) -> int:
         return past // self.T  # the packed blocks; newer tokens are in the side buffer
+
+    def _in_place(self, tier: str) -> bool:
+        # Host records are attended in place when the compute device reads host memory.
+        return tier == "device" or (tier == "host" and not self.stage_host)
 
     @staticmethod
     def _stage(data: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,9 +16,10 @@ unikv strategy spec with options, `--methods`), with one model load:
   with a T/2-token prefill (the same scored tokens), against unikv's `full`.
 
 Prints one table per figure (PPL change per text with mean and worst; second-half table;
-passkey per text and length), a summary table and one JSON line; `--json-out` saves the
-results (after every run), `--from-json` re-renders tables and chart without recomputing,
-`--png` draws the chart. A method is `SPEC`, `NAME:SPEC` or `NAME:SPEC:{json options}`.
+passkey per text and length), a summary table and one JSON line. `--json-out` saves the
+results after every run (`--resume` keeps what an interrupted run saved there), `--from-json`
+re-renders tables and chart without recomputing, `--png` draws the chart. A method is `SPEC`,
+`NAME:SPEC` or `NAME:SPEC:{json options}`.
 
     python benchmarks/quality_matrix.py --json-out results.json --png docs/quality_matrix.png
     python benchmarks/quality_matrix.py --quick            # smoke test: 512 tokens, one text
@@ -403,6 +404,29 @@ class Runner:
             "skipped": [],
         }
         self.done, self.total, self.t0 = 0, 0, time.perf_counter()
+        if args.resume and args.json_out and Path(args.json_out).exists():
+            self.resume(json.loads(Path(args.json_out).read_text()))
+
+    def resume(self, saved: dict) -> None:
+        """Keep the runs of an earlier, interrupted run with the same protocol."""
+        same = ("tokens", "prefill", "chunk", "passkey_samples", "seed")
+        mine, theirs = self.results["config"], saved["config"]
+        if any(mine[k] != theirs.get(k) for k in same):
+            raise SystemExit(
+                f"--resume: {self.args.json_out} was run with other settings "
+                f"({', '.join(f'{k} {theirs.get(k)}' for k in same)})"
+            )
+        self.results["ppl"], self.results["passkey"] = saved["ppl"], saved["passkey"]
+        print(
+            f"resuming: {len(saved['ppl'])} PPL and {len(saved['passkey'])} passkey runs kept",
+            file=sys.stderr,
+        )
+
+    def have(self, kind: str, **key) -> bool:
+        """Whether a run is already recorded (resumed); counted as done if so."""
+        found = any(all(r[k] == v for k, v in key.items()) for r in self.results[kind])
+        self.done += found
+        return found
 
     def progress(self, what: str, seconds: float) -> None:
         self.done += 1
@@ -446,11 +470,11 @@ class Runner:
         quanto = self.quanto_ready() if not a.no_peers else None
         llama = self.llamacpp_ready() if not a.no_peers else None
         half = [m for m in self.methods if m.name in a.half_methods] if llama else []
-        n_pk = 0 if a.no_passkey else len(a.passkey_lengths)
-        per_text = len(self.methods) * (1 + n_pk) + len(half)
+        n_pk = len(self.passkey_methods()) * len(a.passkey_lengths)
+        per_text = len(self.methods) + n_pk + len(half)
         per_text += (1 + len(QUANTO_BITS)) * bool(quanto) + len(LLAMACPP_TYPES) * bool(llama)
         self.total = per_text * len(self.texts)
-        model, tok = load_model("smollm2", progress=False)
+        model, tok = load_model("smollm2", device=a.device, progress=False)
         for path in self.texts:
             self.run_text(model, tok, path, quanto, llama, half)
         return self.results
@@ -473,6 +497,8 @@ class Runner:
             (HALF, len(ids) // 2 + 1, half),
         ):
             for m in methods:
+                if self.have("ppl", figure=figure, method=m.name, text=name):
+                    continue
                 with assemble_for(model, tok, m.spec, None, None, m.options) as parts:
                     r = perplexity(model, ids, parts.kv.strategy, prefill, a.chunk)
                 self.ppl(
@@ -488,8 +514,10 @@ class Runner:
                 )
             if figure == PROTOCOL and quanto:
                 self.run_quanto(ids, name)
-        for m in [] if a.no_passkey else self.methods:
+        for m in self.passkey_methods():
             for length in a.passkey_lengths:
+                if self.have("passkey", method=m.name, text=name, length=length):
+                    continue
                 with assemble_for(model, tok, m.spec, None, None, m.options) as parts:
                     r = passkey(
                         model,
@@ -516,6 +544,8 @@ class Runner:
         if llama:
             bin_dir, gguf = llama
             for kv_type in LLAMACPP_TYPES:
+                if self.have("ppl", figure=HALF, method=f"llama.cpp {kv_type}", text=name):
+                    continue
                 t0 = time.perf_counter()
                 try:
                     p = llamacpp_perplexity(
@@ -538,14 +568,23 @@ class Runner:
                     time.perf_counter() - t0,
                 )
 
+    def passkey_methods(self) -> list[Method]:
+        """The methods whose passkey accuracy is measured (`--passkey-methods`, default all)."""
+        if self.args.no_passkey:
+            return []
+        wanted = self.args.passkey_methods
+        return [m for m in self.methods if wanted is None or m.name in wanted or m.name == "full"]
+
     def run_quanto(self, ids: list[int], name: str) -> None:
         from benchmarks.peers import hf_run
 
         a = self.args
         for nbits in (None, *QUANTO_BITS):
+            method, ref = (HF_FULL, "full") if nbits is None else (f"quanto int{nbits}", HF_FULL)
+            if self.have("ppl", figure=PROTOCOL, method=method, text=name):
+                continue
             t0 = time.perf_counter()
             p, _, bits = hf_run(ids, nbits, a.prefill, a.chunk)
-            method, ref = (HF_FULL, "full") if nbits is None else (f"quanto int{nbits}", HF_FULL)
             self.ppl(PROTOCOL, method, ref, "transformers", name, p, bits, time.perf_counter() - t0)
 
     def quanto_ready(self) -> bool:
@@ -616,6 +655,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--seed", type=int, default=0, help="passkey seed")
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    ap.add_argument("--device", default="cpu", help="torch device of unikv's model (cpu, cuda)")
+    ap.add_argument(
+        "--passkey-methods",
+        nargs="+",
+        default=None,
+        help="methods (by name) whose passkey is measured (default: all; full always)",
+    )
     ap.add_argument("--no-passkey", action="store_true")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     ap.add_argument(
@@ -624,6 +670,9 @@ def main(argv: list[str] | None = None) -> None:
         help="smoke test: 512 tokens, one text, one passkey sample at 512 tokens",
     )
     ap.add_argument("--json-out", help="save the results here (after every run)")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the runs already saved in --json-out"
+    )
     ap.add_argument("--from-json", help="render saved results instead of running")
     ap.add_argument("--png", help="write the chart here (e.g. docs/quality_matrix.png)")
     ap.add_argument("--clip", type=float, default=12.0, help="chart axis limit, PPL change %%")
@@ -631,6 +680,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
+        if args.resume and not args.json_out:
+            ap.error("--resume needs --json-out (the file to resume)")
         if args.quick:
             args.tokens, args.passkey_samples, args.passkey_lengths = 512, 1, [512]
         methods = [Method.parse(m) for m in args.methods]
@@ -647,6 +698,9 @@ def main(argv: list[str] | None = None) -> None:
         args.half_methods = [n for n in args.half_methods if n in {m.name for m in methods}]
         if "full" not in args.half_methods:
             args.half_methods.insert(0, "full")
+        unknown = set(args.passkey_methods or []) - {m.name for m in methods}
+        if unknown:
+            ap.error(f"--passkey-methods: not among --methods: {', '.join(sorted(unknown))}")
         results = Runner(args, methods, _texts(args.texts, args.quick)).run()
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=1))

@@ -221,7 +221,7 @@ def render(results: dict) -> None:
     if pk:
         depths = sorted({d for r in pk for d in r["depth"]}, key=lambda d: float(d.rstrip("%")))
         _print_table(
-            f"Passkey accuracy (text as haystack, {cfg['passkey_samples']} samples per text "
+            f"Passkey accuracy (text as haystack; {cfg['passkey_samples']} sample(s) per text "
             "and length, depths cycling 10/50/90%; depth columns pooled over the texts)",
             [
                 {

@@ -36,6 +36,7 @@ from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noq
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
 from engine.gguf_loader import resolve_model_path  # noqa: E402
 from engine.loading import load_model  # noqa: E402
+from kvstrategies.operators import summary  # noqa: E402
 
 
 def llama_bench(bin_dir: Path, gguf: Path, *args: str) -> float:
@@ -82,8 +83,8 @@ def main() -> None:
     files = {"F32": converted(shipped, "F32", bins), "Q8_0": converted(shipped, "Q8_0", bins),
              "Q4_1": shipped}  # fmt: skip
     n = args.new_tokens
-    # (case, llama.cpp call, unikv call): the callables return tokens/s.
-    cases: list[tuple[str, object, object]] = []
+    # (case, llama.cpp call, unikv call, model): the callables return tokens/s.
+    cases: list[tuple[str, object, object, object]] = []
     models: dict[str, tuple] = {}
 
     def model(kind: str, weights: str):
@@ -96,12 +97,12 @@ def main() -> None:
             m, tok = model(kind, weights)
             cases.append((f"decode b1, {kind} weights (unikv --weights {weights})",
                           lambda f=files[kind]: llama_bench(bins, f, "-p", "0", "-n", str(n)),
-                          lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n)))  # fmt: skip
+                          lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n), m))  # fmt: skip
     if "prefill" not in args.skip:
         m, tok = model("F32", "float32")
         cases.append(("prefill 512 tokens, F32 weights",
                       lambda: llama_bench(bins, files["F32"], "-p", "512", "-n", "0"),
-                      lambda: unikv_prefill(m, tok, 512)))  # fmt: skip
+                      lambda: unikv_prefill(m, tok, 512), m))  # fmt: skip
     if "context" not in args.skip:
         m, tok = model("F32", "float32")
         for ctx in args.contexts:
@@ -111,9 +112,10 @@ def main() -> None:
                 name = f"decode at {ctx} context: llama.cpp {kv_llama} KV, unikv {strategy}"
                 cases.append((name,
                               lambda flags=flags: llama_bench(bins, files["F32"], *flags),
-                              lambda c=ctx, s=strategy: unikv_decode(m, tok, s, c, n)))  # fmt: skip
+                              lambda c=ctx, s=strategy: unikv_decode(m, tok, s, c, n),
+                              m))  # fmt: skip
     rows = []
-    for name, peer, ours in cases:
+    for name, peer, ours, served in cases:
         ours()  # warm-up (calibration files, lazy packing, page cache)
         a, b = [], []
         for _ in range(args.repeats):
@@ -122,6 +124,9 @@ def main() -> None:
         row = {"case": name, "llama_cpp_tok_s": statistics.median(a),
                "unikv_tok_s": statistics.median(b)}  # fmt: skip
         row["ratio"] = row["unikv_tok_s"] / row["llama_cpp_tok_s"]
+        # which registry entry served each op (gemv.c for decode matmuls where this CPU has it;
+        # a breaker may have switched one for being slow on a busy machine)
+        row["kernels"] = summary(served.operators.report())
         rows.append(row)
         print(json.dumps(row), flush=True)
     report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio"],

@@ -18,16 +18,16 @@ answer; an implementation whose latency over a window (median of `window` timed 
 divided by its budget for that shape) exceeds its budget by more than `tolerance` (15%) is
 switched the same way (its own answer is still returned), unless the next implementation's own
 budget for that shape is slower still. A switch for slowness is a trial: the next
-implementation's first window is timed against the slow one's budgets, and if it is no faster
-than the slow one was (a machine-wide slowdown: another process on the cores, a throttled chip),
-the slow one is put back at once and its budgets are scaled to the pace it ran at (counted as a
-`rebase`): a busy machine is no reason to run a slower kernel. The budget is the
-implementation's own median latency over its first `calibration` timed calls of each shape
-bucket (after one warm-up call): measured when the model first runs, at load or warm-up. Each
-transition is logged once and counted. After `cooldown_s` the switched-off implementation is re-
-probed: it serves again, timed on every call, and is restored after a window back within budget
-(or switched off again). The last implementation (the reference) is never switched off: if it
-raises, the error goes to the caller.
+implementation's first window is timed against the slow one's budgets, and if it is not faster
+than the slow one was by more than `tolerance` (a machine-wide slowdown: another process on the
+cores, a throttled chip), the slow one is put back at once and its budgets are scaled to the
+pace it ran at (counted as a `rebase`): a busy machine is no reason to run a slower kernel. The
+budget is the implementation's own median latency over its first `calibration` timed calls of
+each shape bucket (after one warm-up call): measured when the model first runs, at load or
+warm-up. Each transition is logged once and counted. After `cooldown_s` the switched-off
+implementation is re-probed: it serves again, timed on every call, and is restored after a
+window back within budget (or switched off again). The last implementation (the reference) is
+never switched off: if it raises, the error goes to the caller.
 
 Timing is injectable (`clock`) so tests never read the wall clock. Overhead, measured with a
 micro-benchmark (200,000 calls of a no-op through a healthy breaker against direct calls, 2
@@ -325,7 +325,10 @@ class Breaker:
             return False
         self._trial = None
         mine = statistics.median(seen)
-        if mine < ratio:  # faster than the slow one was: the switch stands
+        # The switch stands only if the next is faster than the slow one was by more than the
+        # tolerance: on a busy machine both run slow, and a next implementation of another
+        # numeric class (e.g. bf16 activations after gemv.c's float32) must not win by noise.
+        if mine * (1 + self.settings.tolerance) < ratio:
             slow_impl = self._states[slow]
             log.warning(
                 "operator %s: %s switched off (%s); %s is faster (%.2fx of its budget)",

@@ -112,6 +112,22 @@ def test_a_slow_switch_is_undone_when_the_next_is_no_faster(caplog):
     assert b.active.name == "fast" and b.report()["fallbacks"] == 1
 
 
+def test_a_slow_switch_is_undone_when_the_next_is_faster_only_by_noise():
+    """The next implementation must beat the slow one by more than the tolerance: 1.4 against
+    1.5 (7% faster) is noise on a busy machine, and the slow one comes back."""
+    clock, cost = Clock(), {"fast": 1.0, "ref": 3.0}
+    b = Breaker("test.op", _impls(clock, cost, set()), SETTINGS, clock)
+    for _ in range(3 + 4):
+        b(torch.tensor(1.0))
+    cost["fast"], cost["ref"] = 1.5, 1.4
+    for _ in range(4):
+        b(torch.tensor(1.0))
+    assert b.active.name == "ref"
+    for _ in range(3 + 4):  # ref calibrates, then its trial window at 1.4x fast's budget
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast" and b.report()["rebases"] == 1
+
+
 def test_no_switch_to_a_known_slower_implementation():
     """A machine-wide slowdown slows every kernel: the breaker keeps one that is still faster
     than the next implementation's own budget."""

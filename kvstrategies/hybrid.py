@@ -400,6 +400,8 @@ class HybridStrategy(KVStrategy):
 
         def header(x: torch.Tensor, rows: int, n: int) -> torch.Tensor:
             """[B, H, rows, n] float: scale rows, then low rows (from fp16 or fp8 + zero)."""
+            if not rows or not n:  # no quantized channel class (e.g. fp16_share = 1)
+                return x.new_zeros((bsz, h, rows, n), dtype=torch.float32)
             x = x.contiguous().view(bsz, h, rows // 2, 2, -1)
             if r.scales == "fp16":
                 return x.view(torch.float16).view(bsz, h, rows, n).float()

@@ -116,6 +116,10 @@ OPTION_SETS = [
     {"fp16_share": 0.25, "bits": 2, "low_share": 0.0},
     {"sink_tokens": 0},
     {"scales": "fp8", "fp16_share": 0.0, "low_share": 0.625, "v_low_share": 0.625},
+    # No quantized class at all on one side: no key (or value) scale headers to read.
+    {"fp16_share": 1.0, "low_share": 0.0},
+    {"v_fp16_share": 1.0, "v_low_share": 0.0},
+    {"scales": "fp8", "fp16_share": 1.0, "low_share": 0.0, "v_fp16_share": 1.0, "v_low_share": 0.0},
 ]
 
 

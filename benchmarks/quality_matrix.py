@@ -472,7 +472,7 @@ class Runner:
         half = [m for m in self.methods if m.name in a.half_methods] if llama else []
         n_pk = len(self.passkey_methods()) * len(a.passkey_lengths)
         per_text = len(self.methods) + n_pk + len(half)
-        per_text += (1 + len(QUANTO_BITS)) * bool(quanto) + len(LLAMACPP_TYPES) * bool(llama)
+        per_text += (1 + len(a.quanto_bits)) * bool(quanto) + len(a.llamacpp_types) * bool(llama)
         self.total = per_text * len(self.texts)
         model, tok = load_model("smollm2", device=a.device, progress=False)
         for path in self.texts:
@@ -543,7 +543,7 @@ class Runner:
                 self.progress(f"passkey {m.name} {name} {length}: {r.accuracy:.2f}", r.seconds)
         if llama:
             bin_dir, gguf = llama
-            for kv_type in LLAMACPP_TYPES:
+            for kv_type in dict.fromkeys(["f16", *self.args.llamacpp_types]):  # f16: the reference
                 if self.have("ppl", figure=HALF, method=f"llama.cpp {kv_type}", text=name):
                     continue
                 t0 = time.perf_counter()
@@ -579,7 +579,7 @@ class Runner:
         from benchmarks.peers import hf_run
 
         a = self.args
-        for nbits in (None, *QUANTO_BITS):
+        for nbits in (None, *a.quanto_bits):
             method, ref = (HF_FULL, "full") if nbits is None else (f"quanto int{nbits}", HF_FULL)
             if self.have("ppl", figure=PROTOCOL, method=method, text=name):
                 continue
@@ -664,6 +664,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--no-passkey", action="store_true")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
+    ap.add_argument(
+        "--llamacpp-types",
+        nargs="+",
+        default=list(LLAMACPP_TYPES),
+        choices=LLAMACPP_TYPES,
+        help="llama.cpp KV types (f16, the reference, always)",
+    )
+    ap.add_argument(
+        "--quanto-bits",
+        nargs="*",
+        type=int,
+        default=list(QUANTO_BITS),
+        choices=QUANTO_BITS,
+        help="quanto cache widths (none: transformers full only)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",

@@ -144,7 +144,7 @@ class HybridStrategy(KVStrategy):
         _option("fp16_share", float, 0.0625, "key channels kept fp16, per layer and head "
                 "(rounded so the main class packs into bytes)", low=0, high=1),
         _option("bits", int, 4, "bit width of the main channel class", choices=BITS),
-        _option("low_share", float, 0.5, "least important key channels, stored at low_bits "
+        _option("low_share", float, 0.25, "least important key channels, stored at low_bits "
                 "(a multiple of 4 channels)", low=0, high=1),
         _option("low_bits", int, 2, "bit width of the least important channels (at most bits)",
                 choices=BITS),
@@ -152,7 +152,7 @@ class HybridStrategy(KVStrategy):
                 none="the keys' fp16_share"),
         _option("v_low_share", float, 0.0, "value channels stored at low_bits", low=0, high=1,
                 none="the keys' low_share"),
-        _option("scales", str, "fp16", "group headers: fp16 (scale + low, 32 bits) or fp8 "
+        _option("scales", str, "fp8", "group headers: fp16 (scale + low, 32 bits) or fp8 "
                 "(e4m3 scale + int8 zero point, 16 bits)", choices=SCALES),
         _option("sink_tokens", int, 4, "first tokens kept fp16 (at most the block size)",
                 low=0, high=1024),

@@ -146,7 +146,7 @@ def test_more_bits_less_error():
 
 
 def test_bytes_count_every_field():
-    s = make({"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2})
+    s = make({"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2, "scales": "fp16"})
     b = StepBatch([0], [2 * BS + 3])
     assert s.reserve(0, 2 * BS + 3)
     s.begin_step(b)
@@ -165,7 +165,10 @@ def test_bytes_count_every_field():
 
 def test_latent_stores_keys_only():
     """A latent cache's record has no value fields, its side buffers no value part."""
-    s = make({"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2}, spec=LATENT)
+    s = make(
+        {"fp16_share": 0.0, "low_share": 0.0, "bits": 4, "sink_tokens": 2, "scales": "fp16"},
+        spec=LATENT,
+    )
     n = 2 * BS + 3
     assert s.reserve(0, n)
     s.begin_step(StepBatch([0], [n]))

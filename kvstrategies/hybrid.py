@@ -350,7 +350,9 @@ class HybridStrategy(KVStrategy):
                 for part, x in new:
                     part[:, at : at + m] = x[:, n - m :]
 
-    def _quantize(self, k: torch.Tensor, v: torch.Tensor, mask0: int) -> torch.Tensor:
+    def _quantize(
+        self, k: torch.Tensor, v: torch.Tensor, mask0: int, again: bool = False
+    ) -> torch.Tensor:
         """Records [B, H, REC] uint8 of blocks k, v: [B, H, T, D] in stored channel order;
         `mask0` leading tokens of the first block are sinks, left out of its key ranges."""
         r = self.rec
@@ -364,7 +366,7 @@ class HybridStrategy(KVStrategy):
                 continue
             # Keys: per channel over the block's tokens, sinks left out of the range.
             kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
-            codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0)
+            codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0, again=again)
             k_sc.append(torch.cat([_bytes1(scale), _bytes1(low)], -1))  # [B, H, C, 2 * hb]
             parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
         # [B, H, C, 2 * hb] -> rows [scales][lows] of [B, H, 2, C * hb]
@@ -377,7 +379,7 @@ class HybridStrategy(KVStrategy):
                 parts["v" + name] = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
                 continue
             # Values: per token over the class's channels.
-            codes, scale, low = quantize(v[..., lo:hi], bits, -1, r.scales)  # [B, H, T, C]
+            codes, scale, low = quantize(v[..., lo:hi], bits, -1, r.scales, again=again)
             v_sc += [_bytes1(scale), _bytes1(low)]  # rows of [B, H, 2 * classes, T * hb]
             parts["v" + name] = pack(codes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
         empty = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
@@ -681,7 +683,8 @@ class HybridStrategy(KVStrategy):
                 h, d = k.shape[0], k.shape[-1]
                 kb = k[:, f * T : nb * T].reshape(h, nb - f, T, d).transpose(0, 1)
                 vb = v[:, f * T : nb * T].reshape(h, nb - f, T, d).transpose(0, 1)
-                recs = self._quantize(kb, vb, self.S if f == 0 else 0)  # [nb - f, H, REC]
+                # Values already quantized once: `again` keeps unchanged groups as they were.
+                recs = self._quantize(kb, vb, self.S if f == 0 else 0, again=True)
                 self._arena[layer].index_copy_(0, ids, recs)
             tail = m - nb * T
             for part, x in zip(dense[layer], (k, v), strict=False):  # a latent cache: keys only

@@ -291,7 +291,9 @@ async def test_a_hybrid_prefix_from_another_process_is_attached_with_its_fp16_si
 ):
     """hybrid x tiered with the default sinks: another process's prompt is found on disk with
     the fp16 sinks written beside block 0, attached (not recomputed), and greedy decoding
-    gives the tokens the process that computed it got."""
+    gives the tokens a prefix hit in one process gives. (Not necessarily the tokens of the
+    process that computed the prompt: it attended its prompt's own tokens at full precision
+    within the prefill, an attached prefix is read packed.)"""
     name = "hybrid+tiered+all"
     written, child_tokens = _persist_in_child(tmp_path, prompt, name, str(calibration))
     assert written == len(prompt) // 16
@@ -303,11 +305,19 @@ async def test_a_hybrid_prefix_from_another_process_is_attached_with_its_fp16_si
     hits = report["disk_prefix_hits"]
     assert hits["requests"] == 1 and hits["blocks"] == (len(prompt) - 1) // 16
     assert hits["side_loads"] == (1 if kv.S else 0)
-    assert out == child_tokens
-    # And the same as recomputing here, in a pool that shares nothing.
+    # In a pool that shares nothing: computing the prompt gives the child's tokens, and the
+    # same prompt again (a prefix hit in this pool, over the same packed blocks and sinks)
+    # gives the tokens of the attach from the other process's store.
     fresh = create_kv(name, spec, config(tmp_path / "fresh"), opts)
-    recomputed, report = await _generate(model, tokenizer, fresh, prompt)
-    assert report["disk_prefix_hits"]["requests"] == 0 and recomputed == child_tokens
+    async with Engine(model, tokenizer, kv=fresh) as e:
+        first = e.submit(prompt, GREEDY)
+        computed = (await first.result()).token_ids
+        second = e.submit(prompt, GREEDY)
+        attached = (await second.result()).token_ids
+    fresh.close()
+    assert first._req.prefix_hit == 0 and computed == child_tokens
+    assert second._req.prefix_hit == (len(prompt) - 1) // 16 * 16
+    assert out == attached
 
 
 @pytest.mark.slow

@@ -32,11 +32,18 @@ class StepBatch:
 
     seq_ids: list[int]
     query_lens: list[int]
+    # Per sequence: True where its prompt goes on in a later step (chunked prefill), so a
+    # query-aware strategy waits for the prompt's end, its question, before it evicts.
+    more_prompt: list[bool] | None = None
     offsets: list[int] = field(init=False)  # start row of each sequence in the packed tensors
 
     def __post_init__(self) -> None:
         if len(self.seq_ids) != len(self.query_lens):
             raise ValueError("seq_ids and query_lens differ in length")
+        if self.more_prompt is None:
+            self.more_prompt = [False] * len(self.seq_ids)
+        elif len(self.more_prompt) != len(self.seq_ids):
+            raise ValueError("seq_ids and more_prompt differ in length")
         if len(set(self.seq_ids)) != len(self.seq_ids):
             raise ValueError(f"a sequence appears twice in one step: {self.seq_ids}")
         if any(n <= 0 for n in self.query_lens):

@@ -3,10 +3,10 @@
 llama.cpp is found or built by `benchmarks/llamacpp.py` (from the `llama-cpp-python` source
 package on PyPI; about 15 minutes on 2 cores the first time), and the packaged SmolLM2 file is
 requantized with its `llama-quantize` to F32 and Q8_0 (cached beside the build). Each case runs
-`llama-bench` (2 threads, its own timing of the generation or prompt phase) and the same work
-through unikv's model (`model.forward` with the KV strategy, greedy argmax per token: the
-engine's decode loop without the scheduler), interleaved: llama.cpp, unikv, llama.cpp, ...;
-the median of `--repeats` rounds.
+`llama-bench` (`--threads` threads, default 2, as many as unikv's torch threads; its own timing
+of the generation or prompt phase) and the same work through unikv's model (`model.forward`
+with the KV strategy, greedy argmax per token: the engine's decode loop without the
+scheduler), interleaved: llama.cpp, unikv, llama.cpp, ...; the median of `--repeats` rounds.
 
 | case | llama.cpp | unikv |
 |---|---|---|
@@ -39,10 +39,11 @@ from engine.loading import load_model  # noqa: E402
 from kvstrategies.operators import summary  # noqa: E402
 
 
-def llama_bench(bin_dir: Path, gguf: Path, *args: str) -> float:
-    """tokens/s of one llama-bench test (its average over 1 repetition)."""
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> float:
+    """tokens/s of one llama-bench test (its average over 1 repetition) on `threads` threads."""
     out = subprocess.run(
-        [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", "-r", "1", "-o", "json", *args],
+        [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o",
+         "json", *args],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return float(json.loads(out)[0]["avg_ts"])
@@ -76,8 +77,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip", nargs="*", default=[], choices=["weights", "prefill", "context"])
+    kinds = ["F32", "Q8_0", "Q4_1"]
+    p.add_argument("--kinds", nargs="*", default=kinds, choices=kinds, help="decode cases' weights")
+    p.add_argument("--threads", type=int, default=2, help="both engines' threads")
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    t = args.threads
     bins = find_or_build()
     shipped = resolve_model_path("smollm2")
     files = {"F32": converted(shipped, "F32", bins), "Q8_0": converted(shipped, "Q8_0", bins),
@@ -94,14 +99,16 @@ def main() -> None:
 
     if "weights" not in args.skip:
         for kind, weights in (("F32", "float32"), ("Q8_0", "native"), ("Q4_1", "native")):
+            if kind not in args.kinds:
+                continue
             m, tok = model(kind, weights)
             cases.append((f"decode b1, {kind} weights (unikv --weights {weights})",
-                          lambda f=files[kind]: llama_bench(bins, f, "-p", "0", "-n", str(n)),
+                          lambda f=files[kind]: llama_bench(bins, f, t, "-p", "0", "-n", str(n)),
                           lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n), m))  # fmt: skip
     if "prefill" not in args.skip:
         m, tok = model("F32", "float32")
         cases.append(("prefill 512 tokens, F32 weights",
-                      lambda: llama_bench(bins, files["F32"], "-p", "512", "-n", "0"),
+                      lambda: llama_bench(bins, files["F32"], t, "-p", "512", "-n", "0"),
                       lambda: unikv_prefill(m, tok, 512), m))  # fmt: skip
     if "context" not in args.skip:
         m, tok = model("F32", "float32")
@@ -111,7 +118,7 @@ def main() -> None:
                          "-ctk", kv_llama, "-ctv", kv_llama)  # fmt: skip
                 name = f"decode at {ctx} context: llama.cpp {kv_llama} KV, unikv {strategy}"
                 cases.append((name,
-                              lambda flags=flags: llama_bench(bins, files["F32"], *flags),
+                              lambda flags=flags: llama_bench(bins, files["F32"], t, *flags),
                               lambda c=ctx, s=strategy: unikv_decode(m, tok, s, c, n),
                               m))  # fmt: skip
     rows = []
@@ -130,7 +137,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio"],
-           {"new_tokens": n, "repeats": args.repeats, "llama_cpp": str(bins)})  # fmt: skip
+           {"new_tokens": n, "repeats": args.repeats, "threads": t,
+            "llama_cpp": str(bins)})  # fmt: skip
 
 
 if __name__ == "__main__":

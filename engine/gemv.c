@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GEMV_MAX_ROWS 4
@@ -240,8 +241,200 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
         SPLIT(q_range_Q4_1(x, xsum, n, w, nb, y, out, lo, hi));
 }
 
+
+/* ---- int8 activations (AVX512-VNNI): llama.cpp's Q8_0 / Q8_1 activation format --------------
+ *
+ * Why: with float32 activations every block costs ~10 vector instructions (decode the codes to
+ * floats, multiply, add), so the kernel is compute-bound at about half of llama.cpp's pace.
+ * Rounding the activations to int8 once per call (per 32-element block: d = amax / 127,
+ * q = round(x / d), as ggml's quantize_row_q8_0) lets one vpdpbusd multiply and add 64 weight
+ * codes against 64 activation codes in integers: ~3 instructions per block for one row.
+ *
+ * vpdpbusd multiplies unsigned bytes by signed bytes. The 4-bit codes (0..15) are unsigned as
+ * they are; Q8_0's signed codes are made unsigned by an xor with 0x80 (q + 128). The offsets
+ * this takes out come back per block as float terms: sum_i w_i x_i over a block is
+ *   Q8_0: dw dx (dot(q + 128, xq) - 128 sum(xq))
+ *   Q4_0: dw dx (dot(q, xq) - 8 sum(xq))
+ *   Q4_1: dw dx dot(q, xq) + m dx sum(xq)          (q8_1's block sum)
+ * with the integer dot exact. The second terms are added once per 16 blocks as one vector
+ * product (the block's dw or m times a per-call term of x). Unlike llama.cpp the activation
+ * scale dx stays float32 (ggml rounds it to fp16): the same speed, one rounding less.
+ *
+ * Two blocks are one 512-bit step. Their activation codes are laid out per call in the order the
+ * weight bytes unpack: Q8_0 [b 0..31, b+1 0..31]; Q4 [b 0..15, b+1 0..15, b 16..31, b+1 16..31]
+ * (the low nibbles of both blocks' 16 bytes, then the high ones). The per-block scales dw dx are
+ * computed 16 blocks at a time from the weight's headers (`h`: each row's fp16 d of every
+ * block, padded with zeros to a multiple of 16, then for Q4_1 its fp16 m the same way; built
+ * once at load by engine/gemv.py), times dx; each step spreads its two blocks' scales over the
+ * int32 lanes that hold their sums with one permute. NOTE: the headers are a copy of 2 (Q4_1: 4)
+ * bytes per block because gathering them from the blocks (stride 34 / 18 / 20 bytes: one
+ * vpgatherdd per 16 blocks) made the whole kernel 1.35-1.6x slower here (Zen 4), and 16 scalar
+ * loads into a stack array slower still (a stalled store-to-load forward). An odd last block is
+ * paired with a zero block (zero activation codes and scale); nothing past a row's last block is
+ * read.
+ */
+#if defined(__AVX512VNNI__)
+int gemv_i8_ok(void) { return 1; }
+
+/* The activations of one call in the kernel's form. Per x row j and block b (nb rounded up to
+ * a multiple of 16, the pad zero): q codes [n][nbp * 32] (the step layout above), dx [n][nb16],
+ * t [n][nb16]: the offset term's x factor (-128 dx sum(xq), -8 dx sum(xq), dx sum(xq)). */
+typedef struct {
+    int8_t *q;
+    float *dx, *t;
+    long nb, nbp, nb16;
+} xq_t;
+
+/* Round x [n, nb * 32] to int8 per block (round to nearest even, as ggml's AVX path). */
+static void quantize_x(const int fmt, const float *x, int n, xq_t *a) {
+    const long nb = a->nb;
+    memset(a->q, 0, (size_t)n * a->nbp * 32);
+    memset(a->dx, 0, sizeof(float) * n * a->nb16);
+    memset(a->t, 0, sizeof(float) * n * a->nb16);
+    const float off = fmt == Q8_0 ? -128.0f : fmt == Q4_0 ? -8.0f : 1.0f;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int j = 0; j < n; j++)
+        for (long b = 0; b < nb; b++) {
+            const float *xb = x + (j * nb + b) * 32;
+            const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m512 iv = _mm512_set1_ps(id);
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv));
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
+            int8_t *q = a->q + j * a->nbp * 32;
+            if (fmt == Q8_0)
+                q += b * 32; /* elements 0..15 then 16..31 */
+            else
+                q += (b / 2) * 64 + (b % 2) * 16; /* 0..15 here, 16..31 32 bytes on */
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(q + (fmt == Q8_0 ? 16 : 32)), _mm512_cvtsepi32_epi8(qhi));
+            a->dx[j * a->nb16 + b] = d;
+            a->t[j * a->nb16 + b] =
+                off * d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        }
+}
+
+/* The codes of blocks b (at p) and b + 1 (at p + bs; a zero block if `single`) as 64 unsigned
+ * bytes in the step layout. */
+INLINE __m512i step_codes(const uint8_t *restrict p, const int fmt, const int single) {
+    const long bs = block_bytes(fmt);
+    if (fmt == Q8_0) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 2));
+        const __m256i b = single ? _mm256_setzero_si256()
+                                 : _mm256_loadu_si256((const __m256i *)(p + bs + 2));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        return single ? _mm512_mask_xor_epi64(v, 0x0F, v, _mm512_set1_epi8((char)0x80))
+                      : _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    const long o = fmt == Q4_1 ? 4 : 2;
+    const __m128i a = _mm_loadu_si128((const __m128i *)(p + o));
+    const __m128i b = single ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)(p + bs + o));
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(w, _mm512_set1_epi8(0x0F));
+}
+
+/* Row w (nb blocks; h: its headers) against the N quantized x rows: y[j * out] = w . x[j]. */
+INLINE void qi8_row(const xq_t *restrict a, const uint8_t *restrict w, const uint16_t *restrict h,
+                    float *restrict y, long out, const int fmt, const int N) {
+    const long bs = block_bytes(fmt), nb = a->nb;
+    /* the lanes of a step's int32 sums -> its block (0 or 1; + 2 per step in the chunk) */
+    const __m512i lanes = fmt == Q8_0
+                              ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                              : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    __m512 acc[GEMV_MAX_ROWS][2], tacc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = tacc[j] = _mm512_setzero_ps();
+    for (long c = 0; c < nb; c += 16) {
+        const long nc = nb - c < 16 ? nb - c : 16; /* blocks in this chunk */
+        const uint8_t *wc = w + c * bs;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + c)));
+        const __m512 k =
+            fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + a->nb16 + c)))
+                        : dw;
+    __m512 sc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            sc[j] = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + j * a->nb16 + c));
+            tacc[j] = _mm512_fmadd_ps(k, _mm512_loadu_ps(a->t + j * a->nb16 + c), tacc[j]);
+        }
+        const long full = nc / 2; /* whole steps of two blocks */
+#pragma GCC unroll 8
+        for (long s = 0; s < 8; s++) {
+            if (s >= (nc + 1) / 2) break;
+            const __m512i v = step_codes(wc + 2 * s * bs, fmt, s >= full);
+            const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * (int)s));
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++) {
+                const __m512i xq = _mm512_loadu_si512(a->q + j * a->nbp * 32 + (c + 2 * s) * 32);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xq);
+                acc[j][s & 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc[j]),
+                                                _mm512_cvtepi32_ps(dot), acc[j][s & 1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+        y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), tacc[j]));
+}
+
+#define QI8_RANGE(F)                                                                             \
+    static void qi8_range_##F(const xq_t *a, int n, const uint8_t *w, const uint16_t *h,         \
+                              float *y, long out, long lo, long hi) {                            \
+        const long row = a->nb * block_bytes(F), hrow = a->nb16 * (F == Q4_1 ? 2 : 1);           \
+        switch (n) {                                                                             \
+        case 1: QI8_LOOP(F, 1); break;                                                           \
+        case 2: QI8_LOOP(F, 2); break;                                                           \
+        case 3: QI8_LOOP(F, 3); break;                                                           \
+        default: QI8_LOOP(F, 4); break;                                                          \
+        }                                                                                        \
+    }
+#define QI8_LOOP(F, N)                                                                           \
+    for (long r = lo; r < hi; r++) qi8_row(a, w + r * row, h + r * hrow, y + r, out, F, N)
+QI8_RANGE(Q8_0)
+QI8_RANGE(Q4_0)
+QI8_RANGE(Q4_1)
+
+/* As gemv_q (h: the headers above), with x rounded to int8 per block first (once per call, before the threads split
+ * the rows). Returns 0, or -1 when the activations' buffer cannot be allocated. */
+int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
+             long nb, float *y, int threads) {
+    if (n < 1 || n > GEMV_MAX_ROWS || nb > GEMV_MAX_BLOCKS) return -1; /* the caller checks */
+    xq_t a = {.nb = nb, .nbp = (nb + 1) / 2 * 2, .nb16 = (nb + 15) / 16 * 16};
+    /* one buffer: q (64-byte multiples per row), then dx and t */
+    const size_t qbytes = (size_t)n * a.nbp * 32, fbytes = sizeof(float) * n * a.nb16;
+    void *buf = aligned_alloc(64, qbytes + 2 * fbytes);
+    if (buf == NULL) return -1;
+    a.q = (int8_t *)buf;
+    a.dx = (float *)((char *)buf + qbytes);
+    a.t = a.dx + n * a.nb16;
+    quantize_x(fmt, x, n, &a);
+    if (fmt == Q8_0)
+        SPLIT(qi8_range_Q8_0(&a, n, w, h, y, out, lo, hi));
+    else if (fmt == Q4_0)
+        SPLIT(qi8_range_Q4_0(&a, n, w, h, y, out, lo, hi));
+    else
+        SPLIT(qi8_range_Q4_1(&a, n, w, h, y, out, lo, hi));
+    free(buf);
+    return 0;
+}
+#else /* no VNNI in this build: gemv_i8_ok says so, the float-activation gemv_q serves */
+int gemv_i8_ok(void) { return 0; }
+int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
+             long nb, float *y, int threads) {
+    return -1;
+}
+#endif
+
 #else /* no AVX-512: the library builds, says so (gemv_ok), and is never called */
 int gemv_ok(void) { return 0; }
+int gemv_i8_ok(void) { return 0; }
+int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
+             long nb, float *y, int threads) {
+    return -1;
+}
 void gemv_f32(const float *x, int n, const float *w, long out, long in, float *y, int threads) {}
 void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
             int threads) {}

@@ -3,7 +3,10 @@
 What lives here: `unavailable()` (why this machine cannot run the kernel, or None), `MAX_ROWS`
 (the most activation rows one call takes: decode; larger batches keep PyTorch's matrix
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
-GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations). What does not: the registry entries that
+GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()` and `gemv_packed_i8`
+(the same blocks against activations rounded to int8 per 32-element block, AVX512-VNNI), and
+`quantize_blocks` (that rounding in torch: what the i8 kernel's result is checked against).
+What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
 directory, the same libgomp as torch, so the kernel's OpenMP threads are torch's).
@@ -53,7 +56,13 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_f32.argtypes = [p, i, p, lng, lng, p, i]
     lib.gemv_q.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_f32.restype = lib.gemv_q.restype = None
+    lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i]
+    lib.gemv_qi8.restype = ctypes.c_int
     _state["lib"] = lib
+    if "avx512_vnni" not in flags:
+        _state["i8_error"] = "this CPU has no avx512_vnni (the int8-activation kernel needs it)"
+    elif not lib.gemv_i8_ok():
+        _state["i8_error"] = "gemv.c was built without AVX512-VNNI (is -march=native honoured?)"
     return lib
 
 
@@ -61,6 +70,12 @@ def unavailable() -> str | None:
     """None when the kernel is built (or buildable) and this CPU runs it, else why not."""
     _load()
     return _state.get("error")  # type: ignore[return-value]
+
+
+def i8_unavailable() -> str | None:
+    """None when the int8-activation kernel (`gemv_packed_i8`) runs here, else why not."""
+    _load()
+    return _state.get("error", _state.get("i8_error"))  # type: ignore[return-value]
 
 
 def gemv_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -86,3 +101,43 @@ def gemv_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
         blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The int8 kernel's form of a weight's block headers: int16 [out, H], each row's fp16 d
+    per block padded with zeros to a multiple of 16 blocks, then (Q4_1) its fp16 m the same way
+    (gemv.c says why they are copied out of the blocks)."""
+    out, nb, _ = blocks.shape
+    nb16 = -(-nb // 16) * 16
+    fields = 2 if qtype == "Q4_1" else 1
+    h = torch.zeros((out, fields, nb16), dtype=torch.int16)
+    h[:, :, :nb] = blocks[..., : 2 * fields].contiguous().view(torch.int16).transpose(1, 2)
+    return h.view(out, fields * nb16)
+
+
+def gemv_packed_i8(
+    x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str
+) -> torch.Tensor:
+    """As `gemv_packed` (head: `headers(blocks, qtype)`), with x rounded to int8 per 32-element
+    block first (`quantize_blocks`, inside the C call) and the blocks multiplied in integers
+    (vpdpbusd) -> float32 [N, out]."""
+    n = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
+    rc = _state["lib"].gemv_qi8(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), head.data_ptr(),
+        blocks.shape[0], blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"gemv_qi8: no buffer for {n} x {blocks.shape[1]} blocks of activations")
+    return y
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [N, K] (K a multiple of 32) rounded as gemv.c's int8 kernel rounds it (ggml's
+    quantize_row_q8_0 with a float32 scale): (codes int8 [N, K / 32, 32], d float32
+    [N, K / 32, 1]), d = amax / 127 per block, codes round(x / d) to nearest even."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv).to(torch.int8), d

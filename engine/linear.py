@@ -12,10 +12,13 @@ Ops and their entries, in preference order (the last is the reference, available
   at most `gemv.MAX_ROWS` rows of float32; larger batches go on to split_bmm), split_bmm (CPU),
   mm.
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
-- matmul.q8_0: gemv (CPU, AVX-512: the GGUF blocks decoded in registers, float32 activations;
-  larger batches go on to int4x2), int4x2 (CPU: PyTorch's int4 kernel over two nibble planes,
-  group-exact), int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
-- matmul.q4_0, matmul.q4_1: gemv (as for Q8_0; larger batches: int4), int4 (CPU:
+- matmul.q8_0: gemv_i8 (CPU, AVX512-VNNI: the activations rounded to int8 per 32-element
+  block, as llama.cpp's Q8_0 / Q8_1 activations, and the GGUF blocks multiplied in integers;
+  decode only, larger batches go on to int4x2), gemv (CPU, AVX-512: the GGUF blocks decoded in
+  registers, float32 activations; larger batches: int4x2), int4x2 (CPU: PyTorch's int4 kernel
+  over two nibble planes, group-exact), int8 (CPU: PyTorch's weight-only int8 kernel,
+  requantized per row), dequant.
+- matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0; larger batches: int4), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
 - rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
@@ -23,7 +26,9 @@ NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed wei
 only for bf16 activations (measured here at batch 1 on SmolLM2's 49152 x 576 head: int4 1.2 ms
 in bf16, 56 ms in float32, against 8 ms for float32 weights), so those entries multiply in bf16
 and return the caller's dtype: the activations and the group scales are rounded to bf16
-(docs/kernels.md gives the error). The gemv entry (decode) keeps float32 activations.
+(docs/kernels.md gives the error). The gemv entry (decode) keeps float32 activations; gemv_i8
+rounds them to int8 per block (1.5-2x faster than gemv here; its error against the dequantized
+model is measured in tests/test_linear.py).
 """
 
 from __future__ import annotations
@@ -272,6 +277,40 @@ def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
     return fn
 
 
+def _gemv_i8_available(device: torch.device, owner: object) -> str | None:
+    return "a CPU kernel" if device.type != "cpu" else gemv.i8_unavailable()
+
+
+def _i8_form(q: QuantizedTensor) -> tuple[torch.Tensor]:
+    """The block headers gemv_i8 reads (a tuple: `PackedWeight.nbytes` counts its bytes)."""
+    return (gemv.headers(q.blocks, q.qtype),)
+
+
+def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
+    """The int8-activation entry: decode rows by gemv.c's VNNI kernel, larger batches by
+    `large` (as `_gemv_packed`)."""
+
+    def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        if not 0 < x.shape[0] <= gemv.MAX_ROWS or w.in_features > gemv.MAX_IN:
+            return large(x, w)
+        (head,) = w.form("i8", _i8_form)
+        y = gemv.gemv_packed_i8(x.float(), w.form("blocks", _blocks), head, w.q.qtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    return fn
+
+
+class _PackedI8(_Packed):
+    """gemv_i8: prepares its headers and the form its larger batches use."""
+
+    def __init__(self, op, fn, large_form) -> None:
+        super().__init__(op, "gemv_i8", fn, *large_form, _gemv_i8_available)
+
+    def prepare(self, w: PackedWeight) -> None:
+        super().prepare(w)
+        w.form("i8", _i8_form)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as the reference implementation does."""
     xf = x.float()
@@ -304,6 +343,7 @@ def _register() -> None:
         large, form = (
             (_int4_mm, ("int4", _int4_form)) if has_int4 else (_mm_dequant, ("blocks", _blocks))
         )
+        register(_PackedI8(op, _gemv_packed_i8(large), form), 3)
         register(_Packed(op, "gemv", _gemv_packed(large), *form, _gemv_available), 5)
         name = "int4x2" if fmt == "Q8_0" else "int4"
         register(_Packed(op, name, _int4_mm, "int4", _int4_form, int4), 10)

@@ -252,8 +252,8 @@ def test_cuda_entries_agree(op):
 # ---- the decode kernel (engine/gemv.c): a few rows, odd shapes, one and two threads ----------
 
 
-def _gemv_entry(op: str):
-    impl = next(i for i in operators.implementations(op, "cpu") if i.name == "gemv")
+def _gemv_entry(op: str, name: str = "gemv"):
+    impl = next(i for i in operators.implementations(op, "cpu") if i.name == name)
     reason = impl.available(torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
@@ -291,20 +291,77 @@ def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt", ["float", "Q8_0", "Q4_1"])
-def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, monkeypatch):
+def _i8_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """x rounded as gemv.c's int8 kernel rounds it (engine.gemv.quantize_blocks, in torch),
+    times the dequantized weight, in float64."""
+    from engine import gemv
+    from engine.quantized import dequantize
+
+    codes, d = gemv.quantize_blocks(x)  # [N, K/32, 32], [N, K/32, 1]
+    xq = (codes.double() * d.double()).reshape(x.shape)
+    return (xq @ dequantize(w.q).double().t()).float()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, rows, threads):
+    """The VNNI kernel equals the product of the dequantized weight with the activations
+    rounded to int8 per block (the same rounding, done in torch) up to float32 sums: the
+    integer dots are exact. Shapes: an odd number of blocks (a half step), one block, more
+    than 16 blocks (a second header chunk), a single output row."""
+    op = f"matmul.{fmt.lower()}"
+    impl = _gemv_entry(op, "gemv_i8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out, cols in [*PACKED_SHAPES, (33, 544), (65, 32 * 49)]:
+            torch.manual_seed(out + cols)
+            x = torch.randn(rows, cols) * torch.rand(rows, cols).pow(4) * 3  # uneven blocks
+            if cols > 32:
+                x[0, :32] = 0  # an all-zero block: its scale is 0, its codes 0
+            w = linear.PackedWeight(_packed(fmt, out, cols), torch.float32)
+            got, want = impl(x, w), _i8_reference(x, w)
+            assert got.shape == (rows, out)
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-5, f"{op} {rows}x{cols} @ {out}x{cols}: {err:.2e}"
+            # against float32 activations: only the rounding of x to int8 (~0.5% here)
+            full = operators.reference(op)(x, w)
+            assert ((got - full).norm() / full.norm()).item() < 2e-2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_quantize_blocks_is_ggml_q8_0_rounding():
+    """d = amax / 127 per 32 elements, codes round(x / d) (to nearest even), a zero block 0."""
+    from engine import gemv
+
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.linspace(-1, 2.54, 32)
+    codes, d = gemv.quantize_blocks(x)
+    assert d[0, 0, 0].item() == pytest.approx(2.54 / 127) and d[0, 1, 0].item() == 0
+    assert codes[0, 0, -1].item() == 127 and codes[0, 0, 0].item() == -50
+    assert torch.equal(codes[0, 1], torch.zeros(32, dtype=torch.int8))
+
+
+@pytest.mark.parametrize(
+    "fmt,name", [("float", "gemv"), ("Q8_0", "gemv"), ("Q4_1", "gemv"), ("Q8_0", "gemv_i8"),
+                 ("Q4_0", "gemv_i8"), ("Q4_1", "gemv_i8")],
+)  # fmt: skip
+def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     """Prefill keeps PyTorch's kernels: a call of more rows than gemv.MAX_ROWS (or of none)
     never reaches the C library."""
     from engine import gemv
 
     op = f"matmul.{fmt.lower()}"
-    impl = _gemv_entry(op)
+    impl = _gemv_entry(op, name)
 
     def boom(*args):
         raise AssertionError("the C kernel was called for a large batch")
 
     monkeypatch.setattr(gemv, "gemv_float", boom)
     monkeypatch.setattr(gemv, "gemv_packed", boom)
+    monkeypatch.setattr(gemv, "gemv_packed_i8", boom)
     x = torch.randn(gemv.MAX_ROWS + 1, 128)
     w = (linear.SplitLinear(torch.randn(64, 128), 4) if fmt == "float"
          else linear.PackedWeight(_packed(fmt), torch.float32))  # fmt: skip
@@ -325,5 +382,21 @@ def test_gemv_unavailable_says_why(monkeypatch):
     monkeypatch.delenv("UNIKV_NO_KERNEL")
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2")
     assert "no avx512f / avx512bw" in gemv.unavailable()
+    assert gemv.i8_unavailable() == gemv.unavailable()  # no library: no int8 kernel either
     chosen, skipped = operators.choose("matmul.q4_1", "cpu")
-    assert "gemv" in skipped and chosen[0].name != "gemv"  # the next entry serves
+    assert {"gemv", "gemv_i8"} <= set(skipped) and chosen[0].name not in ("gemv", "gemv_i8")
+
+
+def test_gemv_i8_without_vnni_leaves_the_float_kernel(monkeypatch):
+    """A CPU with AVX-512 but no VNNI: gemv_i8 says why, the float-activation gemv serves."""
+    from engine import gemv
+    from kvstrategies import kernels
+
+    flags = kernels.cpu_flags()
+    if "avx512_vnni" not in flags.split() or gemv.unavailable() is not None:
+        pytest.skip("needs a CPU and build that run both kernels")
+    monkeypatch.setattr(gemv, "_state", {})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.replace("avx512_vnni", ""))
+    assert gemv.unavailable() is None and "no avx512_vnni" in gemv.i8_unavailable()
+    chosen, skipped = operators.choose("matmul.q8_0", "cpu")
+    assert "gemv_i8" in skipped and chosen[0].name == "gemv"

@@ -260,6 +260,15 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
  * product (the block's dw or m times a per-call term of x). Unlike llama.cpp the activation
  * scale dx stays float32 (ggml rounds it to fp16): the same speed, one rounding less.
  *
+ * Two digits (`digits` = 2, what engine/linear.py uses): one int8 code per element loses 0.6-0.9%
+ * of a matmul's output (measured on SmolLM2's decode activations), about 4% on the logits after
+ * 30 layers, and moved the decode PPL of the GPL texts by 2.5-2.7% (256 tokens): too much for the
+ * 0.1% the engine promises. So x is written as d (q1 + q2 / 256): q1 = round(x / d) as above and
+ * q2 = round(256 (x / d - q1)), saturated to int8 (|x / d - q1| <= 1/2), a second int8 code for
+ * what q1 left over (about 16 bits in all). Per step that is one more vpdpbusd and one shift:
+ * (dot(w, q1) << 8) + dot(w, q2) = dot(w, 256 q1 + q2) fits int32 (< 2^26 per lane), the scale
+ * becomes d / 256. `digits` = 1 is ggml's single code (kept to measure against).
+ *
  * Two blocks are one 512-bit step. Their activation codes are laid out per call in the order the
  * weight bytes unpack: Q8_0 [b 0..31, b+1 0..31]; Q4 [b 0..15, b+1 0..15, b 16..31, b+1 16..31]
  * (the low nibbles of both blocks' 16 bytes, then the high ones). The per-block scales dw dx are
@@ -277,18 +286,21 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
 int gemv_i8_ok(void) { return 1; }
 
 /* The activations of one call in the kernel's form. Per x row j and block b (nb rounded up to
- * a multiple of 16, the pad zero): q codes [n][nbp * 32] (the step layout above), dx [n][nb16],
- * t [n][nb16]: the offset term's x factor (-128 dx sum(xq), -8 dx sum(xq), dx sum(xq)). */
+ * a multiple of 16, the pad zero): q codes [n][nbp * 32] (the step layout above; q2 the second
+ * digit's, the same layout, with two digits), dx [n][nb16] (the scale of the code 1 or of
+ * 256 q1 + q2), t [n][nb16]: the offset term's x factor (-128 dx sum(xq), -8 dx sum(xq),
+ * dx sum(xq), xq the whole code). */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *q2;
     float *dx, *t;
     long nb, nbp, nb16;
 } xq_t;
 
-/* Round x [n, nb * 32] to int8 per block (round to nearest even, as ggml's AVX path). */
-static void quantize_x(const int fmt, const float *x, int n, xq_t *a) {
+/* Round x [n, nb * 32] to int8 per block (round to nearest even, as ggml's AVX path); with
+ * two digits the rest to a second int8 code. */
+static void quantize_x(const int fmt, const float *x, int n, xq_t *a, const int digits) {
     const long nb = a->nb;
-    memset(a->q, 0, (size_t)n * a->nbp * 32);
+    memset(a->q, 0, (size_t)n * a->nbp * 32 * digits);
     memset(a->dx, 0, sizeof(float) * n * a->nb16);
     memset(a->t, 0, sizeof(float) * n * a->nb16);
     const float off = fmt == Q8_0 ? -128.0f : fmt == Q4_0 ? -8.0f : 1.0f;
@@ -301,18 +313,33 @@ static void quantize_x(const int fmt, const float *x, int n, xq_t *a) {
                 _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             const __m512 iv = _mm512_set1_ps(id);
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv));
-            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
-            int8_t *q = a->q + j * a->nbp * 32;
-            if (fmt == Q8_0)
-                q += b * 32; /* elements 0..15 then 16..31 */
-            else
-                q += (b / 2) * 64 + (b % 2) * 16; /* 0..15 here, 16..31 32 bytes on */
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(q + (fmt == Q8_0 ? 16 : 32)), _mm512_cvtsepi32_epi8(qhi));
-            a->dx[j * a->nb16 + b] = d;
+            const __m512 slo = _mm512_mul_ps(lo, iv), shi = _mm512_mul_ps(hi, iv);
+            __m512i qlo = _mm512_cvtps_epi32(slo), qhi = _mm512_cvtps_epi32(shi);
+            const long at = j * a->nbp * 32 + (fmt == Q8_0 ? b * 32 /* 0..15 then 16..31 */
+                                                             : (b / 2) * 64 + (b % 2) * 16);
+            const long second = fmt == Q8_0 ? 16 : 32; /* where elements 16..31 go */
+            _mm_storeu_si128((__m128i *)(a->q + at), _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(a->q + at + second), _mm512_cvtsepi32_epi8(qhi));
+            float dd = d;
+            if (digits == 2) { /* the rest, exact in float32: 256 (s - q1) rounded */
+                const __m512 k = _mm512_set1_ps(256.0f);
+                const __m512i rlo = _mm512_cvtps_epi32(
+                    _mm512_mul_ps(_mm512_sub_ps(slo, _mm512_cvtepi32_ps(qlo)), k));
+                const __m512i rhi = _mm512_cvtps_epi32(
+                    _mm512_mul_ps(_mm512_sub_ps(shi, _mm512_cvtepi32_ps(qhi)), k));
+                _mm_storeu_si128((__m128i *)(a->q2 + at), _mm512_cvtsepi32_epi8(rlo));
+                _mm_storeu_si128((__m128i *)(a->q2 + at + second), _mm512_cvtsepi32_epi8(rhi));
+                /* the whole code 256 q1 + q2 (q2 as stored: saturated) for the block sum */
+                const __m512i c127 = _mm512_set1_epi32(127), cm128 = _mm512_set1_epi32(-128);
+                qlo = _mm512_add_epi32(_mm512_slli_epi32(qlo, 8),
+                                       _mm512_max_epi32(_mm512_min_epi32(rlo, c127), cm128));
+                qhi = _mm512_add_epi32(_mm512_slli_epi32(qhi, 8),
+                                       _mm512_max_epi32(_mm512_min_epi32(rhi, c127), cm128));
+                dd = d / 256.0f;
+            }
+            a->dx[j * a->nb16 + b] = dd;
             a->t[j * a->nb16 + b] =
-                off * d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+                off * dd * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
 }
 
@@ -338,7 +365,7 @@ INLINE __m512i step_codes(const uint8_t *restrict p, const int fmt, const int si
 
 /* Row w (nb blocks; h: its headers) against the N quantized x rows: y[j * out] = w . x[j]. */
 INLINE void qi8_row(const xq_t *restrict a, const uint8_t *restrict w, const uint16_t *restrict h,
-                    float *restrict y, long out, const int fmt, const int N) {
+                    float *restrict y, long out, const int fmt, const int N, const int D) {
     const long bs = block_bytes(fmt), nb = a->nb;
     /* the lanes of a step's int32 sums -> its block (0 or 1; + 2 per step in the chunk) */
     const __m512i lanes = fmt == Q8_0
@@ -368,8 +395,12 @@ INLINE void qi8_row(const xq_t *restrict a, const uint8_t *restrict w, const uin
             const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * (int)s));
 #pragma GCC unroll 4
             for (int j = 0; j < N; j++) {
-                const __m512i xq = _mm512_loadu_si512(a->q + j * a->nbp * 32 + (c + 2 * s) * 32);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xq);
+                const long at = j * a->nbp * 32 + (c + 2 * s) * 32;
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                                                  _mm512_loadu_si512(a->q + at));
+                if (D == 2)
+                    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), v,
+                                              _mm512_loadu_si512(a->q2 + at));
                 acc[j][s & 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc[j]),
                                                 _mm512_cvtepi32_ps(dot), acc[j][s & 1]);
             }
@@ -382,48 +413,55 @@ INLINE void qi8_row(const xq_t *restrict a, const uint8_t *restrict w, const uin
 
 #define QI8_RANGE(F)                                                                             \
     static void qi8_range_##F(const xq_t *a, int n, const uint8_t *w, const uint16_t *h,         \
-                              float *y, long out, long lo, long hi) {                            \
+                              float *y, long out, long lo, long hi, int digits) {                \
         const long row = a->nb * block_bytes(F), hrow = a->nb16 * (F == Q4_1 ? 2 : 1);           \
-        switch (n) {                                                                             \
-        case 1: QI8_LOOP(F, 1); break;                                                           \
-        case 2: QI8_LOOP(F, 2); break;                                                           \
-        case 3: QI8_LOOP(F, 3); break;                                                           \
-        default: QI8_LOOP(F, 4); break;                                                          \
+        switch (n + 4 * (digits == 2)) {                                                         \
+        case 1: QI8_LOOP(F, 1, 1); break;                                                        \
+        case 2: QI8_LOOP(F, 2, 1); break;                                                        \
+        case 3: QI8_LOOP(F, 3, 1); break;                                                        \
+        case 4: QI8_LOOP(F, 4, 1); break;                                                        \
+        case 5: QI8_LOOP(F, 1, 2); break;                                                        \
+        case 6: QI8_LOOP(F, 2, 2); break;                                                        \
+        case 7: QI8_LOOP(F, 3, 2); break;                                                        \
+        default: QI8_LOOP(F, 4, 2); break;                                                       \
         }                                                                                        \
     }
-#define QI8_LOOP(F, N)                                                                           \
-    for (long r = lo; r < hi; r++) qi8_row(a, w + r * row, h + r * hrow, y + r, out, F, N)
+#define QI8_LOOP(F, N, D)                                                                        \
+    for (long r = lo; r < hi; r++) qi8_row(a, w + r * row, h + r * hrow, y + r, out, F, N, D)
 QI8_RANGE(Q8_0)
 QI8_RANGE(Q4_0)
 QI8_RANGE(Q4_1)
 
-/* As gemv_q (h: the headers above), with x rounded to int8 per block first (once per call, before the threads split
- * the rows). Returns 0, or -1 when the activations' buffer cannot be allocated. */
+/* As gemv_q (h: the headers above), with x rounded to `digits` (1 or 2) int8 codes per element
+ * first (once per call, before the threads split the rows). Returns 0, or -1 for bad arguments
+ * or when the activations' buffer cannot be allocated. */
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
-             long nb, float *y, int threads) {
+             long nb, float *y, int threads, int digits) {
     if (n < 1 || n > GEMV_MAX_ROWS || nb > GEMV_MAX_BLOCKS) return -1; /* the caller checks */
+    if (digits != 1 && digits != 2) return -1;
     xq_t a = {.nb = nb, .nbp = (nb + 1) / 2 * 2, .nb16 = (nb + 15) / 16 * 16};
-    /* one buffer: q (64-byte multiples per row), then dx and t */
+    /* one buffer: q and q2 (64-byte multiples per row), then dx and t */
     const size_t qbytes = (size_t)n * a.nbp * 32, fbytes = sizeof(float) * n * a.nb16;
-    void *buf = aligned_alloc(64, qbytes + 2 * fbytes);
+    void *buf = aligned_alloc(64, qbytes * digits + 2 * fbytes);
     if (buf == NULL) return -1;
     a.q = (int8_t *)buf;
-    a.dx = (float *)((char *)buf + qbytes);
+    a.q2 = a.q + qbytes; /* with one digit: where dx begins, never read as codes */
+    a.dx = (float *)((char *)buf + qbytes * digits);
     a.t = a.dx + n * a.nb16;
-    quantize_x(fmt, x, n, &a);
+    quantize_x(fmt, x, n, &a, digits);
     if (fmt == Q8_0)
-        SPLIT(qi8_range_Q8_0(&a, n, w, h, y, out, lo, hi));
+        SPLIT(qi8_range_Q8_0(&a, n, w, h, y, out, lo, hi, digits));
     else if (fmt == Q4_0)
-        SPLIT(qi8_range_Q4_0(&a, n, w, h, y, out, lo, hi));
+        SPLIT(qi8_range_Q4_0(&a, n, w, h, y, out, lo, hi, digits));
     else
-        SPLIT(qi8_range_Q4_1(&a, n, w, h, y, out, lo, hi));
+        SPLIT(qi8_range_Q4_1(&a, n, w, h, y, out, lo, hi, digits));
     free(buf);
     return 0;
 }
 #else /* no VNNI in this build: gemv_i8_ok says so, the float-activation gemv_q serves */
 int gemv_i8_ok(void) { return 0; }
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
-             long nb, float *y, int threads) {
+             long nb, float *y, int threads, int digits) {
     return -1;
 }
 #endif
@@ -432,7 +470,7 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
 int gemv_ok(void) { return 0; }
 int gemv_i8_ok(void) { return 0; }
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
-             long nb, float *y, int threads) {
+             long nb, float *y, int threads, int digits) {
     return -1;
 }
 void gemv_f32(const float *x, int n, const float *w, long out, long in, float *y, int threads) {}

@@ -3,9 +3,10 @@
 What lives here: `unavailable()` (why this machine cannot run the kernel, or None), `MAX_ROWS`
 (the most activation rows one call takes: decode; larger batches keep PyTorch's matrix
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
-GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()` and `gemv_packed_i8`
-(the same blocks against activations rounded to int8 per 32-element block, AVX512-VNNI), and
-`quantize_blocks` (that rounding in torch: what the i8 kernel's result is checked against).
+GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()`, `headers` and
+`gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
+two int8 codes, multiplied in integers, AVX512-VNNI), and `quantize_blocks` (that rounding in
+torch: what the int8 kernel's result is checked against).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
@@ -56,7 +57,7 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_f32.argtypes = [p, i, p, lng, lng, p, i]
     lib.gemv_q.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_f32.restype = lib.gemv_q.restype = None
-    lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i]
+    lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i, i]
     lib.gemv_qi8.restype = ctypes.c_int
     _state["lib"] = lib
     if "avx512_vnni" not in flags:
@@ -116,28 +117,38 @@ def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def gemv_packed_i8(
-    x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str
+    x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str, digits: int = 2
 ) -> torch.Tensor:
-    """As `gemv_packed` (head: `headers(blocks, qtype)`), with x rounded to int8 per 32-element
-    block first (`quantize_blocks`, inside the C call) and the blocks multiplied in integers
+    """As `gemv_packed` (head: `headers(blocks, qtype)`), with x rounded per 32-element block to
+    `digits` int8 codes first (`quantize_blocks`, inside the C call; 1: ggml's Q8_0 rounding,
+    2: a second code for the rest, gemv.c says why) and the blocks multiplied in integers
     (vpdpbusd) -> float32 [N, out]."""
+    if digits not in (1, 2):
+        raise ValueError(f"digits must be 1 or 2, got {digits}")
     n = x.shape[0]
     x = x.contiguous()
     y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
     rc = _state["lib"].gemv_qi8(  # type: ignore[attr-defined]
         FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), head.data_ptr(),
-        blocks.shape[0], blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
+        blocks.shape[0], blocks.shape[1], y.data_ptr(), torch.get_num_threads(), digits,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"gemv_qi8: no buffer for {n} x {blocks.shape[1]} blocks of activations")
     return y
 
 
-def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x float32 [N, K] (K a multiple of 32) rounded as gemv.c's int8 kernel rounds it (ggml's
-    quantize_row_q8_0 with a float32 scale): (codes int8 [N, K / 32, 32], d float32
-    [N, K / 32, 1]), d = amax / 127 per block, codes round(x / d) to nearest even."""
+def quantize_blocks(x: torch.Tensor, digits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [N, K] (K a multiple of 32) rounded as gemv.c's int8 kernel rounds it:
+    (codes int32 [N, K / 32, 32], scale float32 [N, K / 32, 1]) with x ~ codes * scale.
+    Per block d = amax / 127 and q1 = round(x / d) to nearest even (ggml's quantize_row_q8_0,
+    with a float32 d); with one digit codes = q1, scale = d; with two, q2 = round(256 (x / d -
+    q1)) saturated to int8, codes = 256 q1 + q2, scale = d / 256."""
     xb = x.float().reshape(x.shape[0], -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    return torch.round(xb * inv).to(torch.int8), d
+    s = xb * inv
+    q1 = torch.round(s)
+    if digits == 1:
+        return q1.to(torch.int32), d
+    q2 = torch.round((s - q1) * 256).clamp(-128, 127)
+    return (q1 * 256 + q2).to(torch.int32), d / 256

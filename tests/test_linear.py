@@ -150,23 +150,23 @@ def test_native_decode_matches_the_dequantized_model(
 
 
 @pytest.mark.slow
-def test_native_int8_decode_stays_within_tolerance(
+def test_native_int8_decode_matches_the_dequantized_model(
     model_path, model, tokenizer, english_text, monkeypatch
 ):
-    """The int8-activation kernel (gemv_i8) rounds every matmul's input to int8 per block, as
-    llama.cpp does: 0.6-0.9% error per matmul, about 5% on the logits after 30 layers (measured
-    on GPL-3). The tolerance is the bf16 kernels' (mean KL < 0.005 nats, top-1 >= 0.9) loosened
-    to what that measures, with the PPL of the decoded tokens close to the float model's."""
+    """The int8-activation kernel (gemv_i8) rounds every matmul's input per block to two int8
+    codes (about 16 bits; one code, as llama.cpp does, moved the decode PPL of the GPL texts by
+    2.5%: gemv.c): measured 1e-4 to 2e-4 on the logits after 30 layers, the same greedy
+    tokens, PPL within 0.01% on 256 tokens of every development text."""
     native = _native_untimed(model_path, monkeypatch, i8=True)
     ids = tokenizer.encode(english_text)[:48]
     ref, got = _decode_logits(model, ids), _decode_logits(native, ids)
     report = native.operators.report()
     assert report["matmul.q4_1"]["active"] == "gemv_i8", report
     assert report["matmul.q8_0"]["active"] == "gemv_i8", report
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"int8 decode logits differ from the dequantized model's by {err:.2e}"
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
     lp_ref, lp = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
-    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     target = torch.tensor(ids[1:])[:, None]
     change = math.exp(-lp[:-1].gather(1, target).mean() + lp_ref[:-1].gather(1, target).mean()) - 1
-    assert kl < 0.02 and top1 >= 0.85, (kl, top1)
-    assert abs(change) < 0.05, f"PPL changed by {change:.4%}"
+    assert abs(change) < 0.001, f"PPL changed by {change:.4%}"

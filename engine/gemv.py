@@ -26,6 +26,7 @@ from kvstrategies import kernels
 
 SOURCE = Path(__file__).with_name("gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
+I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel takes a 16-token chunk (checked too)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
 FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ def _load() -> ctypes.CDLL | None:
         log.warning("matmul kernel gemv.c: PyTorch fallback (%s)", e)
         return None
     lib.gemv_max_in.restype = ctypes.c_long
-    if not lib.gemv_ok() or lib.gemv_max_rows() != MAX_ROWS or lib.gemv_max_in() != MAX_IN:
+    if (not lib.gemv_ok() or lib.gemv_max_rows() != MAX_ROWS or lib.gemv_max_in() != MAX_IN
+            or lib.gemv_i8_max_rows() != I8_MAX_ROWS):  # fmt: skip
         _state["error"] = "gemv.c was built without AVX-512 (is -march=native honoured?)"
         return None
     p, i, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
@@ -119,7 +121,8 @@ def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 def gemv_packed_i8(
     x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str, digits: int = 2
 ) -> torch.Tensor:
-    """As `gemv_packed` (head: `headers(blocks, qtype)`), with x rounded per 32-element block to
+    """As `gemv_packed` for up to I8_MAX_ROWS rows (head: `headers(blocks, qtype)`), with x
+    rounded per 32-element block to
     `digits` int8 codes first (`quantize_blocks`, inside the C call; 1: ggml's Q8_0 rounding,
     2: a second code for the rest, gemv.c says why) and the blocks multiplied in integers
     (vpdpbusd) -> float32 [N, out]."""

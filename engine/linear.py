@@ -14,7 +14,8 @@ Ops and their entries, in preference order (the last is the reference, available
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
 - matmul.q8_0: gemv_i8 (CPU, AVX512-VNNI: the activations rounded per 32-element block to two
   int8 codes, llama.cpp's Q8_0 / Q8_1 activations plus a code for the rest, and the GGUF blocks
-  multiplied in integers; decode only, larger batches go on to int4x2), gemv (CPU, AVX-512: the
+  multiplied in integers; up to `gemv.I8_MAX_ROWS` rows (decode, 16-token chunks), larger
+  batches go on to int4x2), gemv (CPU, AVX-512: the
   GGUF blocks decoded in registers, float32 activations; larger batches: int4x2), int4x2 (CPU:
   PyTorch's int4 kernel over two nibble planes, group-exact), int8 (CPU: PyTorch's weight-only
   int8 kernel, requantized per row), dequant.
@@ -287,11 +288,11 @@ def _i8_form(q: QuantizedTensor) -> tuple[torch.Tensor]:
 
 
 def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
-    """The int8-activation entry: decode rows by gemv.c's VNNI kernel, larger batches by
-    `large` (as `_gemv_packed`)."""
+    """The int8-activation entry: decode rows and chunks of up to gemv.I8_MAX_ROWS by gemv.c's
+    VNNI kernel, larger batches (prefill) by `large` (as `_gemv_packed`)."""
 
     def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        if not 0 < x.shape[0] <= gemv.MAX_ROWS or w.in_features > gemv.MAX_IN:
+        if not 0 < x.shape[0] <= gemv.I8_MAX_ROWS or w.in_features > gemv.MAX_IN:
             return large(x, w)
         (head,) = w.form("i8", _i8_form)
         y = gemv.gemv_packed_i8(x.float(), w.form("blocks", _blocks), head, w.q.qtype)

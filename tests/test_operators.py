@@ -303,7 +303,7 @@ def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # 5, 16: groups of 4 rows, a part group
 @pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows, threads):
@@ -363,8 +363,8 @@ def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
                  ("Q4_0", "gemv_i8"), ("Q4_1", "gemv_i8")],
 )  # fmt: skip
 def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
-    """Prefill keeps PyTorch's kernels: a call of more rows than gemv.MAX_ROWS (or of none)
-    never reaches the C library."""
+    """Prefill keeps PyTorch's kernels: a call of more rows than gemv.MAX_ROWS (gemv_i8:
+    gemv.I8_MAX_ROWS), or of none, never reaches the C library."""
     from engine import gemv
 
     op = f"matmul.{fmt.lower()}"
@@ -376,7 +376,7 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     monkeypatch.setattr(gemv, "gemv_float", boom)
     monkeypatch.setattr(gemv, "gemv_packed", boom)
     monkeypatch.setattr(gemv, "gemv_packed_i8", boom)
-    x = torch.randn(gemv.MAX_ROWS + 1, 128)
+    x = torch.randn((gemv.I8_MAX_ROWS if name == "gemv_i8" else gemv.MAX_ROWS) + 1, 128)
     w = (linear.SplitLinear(torch.randn(64, 128), 4) if fmt == "float"
          else linear.PackedWeight(_packed(fmt), torch.float32))  # fmt: skip
     want = operators.reference(op)(x, w)

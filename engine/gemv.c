@@ -21,7 +21,6 @@
  * Needs AVX-512F/BW (checked by the loader against /proc/cpuinfo; `gemv_ok` tells the build).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -481,34 +480,8 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
 }
 #endif
 
-/* ---- RMSNorm of decode rows: y = x / sqrt(mean(x^2) + eps) * w, float32 ---------------------
- *
- * Here because a decode step makes 61 of them on 576-element rows, where F.rms_norm costs about
- * 12 us a call in dispatch (measured, 1 thread) and this about 3 (the ctypes call and the output
- * allocation). The sum of squares is float32 in 16 lanes, as torch's CPU kernel sums in float32.
- */
-void rmsnorm_f32(const float *x, long rows, long d, const float *w, float eps, float *y) {
-    for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * d;
-        float *yr = y + r * d;
-        __m512 acc = _mm512_setzero_ps();
-        for (long k = 0; k < d; k += 16) {
-            const __mmask16 m = d - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - k)) - 1);
-            const __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps));
-        for (long k = 0; k < d; k += 16) {
-            const __mmask16 m = d - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - k)) - 1);
-            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), inv);
-            _mm512_mask_storeu_ps(yr + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
-        }
-    }
-}
-
 #else /* no AVX-512: the library builds, says so (gemv_ok), and is never called */
 int gemv_ok(void) { return 0; }
-void rmsnorm_f32(const float *x, long rows, long d, const float *w, float eps, float *y) {}
 int gemv_i8_ok(void) { return 0; }
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
              long nb, float *y, int threads, int digits) {

@@ -5,9 +5,8 @@ What lives here: `unavailable()` (why this machine cannot run the kernel, or Non
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
 GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()`, `headers` and
 `gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
-two int8 codes, multiplied in integers, AVX512-VNNI), `quantize_blocks` (that rounding in
-torch: what the int8 kernel's result is checked against), and `rms_norm` (RMSNorm of float32
-rows: a decode step's 61 norms cost more in F.rms_norm's dispatch than in arithmetic).
+two int8 codes, multiplied in integers, AVX512-VNNI), and `quantize_blocks` (that rounding in
+torch: what the int8 kernel's result is checked against).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
@@ -61,8 +60,6 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_q.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_f32.restype = lib.gemv_q.restype = None
     lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i, i]
-    lib.rmsnorm_f32.argtypes = [p, lng, lng, p, ctypes.c_float, p]
-    lib.rmsnorm_f32.restype = None
     lib.gemv_qi8.restype = ctypes.c_int
     _state["lib"] = lib
     if "avx512_vnni" not in flags:
@@ -158,13 +155,3 @@ def quantize_blocks(x: torch.Tensor, digits: int = 2) -> tuple[torch.Tensor, tor
         return q1.to(torch.int32), d
     q2 = torch.round((s - q1) * 256).clamp(-128, 127)
     return (q1 * 256 + q2).to(torch.int32), d / 256
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight for float32 x [..., D] and weight [D] (both
-    contiguous) -> float32 [..., D]."""
-    y = torch.empty_like(x)
-    _state["lib"].rmsnorm_f32(  # type: ignore[attr-defined]
-        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, y.data_ptr()
-    )
-    return y

@@ -21,9 +21,7 @@ Ops and their entries, in preference order (the last is the reference, available
   int8 kernel, requantized per row), dequant.
 - matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0; larger batches: int4), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
-- rmsnorm: c (CPU, AVX-512: `engine/gemv.c`'s, float32 rows; a decode step makes 61 norms and
-  F.rms_norm spends ~12 us of dispatch on each), fused (`F.rms_norm`, CPU and CUDA), torch.
-  rope: rotate_half.
+- rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
 NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed weights) are fast
 only for bf16 activations (measured here at batch 1 on SmolLM2's 49152 x 576 head: int4 1.2 ms
@@ -327,14 +325,6 @@ def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
-def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm by gemv.c for contiguous float32 rows (decode's), else as the fused entry."""
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_contiguous()
-            or not weight.is_contiguous() or x.numel() == 0):  # fmt: skip
-        return _fused_rms_norm(x, weight, eps)
-    return gemv.rms_norm(x, weight, eps)
-
-
 def _register() -> None:
     register(FnImplementation("matmul.float", "gemv", _gemv_float, ("cpu",), _gemv_available), 5)
     register(FnImplementation("matmul.float", "split_bmm", lambda x, w: w(x)), 10)
@@ -363,7 +353,6 @@ def _register() -> None:
             register(_Packed(op, "int8", _int8_mm, "int8", _int8_form, int8), 20)
         register(FnImplementation(op, "dequant", _mm_dequant, ("*",)), 90, reference=True)
     has_fused = hasattr(F, "rms_norm")
-    register(FnImplementation("rmsnorm", "c", _c_rms_norm, ("cpu",), _gemv_available), 5)
     register(
         FnImplementation(
             "rmsnorm", "fused", _fused_rms_norm, ("cpu", "cuda"),

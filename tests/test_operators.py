@@ -385,22 +385,6 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     assert impl(x[:0], w).shape == (0, 64)  # no rows (an empty logits selection): not C either
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_c_rmsnorm_agrees_with_the_reference_at_odd_widths(rows):
-    """gemv.c's RMSNorm: widths not a multiple of 16 (the masked tail), one row and many; a
-    non-float32 or non-contiguous input goes to F.rms_norm."""
-    impl, ref = _gemv_entry("rmsnorm", "c"), operators.reference("rmsnorm")
-    for d in (576, 7, 100, 16):
-        torch.manual_seed(d)
-        x, w = torch.randn(rows, d) * 3, torch.rand(d) + 0.5
-        got, want = impl(x, w, 1e-5), ref(x, w, 1e-5)
-        assert ((got - want).norm() / want.norm()).item() < 1e-6
-        xt = torch.randn(d, rows).t()  # not contiguous
-        assert torch.allclose(impl(xt, w, 1e-5), ref(xt, w, 1e-5), rtol=1e-5, atol=1e-6)
-        xb = x.bfloat16()
-        assert impl(xb, w.bfloat16(), 1e-5).dtype == torch.bfloat16
-
-
 def test_gemv_unavailable_says_why(monkeypatch):
     from engine import gemv
     from kvstrategies import kernels

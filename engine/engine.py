@@ -428,7 +428,11 @@ class Engine:
             positions.extend(range(start, start + len(w.tokens)))
             if w.needs_logits:
                 rows.append(len(tokens) - 1)
-        batch = StepBatch([w.req.rid for w in plan], [len(w.tokens) for w in plan])
+        batch = StepBatch(
+            [w.req.rid for w in plan],
+            [len(w.tokens) for w in plan],
+            [not w.needs_logits for w in plan],  # a prompt chunk that more of the prompt follows
+        )
         dev = self.model.device
         logits = self.model.forward(
             torch.tensor(tokens, dtype=torch.long, device=dev),

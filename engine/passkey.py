@@ -130,7 +130,7 @@ def passkey(
                     torch.tensor(part, device=dev),
                     torch.arange(start, start + len(part), device=dev),
                     kv,
-                    StepBatch([seq], [len(part)]),
+                    StepBatch([seq], [len(part)], [start + chunk < len(ids)]),
                     torch.tensor([len(part) - 1], device=dev),
                 )
             token = int(logits[0].argmax())

@@ -18,6 +18,15 @@ stored after RoPE, so kept tokens keep their positions; new tokens get their tru
 from the engine. With `granularity = "token"` every layer and head drops the same tokens (a
 token's score: max over heads, mean over layers).
 
+Query-aware (SnapKV's observation window, on by default): a prompt fed in chunks keeps all its
+tokens until its last chunk is in (`wait_for_prompt`; the engine marks chunks that more of the
+prompt follows, `StepBatch.more_prompt`), so eviction sees the question at the prompt's end.
+The attention of the prompt's last `observe_window` rows on every stored token is its gain,
+observed once per sequence; the `snapkv` scorer ranks by the gain alone, `head` and `surprisal`
+keep `observe_share` of the middle's kept tokens by the gain and the rest by their own score.
+A token the question needs thus survives however its own score ranks it (the passkey needle:
+write-time scores do not know what will be asked).
+
 Scorers (a score per layer, KV head and stored token; higher is kept):
 - `head` (the default): the learned head's predicted log attention from later queries, plus
   `surprisal_weight` x the token's write-time NLL (below), minus `recency` x log(1 + age); the
@@ -27,6 +36,7 @@ Scorers (a score per layer, KV head and stored token; higher is kept):
 - `knorm`: minus its key norm (kvpress's Knorm keeps low norms);
 - `h2o`: attention it has received so far, summed over query rows and the heads of its group;
 - `tova`: attention it received from the step's last query (replaced every step);
+- `snapkv`: the gain above alone (SnapKV), 0 for tokens written after the prompt;
 - `surprisal`: its negative log-likelihood under the model when it was written (DESIGN.md's
   write-time rule: a surprising token is likely to be asked about). The model hands the cache
   every row's next-token distribution (`wants_token_logprobs`); eviction then waits for it
@@ -43,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .full import FullStrategy
 from .kv import StepBatch
@@ -54,7 +65,10 @@ log = logging.getLogger(__name__)
 # Made by `unikv tune --kv_optimization=learned_prune --text benchmarks/texts/GPL-2.txt --out DIR`
 # for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
 SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
-SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal")
+SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal", "snapkv")
+# Scorers whose rank the prompt's observation window adds to (the others are the pure baselines
+# they are measured against; h2o and tova observe every step by themselves).
+OBSERVING = ("head", "surprisal", "snapkv")
 
 
 def _check_head_file(strategy: str, head: Any) -> None:
@@ -92,6 +106,15 @@ class PrunedSelection:
         Option("recency", float, 0.0, "head scorer: weight of minus log(1 + age)", low=0),
         Option("surprisal_weight", float, 0.5, "head scorer: weight of the token's write-time "
                "NLL", low=0),
+        # Query-aware eviction (SnapKV's observation window): the prompt's last rows, its
+        # question, show which earlier tokens it needs.
+        Option("observe_window", int, 32, "head, surprisal and snapkv scorers: last prompt rows "
+               "whose attention adds to the scores (0: off)", low=0),
+        Option("observe_share", float, 0.5, "head and surprisal scorers: share of the kept "
+               "middle tokens chosen by the observation window's attention, the rest by the "
+               "scorer", low=0, high=1),
+        Option("wait_for_prompt", bool, True, "evict once the whole prompt is in, not after "
+               "each chunk of it (the peak holds the prompt; the question is seen)"),
     )  # fmt: skip
 
     # Small budgets so the contract's short sequences are pruned; knorm differs per head.
@@ -119,6 +142,9 @@ class PrunedSelection:
         )
         self._last_lp: dict[int, torch.Tensor] = {}  # each sequence's last next-token log-probs
         self._awaiting_lp: list[int] = []  # sequences whose eviction waits for log-probabilities
+        self._more: dict[int, bool] = {}  # this step: whose prompt goes on in a later step
+        self._observed: set[int] = set()  # sequences whose prompt's end has been observed
+        self._gain: dict[int, torch.Tensor] = {}  # per sequence: the observation's [L, Hkv, S]
 
     @classmethod
     def _load_head(cls, head, spec):
@@ -182,20 +208,38 @@ class PrunedSelection:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         out = super().attend(layer, q)
         if self.scorer in ("h2o", "tova"):
-            self._observe(layer, q)
+            self._observe(layer, q, range(len(self._batch.seq_ids)))
+        elif self.scorer in OBSERVING and self.opts["observe_window"]:
+            b = self._batch
+            ends = [  # once per sequence, at its prompt's end (rows, not one decode token)
+                i for i, (sid, n, more) in enumerate(zip(b.seq_ids, b.query_lens, b.more_prompt,
+                                                         strict=True))
+                if n > 1 and not more and sid not in self._observed
+            ]  # fmt: skip
+            if ends:
+                self._observe(layer, q, ends)
         return out
 
-    def _observe(self, layer: int, q: torch.Tensor) -> None:
-        """Add the attention each stored token receives from this step's queries (h2o: every
-        query row; tova: the last one), summed over the query heads of its KV group."""
+    def _observe(self, layer: int, q: torch.Tensor, which) -> None:
+        """Add the attention each stored token receives from this step's queries, for the
+        batch's sequences number `which`: h2o sums it over every query row and the query heads
+        of its KV group; tova takes the last row; the observing scorers take the prompt's last
+        `observe_window` rows (SnapKV): the mean over rows, the max over the group's heads, averaged
+        with the max over a token's 3 neighbours each side (a needle is a phrase, not one token:
+        its neighbours rank next, the token itself first), kept as the
+        token's gain, log(1 + S x attention) (0 for uniform attention over S tokens); snapkv
+        ranks by it, the others keep `observe_share` of the middle by it (see `_evict`)."""
         ks, _ = self.read(layer)
         b = self._batch
         hkv = self.spec.num_kv_heads
         g = q.shape[1] // hkv
-        for i, (k, past) in enumerate(zip(ks, self._past, strict=True)):
+        for i in which:
+            k, past = ks[i], self._past[i]
             qi = q[b.rows(i)]
             if self.scorer == "tova":
                 qi = qi[-1:]
+            elif self.scorer in OBSERVING:
+                qi = qi[-self.opts["observe_window"] :]
             t = qi.shape[0]
             kk = k.repeat_interleave(g, 0).float()  # [Hq, S, D]
             scores = torch.einsum("thd,hsd->hts", qi.float(), kk) * self.scale
@@ -203,7 +247,18 @@ class PrunedSelection:
             first = past + b.query_lens[i] - t  # position of the first query row kept
             mask = torch.arange(s)[None, :] > (first + torch.arange(t))[:, None]
             probs = scores.masked_fill(mask, -math.inf).softmax(-1)  # [Hq, T, S]
-            self._scores[b.seq_ids[i]][layer] += probs.sum(1).view(hkv, g, s).sum(1)
+            if self.scorer in OBSERVING:
+                seen = probs.mean(1).view(hkv, g, s).amax(1)  # [Hkv, S]
+                seen = (seen + F.max_pool1d(seen[None], 7, stride=1, padding=3)[0]) / 2
+                gain = torch.log1p(s * seen)
+                sid = b.seq_ids[i]
+                if sid not in self._gain:
+                    self._gain[sid] = torch.zeros(*self._scores[sid].shape[:2], s)
+                self._gain[sid][layer] = gain
+                if self.scorer == "snapkv":
+                    self._scores[sid][layer] += gain
+            else:
+                self._scores[b.seq_ids[i]][layer] += probs.sum(1).view(hkv, g, s).sum(1)
 
     def _score_with_head(self, seq_id: int) -> None:
         """Add the head's prediction (log attention per layer, KV head and token) to the scores
@@ -227,11 +282,38 @@ class PrunedSelection:
             self._seen[sid] = self._seen.get(sid, 0) + n
             self.seen_total += n
         super().end_step()
+        if self.scorer in OBSERVING and self.opts["observe_window"]:
+            self._observed.update(
+                sid for sid, n, more in zip(b.seq_ids, b.query_lens, b.more_prompt, strict=True)
+                if n > 1 and not more
+            )  # fmt: skip
         if self.wants_token_logprobs:  # after the scores arrive (observe_logprobs) ...
             self._awaiting_lp = list(b.seq_ids)  # ... or, from a caller that has none, next step
         else:
             for sid in b.seq_ids:
                 self._evict(sid)
+
+    def _query_first(self, middle: torch.Tensor, gain: torch.Tensor, free: int) -> torch.Tensor:
+        """Scores of the middle with the tokens kept whatever they score set to +inf: first
+        `observe_share` of the `free` slots (those past the sinks and the hard recent window)
+        go to the tokens the prompt's question attended to most, then `recent_share` of the
+        rest to the newest other tokens; the scorer ranks what is left."""
+        o = self.opts
+        if o["granularity"] == "token":
+            gain = gain.amax(1, keepdim=True).mean(0, keepdim=True)
+        gain = gain.expand_as(middle)
+        free = max(0, min(free, middle.shape[-1]))
+        asked = round(o["observe_share"] * free)
+        keep = torch.zeros_like(middle, dtype=torch.bool)
+        keep.scatter_(-1, torch.topk(gain, asked).indices, True)
+        newest = int(o["recent_share"] * (free - asked))
+        others = (~keep).flip(-1).cumsum(-1).flip(-1)  # other tokens at or after each slot
+        keep |= ~keep & (others <= newest)
+        return middle.masked_fill(keep, math.inf)
+
+    def _waits(self, seq_id: int) -> bool:
+        """Whether eviction waits: the sequence's prompt goes on in a later step."""
+        return self.opts["wait_for_prompt"] and self._more.get(seq_id, False)
 
     def observe_logprobs(self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor):
         """Surprisal scores of the step's tokens: token r+1's NLL is read off row r; a step's
@@ -262,6 +344,8 @@ class PrunedSelection:
         return max(floor, math.ceil(o["kept_ratio"] * self._seen[seq_id]))
 
     def _evict(self, seq_id: int) -> None:
+        if self._waits(seq_id):
+            return
         o, pool = self.opts, self.pool
         n = pool.num_tokens(seq_id)
         budget = self.budget(seq_id)
@@ -271,9 +355,18 @@ class PrunedSelection:
             return
         if self.head is not None:
             self._score_with_head(seq_id)
-        recent = max(o["recent_window"], int(o["recent_share"] * budget))
-        lo, hi = min(o["sink_tokens"], n), max(o["sink_tokens"], n - recent)
         scores, pos = self._scores[seq_id], self._pos[seq_id]
+        gain = self._gain.get(seq_id)
+        if gain is not None:  # the prompt's question was observed
+            gain = F.pad(gain, (0, n - gain.shape[-1]))  # tokens written since: no gain
+            self._gain[seq_id] = gain
+        lo = min(o["sink_tokens"], n)
+        query_first = gain is not None and self.scorer != "snapkv" and o["observe_share"] > 0
+        if query_first:  # the range is all but the hard recent window; shares are set below
+            hi = max(lo, n - o["recent_window"])
+        else:
+            recent = max(o["recent_window"], int(o["recent_share"] * budget))
+            hi = max(lo, n - recent)
         middle = scores[..., lo:hi]  # [L, Hkv, W]
         if self.head is not None and o["recency"]:
             # The head predicts how much attention a token draws from far queries; how much of
@@ -281,6 +374,8 @@ class PrunedSelection:
             middle = middle - o["recency"] * torch.log1p(self._seen[seq_id] - pos[..., lo:hi])
         if o["granularity"] == "token":
             middle = middle.amax(1, keepdim=True).mean(0, keepdim=True)  # [1, 1, W]
+        if query_first:
+            middle = self._query_first(middle, gain[..., lo:hi], budget - lo - (n - hi))
         drop = torch.topk(middle, min(excess, middle.shape[-1]), largest=False).indices + lo
         keep = torch.ones(*middle.shape[:2], n, dtype=torch.bool)
         keep.scatter_(-1, drop, False)
@@ -293,6 +388,8 @@ class PrunedSelection:
         pool.truncate(seq_id, m)
         self._scores[seq_id] = scores.gather(-1, kept)
         self._pos[seq_id] = pos.gather(-1, kept)
+        if gain is not None:
+            self._gain[seq_id] = gain.gather(-1, kept)
         self._scored[seq_id] = min(self._scored.get(seq_id, 0), m)
         self.evicted += n - m
 
@@ -304,6 +401,7 @@ class PrunedSelection:
                 self._evict(sid)
         self._awaiting_lp = []
         self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
+        self._more = dict(zip(batch.seq_ids, batch.more_prompt, strict=True))
         super().begin_step(batch)
 
     def free(self, seq_id: int) -> None:
@@ -312,6 +410,8 @@ class PrunedSelection:
         self._last_lp.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         self._scored.pop(seq_id, None)
+        self._observed.discard(seq_id)
+        self._gain.pop(seq_id, None)
         super().free(seq_id)
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:

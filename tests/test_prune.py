@@ -79,6 +79,57 @@ def test_evicts_to_the_budget_and_attends_exactly_over_what_it_keeps(scorer):
     assert s.pool.allocators["device"].num_used == 0 and s.bytes_used() == 0
 
 
+def _feed(s, k, q, more=False):
+    """One prompt chunk of sequence 0 with the given keys [n, Hkv, D] and queries [n, Hq, D]."""
+    n = k.shape[0]
+    s.begin_step(StepBatch([0], [n], [more]))
+    for layer in range(2):
+        s.append(layer, k, torch.randn(n, 2, 16))
+        s.attend(layer, q)
+    s.end_step()
+
+
+def test_eviction_waits_for_the_prompts_end():
+    """A prompt fed in chunks keeps every token until its last chunk (the question) is in,
+    then evicts to the budget at once; with wait_for_prompt off, each chunk evicts."""
+    waits, eager = make(scorer="knorm", kept_ratio=0.5), make(scorer="knorm", kept_ratio=0.5,
+                                                            wait_for_prompt=False)  # fmt: skip
+    for s in (waits, eager):
+        _feed(s, torch.randn(32, 2, 16), torch.randn(32, 4, 16), more=True)
+    assert waits.stored_tokens(0) == 32 and eager.stored_tokens(0) == 16
+    for s in (waits, eager):
+        _feed(s, torch.randn(32, 2, 16), torch.randn(32, 4, 16), more=False)
+    assert waits.stored_tokens(0) == 32 and eager.stored_tokens(0) == 32  # 0.5 x 64
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "head"])
+def test_the_prompts_question_keeps_the_tokens_it_attends_to(scorer):
+    """The observation window: the prompt's last rows attend to one early token (its key is
+    their query, scaled up); SnapKV's rule and the head's reserved share keep it, streaming
+    (no observation) drops it. Observed once per sequence, at the prompt's end only."""
+    from kvstrategies.prune_head import PruneHead
+
+    g = torch.Generator().manual_seed(3)
+    n, needle = 64, 10
+    k = torch.randn(n, 2, 16, generator=g)
+    q = torch.randn(n, 4, 16, generator=g)
+    q[-8:] = 3 * k[needle].repeat_interleave(2, 0)  # the question looks for the needle
+    head = PruneHead(SPEC.num_layers, SPEC.head_dim) if scorer == "head" else None
+    opts = {"kept_ratio": 0.25, "recent_window": 4, "recent_share": 0, "observe_window": 8}
+    kept = {}
+    for name, o in (("observing", {"scorer": scorer, "head": head}),
+                    ("streaming", {"scorer": "streaming"})):  # fmt: skip
+        s = make(**opts, **o)
+        _feed(s, k, q)
+        if s.wants_token_logprobs:
+            s.observe_logprobs(StepBatch([0], [n]), torch.zeros(n, dtype=torch.long),
+                               torch.zeros(n, 50).log_softmax(-1))  # fmt: skip
+        assert s.stored_tokens(0) == 16
+        kept[name] = (kept_keys(s)[:, :, None] == k.transpose(0, 1)[:, None]).all(-1).any(1)
+    assert kept["observing"][:, needle].all() and not kept["streaming"][:, needle].any()
+    assert s._observed == set()  # streaming observes nothing
+
+
 def test_streaming_keeps_the_sinks_and_the_newest_tokens():
     s = make(scorer="streaming", kept_ratio=0.25)
     g = torch.Generator().manual_seed(1)

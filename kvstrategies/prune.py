@@ -110,7 +110,7 @@ class PrunedSelection:
         # question, show which earlier tokens it needs.
         Option("observe_window", int, 32, "head, surprisal and snapkv scorers: last prompt rows "
                "whose attention adds to the scores (0: off)", low=0),
-        Option("observe_share", float, 0.5, "head and surprisal scorers: share of the kept "
+        Option("observe_share", float, 0.75, "head and surprisal scorers: share of the kept "
                "middle tokens chosen by the observation window's attention, the rest by the "
                "scorer", low=0, high=1),
         Option("wait_for_prompt", bool, True, "evict once the whole prompt is in, not after "

@@ -110,9 +110,10 @@ def test_tiered_quantized_blocks_move_packed_and_attend_as_resident(tmp_path, fm
         resident.close()
 
 
-def test_a_pruned_hybrid_cache_compacts_packed_blocks(tmp_path):
-    pruned = _make("hybrid+resident+pruned", tmp_path, "p", kept_ratio=0.5)
-    fp32 = _make("fp32+resident+pruned", tmp_path, "f", kept_ratio=0.5)
+@pytest.mark.parametrize("scorer", ["knorm", "snapkv"])  # snapkv reads the packed keys back
+def test_a_pruned_hybrid_cache_compacts_packed_blocks(tmp_path, scorer):
+    pruned = _make("hybrid+resident+pruned", tmp_path, "p", kept_ratio=0.5, scorer=scorer)
+    fp32 = _make("fp32+resident+pruned", tmp_path, "f", kept_ratio=0.5, scorer=scorer)
     steps = [([0], [40])] + [([0], [1])] * 20
     _drive(pruned, steps)
     _drive(fp32, steps)

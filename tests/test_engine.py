@@ -84,6 +84,33 @@ async def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(engine,
     assert c.token_ids == greedy_reference(model, ids, 16)
 
 
+class RecordingKV(ContiguousKVCache):
+    """Records, per step, each sequence's (new tokens, more of its prompt follows)."""
+
+    def begin_step(self, batch):
+        self.steps = getattr(self, "steps", [])
+        self.steps.append(list(zip(batch.query_lens, batch.more_prompt, strict=True)))
+        super().begin_step(batch)
+
+
+async def test_the_engine_marks_prompt_chunks_that_more_prompt_follows(model, tokenizer):
+    """A query-aware cache waits for the prompt's end: every chunk but the prompt's last says
+    more follows; the last chunk and the decode steps do not."""
+    cfg = model.cfg
+    kv = RecordingKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    engine = Engine(model, tokenizer, kv=kv, max_batch=8, max_step_tokens=64)
+    try:
+        ids = tokenizer.encode(" ".join(PROMPTS) * 6)[:300]
+        await engine.generate(ids, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    finally:
+        await engine.close(cancel=True)
+    steps = [s[0] for s in kv.steps]
+    chunks = -(-len(ids) // 64)
+    assert len(ids) > 4 * 64 and sum(n for n, _ in steps[:chunks]) == len(ids)
+    assert [more for _, more in steps[:chunks]] == [True] * (chunks - 1) + [False]
+    assert steps[chunks:] == [(1, False), (1, False)]
+
+
 async def test_stream_pieces_add_up_to_completion(engine):
     handle = engine.submit(PROMPTS[3], SamplingParams(max_new_tokens=24))
     pieces = [p async for p in handle]

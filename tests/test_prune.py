@@ -269,7 +269,7 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
     from engine.passkey import passkey
 
     spec = model.kv_spec()
-    opts = {"kept_ratio": 0.5, "recent_share": 0.75}
+    opts = {"kept_ratio": 0.5, "recent_share": 0.75, "observe_window": 0}  # the rule alone
     sur = kvstrategies.create("learned_prune", spec, options={"scorer": "surprisal", **opts})
     assert sur.wants_token_logprobs
     got = passkey(model, tokenizer, sur, 512, 3)

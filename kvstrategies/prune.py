@@ -144,6 +144,7 @@ class PrunedSelection:
         self._awaiting_lp: list[int] = []  # sequences whose eviction waits for log-probabilities
         self._more: dict[int, bool] = {}  # this step: whose prompt goes on in a later step
         self._observed: set[int] = set()  # sequences whose prompt's end has been observed
+        self._ends: list[int] = []  # this step: batch positions whose prompt's end is observed
         self._gain: dict[int, torch.Tensor] = {}  # per sequence: the observation's [L, Hkv, S]
 
     @classmethod
@@ -209,15 +210,8 @@ class PrunedSelection:
         out = super().attend(layer, q)
         if self.scorer in ("h2o", "tova"):
             self._observe(layer, q, range(len(self._batch.seq_ids)))
-        elif self.scorer in OBSERVING and self.opts["observe_window"]:
-            b = self._batch
-            ends = [  # once per sequence, at its prompt's end (rows, not one decode token)
-                i for i, (sid, n, more) in enumerate(zip(b.seq_ids, b.query_lens, b.more_prompt,
-                                                         strict=True))
-                if n > 1 and not more and sid not in self._observed
-            ]  # fmt: skip
-            if ends:
-                self._observe(layer, q, ends)
+        elif self._ends:
+            self._observe(layer, q, self._ends)
         return out
 
     def _observe(self, layer: int, q: torch.Tensor, which) -> None:
@@ -402,6 +396,13 @@ class PrunedSelection:
         self._awaiting_lp = []
         self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
         self._more = dict(zip(batch.seq_ids, batch.more_prompt, strict=True))
+        # Batch positions observed this step: once per sequence, at its prompt's end (rows, not
+        # one decode token); worked out once per step, not per layer.
+        self._ends = [
+            i for i, (sid, n, more) in enumerate(zip(batch.seq_ids, batch.query_lens,
+                                                     batch.more_prompt, strict=True))
+            if n > 1 and not more and sid not in self._observed
+        ] if self.scorer in OBSERVING and self.opts["observe_window"] else []  # fmt: skip
         super().begin_step(batch)
 
     def free(self, seq_id: int) -> None:

@@ -1,12 +1,14 @@
-"""Decode speed and memory of `hybrid_fp16_int4` against `full`, same model, same process.
+"""Decode speed and memory of compressed KV strategies against `full`, same model, same process.
 
-For each context length: both strategies prefill the same text (chunks of 512 tokens, as the
-engine's step budget does), then decode `--new-tokens` greedy tokens; only the decode is timed.
-Rounds alternate full, hybrid, full, ... after a warm-up round; tokens/s is the median.
+For each context length every strategy prefills the same text once (chunks of 512 tokens, as
+the engine's step budget does); then rounds of `--new-tokens` greedy decode steps alternate
+full, strategy, full, ... each round continuing its sequence (the context grows by a few
+hundred tokens over all rounds); round 0 is the warm-up, tokens/s is the median of the rest.
 Also reports KV bytes after the prefill (against what an fp16 cache of the same tokens needs)
 and, with `--rss`, the peak RSS growth of an 8K prefill measured in a fresh child process.
 
     python benchmarks/kv_quant_speed.py [--contexts 2048 8192] [--new-tokens 32] [--repeats 3]
+    python benchmarks/kv_quant_speed.py --strategies hybrid+resident+pruned int8+tiered+all
 """
 
 from __future__ import annotations
@@ -110,46 +112,57 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["hybrid_fp16_int4"],
+        help="strategy names or format+placement+selection (each against full)",
+    )
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--rss", action="store_true", help="also measure peak RSS of an 8K prefill")
     ap.add_argument("--rss-child", nargs=2, metavar=("STRATEGY", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         rss_child(args.rss_child[0], int(args.rss_child[1]))
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2", progress=False)
     cfg = model.cfg
     fp16_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    names = list(dict.fromkeys(["full", *args.strategies]))
     rows = []
     for n in args.contexts:
-        n = min(n, cfg.context_length - args.new_tokens)  # room to decode inside the context
+        # room to decode every round inside the context
+        n = min(n, cfg.context_length - args.new_tokens * (args.repeats + 1))
         ids = context_ids(tok, n)
-        names = ("full", "hybrid_fp16_int4")
         kvs = {name: build(model, tok, name) for name in names}
+        first, kv_bytes = {}, {}
+        for seq, name in enumerate(names):
+            first[name] = prefill(model, kvs[name], ids, seq)
+            kv_bytes[name] = kvs[name].bytes_used()
         samples = {name: [] for name in names}
-        kv_bytes = {}
+        at = n
         for rnd in range(args.repeats + 1):  # round 0 is the warm-up
-            for name in names:
-                kv = kvs[name]
-                first = prefill(model, kv, ids, rnd)
-                kv_bytes[name] = kv.bytes_used()
-                secs = decode(model, kv, first, n, args.new_tokens, rnd)
-                kv.free(rnd)
+            for seq, name in enumerate(names):
+                secs = decode(model, kvs[name], first[name], at, args.new_tokens, seq)
                 if rnd:
                     samples[name].append(args.new_tokens / secs)
+            at += args.new_tokens  # each round appends to its sequence (from the same token)
         tps = {name: statistics.median(s) for name, s in samples.items()}
-        rows.append({
-            "context": n,
-            "full_tok_s": tps["full"],
-            "hybrid_tok_s": tps["hybrid_fp16_int4"],
-            "ratio": tps["hybrid_fp16_int4"] / tps["full"],
-            "hybrid_kv_MiB": kv_bytes["hybrid_fp16_int4"] / 2**20,
-            "fp16_kv_MiB": n * fp16_bytes_per_token / 2**20,
-            "fp16_over_hybrid": n * fp16_bytes_per_token / kv_bytes["hybrid_fp16_int4"],
-        })  # fmt: skip
-        print(rows[-1], flush=True)
+        for name in names:
+            rows.append({
+                "context": n,
+                "strategy": name,
+                "tok_s": tps[name],
+                "vs_full": tps[name] / tps["full"],
+                "kv_MiB": kv_bytes[name] / 2**20,
+                "fp16_over_kv": n * fp16_bytes_per_token / kv_bytes[name],
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+        for seq, name in enumerate(names):
+            kvs[name].free(seq)
         del kvs
-    extra = {}
+    extra = {"threads": args.threads}
     if args.rss:
         n = 8192
         for name in ("hybrid_fp16_int4", "full"):
@@ -159,8 +172,7 @@ def main() -> None:
             )  # fmt: skip
             extra[f"rss_{name}"] = json.loads(out.stdout.strip().splitlines()[-1])
         extra["fp16_cache_bytes_8k"] = n * fp16_bytes_per_token
-    cols = ["context", "full_tok_s", "hybrid_tok_s", "ratio", "hybrid_kv_MiB", "fp16_kv_MiB",
-            "fp16_over_hybrid"]  # fmt: skip
+    cols = ["context", "strategy", "tok_s", "vs_full", "kv_MiB", "fp16_over_kv"]
     report("kv_quant_speed", rows, cols, extra)
 
 

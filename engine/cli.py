@@ -146,6 +146,18 @@ def strategy_option_args(sp: argparse.ArgumentParser, names: tuple[str, ...] = (
 Extra = Mapping[str, tuple[Callable[[Any], None], Callable[[argparse.Namespace], int | None]]]
 
 
+def add_weights_flag(sp: argparse.ArgumentParser) -> None:
+    """`--weights`, shared by every command that loads a model to serve it."""
+    sp.add_argument(
+        "--weights",
+        default="native",
+        choices=WEIGHT_MODES,
+        help="native: a GGUF's Q8_0/Q4_0/Q4_1 weights stay packed and run on the device's "
+        "native kernels where it has one (other types, or no kernel: float32); float32 or "
+        "bfloat16: decoded at load (default: native)",
+    )
+
+
 def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     """The argument parser for every subcommand (and the `extra` ones)."""
     p = argparse.ArgumentParser(
@@ -162,13 +174,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
             "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
         )
         sp.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
-        sp.add_argument(
-            "--weights",
-            default="float32",
-            choices=WEIGHT_MODES,
-            help="native: a GGUF's Q8_0/Q4_0/Q4_1 weights stay packed and run on native kernels "
-            "(other types as float32); float32 or bfloat16: decoded at load (default: float32)",
-        )
+        add_weights_flag(sp)
         sp.add_argument(
             "--strategy",
             default=None,
@@ -579,6 +585,12 @@ def _memory_lines(mem: dict) -> str:
         lines.append(f"[attention kernel: {mem['attention_kernel']}]")
     if mem.get("kernels"):
         lines.append(f"[kernels: {operators.summary(mem['kernels'])}]")
+    if mem.get("weights"):
+        parts = [
+            f"{fmt} {w['layers']} layers {_fmt_bytes(w['bytes'])}"
+            for fmt, w in mem["weights"].items()
+        ]
+        lines.append(f"[weights: {', '.join(parts)}]")
     for problem in mem.get("operator_fallbacks", ()):
         lines.append(f"[fallback: {problem}]")
     return "\n".join(lines)

@@ -132,7 +132,7 @@ class Engine:
         max_batch: int | None = None,
         max_step_tokens: int = 512,
         admission_window_ms: float | None = None,
-        weights: str = "float32",
+        weights: str = "native",
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 
@@ -140,8 +140,9 @@ class Engine:
         `chip` (a profile name) and `strategy_options` (over the file's) choose how KV is
         stored; see `engine.assembly.build_kv`. `max_batch` and `admission_window_ms` default
         to the config's `[scheduler]` table, else the chip profile's `batch_size` and
-        `batching_window_ms`. `weights` (native, float32, bfloat16): how the weights are kept
-        and multiplied (see `engine.loading.load_model`).
+        `batching_window_ms`. `weights` (native, the default: packed where the device has a
+        kernel for the format; float32; bfloat16): how the weights are kept and multiplied
+        (see `engine.loading.load_model`, whose own default is the float32 reference).
         """
         if kv is not None:
             m, tok = await compute.run(load_model, model, dtype, device, progress, weights)

@@ -39,6 +39,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         choices=sorted(engine_cli.DTYPES),
         help="compute dtype (default: float32)",
     )
+    engine_cli.add_weights_flag(sp)
     sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
     sp.add_argument(
         "--strategy",
@@ -152,8 +153,9 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--sensor {kind!r}: expected one of {', '.join(SENSOR_KINDS)} or scripted:PATH"
         )
 
-    spec = ReplicaSpec(model=args.model, dtype=args.dtype, strategy=args.strategy,
-                       config=args.config, chip=args.chip, threads=args.replica_threads,
+    spec = ReplicaSpec(model=args.model, dtype=args.dtype, weights=args.weights,
+                       strategy=args.strategy, config=args.config, chip=args.chip,
+                       threads=args.replica_threads,
                        sensor=args.sensor, max_waiting=args.max_waiting)  # fmt: skip
     replicas = Replicas(spec, args.replicas, address=args.ray_address, router=args.router)
     client = replicas.start()
@@ -181,6 +183,7 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
             strategy=args.strategy,
             config=args.config,
             chip=args.chip,
+            weights=args.weights,
         )
 
     app = create_app(Server(make_engine, settings))

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 from engine.engine import Completion, RequestHandle
+from engine.gguf_loader import check_weights
 from engine.sampling import SamplingParams
 from memory.prefix import chain_hashes
 
@@ -56,6 +57,7 @@ class ReplicaSpec:
 
     model: str = "smollm2"
     dtype: str = "float32"
+    weights: str = "native"  # engine.gguf_loader.WEIGHT_MODES
     strategy: str | None = None
     config: str | None = None
     chip: str | None = None
@@ -70,6 +72,7 @@ class ReplicaSpec:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        check_weights(self.weights)
         if not 0 < self.stats_period_s <= 60:
             raise ValueError(f"stats_period_s must be in (0, 60], got {self.stats_period_s}")
         if not 0 <= self.simulate_throttle <= 10:
@@ -101,7 +104,7 @@ class EngineReplica:
         self.rank = rank
         s = self.spec
         engine = await Engine.create(s.model, dtype=s.dtype, strategy=s.strategy,
-                                     config=s.config, chip=s.chip)  # fmt: skip
+                                     config=s.config, chip=s.chip, weights=s.weights)  # fmt: skip
         # The same book-keeping as a single server: failures, preemptions, the health view.
         self.server = Server(None, ServeSettings(model_name=s.model, max_waiting=s.max_waiting))
         self.server.engine = self.engine = engine

@@ -53,6 +53,30 @@ def test_cli_rejects_unknown_weights(capsys):
     assert e.value.code == 2 and "native" in capsys.readouterr().err
 
 
+def test_serving_entries_default_to_native_weights():
+    """`run`, `generate`-like commands, `eval` and `serve` (and each replica, and the async
+    API) keep a GGUF's weights packed unless told otherwise; the low-level loader's default
+    stays the float32 reference that benchmarks and tuning measure against."""
+    import inspect
+
+    from engine.cli import build_parser
+    from engine.engine import Engine
+    from engine.loading import load_model
+    from serving.cli import add_serve, run_serve
+    from serving.replicas import ReplicaSpec
+
+    parser = build_parser({"serve": (add_serve, run_serve)})
+    assert parser.parse_args(["serve"]).weights == "native"
+    assert parser.parse_args(["run", "--prompt", "x"]).weights == "native"
+    assert parser.parse_args(["eval", "ppl", "--text", "t"]).weights == "native"
+    assert parser.parse_args(["run", "--prompt", "x", "--weights", "float32"]).weights == "float32"
+    assert inspect.signature(Engine.create).parameters["weights"].default == "native"
+    assert inspect.signature(load_model).parameters["weights"].default == "float32"
+    assert ReplicaSpec().weights == "native"
+    with pytest.raises(ValueError, match="choose one of"):
+        ReplicaSpec(weights="int3")
+
+
 # ---- the packaged model, native against dequantized --------------------------------------
 
 

@@ -32,6 +32,9 @@ class KVStrategy(KVCache, KVMemory):
     name: ClassVar[str]
     tolerance: ClassVar[float] = 1e-5
     lossless: ClassVar[bool] = True
+    # Whether `_compact` quantizes the kept tokens again (each pass adds rounding error), so a
+    # pruned cache of this format should compact seldom (`evict_slack`).
+    compaction_requantizes: ClassVar[bool] = False
     # Evicts tokens: attention is exact over the tokens it keeps (what `read` returns), and
     # no prefix sharing (a compacted block no longer holds the tokens its position says).
     evicts: ClassVar[bool] = False

@@ -135,6 +135,7 @@ class HybridStrategy(KVStrategy):
     # against the strategy's own reconstruction, on both kinds of spec.
     contract_options: ClassVar[dict[str, Any]] = {"low_share": 0.0}
     lossless = False
+    compaction_requantizes = True  # `_compact` re-packs the blocks it moves tokens into
     default_block_size = 64
     needs = frozenset({"channel_stats"})  # the channel plan comes from a calibration file
     # Group headers, shares and widths decide the bytes of a block; the calibration options

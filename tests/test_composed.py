@@ -4,6 +4,7 @@ blocks tiered to host and SSD, a pruned hybrid cache), and every chip-profile pa
 on what it claims to (the format, placement and selection, the prefetcher, the scheduler, the
 cooling rule). Small specs, no model: milliseconds to seconds."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,41 @@ def test_a_pruned_hybrid_cache_compacts_packed_blocks(tmp_path, scorer):
     assert used == -(-pruned.stored_tokens(0) // BS)
     pruned.free(0)
     assert pruned.bytes_used() == 0
+
+
+def test_a_packed_cache_compacts_seldom(tmp_path):
+    """Compaction quantizes a packed cache's moved tokens again (each pass adds rounding), so a
+    pruned hybrid cache evicts only once its budget is overrun by `evict_slack` (by default
+    1/16 of it); an exact format, or evict_slack 0, evicts after every chunk."""
+    opts = {"kept_ratio": 0.5, "scorer": "knorm"}
+    made = {
+        "packed": _make("hybrid+resident+pruned", tmp_path, "p", **opts),
+        "exact": _make("fp32+resident+pruned", tmp_path, "f", **opts),
+        "eager": _make("hybrid+resident+pruned", tmp_path, "e", evict_slack=0.0, **opts),
+    }
+    calls = dict.fromkeys(made, 0)
+    over = dict.fromkeys(made, 0)
+    for name, s in made.items():
+        compact = s._compact
+
+        def counted(*args, _name=name, _compact=compact):
+            calls[_name] += 1
+            return _compact(*args)
+
+        s._compact = counted
+        for _ in range(40):  # 320 tokens in chunks of 8, each chunk scored (no more prompt)
+            _drive(s, [([0], [8])])
+            excess = s.stored_tokens(0) - s.budget(0)
+            if name == "packed":  # never over by the slack: it was evicted when it got there
+                assert excess < math.ceil(s.budget(0) / 16)
+            over[name] = max(over[name], excess)
+    assert calls["eager"] == calls["exact"] == 40  # every chunk overruns the budget
+    assert 0 < calls["packed"] < calls["exact"] - 10
+    assert over["exact"] == over["eager"] == 0 < over["packed"]
+    with pytest.raises(ValueError, match="evict_slack"):
+        _make("hybrid+resident+pruned", tmp_path, "x", evict_slack=1.5)
+    for s in made.values():
+        s.close()
 
 
 def test_config_table_and_flags_write_a_combination(tmp_path):

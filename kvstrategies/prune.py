@@ -358,9 +358,8 @@ class PrunedSelection:
         excess = n - budget
         # Amortized: after a prefill chunk at once, while decoding once a block's worth is due,
         # and never before the slack is used up (a packed format's compaction re-quantizes).
-        if excess <= 0 or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
-            return
-        if excess < math.ceil(self._slack * budget):
+        due = max(1, math.ceil(self._slack * budget))
+        if excess < due or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
             return
         if self.head is not None:
             self._score_with_head(seq_id)

@@ -588,6 +588,7 @@ def _memory_lines(mem: dict) -> str:
     if mem.get("weights"):
         parts = [
             f"{fmt} {w['layers']} layers {_fmt_bytes(w['bytes'])}"
+            + (f" ({'; '.join(w['how'])})" if w.get("how") else "")
             for fmt, w in mem["weights"].items()
         ]
         lines.append(f"[weights: {', '.join(parts)}]")

@@ -1,50 +1,114 @@
 /* Matrix-vector products for decode (a few activation rows): y[n, out] = x[n, in] @ W[out, in]^T.
  *
- * Built and loaded by engine/linear.py through kvstrategies/kernels.py (cc -O3 -march=native
- * -fopenmp, cached, ctypes), registered as the preferred CPU entry of matmul.float, matmul.q8_0,
- * matmul.q4_0 and matmul.q4_1 for calls of at most GEMV_MAX_ROWS rows (larger batches, i.e.
- * prefill, keep PyTorch's matrix products). engine/linear.py's reference entries compute the
- * same thing; tests/test_operators.py compares them.
+ * Built and loaded by engine/gemv.py through kvstrategies/kernels.py (cc -O3, the ISA flags of
+ * `kernels.isa()`, -fopenmp, cached, ctypes), registered as the preferred CPU entry of
+ * matmul.float, matmul.q8_0, matmul.q4_0 and matmul.q4_1. engine/linear.py's reference entries
+ * compute the same thing; tests/test_operators.py compares them under every ISA this CPU runs.
  *
  * Why: at batch 1 a decode step is a stream over every weight byte. Each OpenMP thread takes a
  * contiguous range of output rows of the row-major weights and streams them one row after the
  * other (one purely sequential stream per thread), with independent FMA chains along the row;
  * x (a few KB) stays in L1. Quantized weights are read as their GGUF blocks (the packed bytes
- * are what streams) and decoded in registers: activations stay float32, so the product equals
- * the dequantized model's up to the order of the float32 sums.
+ * are what streams) and decoded in registers.
  *
  * Block formats (ggml-common.h; 32 consecutive elements of a row per block):
  *   Q8_0: fp16 d, int8 q[32];            w = d q
  *   Q4_0: fp16 d, 16 bytes of nibbles;   w = d (q - 8)   (element j low nibble of byte j,
  *   Q4_1: fp16 d, fp16 m, 16 bytes;      w = d q + m      j + 16 its high nibble)
  *
- * Needs AVX-512F/BW (checked by the loader against /proc/cpuinfo; `gemv_ok` tells the build).
+ * One source, three instruction sets, chosen by the compiler's target (the build's flags):
+ *   GEMV_ISA 2: AVX-512F/BW (and VNNI for the int8 kernel), the paths tuned first;
+ *   GEMV_ISA 1: AVX2 + FMA + F16C (x86-64-v3: every x86-64 server CPU since 2013-2015);
+ *   GEMV_ISA 0: portable C (any other target: baseline x86-64, and aarch64, where -mcpu=native
+ *               lets the compiler vectorize the plain loops with NEON).
+ * Each entry point computes the same product on every path; only the order of the float32 sums
+ * differs (the int8 kernel's integer dots are exact on all three). `gemv_isa()` and
+ * `gemv_i8_isa()` tell the loader which path this build holds.
  */
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define GEMV_MAX_ROWS 4
-#define GEMV_I8_MAX_ROWS 16 /* gemv_qi8: rows in groups of 4, each weight row read once */
+#define GEMV_I8_MAX_ROWS 16 /* gemv_qi8: rows in chunks of 16, groups of 4; each chunk one pass */
 #define GEMV_MAX_BLOCKS 4096 /* blocks per packed row (in <= 131072): Q4_1's per-call sums */
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define GEMV_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GEMV_ISA 1
+#else
+#define GEMV_ISA 0
+#endif
+#if GEMV_ISA == 2 && defined(__AVX512VNNI__)
+#define GEMV_I8_ISA 2
+#elif GEMV_ISA >= 1
+#define GEMV_I8_ISA 1 /* AVX2, or AVX-512 without VNNI: the int16 path below, in AVX2 */
+#else
+#define GEMV_I8_ISA 0
+#endif
+
+int gemv_isa(void) { return GEMV_ISA; }
+int gemv_i8_isa(void) { return GEMV_I8_ISA; }
 int gemv_max_rows(void) { return GEMV_MAX_ROWS; }
 int gemv_i8_max_rows(void) { return GEMV_I8_MAX_ROWS; }
 long gemv_max_in(void) { return 32L * GEMV_MAX_BLOCKS; }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-int gemv_ok(void) { return 1; }
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20; }
+
+/* An fp16 value (little-endian at p) as float. */
+INLINE float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if GEMV_ISA >= 1
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (e == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+        f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if GEMV_ISA >= 1
+/* The sum of 8 float lanes. */
+INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
+#ifndef GEMV_U
+#define GEMV_U 2
+#endif
+
+#if GEMV_ISA == 2
+/* ---- float32 weights and GGUF blocks, float32 activations: AVX-512 ---------------------- */
 
 /* Independent accumulators along a row, for one or two activation rows (more rows bring their
  * own chains). Measured here (one core, a model-sized set of weights, interleaved): one row of
  * W at a time with 2 chains streamed 2.3-2.9x faster than the split bmm at batch 1; 4 or 8 rows
  * of W interleaved at a time only 1.3-1.5x, and software prefetch slowed every variant. */
-#ifndef GEMV_U
-#define GEMV_U 2
-#endif
 
 /* ---- float32 weights ------------------------------------------------------------------- */
 
@@ -80,31 +144,7 @@ INLINE void f32_row(const float *restrict x, const float *restrict w, long in, f
     }
 }
 
-/* Rows [lo, hi) of W: N (the activation rows) is a compile-time constant in each loop. */
-static void f32_range(const float *x, int n, const float *w, long in, float *y, long out, long lo,
-                      long hi) {
-#define F32_LOOP(N)                                                                              \
-    for (long r = lo; r < hi; r++) f32_row(x, w + r * in, in, y + r, out, N, N <= 2 ? GEMV_U : 1)
-    switch (n) {
-    case 1: F32_LOOP(1); break;
-    case 2: F32_LOOP(2); break;
-    case 3: F32_LOOP(3); break;
-    default: F32_LOOP(4); break;
-    }
-#undef F32_LOOP
-}
-
 /* ---- GGUF blocks --------------------------------------------------------------------------- */
-
-INLINE float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
-
-INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20; }
 
 /* The block at p: its codes as two float vectors (elements 0..15, 16..31), its scale d and
  * (Q4_1) its offset m, w = d * code + m. Q4_0's -8 is folded into the code. */
@@ -182,23 +222,152 @@ INLINE void q_row(const float *restrict x, const float *restrict xsum, const uin
     }
 }
 
-#define Q_RANGE(F)                                                                               \
-    static void q_range_##F(const float *x, const float *xsum, int n, const uint8_t *w, long nb, \
-                            float *y, long out, long lo, long hi) {                              \
-        const long row = nb * block_bytes(F);                                                    \
-        switch (n) {                                                                             \
-        case 1: Q_LOOP(F, 1); break;                                                             \
-        case 2: Q_LOOP(F, 2); break;                                                             \
-        case 3: Q_LOOP(F, 3); break;                                                             \
-        default: Q_LOOP(F, 4); break;                                                            \
-        }                                                                                        \
+#elif GEMV_ISA == 1
+/* ---- float32 weights and GGUF blocks, float32 activations: AVX2 + FMA ------------------- */
+
+/* As the AVX-512 f32_row, 8 lanes a vector; the last `in % 8` elements in scalar. */
+INLINE void f32_row(const float *restrict x, const float *restrict w, long in, float *restrict y,
+                    long out, const int N, const int U) {
+    __m256 acc[GEMV_MAX_ROWS][GEMV_U];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) acc[j][u] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 * U <= in; k += 8 * U)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++)
+                acc[j][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * in + k + 8 * u), acc[j][u]);
+        }
+    for (; k + 8 <= in; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++)
+            acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * in + k), acc[j][0]);
     }
-#define Q_LOOP(F, N)                                                                             \
-    for (long r = lo; r < hi; r++)                                                               \
-    q_row(x, xsum, w + r * row, nb, y + r, out, F, N, N <= 2 ? GEMV_U : 1)
-Q_RANGE(Q8_0)
-Q_RANGE(Q4_0)
-Q_RANGE(Q4_1)
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) {
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) acc[j][0] = _mm256_add_ps(acc[j][0], acc[j][u]);
+        float tail = 0.0f;
+        for (long t = k; t < in; t++) tail += w[t] * x[j * in + t];
+        y[j * out] = hsum256(acc[j][0]) + tail;
+    }
+}
+
+/* The block at p as four vectors of 8 float codes (elements 0..7, .., 24..31), its scale d and
+ * (Q4_1) its offset m: w = d * code + m. Q4_0's -8 is folded into the code. */
+INLINE void codes(const uint8_t *restrict p, const int fmt, __m256 c[4], float *d, float *m) {
+    *d = half(p);
+    if (fmt == Q8_0) {
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            c[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * i))));
+        return;
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(p + (fmt == Q4_1 ? 4 : 2)));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    const __m256 off = _mm256_set1_ps(fmt == Q4_0 ? -8.0f : 0.0f);
+    c[0] = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), off);
+    c[1] = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), off);
+    c[2] = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), off);
+    c[3] = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), off);
+    if (fmt == Q4_1) *m = half(p + 2);
+}
+
+/* Row w (nb blocks) against N rows of x (length nb * 32): per block acc += d * (code . x),
+ * two accumulators per x row (even and odd blocks); xsum as in the AVX-512 path. */
+INLINE void q_row(const float *restrict x, const float *restrict xsum, const uint8_t *restrict w,
+                  long nb, float *restrict y, long out, const int fmt, const int N, const int U) {
+    (void)U;
+    const long bs = block_bytes(fmt), in = nb * 32;
+    __m256 acc[GEMV_MAX_ROWS][2];
+    float macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps(), macc[j] = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        __m256 c[4];
+        float d, m = 0.0f;
+        codes(w + b * bs, fmt, c, &d, &m);
+        const __m256 dv = _mm256_set1_ps(d);
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const float *xb = x + j * in + b * 32;
+            __m256 t = _mm256_mul_ps(c[0], _mm256_loadu_ps(xb));
+            t = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(xb + 8), t);
+            t = _mm256_fmadd_ps(c[2], _mm256_loadu_ps(xb + 16), t);
+            t = _mm256_fmadd_ps(c[3], _mm256_loadu_ps(xb + 24), t);
+            acc[j][b & 1] = _mm256_fmadd_ps(dv, t, acc[j][b & 1]);
+            if (fmt == Q4_1) macc[j] += m * xsum[j * nb + b];
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1])) + macc[j];
+}
+
+#else
+/* ---- float32 weights and GGUF blocks, float32 activations: portable C ------------------- */
+/* Plain loops with several partial sums (so -O3 vectorizes them for the target: SSE2, NEON). */
+
+#define PSUMS 16
+
+INLINE void f32_row(const float *restrict x, const float *restrict w, long in, float *restrict y,
+                    long out, const int N, const int U) {
+    (void)U;
+    for (int j = 0; j < N; j++) {
+        const float *xj = x + j * in;
+        float s[PSUMS] = {0};
+        long k = 0;
+        for (; k + PSUMS <= in; k += PSUMS)
+            for (int u = 0; u < PSUMS; u++) s[u] += w[k + u] * xj[k + u];
+        float t = 0.0f;
+        for (; k < in; k++) t += w[k] * xj[k];
+        for (int u = 0; u < PSUMS; u++) t += s[u];
+        y[j * out] = t;
+    }
+}
+
+/* The block at p decoded to 32 float codes (Q4_0's -8 folded in), its d and (Q4_1) m. */
+INLINE void codes(const uint8_t *restrict p, const int fmt, float c[32], float *d, float *m) {
+    *d = half(p);
+    if (fmt == Q8_0) {
+        for (int i = 0; i < 32; i++) c[i] = (float)(int8_t)p[2 + i];
+        return;
+    }
+    const uint8_t *q = p + (fmt == Q4_1 ? 4 : 2);
+    const float off = fmt == Q4_0 ? -8.0f : 0.0f;
+    for (int i = 0; i < 16; i++) {
+        c[i] = (float)(q[i] & 0x0F) + off;
+        c[i + 16] = (float)(q[i] >> 4) + off;
+    }
+    if (fmt == Q4_1) *m = half(p + 2);
+}
+
+INLINE void q_row(const float *restrict x, const float *restrict xsum, const uint8_t *restrict w,
+                  long nb, float *restrict y, long out, const int fmt, const int N, const int U) {
+    (void)U;
+    const long bs = block_bytes(fmt), in = nb * 32;
+    float acc[GEMV_MAX_ROWS] = {0}, macc[GEMV_MAX_ROWS] = {0};
+    for (long b = 0; b < nb; b++) {
+        float c[32], d, m = 0.0f;
+        codes(w + b * bs, fmt, c, &d, &m);
+        for (int j = 0; j < N; j++) {
+            const float *xb = x + j * in + b * 32;
+            float s[8] = {0};
+            for (int i = 0; i < 32; i += 8)
+                for (int u = 0; u < 8; u++) s[u] += c[i + u] * xb[i + u];
+            acc[j] += d * (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+            if (fmt == Q4_1) macc[j] += m * xsum[j * nb + b];
+        }
+    }
+    for (int j = 0; j < N; j++) y[j * out] = acc[j] + macc[j];
+}
+
+#endif
 
 /* ---- entry points: the output rows split over `threads` (torch's OpenMP team) -------------- */
 
@@ -219,6 +388,38 @@ Q_RANGE(Q4_1)
         }                                                                                        \
     } while (0)
 
+/* Rows [lo, hi) of W: N (the activation rows) is a compile-time constant in each loop. */
+static void f32_range(const float *x, int n, const float *w, long in, float *y, long out, long lo,
+                      long hi) {
+#define F32_LOOP(N)                                                                              \
+    for (long r = lo; r < hi; r++) f32_row(x, w + r * in, in, y + r, out, N, N <= 2 ? GEMV_U : 1)
+    switch (n) {
+    case 1: F32_LOOP(1); break;
+    case 2: F32_LOOP(2); break;
+    case 3: F32_LOOP(3); break;
+    default: F32_LOOP(4); break;
+    }
+#undef F32_LOOP
+}
+
+#define Q_RANGE(F)                                                                               \
+    static void q_range_##F(const float *x, const float *xsum, int n, const uint8_t *w, long nb, \
+                            float *y, long out, long lo, long hi) {                              \
+        const long row = nb * block_bytes(F);                                                    \
+        switch (n) {                                                                             \
+        case 1: Q_LOOP(F, 1); break;                                                             \
+        case 2: Q_LOOP(F, 2); break;                                                             \
+        case 3: Q_LOOP(F, 3); break;                                                             \
+        default: Q_LOOP(F, 4); break;                                                            \
+        }                                                                                        \
+    }
+#define Q_LOOP(F, N)                                                                             \
+    for (long r = lo; r < hi; r++)                                                               \
+    q_row(x, xsum, w + r * row, nb, y + r, out, F, N, N <= 2 ? GEMV_U : 1)
+Q_RANGE(Q8_0)
+Q_RANGE(Q4_0)
+Q_RANGE(Q4_1)
+
 /* y [n, out] = x [n, in] @ w [out, in]^T, float32, 1 <= n <= GEMV_MAX_ROWS. */
 void gemv_f32(const float *x, int n, const float *w, long out, long in, float *y, int threads) {
     if (n < 1 || n > GEMV_MAX_ROWS) return; /* the caller checks: never reached */
@@ -232,9 +433,12 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
     /* Q4_1's offsets multiply each block's sum of x: computed once per call */
     float xsum[GEMV_MAX_ROWS * GEMV_MAX_BLOCKS];
     if (fmt == Q4_1)
-        for (long i = 0; i < n * nb; i++)
-            xsum[i] = _mm512_reduce_add_ps(
-                _mm512_add_ps(_mm512_loadu_ps(x + i * 32), _mm512_loadu_ps(x + i * 32 + 16)));
+        for (long i = 0; i < n * nb; i++) {
+            float s[8] = {0};
+            for (int k = 0; k < 32; k += 8)
+                for (int u = 0; u < 8; u++) s[u] += x[i * 32 + k + u];
+            xsum[i] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        }
     if (fmt == Q8_0)
         SPLIT(q_range_Q8_0(x, xsum, n, w, nb, y, out, lo, hi));
     else if (fmt == Q4_0)
@@ -242,7 +446,6 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
     else
         SPLIT(q_range_Q4_1(x, xsum, n, w, nb, y, out, lo, hi));
 }
-
 
 /* ---- int8 activations (AVX512-VNNI): llama.cpp's Q8_0 / Q8_1 activation format --------------
  *
@@ -284,9 +487,7 @@ void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb,
  * paired with a zero block (zero activation codes and scale); nothing past a row's last block is
  * read.
  */
-#if defined(__AVX512VNNI__)
-int gemv_i8_ok(void) { return 1; }
-
+#if GEMV_I8_ISA == 2
 /* The activations of one call in the kernel's form. Per x row j and block b (nb rounded up to
  * a multiple of 16, the pad zero): q codes [n][nbp * 32] (the step layout above; q2 the second
  * digit's, the same layout, with two digits), dx [n][nb16] (the scale of the code 1 or of
@@ -446,13 +647,10 @@ QI8_RANGE(Q8_0)
 QI8_RANGE(Q4_0)
 QI8_RANGE(Q4_1)
 
-/* As gemv_q for up to GEMV_I8_MAX_ROWS rows (h: the headers above), with x rounded to `digits` (1 or 2) int8 codes per element
- * first (once per call, before the threads split the rows). Returns 0, or -1 for bad arguments
- * or when the activations' buffer cannot be allocated. */
-int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
-             long nb, float *y, int threads, int digits) {
-    if (n < 1 || n > GEMV_I8_MAX_ROWS || nb > GEMV_MAX_BLOCKS) return -1; /* the caller checks */
-    if (digits != 1 && digits != 2) return -1;
+/* One chunk of at most GEMV_I8_MAX_ROWS rows (h: the headers above), x rounded to `digits` int8
+ * codes per element first (once per chunk, before the threads split the rows). */
+static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
+                     long out, long nb, float *y, int threads, int digits) {
     xq_t a = {.nb = nb, .nbp = (nb + 1) / 2 * 2, .nb16 = (nb + 15) / 16 * 16};
     /* one buffer: q and q2 (64-byte multiples per row), then dx and t */
     const size_t qbytes = (size_t)n * a.nbp * 32, fbytes = sizeof(float) * n * a.nb16;
@@ -472,22 +670,179 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
     free(buf);
     return 0;
 }
-#else /* no VNNI in this build: gemv_i8_ok says so, the float-activation gemv_q serves */
-int gemv_i8_ok(void) { return 0; }
-int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
-             long nb, float *y, int threads, int digits) {
-    return -1;
+#else
+/* ---- int8 activations without VNNI: AVX2 (GEMV_I8_ISA 1) and portable C (0) ----------------
+ *
+ * The same rounding as the VNNI path (per 32-element block d = amax / 127, q1 = round(x / d),
+ * with two digits q2 = round(256 (x / d - q1)) saturated to int8), kept as one int16 code per
+ * element: 256 q1 + q2 lies in [-32640, 32639]. The weight codes are widened to int16 (Q8_0's
+ * q, Q4_0's q - 8, Q4_1's q) and multiplied by vpmaddwd: each int32 lane sums 4 products of at
+ * most 128 x 32640, so a block's partial sums stay below 2^24 and convert to float exactly;
+ * the integer dot equals the VNNI path's (dot(w, q1) << 8) + dot(w, q2). Only Q4_1's m needs
+ * the block's code sum (sx = dx sum(codes)). NOTE: vpmaddubsw (bytes, as ggml's AVX2 path)
+ * saturates at int16 for Q8_0's codes against the second digit; words cost one widening per
+ * weight block, shared by the chunk's rows.
+ */
+typedef struct {
+    int16_t *c; /* [n][nb * 32] */
+    float *dx, *sx; /* [n][nb]: the scale of a code, and dx times the block's code sum */
+    long nb;
+} x16_t;
+
+static void quantize_x16(const float *x, int n, x16_t *a, const int digits) {
+    const long nb = a->nb;
+    for (long i = 0; i < n * nb; i++) {
+        const float *xb = x + i * 32;
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float v = xb[k] < 0 ? -xb[k] : xb[k];
+            amax = v > amax ? v : amax;
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int k = 0; k < 32; k++) {
+            const float s = xb[k] * id, r1 = __builtin_rintf(s); /* to nearest even */
+            int code = (int)r1;
+            code = code > 127 ? 127 : code < -128 ? -128 : code;
+            if (digits == 2) {
+                int q2 = (int)__builtin_rintf((s - r1) * 256.0f);
+                q2 = q2 > 127 ? 127 : q2 < -128 ? -128 : q2;
+                code = (int)r1 * 256 + q2;
+            }
+            a->c[i * 32 + k] = (int16_t)code;
+            sum += code;
+        }
+        const float dx = digits == 2 ? d / 256.0f : d;
+        a->dx[i] = dx;
+        a->sx[i] = dx * (float)sum;
+    }
+}
+
+#if GEMV_I8_ISA == 1
+INLINE void i16_row(const x16_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                    long out, const int fmt, const int N) {
+    const long bs = block_bytes(fmt), nb = a->nb;
+    __m256 acc[GEMV_MAX_ROWS][2];
+    float macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps(), macc[j] = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bs;
+        const float dw = half(p), m = fmt == Q4_1 ? half(p + 2) : 0.0f;
+        __m256i w0, w1; /* int16 codes of elements 0..15 and 16..31 */
+        if (fmt == Q8_0) {
+            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 2)));
+            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 18)));
+        } else {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(p + (fmt == Q4_1 ? 4 : 2)));
+            const __m128i nib = _mm_set1_epi8(0x0F);
+            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
+            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+            if (fmt == Q4_0) {
+                w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
+                w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const int16_t *xb = a->c + (j * nb + b) * 32;
+            const __m256i s =
+                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb)),
+                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16))));
+            acc[j][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a->dx[j * nb + b]),
+                                            _mm256_cvtepi32_ps(s), acc[j][b & 1]);
+            if (fmt == Q4_1) macc[j] += m * a->sx[j * nb + b];
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1])) + macc[j];
+}
+#else
+INLINE void i16_row(const x16_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                    long out, const int fmt, const int N) {
+    const long bs = block_bytes(fmt), nb = a->nb;
+    float acc[GEMV_MAX_ROWS] = {0}, macc[GEMV_MAX_ROWS] = {0};
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bs;
+        const float dw = half(p), m = fmt == Q4_1 ? half(p + 2) : 0.0f;
+        int16_t wq[32];
+        if (fmt == Q8_0) {
+            for (int k = 0; k < 32; k++) wq[k] = (int8_t)p[2 + k];
+        } else {
+            const uint8_t *q = p + (fmt == Q4_1 ? 4 : 2);
+            const int off = fmt == Q4_0 ? 8 : 0;
+            for (int k = 0; k < 16; k++) wq[k] = (q[k] & 0x0F) - off, wq[k + 16] = (q[k] >> 4) - off;
+        }
+        for (int j = 0; j < N; j++) {
+            const int16_t *xb = a->c + (j * nb + b) * 32;
+            int32_t s = 0;
+            for (int k = 0; k < 32; k++) s += (int32_t)wq[k] * xb[k];
+            acc[j] += dw * a->dx[j * nb + b] * (float)s;
+            if (fmt == Q4_1) macc[j] += m * a->sx[j * nb + b];
+        }
+    }
+    for (int j = 0; j < N; j++) y[j * out] = acc[j] + macc[j];
 }
 #endif
 
-#else /* no AVX-512: the library builds, says so (gemv_ok), and is never called */
-int gemv_ok(void) { return 0; }
-int gemv_i8_ok(void) { return 0; }
+#define I16_RANGE(F)                                                                             \
+    static void i16_range_##F(const x16_t *a, int n, const uint8_t *w, float *y, long out,       \
+                              long lo, long hi) {                                                \
+        const long row = a->nb * block_bytes(F);                                                 \
+        for (long r = lo; r < hi; r++)                                                           \
+            for (int g = 0; g < n; g += 4) {                                                     \
+                x16_t s = *a; /* x rows g .. g + 3 */                                            \
+                s.c += g * a->nb * 32, s.dx += g * a->nb, s.sx += g * a->nb;                     \
+                const uint8_t *wr = w + r * row;                                                 \
+                float *yr = y + g * out + r;                                                     \
+                switch (n - g < 4 ? n - g : 4) {                                                 \
+                case 1: i16_row(&s, wr, yr, out, F, 1); break;                                   \
+                case 2: i16_row(&s, wr, yr, out, F, 2); break;                                   \
+                case 3: i16_row(&s, wr, yr, out, F, 3); break;                                   \
+                default: i16_row(&s, wr, yr, out, F, 4); break;                                  \
+                }                                                                                \
+            }                                                                                    \
+    }
+I16_RANGE(Q8_0)
+I16_RANGE(Q4_0)
+I16_RANGE(Q4_1)
+
+/* One chunk of at most GEMV_I8_MAX_ROWS rows (the headers h are the VNNI path's: unused). */
+static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
+                     long out, long nb, float *y, int threads, int digits) {
+    (void)h;
+    x16_t a = {.nb = nb};
+    void *buf = malloc((size_t)n * nb * (32 * sizeof(int16_t) + 2 * sizeof(float)));
+    if (buf == NULL) return -1;
+    a.c = (int16_t *)buf;
+    a.dx = (float *)(a.c + (size_t)n * nb * 32);
+    a.sx = a.dx + n * nb;
+    quantize_x16(x, n, &a, digits);
+    if (fmt == Q8_0)
+        SPLIT(i16_range_Q8_0(&a, n, w, y, out, lo, hi));
+    else if (fmt == Q4_0)
+        SPLIT(i16_range_Q4_0(&a, n, w, y, out, lo, hi));
+    else
+        SPLIT(i16_range_Q4_1(&a, n, w, y, out, lo, hi));
+    free(buf);
+    return 0;
+}
+
+#endif
+
+/* As gemv_q for any number of rows (h: the VNNI path's headers, built by engine/gemv.py; the
+ * other paths ignore them), x rounded to `digits` (1 or 2) int8 codes per element: the rows go
+ * in chunks of GEMV_I8_MAX_ROWS, each a pass over the weights (a prefill of 256 rows is 16
+ * passes, the weights of one matrix staying in cache between them). Returns 0, or -1 for bad
+ * arguments or when the activations' buffer cannot be allocated. */
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
              long nb, float *y, int threads, int digits) {
-    return -1;
+    if (n < 1 || nb > GEMV_MAX_BLOCKS || (digits != 1 && digits != 2)) return -1;
+    for (int c0 = 0; c0 < n; c0 += GEMV_I8_MAX_ROWS) {
+        const int m = n - c0 < GEMV_I8_MAX_ROWS ? n - c0 : GEMV_I8_MAX_ROWS;
+        if (qi8_chunk(fmt, x + (long)c0 * nb * 32, m, w, h, out, nb, y + (long)c0 * out, threads,
+                      digits))
+            return -1;
+    }
+    return 0;
 }
-void gemv_f32(const float *x, int n, const float *w, long out, long in, float *y, int threads) {}
-void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
-            int threads) {}
-#endif

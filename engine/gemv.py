@@ -5,8 +5,9 @@ What lives here: `unavailable()` (why this machine cannot run the kernel, or Non
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
 GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()`, `headers` and
 `gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
-two int8 codes, multiplied in integers, AVX512-VNNI), and `quantize_blocks` (that rounding in
-torch: what the int8 kernel's result is checked against).
+two int8 codes, multiplied in integers: VNNI where the CPU has it, int16 products on AVX2 and in
+portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_blocks` (that
+rounding in torch: what the int8 kernel's result is checked against).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
@@ -26,9 +27,12 @@ from kvstrategies import kernels
 
 SOURCE = Path(__file__).with_name("gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
-I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel takes a 16-token chunk (checked too)
+I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel's chunk of rows (checked too)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
 FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
+# gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
+ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
+I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
 log = logging.getLogger(__name__)
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
 
@@ -39,21 +43,23 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("UNIKV_NO_KERNEL") == "1":
         _state["error"] = "disabled by UNIKV_NO_KERNEL=1"
         return None
-    flags = kernels.cpu_flags().split()
-    missing = [f for f in ("avx512f", "avx512bw") if f not in flags]
-    if missing:
-        _state["error"] = f"this CPU has no {' / '.join(missing)} (gemv.c needs AVX-512)"
-        return None
     try:
+        isa = kernels.isa()
         lib = ctypes.CDLL(str(kernels.build(SOURCE)))
     except (OSError, RuntimeError) as e:
         _state["error"] = str(e)
         log.warning("matmul kernel gemv.c: PyTorch fallback (%s)", e)
         return None
     lib.gemv_max_in.restype = ctypes.c_long
-    if (not lib.gemv_ok() or lib.gemv_max_rows() != MAX_ROWS or lib.gemv_max_in() != MAX_IN
-            or lib.gemv_i8_max_rows() != I8_MAX_ROWS):  # fmt: skip
-        _state["error"] = "gemv.c was built without AVX-512 (is -march=native honoured?)"
+    if (
+        lib.gemv_max_rows() != MAX_ROWS
+        or lib.gemv_max_in() != MAX_IN
+        or (lib.gemv_i8_max_rows() != I8_MAX_ROWS)
+    ):
+        _state["error"] = "gemv.c and engine/gemv.py disagree on their limits (rebuild)"
+        return None
+    if lib.gemv_isa() != ISA_CODE[isa]:  # the flags did not reach the compiler as meant
+        _state["error"] = f"gemv.c built for {isa} holds path {lib.gemv_isa()} (check $CC)"
         return None
     p, i, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.gemv_f32.argtypes = [p, i, p, lng, lng, p, i]
@@ -61,11 +67,7 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_f32.restype = lib.gemv_q.restype = None
     lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i, i]
     lib.gemv_qi8.restype = ctypes.c_int
-    _state["lib"] = lib
-    if "avx512_vnni" not in flags:
-        _state["i8_error"] = "this CPU has no avx512_vnni (the int8-activation kernel needs it)"
-    elif not lib.gemv_i8_ok():
-        _state["i8_error"] = "gemv.c was built without AVX512-VNNI (is -march=native honoured?)"
+    _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
 
@@ -76,9 +78,21 @@ def unavailable() -> str | None:
 
 
 def i8_unavailable() -> str | None:
-    """None when the int8-activation kernel (`gemv_packed_i8`) runs here, else why not."""
+    """None when the int8-activation kernel (`gemv_packed_i8`) runs here, else why not (it
+    has a path for every CPU the library builds for)."""
+    return unavailable()
+
+
+def isa() -> str | None:
+    """The instruction set the float-activation paths were built for (None: no library)."""
     _load()
-    return _state.get("error", _state.get("i8_error"))  # type: ignore[return-value]
+    return _state.get("isa")  # type: ignore[return-value]
+
+
+def i8_isa() -> str | None:
+    """The int8 kernel's path: "avx512-vnni", "avx2" or "portable" (None: no library)."""
+    _load()
+    return _state.get("i8")  # type: ignore[return-value]
 
 
 def gemv_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -109,8 +123,11 @@ def gemv_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
 def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """The int8 kernel's form of a weight's block headers: int16 [out, H], each row's fp16 d
     per block padded with zeros to a multiple of 16 blocks, then (Q4_1) its fp16 m the same way
-    (gemv.c says why they are copied out of the blocks)."""
+    (gemv.c says why they are copied out of the blocks). Only the VNNI path reads them: for
+    the others an empty tensor."""
     out, nb, _ = blocks.shape
+    if i8_isa() != "avx512-vnni":
+        return torch.zeros((out, 0), dtype=torch.int16)
     nb16 = -(-nb // 16) * 16
     fields = 2 if qtype == "Q4_1" else 1
     h = torch.zeros((out, fields, nb16), dtype=torch.int16)
@@ -121,11 +138,11 @@ def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 def gemv_packed_i8(
     x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str, digits: int = 2
 ) -> torch.Tensor:
-    """As `gemv_packed` for up to I8_MAX_ROWS rows (head: `headers(blocks, qtype)`), with x
-    rounded per 32-element block to
+    """As `gemv_packed` for any number of rows (in chunks of I8_MAX_ROWS; head:
+    `headers(blocks, qtype)`), with x rounded per 32-element block to
     `digits` int8 codes first (`quantize_blocks`, inside the C call; 1: ggml's Q8_0 rounding,
     2: a second code for the rest, gemv.c says why) and the blocks multiplied in integers
-    (vpdpbusd) -> float32 [N, out]."""
+    (vpdpbusd, or vpmaddwd on AVX2) -> float32 [N, out]."""
     if digits not in (1, 2):
         raise ValueError(f"digits must be 1 or 2, got {digits}")
     n = x.shape[0]

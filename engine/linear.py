@@ -122,10 +122,13 @@ class PackedWeight:
 class Linear:
     """One linear layer: its weight in its stored format and the breaker of that format's op."""
 
-    __slots__ = ("weight", "op", "fmt")
+    __slots__ = ("weight", "op", "fmt", "note")
 
-    def __init__(self, weight: SplitLinear | PackedWeight, op: Breaker, fmt: str) -> None:
-        self.weight, self.op, self.fmt = weight, op, fmt
+    def __init__(
+        self, weight: SplitLinear | PackedWeight, op: Breaker, fmt: str, note: str = ""
+    ) -> None:
+        # note: how a GGUF format is run here, or why it was decoded at load
+        self.weight, self.op, self.fmt, self.note = weight, op, fmt, note
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
@@ -139,13 +142,23 @@ class Linear:
         return self.weight.to_dense()
 
 
-def native_op(qtype: str, device: torch.device) -> str | None:
-    """The matmul op that runs `qtype` packed on `device`, or None when only the reference
-    (dequantize per call) would: then the weight is better dequantized once at load."""
+# The packed entries whose activations stay float32 or two int8 codes (within 0.1% PPL of the
+# float32 model on every development text); int4 / int8 (bf16 activations) are not among them.
+EXACT_PACKED = ("gemv_i8", "gemv")
+
+
+def native_op(qtype: str, device: torch.device) -> tuple[str | None, str]:
+    """(the matmul op that runs `qtype` packed on `device`, or None when no entry there keeps
+    the activations exact enough: then the weight is decoded once at load; why)."""
     if qtype not in NATIVE_FORMATS:
-        return None
+        return None, f"no packed kernel reads {qtype}"
     op = f"matmul.{qtype.lower()}"
-    return op if len(choose(op, device)[0]) > 1 else None
+    chosen, skipped = choose(op, device)
+    first = next((i.name for i in chosen if i.name in EXACT_PACKED), None)
+    if first is not None:
+        return op, f"{first} ({gemv.i8_isa() if first == 'gemv_i8' else gemv.isa()})"
+    why = "; ".join(f"{n}: {skipped[n]}" for n in EXACT_PACKED if n in skipped)
+    return None, f"decoded to float at load: no kernel with float32 or int8x2 activations ({why})"
 
 
 def build_linear(
@@ -159,22 +172,25 @@ def build_linear(
     """One fused layer of `tensors` (stacked along the output rows). Packed tensors of one
     format with a native kernel on `device` stay packed (the kernel's form is prepared now
     unless `prepare` is False: an embedding table only reads rows); anything else is decoded
-    to `dtype`. bf16 tensors under a float32 model keep bf16 (matmul.bf16)."""
+    to `dtype` (`Linear.note` says why). bf16 tensors under a float32 model keep bf16
+    (matmul.bf16)."""
     qtypes = {t.qtype if isinstance(t, QuantizedTensor) else None for t in tensors}
+    note = ""
     if len(qtypes) == 1 and (qtype := next(iter(qtypes))) is not None:
-        op = native_op(qtype, device)
+        op, note = native_op(qtype, device)
         if op is not None:
             q = QuantizedTensor(qtype, torch.cat([t.blocks for t in tensors]))
-            lin = Linear(PackedWeight(q, dtype), operators[op], qtype)
+            lin = Linear(PackedWeight(q, dtype), operators[op], qtype, note)
             if prepare:
                 _prepare(lin)
             return lin
+        note = f"{qtype} {note}"
     dense = [dequantize(t) if isinstance(t, QuantizedTensor) else t for t in tensors]
     keep_bf16 = all(t.dtype == torch.bfloat16 for t in dense) and dtype != torch.bfloat16
     wdtype = torch.bfloat16 if keep_bf16 else dtype
     w = torch.cat([t.to(device=device, dtype=wdtype) for t in dense])
     op = "matmul.bf16" if keep_bf16 else "matmul.float"
-    return Linear(SplitLinear(w, parts), operators[op], "BF16" if keep_bf16 else "float")
+    return Linear(SplitLinear(w, parts), operators[op], "BF16" if keep_bf16 else "float", note)
 
 
 def _prepare(lin: Linear) -> None:
@@ -288,11 +304,12 @@ def _i8_form(q: QuantizedTensor) -> tuple[torch.Tensor]:
 
 
 def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
-    """The int8-activation entry: decode rows and chunks of up to gemv.I8_MAX_ROWS by gemv.c's
-    VNNI kernel, larger batches (prefill) by `large` (as `_gemv_packed`)."""
+    """The int8-activation entry: every batch (decode, chunks, prefill in chunks of
+    gemv.I8_MAX_ROWS) by gemv.c's int8 kernel; rows wider than gemv.MAX_IN, or none, by
+    `large`."""
 
     def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        if not 0 < x.shape[0] <= gemv.I8_MAX_ROWS or w.in_features > gemv.MAX_IN:
+        if x.shape[0] == 0 or w.in_features > gemv.MAX_IN:
             return large(x, w)
         (head,) = w.form("i8", _i8_form)
         y = gemv.gemv_packed_i8(x.float(), w.form("blocks", _blocks), head, w.q.qtype)
@@ -302,10 +319,10 @@ def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor])
 
 
 class _PackedI8(_Packed):
-    """gemv_i8: prepares its headers and the form its larger batches use."""
+    """gemv_i8: prepares its headers (no other form: it takes every batch size)."""
 
-    def __init__(self, op, fn, large_form) -> None:
-        super().__init__(op, "gemv_i8", fn, *large_form, _gemv_i8_available)
+    def __init__(self, op, fn) -> None:
+        super().__init__(op, "gemv_i8", fn, "blocks", _blocks, _gemv_i8_available)
 
     def prepare(self, w: PackedWeight) -> None:
         super().prepare(w)
@@ -344,7 +361,7 @@ def _register() -> None:
         large, form = (
             (_int4_mm, ("int4", _int4_form)) if has_int4 else (_mm_dequant, ("blocks", _blocks))
         )
-        register(_PackedI8(op, _gemv_packed_i8(large), form), 3)
+        register(_PackedI8(op, _gemv_packed_i8(_mm_dequant)), 3)
         register(_Packed(op, "gemv", _gemv_packed(large), *form, _gemv_available), 5)
         name = "int4x2" if fmt == "Q8_0" else "int4"
         register(_Packed(op, name, _int4_mm, "int4", _int4_form, int4), 10)

@@ -181,8 +181,9 @@ class LlamaModel:
         return self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
 
 
-def weight_formats(model: LlamaModel) -> dict[str, dict[str, int]]:
-    """Per stored weight format: how many (fused) linear layers hold it and their bytes."""
+def weight_formats(model: LlamaModel) -> dict[str, dict]:
+    """Per stored weight format: how many (fused) linear layers hold it, their bytes, and (a
+    GGUF format) which kernel runs it packed, or why it was decoded at load ("how")."""
     out: dict[str, dict[str, int]] = {}
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
     if model.embed is not model.lm_head:
@@ -193,4 +194,6 @@ def weight_formats(model: LlamaModel) -> dict[str, dict[str, int]]:
         entry = out.setdefault(lin.fmt, {"layers": 0, "bytes": 0})
         entry["layers"] += 1
         entry["bytes"] += nbytes
+        if getattr(lin, "note", "") and lin.note not in entry.setdefault("how", []):
+            entry["how"].append(lin.note)
     return out

@@ -1,9 +1,16 @@
 """Build and load the small C kernels on first use: `hybrid_attend.c` here, and the engine's own
 (`engine/gemv.c`, through `build`).
 
-Compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into a cache directory
-(`$UNIKV_KERNEL_DIR`, default `~/.cache/unikv/kernels`), keyed by a hash of the source, the
-flags and the CPU, and loaded with `ctypes`. It links the same `libgomp.so.1` that torch has
+Compiled with the system C compiler (`cc -O3 -fopenmp` and the flags of the instruction set
+`isa()` chooses) into a cache directory (`$UNIKV_KERNEL_DIR`, default `~/.cache/unikv/kernels`),
+keyed by a hash of the source, the flags and the CPU, and loaded with `ctypes`.
+
+The instruction set: the best this CPU runs (`avx512` where /proc/cpuinfo lists avx512f and
+avx512bw, else `avx2` with fma and f16c, else `portable`; on a CPU other than x86-64, `native`:
+`-mcpu=native`, which targets NEON on aarch64), or the one `$UNIKV_ISA` names. `UNIKV_ISA=avx2`
+on an AVX-512 machine builds with `-march=native -mno-avx512f` (every AVX-512 extension
+hidden from the compiler), so an AVX-512 machine's tests also prove the AVX2 paths; with
+`ATEN_CPU_CAPABILITY=avx2` PyTorch's own kernels follow (docs/kernels.md). It links the same `libgomp.so.1` that torch has
 already loaded, so its OpenMP threads are torch's: no second thread pool spinning on the cores.
 
 The kernel is compiled once per record shape (block size, head dim, channel classes, widths,
@@ -36,7 +43,16 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("hybrid_attend.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+ISAS = ("avx512", "avx2", "portable", "native")
+# What each x86-64 instruction set needs in /proc/cpuinfo, and its compiler flags.
+ISA_NEEDS = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma", "f16c"), "portable": ()}
+ISA_FLAGS = {
+    "avx512": ("-march=native",),
+    "avx2": ("-march=native", "-mno-avx512f"),  # AVX-512 hidden: the AVX2 paths
+    "portable": ("-march=x86-64", "-mtune=native"),  # baseline SSE2: the plain C paths
+    "native": ("-mcpu=native",),  # aarch64 (NEON) and other targets: what gcc finds
+}
 KERNEL_ERROR: str | None = None
 _libs: dict[tuple, ctypes.CDLL | None] = {}
 _warned: set[str] = set()
@@ -56,6 +72,36 @@ def cpu_flags() -> str:
         return ""
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: `$UNIKV_ISA` if set, else the best this
+    CPU runs. Raises RuntimeError (a kernel's reason to be unavailable) for an unknown name or
+    one this CPU cannot run."""
+    want = os.environ.get("UNIKV_ISA", "").strip().lower()
+    flags = set(cpu_flags().split())
+    if not _x86():
+        if want not in ("", "native", "portable"):
+            raise RuntimeError(f"UNIKV_ISA={want} is an x86-64 instruction set; this CPU is "
+                               f"{platform.machine()} (use native or portable)")  # fmt: skip
+        return "native"
+    if not want:
+        return next(i for i in ("avx512", "avx2", "portable") if flags >= set(ISA_NEEDS[i]))
+    if want not in ISA_NEEDS:
+        raise RuntimeError(f"UNIKV_ISA={want} is unknown; choose one of: avx512, avx2, portable")
+    missing = [f for f in ISA_NEEDS[want] if f not in flags]
+    if missing:
+        raise RuntimeError(f"UNIKV_ISA={want}, but this CPU has no {' / '.join(missing)}")
+    return want
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The compiler flags of `isa()`."""
+    return ISA_FLAGS[isa()]
+
+
 def _cpu_key() -> str:
     return platform.machine() + cpu_flags()
 
@@ -70,15 +116,15 @@ def _compiler() -> str | None:
 
 
 def build(source: Path, defines: Sequence[str] = ()) -> Path:
-    """The shared library of the C file `source` compiled with `FLAGS` and `defines`: found in
-    `cache_dir()` (keyed by the source, the flags and the CPU) or built there now. Raises
-    RuntimeError saying why it cannot be built (no compiler, an unwritable directory, the
-    compiler's error)."""
+    """The shared library of the C file `source` compiled with `FLAGS`, the flags of `isa()`
+    and `defines`: found in `cache_dir()` (keyed by the source, the flags and the CPU) or built
+    there now. Raises RuntimeError saying why it cannot be built (no compiler, an unwritable
+    directory, an instruction set this CPU lacks, the compiler's error)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH; set CC or install gcc")
     src = source.read_bytes()
-    flags = [*FLAGS, *defines]
+    flags = [*FLAGS, *isa_flags(), *defines]
     key = hashlib.blake2b(src + " ".join(flags).encode() + _cpu_key().encode(), digest_size=8)
     root = cache_dir()
     lib = root / f"{source.stem}-{key.hexdigest()}.so"
@@ -112,7 +158,8 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
     """The kernel compiled for `shape` (keys T, D, NF, NM, NL, VF, VM, VL, B, LB, G, SF, LAT,
     DV), or None when it is unavailable (see `KERNEL_ERROR`)."""
     global KERNEL_ERROR
-    key = tuple(sorted(shape.items()))
+    defines = [f"-DK{k}={v}" for k, v in sorted(shape.items())]
+    key = (os.environ.get("UNIKV_ISA", ""), *defines)  # a build per shape and instruction set
     if key in _libs:
         return _libs[key]
     _libs[key] = None
@@ -123,7 +170,7 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
         KERNEL_ERROR = f"block size {shape['T']} or head dim {shape['D']} not a multiple of 16"
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, [f"-DK{k}={v}" for k, v in key])))
+        lib = ctypes.CDLL(str(build(SOURCE, defines)))
     except (OSError, RuntimeError) as e:
         KERNEL_ERROR = str(e)
         if KERNEL_ERROR not in _warned:  # once per reason, not once per strategy built
@@ -147,7 +194,7 @@ def status(probe: bool = False) -> str:
     if probe and not any(lib is not None for lib in _libs.values()):
         hybrid_kernel(PROBE_SHAPE)
     if any(lib is not None for lib in _libs.values()):
-        return f"C ({SOURCE.name}, cached in {cache_dir()})"
+        return f"C ({SOURCE.name}, {isa()}, cached in {cache_dir()})"
     if KERNEL_ERROR is not None:
         return f"PyTorch fallback ({KERNEL_ERROR})"
     return "not built yet (built on first use by hybrid_fp16_int4 on a CPU)"

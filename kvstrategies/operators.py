@@ -14,7 +14,8 @@ registers its own ops into the same registry.
 
 The fallback rule (docs/kernels.md): an implementation that raises is switched to the next
 implementation of its op and the call is re-run there, so the caller still gets a correct
-answer; an implementation whose latency over a window (median of `window` timed calls, each
+answer. With `BreakerSettings.switch_slow` (off by default, so that one command on one machine
+always computes with the same kernels and gives the same numbers), an implementation whose latency over a window (median of `window` timed calls, each
 divided by its budget for that shape) exceeds its budget by more than `tolerance` (15%) is
 switched the same way (its own answer is still returned), unless the next implementation's own
 budget for that shape is slower still. A switch for slowness is a trial: the next
@@ -179,6 +180,12 @@ class BreakerSettings:
     calibration: int = 5  # timed calls (after one warm-up) that set a shape's budget
     tolerance: float = 0.15  # slower than budget by more than this: switched off
     cooldown_s: float = 30.0  # switched off this long before it is re-probed
+    # Switch an implementation off for running slow (not only for raising). Off by default:
+    # entries differ in their last bits (sum order, activation rounding), so a switch made
+    # because the machine was busy at that moment would make the same command give other
+    # numbers on another run. With it off, the choice is a function of the machine, the build
+    # and the config alone.
+    switch_slow: bool = False
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.window < 1 or self.calibration < 1:
@@ -297,6 +304,11 @@ class Breaker:
         if len(s.window) < cfg.window:
             return
         ratio = statistics.median(s.window)
+        if not cfg.switch_slow:  # a slow call is no reason to switch: only failures are
+            s.window.clear()
+            if s.probing:  # re-probed after raising, and a window went through: restored
+                self._restore(s, ratio)
+            return
         slower_next = ratio > 1 + cfg.tolerance and self._next_is_slower(i, key, ratio * budget)
         if ratio > 1 + cfg.tolerance and not slower_next:
             why = f"{ratio:.2f}x its calibrated latency over {cfg.window} calls"
@@ -305,10 +317,13 @@ class Breaker:
             return
         s.window.clear()  # judged: the next window starts afresh
         if s.probing:  # within budget, or slow but still faster than the next: back in service
-            s.probing = False
-            s.restores += 1
-            self._degraded = any(t.open_until is not None or t.probing for t in self._states)
-            log.warning("operator %s: %s restored (%.2fx its budget)", self.op, s.impl.name, ratio)
+            self._restore(s, ratio)
+
+    def _restore(self, s: _State, ratio: float) -> None:
+        s.probing = False
+        s.restores += 1
+        self._degraded = any(t.open_until is not None or t.probing for t in self._states)
+        log.warning("operator %s: %s restored (%.2fx its budget)", self.op, s.impl.name, ratio)
 
     def _judge_trial(self, j: int, key: tuple, dt: float) -> bool:
         """Time the implementation j that replaced a slow one against the slow one's budgets;

@@ -75,6 +75,30 @@ def make_english(n_sentences: int, seed: int = 0) -> str:
     return "\n\n".join(paragraphs)
 
 
+def cpu_isas() -> list[str]:
+    """The kernel instruction sets this CPU runs (`kernels.ISA_NEEDS`), best first: on an
+    AVX-512 machine avx512, avx2 and portable, so its tests prove the AVX2 machine's paths
+    (only `$UNIKV_ISA` where that is set)."""
+    from kvstrategies import kernels
+
+    if os.environ.get("UNIKV_ISA"):  # a run held to one instruction set (tests/test_isa.py)
+        return [os.environ["UNIKV_ISA"]]
+    if not kernels._x86():
+        return ["native"]
+    flags = set(kernels.cpu_flags().split())
+    return [i for i, need in kernels.ISA_NEEDS.items() if flags >= set(need)]
+
+
+@pytest.fixture(params=cpu_isas())
+def isa(request, monkeypatch):
+    """Each C kernel built for one instruction set (`UNIKV_ISA`), loaded afresh in this test."""
+    from engine import gemv
+
+    monkeypatch.setenv("UNIKV_ISA", request.param)
+    monkeypatch.setattr(gemv, "_state", {})
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def english_text() -> str:
     """About 2,000 tokens of generated English."""

@@ -375,15 +375,20 @@ def test_offload_flags_errors_and_a_lossless_eval(text_file, tmp_path, capsys):
     )
     base = ["eval", "ppl", "--text", str(text_file), "--config", str(cfg)]
     assert "device_window = 0; expected >= 1" in _error([*base, "--device-window", "0"], capsys)
-    # float32 weights: the cache is what is compared, not which native kernel the breaker
-    # picked in each run (their products differ in the last bits)
-    ppl = [*base, "--tokens", "320", "--prefill", "64", "--json", "--weights", "float32"]
+    # at the default (native) weights: the kernels are a function of the machine and the
+    # config (the breaker switches only on a failure), so a lossless cache equals full exactly
+    ppl = [*base, "--tokens", "320", "--prefill", "64", "--json"]
     assert main([*ppl, "--strategy", "full"]) == 0
     full = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main(ppl) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["ppl"] == full["ppl"]
     assert main([*ppl, "--device-window", "64", "--host-window", "64"]) == 0
     off = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert off["strategy"] == "hierarchical_offload"
-    assert off["ppl"] == pytest.approx(full["ppl"], rel=1e-6)
+    # Tiered, attention runs over each tier's pieces, merged by their log-sum-exp: the float
+    # sums split at other tokens than full's (2e-5 here at native weights, where a last-bit
+    # change can move an activation's int8 code; 4e-7 at float32)
+    assert off["ppl"] == pytest.approx(full["ppl"], rel=1e-4)
     code = main(["cache", "verify", "--config", str(cfg)])
     assert code == 0, capsys.readouterr().err
 

@@ -229,5 +229,6 @@ def test_dataclass_validation() -> None:
 
 def test_env_settings_of_their_own_are_not_configuration_keys(tmp_path) -> None:
     """UNIKV_CACHE_DIR (calibration files) and the kernel variables are not config overrides."""
-    env = {"UNIKV_CACHE_DIR": str(tmp_path), "UNIKV_NO_KERNEL": "1", "UNIKV_CHIP": "cpu"}
+    env = {"UNIKV_CACHE_DIR": str(tmp_path), "UNIKV_NO_KERNEL": "1", "UNIKV_CHIP": "cpu",
+           "UNIKV_ISA": "avx2", "UNIKV_API_KEY": "k"}  # fmt: skip
     assert load(None, env).chip == "cpu"

@@ -156,6 +156,22 @@ def test_attends_exactly_over_its_own_reconstruction(options, spec):
     )
 
 
+@pytest.mark.parametrize("options", [OPTION_SETS[0], OPTION_SETS[6]], ids=["default", "fp8"])
+def test_the_kernel_is_exact_under_every_instruction_set(options, isa):
+    """hybrid_attend.c is plain C vectorized by the compiler: built for each instruction set
+    this CPU runs (AVX-512, AVX2 with AVX-512 hidden, baseline x86-64), it attends exactly."""
+    _, _, torch_outs = drive(make(options, kernel=False))
+    s = make(options, kernel=True)
+    if s._kernel is None:
+        pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
+    assert isa in kernels.status()
+    e_rec_k, _, kernel_outs = drive(s)
+    assert e_rec_k < 1e-5
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(torch_outs, kernel_outs, strict=True)) < 1e-5
+    )
+
+
 def test_more_bits_less_error():
     errors = [drive(make({"fp16_share": 0.0, "low_share": 0.0, "bits": b}))[1] for b in (2, 4, 8)]
     assert errors[0] > errors[1] > errors[2]

@@ -40,7 +40,32 @@ def _impls(clock: Clock, cost: dict, fail: set):
     return [make("fast"), make("ref")]
 
 
-SETTINGS = BreakerSettings(every=1, window=4, calibration=2, tolerance=0.15, cooldown_s=100)
+SETTINGS = BreakerSettings(
+    every=1, window=4, calibration=2, tolerance=0.15, cooldown_s=100, switch_slow=True
+)
+
+
+def test_by_default_only_a_failure_switches_so_the_choice_is_deterministic():
+    """Without `switch_slow` (the default) a slow window changes nothing: a busy machine never
+    makes one run compute with other kernels than the next. A raise still switches, and the
+    re-probed entry is restored after a window whatever its pace."""
+    clock, cost, fail = Clock(), {"fast": 1.0, "ref": 3.0}, set()
+    settings = BreakerSettings(every=1, window=4, calibration=2, cooldown_s=100)
+    assert not settings.switch_slow
+    b = Breaker("test.op", _impls(clock, cost, fail), settings, clock)
+    for _ in range(3):
+        b(torch.tensor(1.0))
+    cost["fast"] = 50.0  # 50x its budget, window after window
+    for _ in range(20):
+        assert b(torch.tensor(1.0)) == 2
+    assert b.active.name == "fast" and b.report()["fallbacks"] == 0
+    fail.add("fast")
+    assert b(torch.tensor(1.0)) == 2 and b.active.name == "ref"
+    fail.clear()
+    clock.now += 100
+    for _ in range(4):
+        b(torch.tensor(1.0))
+    assert b.active.name == "fast" and b.report()["restores"] == 1
 
 
 def test_a_raising_implementation_is_rerun_on_the_next_and_restored(caplog):
@@ -269,9 +294,12 @@ PACKED_SHAPES = [(67, 96), (1, 32), (130, 32), (257, 576), (80, 1568)]
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("fmt", ["float", *sorted(FORMATS)])
-def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads):
+def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa):
+    from engine import gemv
+
     op = f"matmul.{fmt.lower()}"
     impl, ref = _gemv_entry(op), operators.reference(op)
+    assert gemv.isa() == isa  # the path under test is the one asked for
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -303,10 +331,10 @@ def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # 5, 16: groups of 4 rows, a part group
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 37])  # groups of 4, a part group; 37: chunks
 @pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows, threads):
+def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows, threads, isa):
     """The VNNI kernel equals the product of the dequantized weight with the activations
     rounded to int8 codes per block (the same rounding, done in torch) up to float32 sums: the
     integer dots are exact. The registry entry rounds to two codes (within 1e-4 of float32
@@ -317,6 +345,7 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
 
     op = f"matmul.{fmt.lower()}"
     impl = _gemv_entry(op, "gemv_i8")
+    assert gemv.isa() == isa and gemv.i8_isa() in ("avx512-vnni", "avx2", "portable")
     if digits == 1:
         impl = lambda x, w: gemv.gemv_packed_i8(  # noqa: E731
             x, w.q.blocks.contiguous(), gemv.headers(w.q.blocks, fmt), fmt, digits=1
@@ -359,12 +388,12 @@ def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
 
 
 @pytest.mark.parametrize(
-    "fmt,name", [("float", "gemv"), ("Q8_0", "gemv"), ("Q4_1", "gemv"), ("Q8_0", "gemv_i8"),
-                 ("Q4_0", "gemv_i8"), ("Q4_1", "gemv_i8")],
+    "fmt,name", [("float", "gemv"), ("Q8_0", "gemv"), ("Q4_1", "gemv")],
 )  # fmt: skip
 def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
-    """Prefill keeps PyTorch's kernels: a call of more rows than gemv.MAX_ROWS (gemv_i8:
-    gemv.I8_MAX_ROWS), or of none, never reaches the C library."""
+    """The float-activation gemv keeps prefill on PyTorch's kernels: a call of more rows than
+    gemv.MAX_ROWS, or of none, never reaches the C library (gemv_i8 takes every batch size in
+    chunks: tested above at 37 rows)."""
     from engine import gemv
 
     op = f"matmul.{fmt.lower()}"
@@ -376,7 +405,7 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     monkeypatch.setattr(gemv, "gemv_float", boom)
     monkeypatch.setattr(gemv, "gemv_packed", boom)
     monkeypatch.setattr(gemv, "gemv_packed_i8", boom)
-    x = torch.randn((gemv.I8_MAX_ROWS if name == "gemv_i8" else gemv.MAX_ROWS) + 1, 128)
+    x = torch.randn(gemv.MAX_ROWS + 1, 128)
     w = (linear.SplitLinear(torch.randn(64, 128), 4) if fmt == "float"
          else linear.PackedWeight(_packed(fmt), torch.float32))  # fmt: skip
     want = operators.reference(op)(x, w)
@@ -392,25 +421,43 @@ def test_gemv_unavailable_says_why(monkeypatch):
     monkeypatch.setattr(gemv, "_state", {})
     monkeypatch.setenv("UNIKV_NO_KERNEL", "1")
     assert gemv.unavailable() == "disabled by UNIKV_NO_KERNEL=1"
-    monkeypatch.setattr(gemv, "_state", {})
     monkeypatch.delenv("UNIKV_NO_KERNEL")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu sse2 avx2")
-    assert "no avx512f / avx512bw" in gemv.unavailable()
-    assert gemv.i8_unavailable() == gemv.unavailable()  # no library: no int8 kernel either
+    if not kernels._x86():
+        pytest.skip("the x86-64 instruction sets")
+    for want, flags, why in [
+        ("avx512", "flags : fpu sse2 avx2 fma f16c", "UNIKV_ISA=avx512, but this CPU has no avx512f"),
+        ("avx2", "flags : fpu sse2", "UNIKV_ISA=avx2, but this CPU has no avx2 / fma / f16c"),
+        ("sse9", "flags : fpu sse2", "UNIKV_ISA=sse9 is unknown; choose one of"),
+    ]:  # fmt: skip
+        monkeypatch.setattr(gemv, "_state", {})
+        monkeypatch.setenv("UNIKV_ISA", want)
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
+        assert why in gemv.unavailable()
+        assert gemv.i8_unavailable() == gemv.unavailable()  # no library: no int8 kernel either
     chosen, skipped = operators.choose("matmul.q4_1", "cpu")
     assert {"gemv", "gemv_i8"} <= set(skipped) and chosen[0].name not in ("gemv", "gemv_i8")
+    # then native weights are decoded at load, and the memory report says why
+    op, why = linear.native_op("Q4_1", torch.device("cpu"))
+    assert op is None and "decoded to float at load" in why and "sse9 is unknown" in why
 
 
-def test_gemv_i8_without_vnni_leaves_the_float_kernel(monkeypatch):
-    """A CPU with AVX-512 but no VNNI: gemv_i8 says why, the float-activation gemv serves."""
-    from engine import gemv
+def test_the_best_instruction_set_is_the_default(monkeypatch):
+    """Without UNIKV_ISA: AVX-512 where the CPU has F and BW, else AVX2 (with FMA and F16C),
+    else the portable C paths; the int8 kernel is first for every packed format on each."""
     from kvstrategies import kernels
 
-    flags = kernels.cpu_flags()
-    if "avx512_vnni" not in flags.split() or gemv.unavailable() is not None:
-        pytest.skip("needs a CPU and build that run both kernels")
-    monkeypatch.setattr(gemv, "_state", {})
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.replace("avx512_vnni", ""))
-    assert gemv.unavailable() is None and "no avx512_vnni" in gemv.i8_unavailable()
-    chosen, skipped = operators.choose("matmul.q8_0", "cpu")
-    assert "gemv_i8" in skipped and chosen[0].name == "gemv"
+    if not kernels._x86():
+        pytest.skip("the x86-64 instruction sets")
+    monkeypatch.delenv("UNIKV_ISA", raising=False)
+    for flags, want in [("avx2 fma f16c avx512f avx512bw", "avx512"), ("avx2 fma f16c", "avx2"),
+                        ("avx2 fma", "portable"), ("sse2", "portable")]:  # fmt: skip
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: "flags : " + f)
+        assert kernels.isa() == want
+
+
+def test_the_int8_kernel_serves_first_on_every_instruction_set(isa):
+    for fmt in ("q8_0", "q4_0", "q4_1"):
+        chosen, _ = operators.choose(f"matmul.{fmt}", "cpu")
+        assert [i.name for i in chosen[:2]] == ["gemv_i8", "gemv"]
+    op, how = linear.native_op("Q4_1", torch.device("cpu"))
+    assert op == "matmul.q4_1" and how.startswith("gemv_i8 (")

@@ -10,8 +10,10 @@ avx512bw, else `avx2` with fma and f16c, else `portable`; on a CPU other than x8
 `-mcpu=native`, which targets NEON on aarch64), or the one `$UNIKV_ISA` names. `UNIKV_ISA=avx2`
 on an AVX-512 machine builds with `-march=native -mno-avx512f` (every AVX-512 extension
 hidden from the compiler), so an AVX-512 machine's tests also prove the AVX2 paths; with
-`ATEN_CPU_CAPABILITY=avx2` PyTorch's own kernels follow (docs/kernels.md). It links the same `libgomp.so.1` that torch has
-already loaded, so its OpenMP threads are torch's: no second thread pool spinning on the cores.
+`ATEN_CPU_CAPABILITY=avx2` PyTorch's own kernels follow (docs/kernels.md).
+
+It links the same `libgomp.so.1` that torch has already loaded, so its OpenMP threads are
+torch's: no second thread pool spinning on the cores.
 
 The kernel is compiled once per record shape (block size, head dim, channel classes, widths,
 whether the cache is latent and its value width: `-DKT=64 -DKD=64 ...`), so that its loops have

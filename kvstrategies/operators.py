@@ -16,8 +16,8 @@ The fallback rule (docs/kernels.md): an implementation that raises is switched t
 implementation of its op and the call is re-run there, so the caller still gets a correct
 answer. With `BreakerSettings.switch_slow` (off by default, so that one command on one machine
 always computes with the same kernels and gives the same numbers), an implementation whose
-latency over a window (median of `window` timed calls, each divided by its budget for that shape) exceeds its budget by more than `tolerance` (15%) is
-switched the same way (its own answer is still returned), unless the next implementation's own
+latency over a window (median of `window` timed calls, each divided by its budget for that
+shape) exceeds its budget by more than `tolerance` (15%) is switched the same way (its own answer is still returned), unless the next implementation's own
 budget for that shape is slower still. A switch for slowness is a trial: the next
 implementation's first window is timed against the slow one's budgets, and if it is not faster
 than the slow one was by more than `tolerance` (a machine-wide slowdown: another process on the

@@ -13,22 +13,22 @@ It sits in `kvstrategies/` because that is the lowest layer with an op (attentio
 registers its own ops into the same registry.
 
 The fallback rule (docs/kernels.md): an implementation that raises is switched to the next
-implementation of its op and the call is re-run there, so the caller still gets a correct
-answer. With `BreakerSettings.switch_slow` (off by default, so that one command on one machine
-always computes with the same kernels and gives the same numbers), an implementation whose
-latency over a window (median of `window` timed calls, each divided by its budget for that
-shape) exceeds its budget by more than `tolerance` (15%) is switched the same way (its own answer is still returned), unless the next implementation's own
-budget for that shape is slower still. A switch for slowness is a trial: the next
-implementation's first window is timed against the slow one's budgets, and if it is not faster
-than the slow one was by more than `tolerance` (a machine-wide slowdown: another process on the
-cores, a throttled chip), the slow one is put back at once and its budgets are scaled to the
-pace it ran at (counted as a `rebase`): a busy machine is no reason to run a slower kernel. The
-budget is the implementation's own median latency over its first `calibration` timed calls of
-each shape bucket (after one warm-up call): measured when the model first runs, at load or
+implementation of its op and the call is re-run there, so the caller still gets a correct answer.
+With `BreakerSettings.switch_slow` (off by default, so that one command on one machine always
+computes with the same kernels and gives the same numbers), an implementation whose latency over a
+window (median of `window` timed calls, each divided by its budget for that shape) exceeds its
+budget by more than `tolerance` (15%) is switched the same way (its own answer is still returned),
+unless the next implementation's own budget for that shape is slower still. A switch for slowness
+is a trial: the next implementation's first window is timed against the slow one's budgets, and if
+it is not faster than the slow one was by more than `tolerance` (a machine-wide slowdown: another
+process on the cores, a throttled chip), the slow one is put back at once and its budgets are
+scaled to the pace it ran at (counted as a `rebase`): a busy machine is no reason to run a slower
+kernel. The budget is the implementation's own median latency over its first `calibration` timed
+calls of each shape bucket (after one warm-up call): measured when the model first runs, at load or
 warm-up. Each transition is logged once and counted. After `cooldown_s` the switched-off
-implementation is re-probed: it serves again, timed on every call, and is restored after a
-window back within budget (or switched off again). The last implementation (the reference) is
-never switched off: if it raises, the error goes to the caller.
+implementation is re-probed: it serves again, timed on every call, and is restored after a window
+back within budget (or switched off again). The last implementation (the reference) is never
+switched off: if it raises, the error goes to the caller.
 
 Timing is injectable (`clock`) so tests never read the wall clock. Overhead, measured with a
 micro-benchmark (200,000 calls of a no-op through a healthy breaker against direct calls, 2

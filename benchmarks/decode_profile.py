@@ -12,13 +12,23 @@ so the step's wall time is also measured without it; "python" is that wall time 
 ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
-        [--weights float32|native] [--threads 2]
+        [--weights float32|native] [--threads 2] [--isas avx512,avx2 [--repeats 2]]
+
+Each run reports the matmuls' effective bandwidth (the bytes of every weight a step reads,
+over the matmul time) and the CPU model and instruction sets. `--isas` runs the profile once
+per instruction set in a child process (`UNIKV_ISA` for the C kernels and
+`ATEN_CPU_CAPABILITY` for PyTorch's own, both read at start-up), plus the PyTorch-only
+baseline (`UNIKV_NO_KERNEL=1`: MKL's or oneDNN's float32 products, whatever the vendor
+dispatch does), interleaved `--repeats` times, one process at a time, and prints the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -31,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from engine.loading import load_model  # noqa: E402
+from engine.model import weight_formats  # noqa: E402
+from kvstrategies import kernels as ckernels  # noqa: E402
 from kvstrategies.operators import summary  # noqa: E402
 
 # (path fragment, function name or None for any) -> part; the first match, innermost frame first
@@ -62,6 +74,51 @@ def is_python(event) -> bool:
     return ".py(" in event.name or event.name.startswith("<built-in")
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the instruction sets it offers ("AMD EPYC (avx512, avx2)")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        "unknown CPU")  # fmt: skip
+    except OSError:
+        name = "unknown CPU"
+    flags = set(ckernels.cpu_flags().split())
+    isas = [i for i, need in ckernels.ISA_NEEDS.items() if need and flags >= set(need)]
+    return f"{name} ({', '.join(isas) or 'baseline'})"
+
+
+def compare(args: argparse.Namespace) -> None:
+    """One child run per instruction set and the PyTorch-only baseline, interleaved."""
+    configs = {isa: {"UNIKV_ISA": isa, "ATEN_CPU_CAPABILITY": "avx2" if isa != "avx512" else
+                     "avx512"} for isa in args.isas.split(",")}  # fmt: skip
+    configs["pytorch"] = {"UNIKV_NO_KERNEL": "1"}
+    child = [sys.executable, __file__, "--model", args.model, "--weights", args.weights,
+             "--context", str(args.context), "--steps", str(args.steps), "--strategy",
+             args.strategy, "--threads", str(args.threads)]  # fmt: skip
+    runs: dict[str, list[dict]] = {k: [] for k in configs}
+    for _ in range(args.repeats):
+        for name, env in configs.items():
+            proc = subprocess.run(child, env={**os.environ, **env}, capture_output=True,
+                                  text=True, check=True)  # fmt: skip
+            runs[name].append(json.loads(proc.stdout.splitlines()[-1]))
+    table = {}
+    for name, rs in runs.items():
+        table[name] = {
+            "tok_s": statistics.median(r["tok_s"] for r in rs),
+            "matmul_ms": statistics.median(r["ms_by_part"].get("matmul", 0.0) for r in rs),
+            "matmul_gb_s": statistics.median(r["matmul_gb_s"] for r in rs),
+            "kernels": rs[-1]["kernels"],
+        }
+    base = table["pytorch"]["tok_s"]
+    print(f"{cpu_name()}; {args.weights} weights, {args.strategy}, {args.threads} thread(s), "
+          f"median of {args.repeats}")  # fmt: skip
+    print(f"  {'run':9s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s}")
+    for name, r in table.items():
+        print(f"  {name:9s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
+              f"{r['matmul_gb_s']:6.1f}")  # fmt: skip
+    print(json.dumps({"cpu": cpu_name(), "settings": vars(args), "runs": table}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -70,7 +127,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--strategy", default="full")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isas", default=None, help="e.g. avx512,avx2: one child run each")
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
+    if args.isas:
+        compare(args)
+        return
     torch.set_num_threads(args.threads)
     m, tok = load_model(args.model, progress=False, weights=args.weights)
     kv = build(m, tok, args.strategy)
@@ -104,7 +166,12 @@ def main() -> None:
     scale = wall / prof_wall
     rows = {k: v / steps * scale * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     python_ms = max(0.0, wall - op_total * scale) * 1e3
+    weight_bytes = sum(w["bytes"] for w in weight_formats(m).values())
     out = {
+        "cpu": cpu_name(),
+        "isa": ckernels.isa() if os.environ.get("UNIKV_NO_KERNEL") != "1" else "none",
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "matmul_gb_s": weight_bytes / (rows.get("matmul", float("nan")) / 1e3) / 1e9,
         "wall_ms_per_step": wall * 1e3,
         "tok_s": 1 / wall,
         "profiled_wall_ms": prof_wall * 1e3,
@@ -116,7 +183,9 @@ def main() -> None:
         "kernels": kernels,
         "settings": vars(args),
     }
-    print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s)")
+    print(f"{out['cpu']}, kernels {out['isa']}, torch {out['torch_capability']}")
+    print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s); matmuls read "
+          f"the weights at {out['matmul_gb_s']:.1f} GB/s")  # fmt: skip
     for k, v in rows.items():
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")

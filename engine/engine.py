@@ -31,7 +31,7 @@ from . import compute
 from .assembly import Assembly, assemble, assemble_for
 from .loading import load_model
 from .model import LlamaModel
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, check_priority, sample
 from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
@@ -281,8 +281,7 @@ class Engine:
             raise RuntimeError("the engine is closed")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        check_priority(priority)
         ids = self._prompt_ids(prompt, chat)
         ctx = self.model.cfg.context_length
         if len(ids) >= ctx:
@@ -405,7 +404,11 @@ class Engine:
         return True
 
     def _execute_isolated(self, plan: list[Work[_Request]]) -> list[tuple[Work[_Request], object]]:
-        """Run the batch; if it fails, rerun each request alone so one failure stays its own."""
+        """Run the batch; if it fails, rerun each request alone so one failure stays its own.
+
+        NOTE: a forward pass that raises has rolled its KV back (`kv.abort_step`, before the
+        commit), so running the requests again appends nothing twice; what follows the commit
+        (sampling) fails per request inside `_execute` and never reaches this retry."""
         try:
             return list(zip(plan, self._execute(plan), strict=True))
         except Exception as batch_error:
@@ -420,8 +423,10 @@ class Engine:
                     out.append((work, e))
             return out
 
-    def _execute(self, plan: list[Work[_Request]]) -> list[int | None]:
-        """One forward pass over the plan; returns the sampled token per work item (or None)."""
+    def _execute(self, plan: list[Work[_Request]]) -> list[int | BaseException | None]:
+        """One forward pass over the plan; returns per work item the sampled token, None (a
+        prompt chunk), or the exception its own sampling raised: after the step's KV is
+        committed nothing fails for the batch."""
         tokens, positions, rows = [], [], []
         for w in plan:
             start = w.req.num_computed
@@ -442,11 +447,14 @@ class Engine:
             batch,
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
-        out: list[int | None] = []
+        out: list[int | BaseException | None] = []
         r = 0
         for w in plan:
             if w.needs_logits:
-                out.append(sample(logits[r], w.req.params, w.req.gen))
+                try:
+                    out.append(sample(logits[r], w.req.params, w.req.gen))
+                except Exception as e:  # this request's values: its failure alone
+                    out.append(e)
                 r += 1
             else:
                 out.append(None)

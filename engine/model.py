@@ -166,19 +166,23 @@ class LlamaModel:
         try:
             for li in range(cfg.num_layers):
                 x = self._layer(li, x, positions, kv)
+            # The logits before the commit: a failure here rolls the step back too, so the
+            # engine may run the requests again (nothing is appended twice).
+            if kv.wants_token_logprobs:
+                # A cache that scores tokens by their surprisal sees every row's next-token
+                # distribution (the whole step's logits: one lm_head pass per prefill token).
+                logits = self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
+            else:
+                rows = x if logits_rows is None else x[logits_rows]
+                logits = self.lm_head(self._rms(rows, self.norm, cfg.rms_norm_eps))
         except BaseException:
             kv.abort_step()
             raise
         kv.end_step()
         if kv.wants_token_logprobs:
-            # A cache that scores tokens by their surprisal sees every row's next-token
-            # distribution (the whole step's logits: costs one lm_head pass per prefill token).
-            logits = self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
             kv.observe_logprobs(batch, tokens, torch.log_softmax(logits.float(), dim=-1))
             return logits if logits_rows is None else logits[logits_rows]
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
+        return logits
 
 
 def weight_formats(model: LlamaModel) -> dict[str, dict]:

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
+# to inf, and softmax of infs is nan, which `multinomial` refuses.
+GREEDY_BELOW = 1e-5
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes on every platform
+# `priority` (lower runs first): bounded where a request enters, so no value can overflow the
+# scheduler's arithmetic or take every step for itself (docs/serving.md, limits and trust).
+PRIORITY_RANGE = (-1000, 1000)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -36,8 +44,13 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, int | float) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            or not 0 <= self.seed <= MAX_SEED
+        ):  # fmt: skip
+            raise ValueError(
+                f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
@@ -46,7 +59,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def make_generator(self) -> torch.Generator | None:
         """A seeded generator for reproducible sampling (None for greedy or unseeded)."""
@@ -55,6 +68,16 @@ class SamplingParams:
         g = torch.Generator()
         g.manual_seed(self.seed if self.seed is not None else torch.seed())
         return g
+
+
+def check_priority(priority: object) -> int:
+    """`priority` if it is an integer within PRIORITY_RANGE, else ValueError naming the range."""
+    lo, hi = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+        raise ValueError(
+            f"priority must be an integer in [{lo}, {hi}] (lower runs first), got {priority!r}"
+        )
+    return priority
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

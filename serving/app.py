@@ -204,7 +204,7 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
         log.exception("request failed")
-        return _error(p.APIError(500, "internal server error", type="internal_error"))
+        return _error(p.APIError(500, "internal server error", type="server_error"))
 
     @app.get("/v1/models")
     async def models():
@@ -297,8 +297,41 @@ class _Guard:
 # ---- requests ------------------------------------------------------------------------------------
 
 
+MAX_JSON_DEPTH = 32  # a request body's nesting (messages -> content parts -> ...) is ~5 deep
+
+
+def _check_json(data: object) -> None:
+    """400 for a body nested deeper than MAX_JSON_DEPTH or holding a lone surrogate (text no
+    tokenizer can encode); walked without recursion."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise p.APIError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels",
+                             code="invalid_json")  # fmt: skip
+        if isinstance(node, dict):
+            stack.extend((k, depth) for k in node)
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif isinstance(node, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in node):
+            raise p.APIError(400, "the body holds a lone surrogate (\\ud800-\\udfff): not "
+                             "text", code="invalid_json")  # fmt: skip
+
+
+def _json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON: a browser's form or text/plain POST (which needs
+    no CORS preflight) must not drive the server from a web page the operator visits."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise p.APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                         code="unsupported_media_type")  # fmt: skip
+
+
 async def _read(request: Request, model: type[p._Sampling], limit: int) -> p._Sampling:
-    """The request body parsed into `model`; 413 past `limit` bytes, 400 naming a bad field."""
+    """The request body parsed into `model`; 415 unless declared JSON, 413 past `limit` bytes,
+    400 for bad JSON (too deep, lone surrogates) or naming a bad field."""
+    _json_content_type(request)
     raw = b""
     async for chunk in request.stream():
         raw += chunk
@@ -308,8 +341,12 @@ async def _read(request: Request, model: type[p._Sampling], limit: int) -> p._Sa
         data = json.loads(raw)
     except ValueError:
         raise p.APIError(400, "the body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise p.APIError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels",
+                         code="invalid_json") from None  # fmt: skip
     if not isinstance(data, dict):
         raise p.APIError(400, "the body must be a JSON object", code="invalid_json")
+    _check_json(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
@@ -383,7 +420,7 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
         done = await _whole(server, request, handle, t0)
     except Exception as e:  # as a stream says it: the engine's (or lost replica's) reason
         log.warning("request %s failed: %s", rid, e)
-        raise p.APIError(500, f"generation failed: {e}", type="internal_error") from None
+        raise p.APIError(500, f"generation failed: {e}", type="server_error") from None
     finally:
         server.in_flight -= 1
     if done is None:
@@ -519,7 +556,7 @@ async def _stream(
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
         server.failures.add()
         log.warning("stream %s failed: %s", rid, e)
-        err = p.APIError(500, f"generation failed: {e}", type="internal_error")
+        err = p.APIError(500, f"generation failed: {e}", type="server_error")
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_SEED, PRIORITY_RANGE, SamplingParams
 
 # Fields OpenAI defines that this server does not implement, with the value that means "off":
 # a request may send them only with that value.
@@ -84,7 +84,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -92,7 +92,10 @@ class _Sampling(BaseModel):
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1, description="vLLM extension: -1 or 0 disables it")
     ignore_eos: bool = Field(default=False, description="vLLM extension")
-    priority: int = Field(default=0, description="vLLM extension: lower runs first")
+    priority: int = Field(
+        default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+        description="vLLM extension: lower runs first",
+    )  # fmt: skip
     # Known to OpenAI, refused unless left at their "off" value (see UNSUPPORTED).
     n: int | None = None
     best_of: int | None = None

@@ -273,3 +273,68 @@ async def test_create_loads_the_packaged_model():
         assert len(c.token_ids) == 3
     finally:
         await engine.close()
+
+
+class CountingKV(ContiguousKVCache):
+    """Counts the tokens appended per sequence (layer 0): what the cache holds, to compare
+    with what each request has computed."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.appended: dict[int, int] = {}
+
+    def append(self, layer, k, v):
+        if layer == 0:
+            for sid, n in zip(self._batch.seq_ids, self._batch.query_lens, strict=True):
+                self.appended[sid] = self.appended.get(sid, 0) + n
+        super().append(layer, k, v)
+
+
+async def test_a_failing_sample_fails_its_request_alone_and_appends_nothing_twice(
+    model, tokenizer, monkeypatch
+):
+    """Issue 31: a request whose sampling raises after the step committed its KV used to make
+    the engine re-run the whole batch one by one on top of the committed KV (every co-batched
+    sequence's cache grew by the step twice). Now sampling fails per request: the others'
+    tokens equal their solo runs and every cache holds exactly its request's tokens."""
+    import engine.engine as eng
+
+    real = eng.sample
+
+    def sample(logits, params, gen):
+        if params.seed == 666:
+            raise RuntimeError("probability tensor contains inf or nan")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(eng, "sample", sample)
+    cfg = model.cfg
+    kv = CountingKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    engine = Engine(model, tokenizer, kv=kv, max_batch=8)
+    try:
+        good = [engine.submit(p, GREEDY_16) for p in PROMPTS[:2]]
+        bad = engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=1.0, seed=666))
+        with pytest.raises(RuntimeError, match="inf or nan"):
+            await bad.result()
+        results = await asyncio.gather(*(h.result() for h in good))
+        for p, h, r in zip(PROMPTS[:2], good, results, strict=True):
+            ids = tokenizer.encode(p)
+            assert r.token_ids == greedy_reference(model, ids, 16)
+            # the prompt and every generated token but the last went through the cache once
+            assert kv.appended[h._req.rid] == len(ids) + 15
+        assert kv.bytes_used() == 0
+    finally:
+        await engine.close(cancel=True)
+
+
+async def test_hostile_sampling_values_are_normalised_or_refused(engine):
+    """A temperature of 1e-300 is greedy (vLLM's epsilon), not an overflow; a seed or a
+    priority out of range is refused where it enters, naming the range."""
+    tiny = SamplingParams(max_new_tokens=8, temperature=1e-300, ignore_eos=True)
+    assert tiny.greedy
+    greedy = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert (await engine.generate(PROMPTS[0], tiny)).token_ids == greedy.token_ids
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63 - 1\]"):
+        SamplingParams(seed=2**64)
+    for bad in (10**310, -(10**15), 1001, True):
+        with pytest.raises(ValueError, match=r"priority must be an integer in \[-1000, 1000\]"):
+            engine.submit(PROMPTS[0], GREEDY_16, priority=bad)

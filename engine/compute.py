@@ -19,6 +19,11 @@ from typing import TypeVar
 T = TypeVar("T")
 _lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
+_ident: list[int] = []  # the compute thread's id, once it has started
+
+
+def _started() -> None:
+    _ident.append(threading.get_ident())
 
 
 def executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -26,8 +31,15 @@ def executor() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unikv-compute")
+            _executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="unikv-compute", initializer=_started
+            )
         return _executor
+
+
+def thread_id() -> int | None:
+    """The compute thread's `threading.get_ident()` (None before its first task)."""
+    return _ident[0] if _ident else None
 
 
 async def run(fn: Callable[..., T], *args) -> T:

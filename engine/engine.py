@@ -8,6 +8,15 @@ engine runs that plan's forward pass on the compute thread (`engine.compute`), k
 loop free, and reports the results back.
 KV memory belongs to the `KVCache` the engine is given; the model stores into it, the scheduler
 reserves and frees it.
+
+NOTE: one owner. The scheduler, the KV store and its pool are touched by the compute thread
+alone: each turn of the loop (`_turn`) admits the submissions and cancellations the event loop
+queued (`_inbox`, `_cancels`: deques, whose append and popleft are atomic), plans, runs the
+forward pass, books its results and publishes a memory report; the event loop then delivers
+the text and completions the turn collected (`_outbox`) to each request's asyncio queue, and
+readers on other threads get the published report. No lock guards the pool, so nothing else
+may touch it: `memory.pool.CHECK_OWNER` (on in the tests) makes a mutation from another thread
+raise.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -111,9 +122,12 @@ class Engine:
         self.scheduler: Scheduler[_Request] = Scheduler(self.kv, plan_config, order)
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
-        self._stepping = False
-        self._closed = False
+        self._inbox: deque[_Request] = deque()  # submitted, not yet given to the scheduler
+        self._cancels: deque[_Request] = deque()  # cancelled, not yet finished
+        self._outbox: list[tuple[_Request, tuple]] = []  # what a turn delivers to the queues
+        self._closed = self._cancel_all = False
         self._wakeup = asyncio.Event()
+        self._published = self._report_now()  # nothing runs yet: read here, once
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     @classmethod
@@ -218,7 +232,13 @@ class Engine:
         return await self.submit(prompt, params, chat=chat).result()
 
     def memory_report(self) -> dict:
-        """KV bytes stored and held now, the peak stored, pool statistics, request counts."""
+        """KV bytes stored and held, the peak stored, pool statistics, request counts: as of the
+        last turn of the loop (published by the compute thread, which alone reads the pool)."""
+        if threading.get_ident() == compute.thread_id():
+            return self._report_now()
+        return self._published
+
+    def _report_now(self) -> dict:
         counts = {"kv_bytes_peak": self.peak_kv_bytes, **self.scheduler.report()}
         kv = self.kv.stats()
         # The kernel registry's choices: the strategy's attention and the model's ops, with the
@@ -265,8 +285,7 @@ class Engine:
         """Stop accepting requests; finish (or with `cancel`, cancel) the ones in flight."""
         self._closed = True
         if cancel:
-            for req in [*self.scheduler.waiting, *self.scheduler.running]:
-                self._cancel(req)
+            self._cancel_all = True  # the next turn cancels everything (on the compute thread)
         self._wakeup.set()
         await self._loop_task
         if self._assembly is not None:
@@ -299,7 +318,7 @@ class Engine:
             priority=priority,
             arrival=time.monotonic(),
         )
-        self.scheduler.add(req)
+        self._inbox.append(req)  # the compute thread gives it to the scheduler
         self._wakeup.set()
         return req
 
@@ -322,32 +341,48 @@ class Engine:
         return ids
 
     def _cancel(self, req: _Request) -> None:
-        """Cancel a request; its KV is freed now, or right after the step in flight."""
-        if req.finished:
+        """Cancel a request: the next turn of the loop (at once, or right after the step in
+        flight) finishes it and frees its KV on the compute thread."""
+        if req.finished or req.cancelled:
             return
         req.cancelled = True
-        if self.scheduler.is_queued(req) or not self._stepping:
-            self._finish(req, "cancelled")
-        # else: it is in the step in flight; the loop finishes it as soon as the step returns
+        self._cancels.append(req)
+        self._wakeup.set()
 
     def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
+        """Finish `req` (on the compute thread: frees its KV); its last text and completion go
+        out through `_outbox`."""
         req.finish_reason = reason
-        self.scheduler.finish(req)
+        if req in self._inbox:  # never reached the scheduler (closed with cancel)
+            self._inbox.remove(req)
+        else:
+            self.scheduler.finish(req)
         if error is not None:
-            req.queue.put_nowait(("error", error))
+            self._outbox.append((req, ("error", error)))
             return
         if reason != "cancelled" and req.emitted < len(req.text):
-            req.queue.put_nowait(("text", req.text[req.emitted :]))
+            self._outbox.append((req, ("text", req.text[req.emitted :])))
             req.emitted = len(req.text)
         done = Completion(req.text, list(req.output_ids), reason, len(req.prompt_ids))
-        req.queue.put_nowait(("done", done))
+        self._outbox.append((req, ("done", done)))
+
+    def _flush(self) -> None:
+        """Deliver what the last turn collected (on the event loop: asyncio queues)."""
+        out, self._outbox = self._outbox, []
+        for req, item in out:
+            req.queue.put_nowait(item)
 
     # ---- stepping the scheduler ---------------------------------------------------------------
 
+    def _idle(self) -> bool:
+        return (self.scheduler.idle() and not self._inbox and not self._cancels
+                and not self._cancel_all)  # fmt: skip
+
     async def _loop(self) -> None:
         while True:
-            if self.scheduler.idle():
+            if self._idle():
                 if self._closed:
+                    await compute.run(self._release)
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -365,25 +400,60 @@ class Engine:
                     continue
             except Exception as e:  # a scheduler bug must not hang every caller
                 log.exception("scheduler step failed")
-                for req in self.scheduler.drain():
-                    if not req.finished:
-                        self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
+                await compute.run(self._fail_all, e)
+                self._flush()
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
 
+    def _fail_all(self, e: Exception) -> None:
+        for req in [*self.scheduler.drain(), *self._inbox]:
+            if not req.finished:
+                self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
+        self._published = self._report_now()
+
+    def _release(self) -> None:
+        """The loop ends: the pool has no owner thread any more (a caller may use it)."""
+        pool = getattr(self.kv, "pool", None)
+        if pool is not None:
+            pool.owner = None
+
     async def _step(self) -> bool:
-        """Get the scheduler's plan, run its forward pass, and deliver what it computed;
+        """One turn on the compute thread (`_turn`), then its deliveries on the event loop;
         False when nothing ran."""
-        plan = self.scheduler.schedule(time.monotonic())
+        try:
+            return await compute.run(self._turn, time.monotonic())
+        finally:
+            self._flush()
+
+    def _turn(self, now: float) -> bool:
+        """Admit, reap cancellations, plan, run the forward pass and book its results; publish
+        the memory report. On the compute thread (the pool's owner)."""
+        pool = getattr(self.kv, "pool", None)
+        if pool is not None:
+            pool.owner = threading.get_ident()
+        try:
+            return self._turn_inner(now)
+        finally:
+            self._published = self._report_now()
+
+    def _turn_inner(self, now: float) -> bool:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        if self._cancel_all:
+            self._cancel_all = False
+            sched = self.scheduler
+            for req in [*sched.waiting, *sched.running, *sched.swapped]:
+                self._cancel(req)
+        while self._cancels:
+            req = self._cancels.popleft()
+            if not req.finished:
+                self._finish(req, "cancelled")
+        plan = self.scheduler.schedule(now)
         for req in plan.outgrown:
             self._finish(req, "length")
         if not plan.work:
             return False  # preempted this round, or held by the window; admission brings it
-        self._stepping = True
-        try:
-            results = await compute.run(self._execute_isolated, plan.work)
-        finally:
-            self._stepping = False
+        results = self._execute_isolated(plan.work)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
         for work, outcome in results:
             req = work.req
@@ -484,7 +554,7 @@ class Engine:
         req.text = text
         safe = max(req.emitted, len(text) - hold)
         if safe > req.emitted:
-            req.queue.put_nowait(("text", text[req.emitted : safe]))
+            self._outbox.append((req, ("text", text[req.emitted : safe])))
             req.emitted = safe
         ctx = self.model.cfg.context_length
         if len(req.output_ids) >= p.max_new_tokens or req.num_computed + 1 >= ctx:

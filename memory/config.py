@@ -74,7 +74,14 @@ TIER_ORDER = ("device", "host", "ssd", "remote")
 ENV_PREFIX = "UNIKV_"
 # UNIKV_ variables that are settings of their own, not configuration keys: left alone here.
 OTHER_ENV = frozenset(
-    {"UNIKV_CACHE_DIR", "UNIKV_KERNEL_DIR", "UNIKV_NO_KERNEL", "UNIKV_ISA", "UNIKV_API_KEY"}
+    {
+        "UNIKV_CACHE_DIR",
+        "UNIKV_KERNEL_DIR",
+        "UNIKV_NO_KERNEL",
+        "UNIKV_ISA",
+        "UNIKV_API_KEY",
+        "UNIKV_CHECK_OWNER",
+    }  # fmt: skip
 )
 MAX_BLOCK_SIZE = 1024
 DEFAULT_DEVICE_BYTES = 1 << 30  # used when a config has no [tiers] table

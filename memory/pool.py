@@ -21,6 +21,8 @@ Every byte of KV lives in a block of some tier; blocks move between tiers only t
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
@@ -49,6 +51,10 @@ __all__ = [
 ]
 
 SeqId = Hashable
+# One owner (docs/architecture.md): a pool has no lock; an engine makes its compute thread the
+# pool's `owner`, and with this on (`UNIKV_CHECK_OWNER=1`; the tests turn it on) a mutation
+# from any other thread raises instead of racing.
+CHECK_OWNER = os.environ.get("UNIKV_CHECK_OWNER") == "1"
 
 
 class UnifiedMemoryPool:
@@ -81,6 +87,14 @@ class UnifiedMemoryPool:
         self._clock = clock
         self._last_sample = float("-inf")
         self._tables: dict[SeqId, BlockTable] = {}
+        self.owner: int | None = None  # the thread that alone may mutate the pool (None: any)
+
+    def _owned(self) -> None:
+        if CHECK_OWNER and self.owner is not None and threading.get_ident() != self.owner:
+            raise RuntimeError(
+                f"the pool was mutated from thread {threading.current_thread().name!r}; only "
+                "its owner (the engine's compute thread) may: hand it the work instead"
+            )
 
     def _build_tiers(self, stores: dict[str, Tier]) -> None:
         config, layout = self.config, self.layout
@@ -170,6 +184,7 @@ class UnifiedMemoryPool:
 
         Returns False, changing nothing, when the blocks are not there.
         """
+        self._owned()
         table = self._tables.get(seq) or BlockTable(seq, self.block_size)
         self._check_on_device(table)
         need = table.slots_needed(num_tokens)
@@ -183,10 +198,12 @@ class UnifiedMemoryPool:
 
     def commit(self, seq: SeqId, num_tokens: int) -> None:
         """Record that `num_tokens` reserved slots of `seq` now hold data."""
+        self._owned()
         self._require(seq).append_tokens(num_tokens)
 
     def free(self, seq: SeqId) -> None:
         """Release every block of `seq` (its cached prefix blocks stay revivable)."""
+        self._owned()
         table = self._tables.pop(seq, None)
         self.prefixes.forget(seq)
         self.placement.drop(seq)
@@ -200,6 +217,7 @@ class UnifiedMemoryPool:
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Keep the first `num_tokens` slots of `seq`; trailing blocks go back to the pool."""
+        self._owned()
         table = self._require(seq)
         dropped = table.truncate(num_tokens)
         self.prefixes.truncate(seq, num_tokens)
@@ -247,6 +265,7 @@ class UnifiedMemoryPool:
 
     def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
         """Start the new sequence `seq` on shared cached blocks; return the tokens they hold."""
+        self._owned()
         if seq in self._tables:
             raise RuntimeError(f"sequence {seq!r} already has blocks; attach a prefix first")
         table = BlockTable(seq, self.block_size)
@@ -266,6 +285,7 @@ class UnifiedMemoryPool:
         """Append to `seq` (new, or just attached) blocks of the store tier `tier` that hold
         the stored content `hashes`, without reading them; return the tokens of `seq`.
         Nothing changes (0 is returned) when the tier has no room for them."""
+        self._owned()
         table = self._tables.get(seq) or BlockTable(seq, self.block_size)
         if not self.prefixes.attach_stored(table, hashes, tier):
             return table.num_tokens if seq in self._tables else 0
@@ -282,6 +302,7 @@ class UnifiedMemoryPool:
         Returns how many blocks of `seq` are now part of its published chain. Cached blocks
         become read-only; a sequence only ever writes into its last, partial block.
         """
+        self._owned()
         return self.prefixes.publish(self._require(seq), token_ids)
 
     def resident_chain(self, seq: SeqId, start: int = 0) -> dict[str, list[tuple[int, bytes]]]:
@@ -308,6 +329,7 @@ class UnifiedMemoryPool:
         lives, and is found, in `dst`). Blocks of `seq` with a published content hash are
         stored by that hash in a store tier: content stored before is not written again.
         """
+        self._owned()
         table = self._require(seq)
         if dst not in self.tiers:
             raise ValueError(f"no tier {dst!r} in this pool (tiers: {', '.join(self.tiers)})")
@@ -344,6 +366,7 @@ class UnifiedMemoryPool:
 
     def swap_out(self, seq: SeqId, dst: str = TierKind.HOST) -> bool:
         """Move every device block of `seq` to `dst` (preemption by swapping)."""
+        self._owned()
         table = self._require(seq)
         if dst not in self.tiers:
             return False
@@ -354,6 +377,7 @@ class UnifiedMemoryPool:
 
     def swap_in(self, seq: SeqId) -> bool:
         """Bring every block of `seq` back to the device tier; False if it does not fit."""
+        self._owned()
         table = self._require(seq)
         todo = [i for i, r in enumerate(table) if r.tier != TierKind.DEVICE]
         return self.move(seq, todo, TierKind.DEVICE)
@@ -362,6 +386,7 @@ class UnifiedMemoryPool:
 
     def record_preemption(self) -> None:
         """Count a preempted sequence (swapped out or dropped for recompute)."""
+        self._owned()
         self.stats.record_preemption()
         self.health_monitor.record_preemption()
 
@@ -374,6 +399,7 @@ class UnifiedMemoryPool:
 
     def sample_usage(self) -> None:
         """Feed the OOM predictor the device usage, at most every SAMPLE_EVERY_S seconds."""
+        self._owned()
         now = self._clock()
         if now - self._last_sample >= self.SAMPLE_EVERY_S:
             self._last_sample = now
@@ -381,6 +407,7 @@ class UnifiedMemoryPool:
 
     def health(self) -> HealthReport:
         """Green / yellow / red from device usage and recent events (see memory.stats)."""
+        self._owned()
         return self.health_monitor.observe(self.usage(TierKind.DEVICE))
 
     def snapshot(self) -> dict:

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.engine import Engine, RequestHandle
 
 from . import protocol as p
-from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate
+from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate, service_fault
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("unikv.serve")
@@ -498,8 +498,9 @@ async def _consume(server: Server, handle: RequestHandle, t0: float):
     try:
         async for _piece in handle:
             lat.piece()
-    except Exception:
-        server.failures.add()
+    except Exception as e:
+        if service_fault(e):
+            server.failures.add()
         raise
     lat.finished(handle)
     return handle.completion
@@ -554,7 +555,8 @@ async def _stream(
         lat.finished(handle)
         yield "data: [DONE]\n\n"
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
-        server.failures.add()
+        if service_fault(e):
+            server.failures.add()
         log.warning("stream %s failed: %s", rid, e)
         err = p.APIError(500, f"generation failed: {e}", type="server_error")
         yield f"data: {json.dumps(err.body())}\n\n"

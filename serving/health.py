@@ -21,6 +21,7 @@ What does not live here: the pool's own counters (`memory.stats`), HTTP (`servin
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -70,6 +71,12 @@ def colour(indicators: list[Indicator], oom_firing: bool) -> HealthView:
         status = "green"
     reasons = tuple(i.reason for i in off)
     return HealthView(status, SHARES[status], reasons, tuple(indicators))
+
+
+def service_fault(e: BaseException) -> bool:
+    """Whether a request's failure is the service's own, counted against health, rather than
+    the client's: a ValueError is bad input, and a client that leaves is no fault either."""
+    return not isinstance(e, ValueError | asyncio.CancelledError)
 
 
 class RecentEvents:

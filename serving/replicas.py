@@ -37,7 +37,7 @@ from engine.sampling import SamplingParams
 from memory.prefix import chain_hashes
 
 from . import routing
-from .health import SHARES, HealthView, Indicator
+from .health import SHARES, HealthView, Indicator, service_fault
 
 log = logging.getLogger("unikv.replicas")
 APP, DEPLOYMENT = "unikv", "unikv_engine"
@@ -180,8 +180,9 @@ class EngineReplica:
             yield {"done": {"text": c.text, "token_ids": c.token_ids,
                             "finish_reason": c.finish_reason,
                             "prompt_tokens": c.prompt_tokens}}  # fmt: skip
-        except Exception:
-            self.server.failures.add()
+        except Exception as e:
+            if service_fault(e):
+                self.server.failures.add()
             raise
         finally:
             handle.cancel()  # the front went away (Ray cancels this generator): free the KV

@@ -14,6 +14,9 @@ import torch
 # Two processes spinning OpenMP threads on two cores slow each other down by 10x; subprocesses
 # started by tests inherit this and stay single-threaded while the parent waits for them.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One owner: a pool mutated from a thread other than its engine's compute thread raises (in
+# this process and in the servers and writers the tests start).
+os.environ["UNIKV_CHECK_OWNER"] = "1"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 _SUBJECTS = [

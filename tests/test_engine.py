@@ -1,6 +1,7 @@
 """The async engine: streaming, continuous batching, cancellation, isolation, sampling, closing."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -338,3 +339,39 @@ async def test_hostile_sampling_values_are_normalised_or_refused(engine):
     for bad in (10**310, -(10**15), 1001, True):
         with pytest.raises(ValueError, match=r"priority must be an integer in \[-1000, 1000\]"):
             engine.submit(PROMPTS[0], GREEDY_16, priority=bad)
+
+
+async def test_only_the_compute_thread_touches_the_pool(model, tokenizer):
+    """Issue 31: cancellations and snapshots used to reach the pool from the event loop while
+    the compute thread stepped (a swapped-out request's blocks freed mid-allocation, the OOM
+    predictor sampled inside `end_step`). Now the event loop queues them and reads the report
+    the last turn published; the pool's owner check (on in the tests) catches a violation."""
+    from engine import compute
+
+    engine = Engine(model, tokenizer, max_batch=8)
+    pool = engine.kv.pool
+    seen: set[int] = set()
+    health = pool.health
+
+    def spy():
+        seen.add(threading.get_ident())
+        return health()
+
+    pool.health = spy
+    try:
+        long = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        other = engine.submit(PROMPTS[0], GREEDY_16)
+        await until(lambda: len(long._req.output_ids) >= 3)
+        for _ in range(20):  # what /health and /metrics do, while steps run
+            assert engine.memory_report()["requests_running"] >= 1
+            await asyncio.sleep(0.001)
+        long.cancel()
+        await until(lambda: long._req.finish_reason is not None)
+        assert (await other.result()).finish_reason == "length"
+        assert seen == {compute.thread_id()}  # the report's health sample: compute thread only
+        assert pool.owner == compute.thread_id()
+        with pytest.raises(RuntimeError, match="only its owner"):
+            pool.free(long._req.rid)  # a mutation from the event loop's thread
+    finally:
+        await engine.close(cancel=True)
+    assert pool.owner is None  # the loop has ended: the pool is the caller's again

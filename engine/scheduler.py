@@ -126,6 +126,11 @@ class FifoOrder(Generic[R]):
         """Whether a waiting request goes before a swapped-out one: never, in arrival order."""
         return False
 
+    def displaces(self, waiting: R, running: Sequence[R]) -> R | None:
+        """The running request a waiting one takes the place of when the batch is full: none,
+        in arrival order."""
+        return None
+
     def urgent(self, waiting: R, running: Sequence[R]) -> bool:
         """Whether a waiting request skips the admission window: never, in arrival order."""
         return False
@@ -139,9 +144,14 @@ class PriorityOrder(FifoOrder[R]):
     """Lower `priority` first (vLLM's convention), then arrival; the batch limit as FifoOrder.
 
     The running batch is kept in (priority, arrival) order, so the request preempted first when
-    memory is short is the one with the highest value, the newest among equals. Starvation
-    guard: a queued request's effective priority improves by one for every `aging_s` seconds it
-    has waited, so a steady stream of urgent work delays normal work but never stops it.
+    memory is short is the one with the highest value, the newest among equals; a waiting
+    request more urgent than that one takes its place when the batch is full (it is preempted:
+    swapped out, or dropped to recompute). Starvation guard: a queued request of a value above
+    0 (background work) improves by one for every `aging_s` seconds it has waited, down to 0 at
+    most. Ageing never lifts a request past an explicit priority: an urgent (negative) request
+    goes before every normal one however long they waited (issue 31: ageing of one per second
+    let every request that waited 10 s tie with -10, so on a slow machine, where everyone
+    waits, urgency dissolved exactly when it mattered).
     """
 
     __slots__ = ("aging_s",)
@@ -154,7 +164,10 @@ class PriorityOrder(FifoOrder[R]):
 
     def effective(self, req: R, now: float) -> tuple[float, float]:
         """The sort key of a queued request at `now`: aged priority, then arrival."""
-        return (req.priority - max(0.0, now - req.arrival) / self.aging_s, req.arrival)
+        if req.priority <= 0:
+            return (float(req.priority), req.arrival)
+        aged = req.priority - max(0.0, now - req.arrival) / self.aging_s
+        return (max(0.0, aged), req.arrival)
 
     def admit(self, running: list[R], req: R) -> None:
         """Insert `req` into the running batch by (priority, arrival)."""
@@ -175,6 +188,11 @@ class PriorityOrder(FifoOrder[R]):
     def jumps(self, waiting: R, swapped: R, now: float) -> bool:
         # Only a more urgent request overtakes one whose KV already waits on the host.
         return waiting.priority < swapped.priority
+
+    def displaces(self, waiting: R, running: Sequence[R]) -> R | None:
+        # The least urgent running request (the last, newest among equals), if `waiting` is
+        # more urgent by its explicit priority.
+        return running[-1] if running and waiting.priority < running[-1].priority else None
 
     def urgent(self, waiting: R, running: Sequence[R]) -> bool:
         # More urgent than everything running: batching it with later arrivals only delays it.
@@ -305,6 +323,12 @@ class Scheduler(Generic[R]):
             self.order.admit(self.running, self.swapped.popleft())
         if self._window_holds(now):
             return
+        # A full batch: a more urgent waiting request preempts the least urgent running one.
+        while self.waiting and not self.order.has_room(self.running):
+            victim = self.order.displaces(self.waiting[0], self.running)
+            if victim is None:
+                break
+            self._preempt(victim)
         while self.waiting and self.order.has_room(self.running):
             req = self.waiting[0]
             tokens = req.tokens

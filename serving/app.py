@@ -56,6 +56,11 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     disconnect_poll_s: float = 0.05  # how often a non-streamed request checks its client
+    # Host names (the Host header without its port) this server answers; empty: any. Against
+    # DNS rebinding: a web page whose name resolves to 127.0.0.1 sends its own Host.
+    allowed_hosts: tuple[str, ...] = ()
+    public_metrics: bool = False  # /metrics and /dashboard open even when a key is set
+    read_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_tokens_limit"):
@@ -63,6 +68,9 @@ class ServeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key is empty; leave it unset to serve without a key")
+        self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
 
 
 class Server:
@@ -222,12 +230,14 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _read(request, p.CompletionRequest, settings.max_body_bytes)
+        body = await _read(request, p.CompletionRequest, settings.max_body_bytes,
+                           settings.read_timeout_s)  # fmt: skip
         return await _serve(server, request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _read(request, p.ChatCompletionRequest, settings.max_body_bytes)
+        body = await _read(request, p.ChatCompletionRequest, settings.max_body_bytes,
+                           settings.read_timeout_s)  # fmt: skip
         return await _serve(server, request, body, chat=True)
 
     @app.get("/health")
@@ -267,9 +277,24 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+# Paths behind the API key when one is set: the API, and (unless `public_metrics`) what shows
+# the server's load and its requests. /health stays open for probes.
+_KEYED = ("/v1/",)
+_KEYED_UNLESS_PUBLIC = ("/metrics", "/dashboard")
+
+
+def _host_name(host: bytes) -> str:
+    """The Host header's name, without the port ("[::1]:8000" -> "[::1]")."""
+    h = host.decode("latin-1").strip().lower()
+    if h.startswith("["):
+        return h[: h.find("]") + 1] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
 class _Guard:
-    """Refuses a request before any handler runs: 401 without the API key, 413 when the
-    declared body is too large (a body without Content-Length is counted as it is read)."""
+    """Refuses a request before any handler runs: 400 for a Host not allowed, 401 without the
+    API key, 413 when the declared body is too large (a body without Content-Length is counted
+    as it is read)."""
 
     def __init__(self, app, settings: ServeSettings) -> None:
         self.app, self.settings = app, settings
@@ -279,7 +304,15 @@ class _Guard:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
             err = None
-            if self._want is not None and scope["path"].startswith("/v1/"):
+            allowed = self.settings.allowed_hosts
+            if allowed and _host_name(headers.get(b"host", b"")) not in allowed:
+                err = p.APIError(400, "this server does not answer that Host name",
+                                 code="host_not_allowed")  # fmt: skip
+            path = scope["path"]
+            keyed = path.startswith(_KEYED) or (
+                not self.settings.public_metrics and path.startswith(_KEYED_UNLESS_PUBLIC)
+            )
+            if err is None and self._want is not None and keyed:
                 got = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(got, self._want):
                     err = p.APIError(401, "missing or wrong API key (send 'Authorization: "
@@ -328,15 +361,26 @@ def _json_content_type(request: Request) -> None:
                          code="unsupported_media_type")  # fmt: skip
 
 
-async def _read(request: Request, model: type[p._Sampling], limit: int) -> p._Sampling:
+async def _read(
+    request: Request, model: type[p._Sampling], limit: int, timeout: float = 30.0
+) -> p._Sampling:
     """The request body parsed into `model`; 415 unless declared JSON, 413 past `limit` bytes,
     400 for bad JSON (too deep, lone surrogates) or naming a bad field."""
     _json_content_type(request)
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise _too_large(limit)
+    raw = bytearray()
+
+    async def body() -> None:
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > limit:
+                raise _too_large(limit)
+
+    try:  # a client that trickles its body (slowloris) holds a connection for nothing
+        await asyncio.wait_for(body(), timeout)
+    except TimeoutError:
+        raise p.APIError(408, f"the body did not arrive within {timeout:g} s",
+                         code="request_timeout") from None  # fmt: skip
+    raw = bytes(raw)
     try:
         data = json.loads(raw)
     except ValueError:

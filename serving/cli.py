@@ -110,6 +110,30 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "profile's), none, or scripted:PATH (default: the config's [thermal] sensor)",
     )
     sp.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names the server answers (default: any); e.g. "
+        "localhost,127.0.0.1 stops a web page that rebinds its own name to this address",
+    )
+    sp.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with --api-key, leave /metrics and /dashboard open (default: behind the key)",
+    )
+    sp.add_argument(
+        "--limit-concurrency",
+        type=engine_cli._positive_int,
+        default=256,
+        help="open connections and requests at once; past it new ones get 503 (default: 256)",
+    )
+    sp.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive (408 after; default: 30); idle "
+        "keep-alive connections close after 5 s",
+    )
+    sp.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -131,6 +155,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit,
+        allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else (),
+        public_metrics=args.public_metrics,
+        read_timeout_s=args.read_timeout,
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0..65535")
@@ -188,8 +215,10 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
 
     app = create_app(Server(make_engine, settings))
     uvicorn.run(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, log_level="info"
-    )
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+        log_level="info", limit_concurrency=args.limit_concurrency, timeout_keep_alive=5,
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+    )  # fmt: skip
     return 0
 
 

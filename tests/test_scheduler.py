@@ -458,18 +458,61 @@ def test_short_memory_preempts_the_highest_value_newest_among_equals():
     assert s.preemptions == 1
 
 
-def test_waiting_time_ages_a_request_past_a_later_urgent_one():
+def test_ageing_never_lifts_a_request_past_an_explicit_priority():
+    """Issue 31: at one level per second, a normal request that waited 10 s tied with an
+    urgent -10 one (on a slow machine everyone waits that long). Background work (a value
+    above 0) still ages, but only down to normal (0); an urgent request goes first however
+    long the others waited."""
     s = prio(FakeKV(), max_batch=1, aging_s=1.0)
     blocker = req(0, 4)
     s.add(blocker)
     step(s)
     old = req(1, 4, priority=0, arrival=0.0)
-    s.add(old)
-    late_urgent = req(2, 4, priority=-3, arrival=10.0)
-    s.add(late_urgent)
+    background = req(3, 4, priority=5, arrival=0.0)
+    late_normal = req(4, 4, priority=0, arrival=9.0)
+    late_urgent = req(2, 4, priority=-1, arrival=1000.0)
+    for r in (old, background, late_normal, late_urgent):
+        s.add(r)
     s.finish(blocker)
-    # At t=10 the old request has waited 10 s: effective 0 - 10 = -10 beats -3 - 0.
-    assert [w.req for w in step(s, now=10.0)] == [old]
+    assert [w.req for w in step(s, now=1000.0)] == [late_urgent]
+    s.finish(late_urgent)
+    # background waited 1000 s: aged to 0, where arrival breaks the tie with `old` (both 0.0,
+    # then id order) and it goes before the later normal request
+    order = []
+    for _ in range(3):
+        (w,) = step(s, now=1000.0)
+        order.append(w.req)
+        s.finish(w.req)
+    assert order.index(background) < order.index(late_normal) and order[0] in (old, background)
+    s2 = prio(FakeKV(), max_batch=1, aging_s=1.0)
+    s2.add(req(0, 4))
+    step(s2)
+    young = req(1, 4, priority=5, arrival=999.0)
+    s2.add(young)
+    s2.add(req(2, 4, priority=0, arrival=1000.0))
+    s2.finish(s2.running[0])
+    # waited 1 s only: 5 - 1 = 4, still behind the normal request
+    assert step(s2, now=1000.0)[0].req.priority == 0
+
+
+def test_an_urgent_request_preempts_the_least_urgent_when_the_batch_is_full():
+    """A full batch no longer makes an urgent request wait for a slot: the running request of
+    the highest value (the newest among equals) is preempted, and comes back after."""
+    kv = FakeKV(capacity=1000, swap=True)
+    s = prio(kv, max_batch=2)
+    a, b = req(0, 4, arrival=0.0), req(1, 4, priority=3, arrival=1.0)
+    s.add(a)
+    s.add(b)
+    step(s, now=2.0)
+    assert s.running == [a, b]
+    urgent = req(2, 4, priority=-5, arrival=3.0)
+    s.add(urgent)
+    served = [w.req for w in step(s, now=3.0)]
+    assert urgent in served and b not in served and s.preemptions == 1
+    assert s.running == [urgent, a] and b in s.swapped
+    s.add(req(3, 4, priority=0, arrival=4.0))  # equal to a: no preemption for it
+    step(s, now=4.0)
+    assert s.preemptions == 1
 
 
 def test_an_urgent_waiting_request_goes_before_a_swapped_normal_one():

@@ -241,6 +241,33 @@ def test_api_key_is_required_and_compared(model, tokenizer):
         assert httpx.get(url + "/health", timeout=30).status_code == 200  # not behind the key
 
 
+def test_hosts_metrics_and_slow_bodies(model, tokenizer):
+    """Issue 31: an allow-list of Host names (against DNS rebinding), /metrics and /dashboard
+    behind the key unless --public-metrics, and a body that trickles in past the read timeout
+    answered 408 instead of holding a connection."""
+    key = {"Authorization": "Bearer k"}
+    with live(model, tokenizer, api_key="k", allowed_hosts=("localhost", "127.0.0.1"),
+              read_timeout_s=0.5) as (url, _):  # fmt: skip
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        r = httpx.get(url + "/health", headers={"Host": "evil.example:8000"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+        for path in ("/metrics", "/dashboard", "/dashboard/data"):
+            assert httpx.get(url + path, timeout=30).status_code == 401, path
+            assert httpx.get(url + path, headers=key, timeout=30).status_code == 200, path
+
+        def trickle():
+            yield b'{"prompt": "hi",'
+            time.sleep(1.5)
+            yield b' "max_tokens": 1}'
+
+        headers = {**key, "Content-Type": "application/json"}
+        r = httpx.post(url + "/v1/completions", content=trickle(), headers=headers, timeout=30)
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    with live(model, tokenizer, api_key="k", public_metrics=True) as (url, _):
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
 def test_full_queue_answers_429_with_retry_after(model, tokenizer):
     with live(model, tokenizer, max_batch=1, max_waiting=1) as (url, server):
         body = {"prompt": "Tell me a story", "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -54,12 +54,16 @@ def open_store(config: PoolConfig, tier: TierConfig) -> BlockStore:
 def open_remote_store(config: PoolConfig, tier: TierConfig, namespace: str) -> BlockStore:
     """The block store the config's `[tiers.remote] url` names (Redis, Redis Cluster, a shared
     directory), keys under `namespace`; a bad URL or an unreachable server is one line naming
-    the file, the key and the URL (its password hidden)."""
+    the file, the key and the URL (its password hidden). A Redis server that does not answer
+    yet is not an error: the tier starts with its breaker open (health yellow, lookups miss)
+    and picks the server up once it answers."""
     # Short timeouts: a lookup waits at most about connect + read before it counts as a miss.
     args = {"namespace": namespace}
     name, _ = _store_of(tier.path)
     if name in ("redis", "redis_cluster"):
         args |= {"connect_timeout_s": 0.5, "timeout_s": 1.0}
+    if name == "redis":  # a cache tier that is not up yet is no reason not to start
+        args["wait_for_server"] = True
     elif name == "fs":
         args["max_bytes"] = tier.capacity_bytes
     try:

@@ -151,6 +151,9 @@ class RemoteTier(StoreTier):
         super().__init__(name, layout, num_blocks, store, slices)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.counts = {"lookups": 0, "hit_blocks": 0, "promoted_blocks": 0, "write_skips": 0}
+        down = getattr(store, "unreachable_at_open", None)
+        if down:  # opened before its server answered: a miss until a trial reaches it
+            self.breaker.failure(f"not reachable at start: {down}")
 
     def _guarded(self, what: str, call: Callable[[], _T], miss: _T) -> _T:
         if not self.breaker.allow():
@@ -165,6 +168,11 @@ class RemoteTier(StoreTier):
             return miss
         except OSError as e:  # StoreUnavailableError is a ConnectionError, an OSError
             self.breaker.failure(f"{what}: {e}")
+            return miss
+        except Exception as e:  # anything else (a refused password, a protocol error) is
+            # a failure too: a cache tier never fails a request, and a trial always ends
+            log.warning("remote tier: %s failed: %s: %s", what, type(e).__name__, e)
+            self.breaker.failure(f"{what}: {type(e).__name__}: {e}")
             return miss
         self.breaker.success()
         return result
@@ -254,6 +262,12 @@ class RemoteTier(StoreTier):
         except OSError as e:
             self.breaker.failure(f"read: {e}")
             raise BlockLostError(f"tier {self.name!r}: {e}") from None
+        except BlockLostError:  # the server answered (a corrupt or missing value)
+            self.breaker.success()
+            raise
+        except Exception as e:  # as in `_guarded`: a failure, never a stuck trial
+            self.breaker.failure(f"read: {type(e).__name__}: {e}")
+            raise BlockLostError(f"tier {self.name!r}: {type(e).__name__}: {e}") from None
         self.breaker.success()
         return out
 

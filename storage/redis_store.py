@@ -81,7 +81,10 @@ class RedisBlockStore(BlockStore):
       slow or vanished server costs at most that long per call; redis-py does not retry (the
       caller decides: the remote tier's circuit breaker backs off).
     The server is pinged on open: a bad URL, a refused connection or a wrong password is a
-    `ValueError` naming the (redacted) URL.
+    `ValueError` naming the (redacted) URL. With `wait_for_server`, a server that does not
+    answer yet (refused, timed out) is no error: the store opens, `unreachable_at_open` says
+    why, and every call tries the server again (the remote tier's breaker spaces the tries);
+    a bad URL or a refused password still is.
     """
 
     name = "redis"
@@ -95,8 +98,10 @@ class RedisBlockStore(BlockStore):
         connect_timeout_s: float = 1.0,
         timeout_s: float = 2.0,
         max_connections: int = 32,
+        wait_for_server: bool = False,
     ) -> None:
         self.url = redact(url)
+        self.unreachable_at_open: str | None = None
         self.namespace = check_namespace(namespace)
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 seconds or None, got {ttl_s!r}")
@@ -140,8 +145,14 @@ class RedisBlockStore(BlockStore):
                 ) from None
             raise ValueError(f"block store {self.url}: {e}") from None
         except (redis.RedisError, OSError) as e:
-            self._client.close()
-            raise ValueError(f"cannot reach block store {self.url}: {_why(e)}") from None
+            if not wait_for_server:
+                self._client.close()
+                raise ValueError(f"cannot reach block store {self.url}: {_why(e)}") from None
+            self.unreachable_at_open = _why(e)
+            logger.warning(
+                "block store %s not reachable yet (%s): starting without it; it is tried "
+                "again as the service runs", self.url, self.unreachable_at_open,
+            )  # fmt: skip
         self._closed = False
 
     def _connect(self, url: str, options: dict[str, Any], max_connections: int):

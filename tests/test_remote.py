@@ -121,11 +121,44 @@ def test_a_url_picks_the_store_and_a_bad_one_is_one_line(tmp_path):
     assert "hunter2" not in msg and "\n" not in msg
 
 
-def test_a_config_with_an_unreachable_server_names_file_key_and_url(tmp_path):
-    url = f"redis://:hunter2@127.0.0.1:{free_port()}"
+def test_a_refused_password_names_file_key_and_url(server, tmp_path):
+    """A server that answers but refuses the password is a start-up error (unlike one that
+    does not answer yet: the next test)."""
+    url = f"redis://:hunter2@127.0.0.1:{server.port}/0"
     with pytest.raises(ValueError, match=r"\[tiers.remote\] url = 'redis://:\*\*\*@") as info:
         tiny(tmp_path / "ssd", url)
-    assert "hunter2" not in str(info.value)
+    assert "hunter2" not in str(info.value) and "authentication failed" in str(info.value)
+
+
+def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
+    """Issue 31: with the Redis server down when unikv started, `run` and `serve` exited 2.
+    Now the tier starts with its breaker open (lookups miss, writes are skipped, the health
+    view says why) and, once the server answers, a trial picks it up."""
+    from ._redis import RedisServer, need_redis
+
+    need_redis()
+    port = free_port()
+    srv = RedisServer(tmp_path / "redis", port)
+    s = tiny(tmp_path / "ssd", srv.url)  # nothing listens yet: no error
+    try:
+        remote = s.remote
+        assert "not reachable at start" in remote.problem()
+        prefill(s, 0, TOKENS)
+        s.remote_writer.wait_writes()
+        assert remote.breaker.state == "open"  # the writes were skipped, nothing failed
+        srv.start()
+        try:
+            remote.breaker.retry_at = 0.0  # the backoff is over (no waiting in a test)
+            key = next(iter(s.pool.content_hashes(0)))
+            remote.has_content(key)  # the trial reaches the server: closed again
+            assert remote.breaker.state == "closed" and remote.problem() is None
+            prefill(s, 1, TOKENS, seed=1)
+            s.remote_writer.wait_writes()
+            assert int(srv.cli("DBSIZE").strip()) > 0  # writes land now
+        finally:
+            srv.stop()
+    finally:
+        s.close()
 
 
 def test_a_wrong_or_missing_password_is_one_line_never_shown(server, monkeypatch, caplog):

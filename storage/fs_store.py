@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +36,7 @@ import aiofiles
 import aiofiles.os
 
 from .base import (
+    HEADER_BYTES,
     BlockStore,
     Buffer,
     ChecksumError,
@@ -55,6 +57,11 @@ logger = logging.getLogger(__name__)
 MAX_KEY_BYTES = 100  # 200 hex characters: a file name stays well under NAME_MAX (255)
 _TMP = ".tmp-"
 _LOW = 0.9  # clean-up stops below this fraction of max_bytes
+# A writer's temporary file older than this is a killed writer's: collected at open.
+STALE_TMP_S = 3600.0
+# Opened without following a symlink (a planted `ln -s /dev/zero` is refused, not read), and
+# without blocking (a planted FIFO would hang the read).
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 @dataclass(slots=True)
@@ -97,6 +104,7 @@ class FileBlockStore(BlockStore):
         self.path = self.root / namespace
         self.max_bytes, self.fsync = max_bytes, fsync
         prepare_dir(self.path)
+        self.stale_removed = self._collect_stale()
         self._lock = threading.Lock()
         self._n = _Counters()
         self._size = self._count_bytes()
@@ -141,13 +149,52 @@ class FileBlockStore(BlockStore):
         return out
 
     def _read(self, file: Path) -> bytes | None:
+        """The file's frame, read only as far as its header declares (None: absent). Anything
+        that is not a regular file of exactly header + declared bytes reads as b"" (corrupt:
+        the caller deletes it): a symlink, a device, a FIFO, a file with trailing bytes."""
         try:
-            with open(file, "rb") as f:
-                frame = f.read()
+            fd = os.open(file, _OPEN_FLAGS)
         except FileNotFoundError:
             return None
+        except OSError:  # ELOOP: a symlink (O_NOFOLLOW); or unreadable
+            return b""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES:
+                return b""
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                head = f.read(HEADER_BYTES)
+                declared = int.from_bytes(head[8:16], "little")  # the header's length field
+                if HEADER_BYTES + declared != st.st_size or declared > self.max_bytes:
+                    return b""
+                frame = head + f.read(declared)
+        finally:
+            os.close(fd)
         _touch(file)
         return frame
+
+    def _collect_stale(self) -> int:
+        """Delete temporary files that killed writers left (older than STALE_TMP_S)."""
+        removed, now = 0, time.time()
+        try:
+            subdirs = [e for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return 0
+        for sub in subdirs:
+            try:
+                entries = list(os.scandir(sub.path))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                try:
+                    if e.name.startswith(_TMP) and now - e.stat().st_mtime > STALE_TMP_S:
+                        os.unlink(e.path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        if removed:
+            logger.info("file store %s: removed %d stale temporary file(s)", self.path, removed)
+        return removed
 
     def _decode(self, key: bytes, frame: bytes) -> bytes | None:
         try:
@@ -217,9 +264,10 @@ class FileBlockStore(BlockStore):
         for e in self._files():
             try:
                 key = bytes.fromhex(e.name)
-                with open(e.path, "rb") as f:
-                    frame = f.read()
-            except (ValueError, FileNotFoundError):
+            except ValueError:
+                continue
+            frame = self._read(Path(e.path))
+            if frame is None:
                 continue
             checked += 1
             nbytes += len(frame)

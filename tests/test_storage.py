@@ -574,3 +574,38 @@ def test_lmdb_survives_sigkill_mid_stream(tmp_path):
         assert len(committed) <= len(s) <= len(committed) + 3
         report = s.verify()
         assert report.ok and report.checked == len(s)
+
+
+def test_the_file_store_refuses_planted_files_and_collects_stale_temporaries(tmp_path):
+    """Issue 31: the shared-directory store followed symlinks and read without a size cap
+    (`ln -s /dev/zero` hung it), and killed writers' temporaries were never collected. Now a
+    symlink, a FIFO or a file longer than its header declares is a corrupt value (a miss,
+    deleted), and temporaries older than an hour go at open."""
+    import os
+    import time
+
+    from storage.fs_store import STALE_TMP_S, FileBlockStore
+
+    st = FileBlockStore(tmp_path, "ns")
+    st.put(b"good", b"x" * 100)
+    planted = {b"link": lambda f: os.symlink("/dev/zero", f),
+               b"fifo": lambda f: os.mkfifo(f),
+               b"long": lambda f: f.write_bytes(st._file(b"good").read_bytes() + b"tail")}  # fmt: skip
+    for key, plant in planted.items():
+        f = st._file(key)
+        f.parent.mkdir(exist_ok=True)
+        plant(f)
+    assert st.get_many(list(planted)) == [None, None, None]  # no hang, no data
+    assert not any(os.path.lexists(st._file(k)) for k in planted)  # deleted as corrupt
+    assert st.stats()["checksum_failures"] == 3 and st.get(b"good") == b"x" * 100
+    st.close()
+    sub = st._file(b"good").parent
+    old, fresh = sub / ".tmp-deadbeef-1-1", sub / ".tmp-cafe-2-2"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"in flight")
+    past = time.time() - STALE_TMP_S - 60
+    os.utime(old, (past, past))
+    again = FileBlockStore(tmp_path, "ns")
+    assert again.stale_removed == 1 and not old.exists() and fresh.exists()
+    assert again.get(b"good") == b"x" * 100
+    again.close()

@@ -588,9 +588,10 @@ def test_the_file_store_refuses_planted_files_and_collects_stale_temporaries(tmp
 
     st = FileBlockStore(tmp_path, "ns")
     st.put(b"good", b"x" * 100)
+    good = st._file(b"good").read_bytes()
     planted = {b"link": lambda f: os.symlink("/dev/zero", f),
                b"fifo": lambda f: os.mkfifo(f),
-               b"long": lambda f: f.write_bytes(st._file(b"good").read_bytes() + b"tail")}  # fmt: skip
+               b"long": lambda f: f.write_bytes(good + b"tail")}  # fmt: skip
     for key, plant in planted.items():
         f = st._file(key)
         f.parent.mkdir(exist_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from storage.registry import redact
 from .loading import load_model
 from .model import LlamaModel
 from .recording import prepare_options
+
+# The remote and shared-directory tiers' deployment secret (docs/serving.md, limits and trust).
+SECRET_ENV = "UNIKV_STORE_SECRET"
 
 
 def open_store(config: PoolConfig, tier: TierConfig) -> BlockStore:
@@ -58,8 +62,11 @@ def open_remote_store(config: PoolConfig, tier: TierConfig, namespace: str) -> B
     yet is not an error: the tier starts with its breaker open (health yellow, lookups miss)
     and picks the server up once it answers."""
     # Short timeouts: a lookup waits at most about connect + read before it counts as a miss.
-    args = {"namespace": namespace}
+    args: dict = {"namespace": namespace}
     name, _ = _store_of(tier.path)
+    if name in ("redis", "redis_cluster", "fs"):
+        # The deployment's secret (an environment variable: a config file is often committed)
+        args["secret"] = os.environ.get(SECRET_ENV) or None
     if name in ("redis", "redis_cluster"):
         args |= {"connect_timeout_s": 0.5, "timeout_s": 1.0}
     if name == "redis":  # a cache tier that is not up yet is no reason not to start

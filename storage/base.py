@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
+import hmac
 import os
 import struct
 import zlib
@@ -89,20 +91,58 @@ class VerifyReport:
         return not self.corrupted
 
 
-def encode_frame(key: bytes, payload: Buffer) -> bytes:
-    """The stored form of `payload` under `key`: header (with the CRC) + payload."""
+# Authorship, for tiers other processes can write (a shared Redis, a shared directory): with a
+# deployment secret, a frame's header carries the SIGNED flag and an HMAC-SHA256 tag (its first
+# TAG_BYTES) over the key, the header and the payload follows the payload. The CRC catches
+# damage; only the tag stops an author without the secret from planting KV under a known
+# prompt's hash. A store given a secret refuses unsigned frames and wrong tags (a miss).
+SIGNED = 1
+TAG_BYTES = 16
+
+
+def _tag(secret: bytes, key: bytes, header: Buffer, payload: Buffer) -> bytes:
+    h = hmac.new(secret, len(key).to_bytes(2, "little") + key, hashlib.sha256)
+    h.update(header)
+    h.update(payload)
+    return h.digest()[:TAG_BYTES]
+
+
+def frame_bytes(header: Buffer) -> int:
+    """The whole frame's length its header declares (header, payload, tag if signed)."""
+    _magic, _version, flags, _crc, length = _HEADER.unpack_from(header)
+    return HEADER_BYTES + length + (TAG_BYTES if flags & SIGNED else 0)
+
+
+def encode_frame(key: bytes, payload: Buffer, secret: bytes | None = None) -> bytes:
+    """The stored form of `payload` under `key`: header (with the CRC) + payload (+ the HMAC
+    tag with a `secret`)."""
     crc = crc32c.crc32c(payload, _seed(key, len(payload), FRAME_VERSION))
-    return _HEADER.pack(_MAGIC, FRAME_VERSION, 0, crc, len(payload)) + payload
+    header = _HEADER.pack(_MAGIC, FRAME_VERSION, SIGNED if secret else 0, crc, len(payload))
+    if not secret:
+        return header + payload
+    return header + bytes(payload) + _tag(secret, key, header, payload)
 
 
-def check_frame(key: bytes, frame: Buffer) -> int:
-    """The payload length of a stored frame; a ChecksumError if the frame is damaged."""
+def check_frame(key: bytes, frame: Buffer, secret: bytes | None = None) -> int:
+    """The payload length of a stored frame; a ChecksumError if the frame is damaged (or,
+    with a `secret`, not signed with it)."""
     if len(frame) < HEADER_BYTES:
         raise ChecksumError(key, f"{len(frame)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    view = memoryview(frame)
+    signed = bool(view[3] & SIGNED)
+    end = len(frame) - (TAG_BYTES if signed else 0)
+    if end < HEADER_BYTES:
+        raise ChecksumError(key, "shorter than its header and tag")
     # The CRC runs on the buffer in place (zlib releases the GIL on large buffers), so reading
     # straight out of a memory map faults the pages in without holding other threads up.
-    check_parts(key, frame, [memoryview(frame)[HEADER_BYTES:]])
-    return len(frame) - HEADER_BYTES
+    check_parts(key, frame, [view[HEADER_BYTES:end]])
+    if secret:
+        if not signed:
+            raise ChecksumError(key, "not signed (this deployment requires its secret's HMAC)")
+        want = _tag(secret, key, view[:HEADER_BYTES], view[HEADER_BYTES:end])
+        if not hmac.compare_digest(want, bytes(view[end:])):
+            raise ChecksumError(key, "HMAC mismatch: not written with this deployment's secret")
+    return end - HEADER_BYTES
 
 
 def check_parts(key: bytes, header: Buffer, parts: Sequence[Buffer]) -> None:
@@ -130,10 +170,21 @@ def scatter(payload: memoryview, buffers: Sequence[memoryview]) -> None:
         offset += len(b)
 
 
-def decode_frame(key: bytes, frame: Buffer) -> bytes:
-    """The payload of a stored frame (a copy); a ChecksumError if the frame is damaged."""
-    check_frame(key, frame)
-    return bytes(memoryview(frame)[HEADER_BYTES:])
+def decode_frame(key: bytes, frame: Buffer, secret: bytes | None = None) -> bytes:
+    """The payload of a stored frame (a copy); a ChecksumError if the frame is damaged (or not
+    signed with `secret`, given one)."""
+    n = check_frame(key, frame, secret)
+    return bytes(memoryview(frame)[HEADER_BYTES : HEADER_BYTES + n])
+
+
+def secret_bytes(secret: str | bytes | None) -> bytes | None:
+    """A deployment secret as bytes (None or empty: no secret); at least 16 bytes."""
+    if not secret:
+        return None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < 16:
+        raise ValueError(f"a store secret needs at least 16 bytes, got {len(raw)}")
+    return raw
 
 
 _CRC = {1: zlib.crc32, 2: crc32c.crc32c}  # frame version -> CRC function (data, running crc)

@@ -48,7 +48,9 @@ from .base import (
     check_value,
     decode_frame,
     encode_frame,
+    frame_bytes,
     prepare_dir,
+    secret_bytes,
 )
 from .registry import register
 
@@ -84,6 +86,7 @@ class FileBlockStore(BlockStore):
     - `max_bytes`: the size bound (files' bytes); past it the least recently read are deleted.
     - `fsync`: flush each file before its rename (a crash of the *machine* then keeps it; a
       killed process never leaves a partial file either way).
+    - `secret`: sign every value and refuse unsigned or foreign ones (as the Redis store).
     """
 
     name = "fs"
@@ -94,7 +97,9 @@ class FileBlockStore(BlockStore):
         namespace: str = "default",
         max_bytes: int = 64 << 30,
         fsync: bool = False,
+        secret: str | bytes | None = None,
     ) -> None:
+        self._secret = secret_bytes(secret)
         self.namespace = check_namespace(namespace)
         if "/" in namespace or namespace in (".", ".."):
             raise ValueError(f"a store namespace must not name a path, got {namespace!r}")
@@ -164,10 +169,10 @@ class FileBlockStore(BlockStore):
                 return b""
             with os.fdopen(fd, "rb", closefd=False) as f:
                 head = f.read(HEADER_BYTES)
-                declared = int.from_bytes(head[8:16], "little")  # the header's length field
-                if HEADER_BYTES + declared != st.st_size or declared > self.max_bytes:
+                declared = frame_bytes(head)  # header, payload and tag, as the header says
+                if declared != st.st_size or declared > self.max_bytes + HEADER_BYTES + 64:
                     return b""
-                frame = head + f.read(declared)
+                frame = head + f.read(declared - HEADER_BYTES)
         finally:
             os.close(fd)
         _touch(file)
@@ -198,7 +203,7 @@ class FileBlockStore(BlockStore):
 
     def _decode(self, key: bytes, frame: bytes) -> bytes | None:
         try:
-            return decode_frame(key, frame)
+            return decode_frame(key, frame, self._secret)
         except ChecksumError as e:
             self._report_corrupt(e)
             self._unlink(self._file(key), len(frame))
@@ -272,7 +277,7 @@ class FileBlockStore(BlockStore):
             checked += 1
             nbytes += len(frame)
             try:
-                check_frame(key, frame)
+                check_frame(key, frame, self._secret)
             except ChecksumError as err:
                 corrupted.append(key)
                 self._report_corrupt(err)
@@ -308,7 +313,9 @@ class FileBlockStore(BlockStore):
             except (TypeError, ValueError):
                 raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
             key = self._check(key)
-            frames[key] = encode_frame(key, check_value(key, value))  # a repeated key: last wins
+            frames[key] = encode_frame(
+                key, check_value(key, value), self._secret
+            )  # a repeated key: last wins
         return frames
 
     def _write(self, file: Path, frame: bytes) -> None:

@@ -46,6 +46,7 @@ from .base import (
     check_value,
     decode_frame,
     encode_frame,
+    secret_bytes,
 )
 from .registry import redact, register
 
@@ -84,7 +85,9 @@ class RedisBlockStore(BlockStore):
     `ValueError` naming the (redacted) URL. With `wait_for_server`, a server that does not
     answer yet (refused, timed out) is no error: the store opens, `unreachable_at_open` says
     why, and every call tries the server again (the remote tier's breaker spaces the tries);
-    a bad URL or a refused password still is.
+    a bad URL or a refused password still is. `secret`: sign every value written and refuse
+    every value read that is not signed with it (`storage.base`: HMAC-SHA256 over key, header
+    and payload), so that who can write to the server cannot plant KV without the secret.
     """
 
     name = "redis"
@@ -99,8 +102,10 @@ class RedisBlockStore(BlockStore):
         timeout_s: float = 2.0,
         max_connections: int = 32,
         wait_for_server: bool = False,
+        secret: str | bytes | None = None,
     ) -> None:
         self.url = redact(url)
+        self._secret = secret_bytes(secret)
         self.unreachable_at_open: str | None = None
         self.namespace = check_namespace(namespace)
         if ttl_s is not None and not ttl_s > 0:
@@ -185,7 +190,7 @@ class RedisBlockStore(BlockStore):
                 out.append(None)
                 continue
             try:
-                out.append(decode_frame(key, frame))
+                out.append(decode_frame(key, frame, self._secret))
                 nbytes += len(frame)
             except ChecksumError as e:
                 self._report_corrupt(e)
@@ -284,7 +289,7 @@ class RedisBlockStore(BlockStore):
                 checked += 1
                 nbytes += len(frame)
                 try:
-                    check_frame(key, frame)
+                    check_frame(key, frame, self._secret)
                 except ChecksumError as e:
                     corrupted.append(key)
                     self._report_corrupt(e)
@@ -314,7 +319,9 @@ class RedisBlockStore(BlockStore):
             except (TypeError, ValueError):
                 raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
             key = self._check(key)
-            frames[key] = encode_frame(key, check_value(key, value))  # a repeated key: last wins
+            frames[key] = encode_frame(
+                key, check_value(key, value), self._secret
+            )  # a repeated key: last wins
         return frames
 
     def _write(self, frames: dict[bytes, bytes]) -> None:

@@ -395,3 +395,28 @@ async def test_requests_complete_while_the_server_is_killed_and_restarted(
         await e.generate(other[20:], GREEDY)
         assert not kv.remote.breaker.is_open
     kv.close()
+
+
+def test_the_deployment_secret_reaches_the_remote_tier(server, tmp_path, monkeypatch):
+    """`UNIKV_STORE_SECRET` signs what the tier writes: a pool of the same deployment reads it,
+    and a value written without the secret under the same hash is not served."""
+    monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
+    a = tiny(tmp_path / "ssd-a", server.url)
+    assert a.remote._store._secret == b"deployment-secret-0123456789"
+    prefill(a, 0, TOKENS)
+    a.remote_writer.wait_writes()
+    a.close()
+    b = tiny(tmp_path / "ssd-b", server.url)
+    assert b.match_prefix(1, TOKENS) == 5 * 16  # signed, found
+    b.close()
+    monkeypatch.delenv("UNIKV_STORE_SECRET")
+    # another model's namespace, written first without the secret (stored content is never
+    # overwritten, so the planted values stay)
+    c = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
+    prefill(c, 0, TOKENS, seed=3)
+    c.remote_writer.wait_writes()
+    c.close()
+    monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
+    d = tiny(tmp_path / "ssd-d", server.url, identity="model-b")
+    assert d.match_prefix(1, TOKENS) == 0  # c's unsigned values are refused
+    d.close()

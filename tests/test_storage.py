@@ -610,3 +610,40 @@ def test_the_file_store_refuses_planted_files_and_collects_stale_temporaries(tmp
     assert again.stale_removed == 1 and not old.exists() and fresh.exists()
     assert again.get(b"good") == b"x" * 100
     again.close()
+
+
+@pytest.mark.parametrize("make", ["fs", "redis"])
+def test_with_a_secret_a_planted_value_is_a_miss_and_deleted(make, tmp_path):
+    """Issue 31: anyone who can write to the shared tier could plant KV under a known
+    prompt's hash (a CRC is no defence against an author). With the deployment's secret every
+    value is signed (HMAC-SHA256 over key, header, payload): a value written without it, or
+    with another, is a miss, counted and deleted; the signed value reads back."""
+    from storage.fs_store import FileBlockStore
+    from storage.redis_store import RedisBlockStore
+
+    from ._redis import redis_server
+
+    secret, other = "s" * 32, "t" * 32
+    with contextlib.ExitStack() as stack:
+        if make == "fs":
+
+            def opened(key):
+                return FileBlockStore(tmp_path, "ns", secret=key)
+        else:
+            srv = stack.enter_context(redis_server(tmp_path / "redis"))
+
+            def opened(key):
+                return RedisBlockStore(srv.url, "ns", secret=key)
+
+        signed, plain, foreign = opened(secret), opened(None), opened(other)
+        signed.put(b"mine", b"kv" * 50)
+        plain.put(b"planted", b"evil" * 25)  # an author without the secret
+        foreign.put(b"forged", b"evil" * 25)  # or with another one
+        assert signed.get_many([b"mine", b"planted", b"forged"]) == [b"kv" * 50, None, None]
+        assert signed.stats()["checksum_failures"] == 2
+        assert not plain.contains(b"planted") and not plain.contains(b"forged")  # deleted
+        assert plain.get(b"mine") == b"kv" * 50  # signed frames still pass the CRC alone
+        with pytest.raises(ValueError, match="at least 16 bytes"):
+            opened("short")
+        for s in (signed, plain, foreign):
+            s.close()

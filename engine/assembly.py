@@ -100,7 +100,7 @@ def store_tiers(name: str, spec: KVSpec, config: PoolConfig, options: dict) -> d
     if tc is not None:
         store = open_store(config, tc)
         tiers["ssd"] = StoreTier("ssd", layout, tc.capacity_bytes // layout.page_bytes, store,
-                                 slices=slices)  # fmt: skip
+                                 slices=slices, bounded=True)  # fmt: skip
     rc = config.tier("remote")
     if rc is not None:
         # The namespace is the content identity (model and weights, dtype, strategy, layout)

@@ -21,8 +21,12 @@ A `StoreTier` with `slices` > 1 stores each (block, slice) as its own value.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
@@ -30,6 +34,9 @@ import numpy as np
 import torch
 
 from memory.layout import BLOCKS, BlockLayout
+from storage import StoreFullError
+
+log = logging.getLogger(__name__)
 
 
 class TierKind(StrEnum):
@@ -167,9 +174,24 @@ class StoreTier(Tier):
     that holds it, survives the process, and is found again by `has_content` (the persistent
     prefix cache). The store checksums every value; a missing or corrupt block raises
     `BlockLostError` naming it, and a corrupt content entry is deleted so it is not hit again.
+
+    `bounded` (the SSD tier): the tier stays usable forever. Stored content is indexed at open
+    and kept within `num_blocks` (less the blocks held under transient keys) by last use: a
+    new content block evicts the least recently used one that no block of this tier holds
+    now, and a full disk evicts an eighth of it and retries once. Transient values of sessions
+    whose process is gone (a SIGKILL skips `release`) are collected at open; each session
+    records its process id under `b"s" + session` for that.
     """
 
-    def __init__(self, name: str, layout: BlockLayout, num_blocks: int, store, slices: int = 1):
+    def __init__(
+        self,
+        name: str,
+        layout: BlockLayout,
+        num_blocks: int,
+        store,
+        slices: int = 1,
+        bounded: bool = False,
+    ):
         if slices < 1:
             raise ValueError(f"slices must be >= 1, got {slices}")
         for a in layout.arenas:
@@ -191,6 +213,90 @@ class StoreTier(Tier):
         self.slice_bytes = layout.page_bytes // slices
         # Called with the number of corrupt values found (the pool counts checksum failures).
         self.on_corrupt: Callable[[int], None] | None = None
+        self.bounded = bounded
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # stored content, oldest first
+        self._transient: set[int] = set()  # blocks written under this session's keys
+        self._lru_lock = threading.Lock()  # write-through threads and the compute thread
+        self.evicted = self.orphans_collected = 0
+        if bounded:
+            self._open_bounded()
+
+    # -- a bounded tier ----------------------------------------------------------------------
+
+    def _open_bounded(self) -> None:
+        """Index the stored content (its order unknown: key order) and collect the transient
+        values of sessions whose process is gone; record this session."""
+        orphans, dead = [], {}
+        for key in list(self._store.keys()):
+            if len(key) == _CONTENT_KEY + 2 and key[-2:] == _slice_suffix(0):
+                self._lru[key[:-2]] = None
+            elif len(key) == _TRANSIENT_KEY:
+                session = key[1:9]
+                if session not in dead:
+                    dead[session] = not _alive(self._store.get(_SESSION + session))
+                if dead[session]:
+                    orphans.append(key)
+        gone = [_SESSION + s for s, d in dead.items() if d]
+        if orphans or gone:
+            self._store.delete_many(orphans + gone)
+            self.orphans_collected = len(orphans)
+            log.info("tier %r: collected %d value(s) of %d ended session(s)", self.name,
+                     len(orphans), len(gone))  # fmt: skip
+        self._store.put(_SESSION + self._session, os.getpid().to_bytes(8, "little"))
+
+    def _room(self, new: Sequence[bytes]) -> None:
+        """Evict least recently used content (none held here) so `new` fits in the bound."""
+        with self._lru_lock:
+            fresh = [k for k in dict.fromkeys(new) if k not in self._lru]
+            over = len(self._lru) + len(fresh) - max(0, self.num_blocks - len(self._transient))
+            if over <= 0:
+                return
+            held = set(self._content.values())
+            victims = []
+            for key in self._lru:
+                if len(victims) >= over:
+                    break
+                if key not in held:
+                    victims.append(key)
+            for key in victims:
+                del self._lru[key]
+        self._evict(victims)
+
+    def _evict(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._store.delete_many(
+                [k + _slice_suffix(s) for k in keys for s in range(self.slices)]
+                + [_side_key(k) for k in keys]
+            )
+            self.evicted += len(keys)
+
+    def _used(self, keys: Sequence[bytes]) -> None:
+        """Content just written, found or read: the most recently used now."""
+        if not self.bounded:
+            return
+        with self._lru_lock:
+            for k in keys:
+                self._lru[k] = None
+                self._lru.move_to_end(k)
+
+    def _put(self, items: list, content: Sequence[bytes]) -> None:
+        """Write `items` (one transaction), first making room for the `content` keys; a full
+        store evicts an eighth of the stored content and is tried once more."""
+        if self.bounded:
+            self._room(content)
+        try:
+            self._store.put_many(items)
+        except StoreFullError:  # the disk or the map cannot take it
+            if not self.bounded:
+                raise
+            with self._lru_lock:
+                held = set(self._content.values())
+                victims = [k for k in self._lru if k not in held][: max(1, len(self._lru) // 8)]
+                for k in victims:
+                    del self._lru[k]
+            self._evict(victims)
+            self._store.put_many(items)
+        self._used(content)
 
     @property
     def block_dims(self) -> dict[str, int]:
@@ -206,13 +312,17 @@ class StoreTier(Tier):
     def release(self, block_ids: Sequence[int]) -> None:
         """The blocks were freed: delete their transient values; content stays stored."""
         transient = [b for b in block_ids if self._content.pop(b, None) is None]
+        self._transient.difference_update(transient)
         keys = [self._key(b, s) for b in transient for s in range(self.slices)]
         if keys:
             self._store.delete_many(keys)
 
     def has_content(self, content_key: bytes) -> bool:
         """Whether the store holds a block under `content_key` (written whole, all slices)."""
-        return self._store.contains(content_key + _slice_suffix(0))
+        found = self._store.contains(content_key + _slice_suffix(0))
+        if found:
+            self._used([content_key])
+        return found
 
     def _key(self, block_id: int, index: int) -> bytes:
         content = self._content.get(block_id)
@@ -299,11 +409,15 @@ class StoreTier(Tier):
         return corrupt
 
     def write(self, block_ids: Sequence[int], data: Mapping[str, torch.Tensor]) -> None:
-        items = []
+        items, content_keys = [], []
         for i, b in enumerate(block_ids):
             content = self._content.get(b)
             if content is not None and self.has_content(content):
                 continue  # the same content is stored already (written through, or shared)
+            if content is None:
+                self._transient.add(b)
+            else:
+                content_keys.append(content)
             for s in range(self.slices):
                 pieces = []
                 for a in self.layout.arenas:
@@ -313,7 +427,7 @@ class StoreTier(Tier):
                     pieces.append(x.contiguous().cpu().view(torch.uint8).numpy().tobytes())
                 items.append((self._key(b, s), b"".join(pieces)))
         if items:
-            self._store.put_many(items)  # one transaction: all blocks land, or none
+            self._put(items, content_keys)  # one transaction: all blocks land, or none
 
     def write_content(
         self,
@@ -339,7 +453,7 @@ class StoreTier(Tier):
                     (key + _slice_suffix(s), views[0] if len(views) == 1 else b"".join(views))
                 )
         if items:
-            self._store.put_many(items)  # one transaction: all blocks land, or none
+            self._put(items, list(content_keys))  # one transaction: all blocks land, or none
 
     # -- side values -----------------------------------------------------------------------
 
@@ -357,7 +471,12 @@ class StoreTier(Tier):
         return self._store
 
     def close(self) -> None:
-        """Close the block store."""
+        """Close the block store (a bounded tier's session record is deleted first: its
+        transient values went with `release`)."""
+        if self.bounded:
+            # a read-only or failing store: the next open collects the record
+            with contextlib.suppress(OSError, ValueError):
+                self._store.delete_many([_SESSION + self._session])
         self._store.close()
 
 
@@ -366,6 +485,27 @@ def _byte_runs(a: np.ndarray) -> list[memoryview]:
     if a.flags.c_contiguous:
         return [memoryview(a).cast("B")]
     return [c for sub in a for c in _byte_runs(sub)]
+
+
+_CONTENT_KEY = 32  # a block's content hash (memory.prefix: blake2b-256)
+_TRANSIENT_KEY = 1 + 8 + 8 + 2  # b"t", session, block id, slice
+_SESSION = b"s"  # + session: the process id that owns the session's transient values
+
+
+def _alive(record: bytes | None) -> bool:
+    """Whether the process a session record names still runs (no record: an ended one)."""
+    if not record or len(record) != 8:
+        return False
+    pid = int.from_bytes(record, "little")
+    if not 0 < pid < 1 << 22:  # stored bytes: no Linux pid (pid_max <= 2**22) is out there
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _side_key(content_key: bytes) -> bytes:

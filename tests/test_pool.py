@@ -313,3 +313,48 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
     c = [r.block_id for r in pool.table("c")]
     assert all(torch.equal(ssd.read_slice(c, s)["kv"], torch.ones(1, BS, 3)) for s in (0, 1))
     store.close()
+
+
+def test_the_ssd_tier_stays_usable_after_ten_times_its_capacity(tmp_path):
+    """Issue 31: content-keyed values were never evicted and a killed process's transient
+    values never collected, so the SSD tier filled for good and every write was skipped. A
+    bounded tier keeps its content within capacity by last use (held and recently used
+    content stays), and collects ended sessions' values at open."""
+    import numpy as np
+
+    from memory.tiers import StoreTier
+    from storage import create_store
+
+    path = tmp_path / "ssd"
+    cap = 8
+    tier = StoreTier("ssd", LAYOUT, cap, create_store("lmdb", path=path, map_size=1 << 20),
+                     bounded=True)  # fmt: skip
+    snap = {"kv": np.zeros((1, 2, BS, 3), np.float32)}
+
+    def key(i: int) -> bytes:
+        return i.to_bytes(32, "little")
+
+    tier.assign(0, key(0))  # held by a block of this tier: never evicted
+    for i in range(10 * cap):
+        tier.write_content([key(i)], snap)
+        if i % 5 == 0:
+            assert tier.has_content(key(1)) or i < 1  # used again and again: stays
+    assert tier.has_content(key(10 * cap - 1))  # the newest write landed
+    assert tier.has_content(key(0)) and tier.has_content(key(1))
+    assert len(tier._lru) <= cap and tier.evicted >= 10 * cap - cap
+    assert len(tier.store) <= cap + 1  # its content and this session's record
+    # A process killed with transient values (`release` never ran): collected at next open.
+    tier.write([5], {"kv": torch.zeros(2, 1, BS, 3)})
+    stored = len(tier.store)
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process that has ended: its pid names no one now
+    tier.store.put(b"s" + tier._session, gone.pid.to_bytes(8, "little"))
+    tier.store.close()  # as a SIGKILL would leave it: no release, no session clean-up
+    again = StoreTier("ssd", LAYOUT, cap, create_store("lmdb", path=path, map_size=1 << 20),
+                      bounded=True)  # fmt: skip
+    # the orphan and the ended session's record gone, this session's record added
+    assert again.orphans_collected == 1 and len(again.store) == stored - 1
+    assert again.has_content(key(10 * cap - 1))  # content survives the restart
+    again.close()

@@ -251,16 +251,22 @@ class StoreTier(Tier):
             over = len(self._lru) + len(fresh) - max(0, self.num_blocks - len(self._transient))
             if over <= 0:
                 return
-            held = set(self._content.values())
-            victims = []
-            for key in self._lru:
-                if len(victims) >= over:
-                    break
-                if key not in held:
-                    victims.append(key)
-            for key in victims:
-                del self._lru[key]
+            victims = self._victims(over)
         self._evict(victims)
+
+    def _victims(self, n: int) -> list[bytes]:
+        """Take the `n` least recently used content keys that no block here holds out of the
+        index (under `_lru_lock`)."""
+        held = set(self._content.values())
+        victims = []
+        for key in self._lru:
+            if len(victims) >= n:
+                break
+            if key not in held:
+                victims.append(key)
+        for key in victims:
+            del self._lru[key]
+        return victims
 
     def _evict(self, keys: Sequence[bytes]) -> None:
         if keys:
@@ -290,10 +296,7 @@ class StoreTier(Tier):
             if not self.bounded:
                 raise
             with self._lru_lock:
-                held = set(self._content.values())
-                victims = [k for k in self._lru if k not in held][: max(1, len(self._lru) // 8)]
-                for k in victims:
-                    del self._lru[k]
+                victims = self._victims(max(1, len(self._lru) // 8))
             self._evict(victims)
             self._store.put_many(items)
         self._used(content)

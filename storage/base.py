@@ -183,7 +183,9 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
         return None
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if len(raw) < 16:
-        raise ValueError(f"a store secret needs at least 16 bytes, got {len(raw)}")
+        raise ValueError(
+            f"a store secret (UNIKV_STORE_SECRET) needs at least 16 bytes, got {len(raw)}"
+        )
     return raw
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
+import ctypes.util
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -50,3 +52,28 @@ async def run(fn: Callable[..., T], *args) -> T:
 def run_sync(fn: Callable[..., T], *args) -> T:
     """Run `fn(*args)` on the compute thread and wait for it (for synchronous callers)."""
     return executor().submit(fn, *args).result()
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+_malloc_trim = _libc_trim()
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`); False where the C
+    library has none.
+
+    NOTE: glibc keeps what PyTorch frees inside its heap: steps of ever-changing shapes (batch
+    sizes, prompt chunks) left a server's RSS growing by about 1 GiB an hour although its live
+    memory was flat (issue 31's soak: one `malloc_trim(0)` gave back 95 MiB of 100 MiB grown in
+    four minutes). The engine calls this when it goes idle and every `TRIM_S` under load."""
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 
 class Implementation(ABC):
@@ -169,6 +169,18 @@ def shape_key(args: tuple) -> tuple:
         else:
             key.append(id(a))
     return tuple(key)
+
+
+# Shape keys a breaker remembers per implementation (budgets, and calibration samples). Attention
+# calls key on the sequence's length, so a server meets new keys for as long as it runs: the
+# oldest are forgotten (issue 31's soak: unbounded, these maps grew the process ~1 GiB an hour).
+MAX_KEYS = 256
+
+
+def _bound(d: dict) -> None:
+    """Forget `d`'s oldest entries beyond MAX_KEYS (dicts keep insertion order)."""
+    while len(d) > MAX_KEYS:
+        del d[next(iter(d))]
 
 
 @dataclass(slots=True)
@@ -294,11 +306,15 @@ class Breaker:
             return
         budget = s.budgets.get(key)
         if budget is None:
-            got = s.samples.setdefault(key, [])
+            got = s.samples.get(key)
+            if got is None:
+                got = s.samples[key] = []
+                _bound(s.samples)
             got.append(dt)
             if len(got) > cfg.calibration:  # the first is a warm-up (lazy packing, caches)
                 s.budgets[key] = statistics.median(got[1:])
                 del s.samples[key]
+                _bound(s.budgets)
             return
         s.window.append(dt / budget if budget > 0 else 1.0)
         if len(s.window) < cfg.window:

@@ -68,12 +68,32 @@ def test_by_default_only_a_failure_switches_so_the_choice_is_deterministic():
     assert b.active.name == "fast" and b.report()["restores"] == 1
 
 
+def test_a_breaker_remembers_a_bounded_number_of_shapes():
+    """Issue 31's soak: attention calls key on the sequence's length (and on per-call
+    objects), so a server meets new shape keys for as long as it runs; the breaker's samples
+    and budgets grew without end (about 1 GiB an hour). It keeps the newest MAX_KEYS."""
+    clock, cost = Clock(), {"fast": 1.0, "ref": 3.0}
+    settings = BreakerSettings(every=1, window=4, calibration=2, cooldown_s=100)
+    b = Breaker("test.op", _impls(clock, cost, set()), settings, clock)
+    n = 3 * operators.MAX_KEYS
+    for length in range(1, n + 1):  # a new length every call: a sample, never a budget
+        assert b(torch.ones(1, length)).sum() == 2 * length
+    state = b._states[0]
+    assert len(state.samples) == operators.MAX_KEYS
+    assert ((1, n),) in state.samples and ((1, 1),) not in state.samples  # the newest kept
+    for length in range(1, n + 1):  # each length twice more: calibrated, budgets bounded
+        for _ in range(3):
+            b(torch.ones(2, length))
+    assert len(state.budgets) == operators.MAX_KEYS and len(state.samples) <= operators.MAX_KEYS
+    assert b.active.name == "fast"
+
+
 def test_a_raising_implementation_is_rerun_on_the_next_and_restored(caplog):
     clock, cost, fail = Clock(), {"fast": 1.0, "ref": 5.0}, set()
     b = Breaker("test.op", _impls(clock, cost, fail), SETTINGS, clock)
     assert b(torch.tensor(1.0)) == 2
     fail.add("fast")
-    with caplog.at_level(logging.WARNING, logger="kvstrategies.operators"):
+    with caplog.at_level(logging.WARNING, logger="unikv.kvstrategies.operators"):
         for _ in range(5):  # the failing call's answer comes from the next implementation
             assert b(torch.tensor(3.0)) == 6
     assert b.active.name == "ref" and caplog.text.count("switched off") == 1  # logged once
@@ -127,7 +147,7 @@ def test_a_slow_switch_is_undone_when_the_next_is_no_faster(caplog):
     for _ in range(4):
         b(torch.tensor(1.0))
     assert b.active.name == "ref"
-    with caplog.at_level(logging.INFO, logger="kvstrategies.operators"):
+    with caplog.at_level(logging.INFO, logger="unikv.kvstrategies.operators"):
         for _ in range(3 + 4):  # ref calibrates, then a window at 3.0x fast's budget
             assert b(torch.tensor(1.0)) == 2
     assert b.active.name == "fast" and b.report()["rebases"] == 1

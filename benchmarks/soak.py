@@ -1,13 +1,18 @@
 """Soak `unikv serve`: a set time of good, bad, cancelled and disconnected requests beside a
 canary, and a report of what the service did with them (issue 31; not part of `make test`).
 
-    python benchmarks/soak.py [--minutes 30] [--window-s 300] [--workers 4] [--report FILE]
+    python benchmarks/soak.py [--minutes 30] [--window-s 300] [--workers 4]
+                              [--device-capacity 64MiB] [--report FILE]
 
-One `unikv serve` (the auto strategy, native weights, as shipped) on a free port; `--workers`
-clients loop until the time is up, each request drawn at random (seeded):
+One `unikv serve` (the auto strategy, native weights, as shipped) on a free port, its device
+tier `--device-capacity` (default 64 MiB: the tier's arena is mapped lazily and the cache cycles
+through all its blocks, so its pages count in RSS as the cache fills, up to the capacity; a
+small tier is filled in the first window, and what RSS does after that is the process's own;
+`--device-capacity default` keeps the shipped 1 GiB); `--workers` clients loop until the
+time is up, each request drawn at random (seeded):
 - good (50%): a completion or chat request, greedy or sampled, streamed or not, 8-48 tokens;
 - bad (20%): a hostile body from a fixed list (a text/plain POST, JSON nested 100,000 deep, a
-  311-digit priority, a seed of 2**64, a lone surrogate, unknown and mistyped fields, a
+  311-digit priority, a seed of 2**64, a lone surrogate, another model's name, mistyped fields, a
   temperature of 1e-300 — that one is valid and must answer 200);
 - cancelled (10%): a stream the client closes after its first chunk;
 - disconnected (10%): a non-streamed request whose client gives up after 0.3 s;
@@ -54,7 +59,7 @@ BAD = [
     (b'{"prompt": "hi", "priority": 1' + b"0" * 310 + b"}", JSON, 400),
     (b'{"prompt": "hi", "seed": 18446744073709551616}', JSON, 400),
     (b'{"prompt": "a\\ud800b", "max_tokens": 4}', JSON, 400),
-    (b'{"prompt": "hi", "frobnicate": 1}', JSON, 400),
+    (b'{"prompt": "hi", "model": "gpt-4o"}', JSON, 404),
     (b'{"prompt": 12, "max_tokens": "many"}', JSON, 400),
     (b'{"messages": [{"role": "robot", "content": "x"}]}', JSON, 400),
     (b"{not json", JSON, 400),
@@ -249,10 +254,17 @@ def main() -> None:
     p.add_argument("--window-s", type=float, default=300.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device-capacity",
+        default="64MiB",
+        help="the device tier's capacity (\"default\": the shipped config's)",
+    )
     p.add_argument("--report", default=None, help="also write the JSON report here")
     args = p.parse_args()
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    if args.device_capacity != "default":
+        env["UNIKV_TIERS__DEVICE__CAPACITY"] = args.device_capacity
     argv = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port),
             "--max-waiting", "256"]  # fmt: skip
     server = Proc("unikv-soak", argv, port, env)

@@ -184,6 +184,7 @@ class Scheduling:
     admission_window_ms: float
     priority_aging_s: float
     why: str
+    step_target_ms: float = 0.0
 
     @classmethod
     def of(cls, config: PoolConfig, profile: ChipProfile | None) -> Scheduling:
@@ -199,7 +200,7 @@ class Scheduling:
         src_b = "config" if opts.batch_size else chip
         src_w = "config" if opts.batching_window_ms is not None else chip
         why = f"batch {batch} ({src_b}), admission window {window:g} ms ({src_w})"
-        return cls(batch, window, opts.priority_aging_s, why)
+        return cls(batch, window, opts.priority_aging_s, why, opts.step_target_ms)
 
 
 @dataclass(slots=True)

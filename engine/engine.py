@@ -42,12 +42,17 @@ from . import compute
 from .assembly import Assembly, assemble, assemble_for
 from .loading import load_model
 from .model import LlamaModel
-from .sampling import SamplingParams, check_priority, sample
+from .sampling import SamplingParams, TokenLogprob, check_priority, logprobs_of, sample
 from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 PUBLISH_S = 0.05  # the memory report readers on other threads see is at most this old
+# The C heap's free pages go back to the OS (`compute.trim_heap`, 10-40 ms) once the engine has
+# been idle IDLE_TRIM_S after running steps (a request that follows at once never waits for
+# it), and under load every TRIM_S.
+IDLE_TRIM_S = 1.0
+TRIM_S = 30.0
 
 
 @dataclass(slots=True)
@@ -58,6 +63,11 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # With `SamplingParams.logprobs`: one per generated token; with `prompt_logprobs`: one per
+    # prompt token (None for the first, which nothing predicts).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -82,10 +92,17 @@ class _Request:
     finish_reason: str | None = None
     cancelled: bool = False
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether every prompt token's logits are wanted (so none comes from the cache)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def tokens(self) -> list[int]:
@@ -106,11 +123,13 @@ class Engine:
         prefix_sharing: bool = True,
         admission_window_ms: float = 0.0,
         priority_aging_s: float = 1.0,
+        step_target_ms: float = 0.0,
     ) -> None:
         # Checked before any KV memory is built for the engine.
         plan_config = SchedulerConfig(
-            max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0
-        )
+            max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0,
+            step_target_ms / 1000.0,
+        )  # fmt: skip
         order: PriorityOrder[_Request] = PriorityOrder(max_batch, priority_aging_s)
         self.model, self.tokenizer = model, tokenizer
         # A cache the caller gives stays the caller's to close; one built here is the engine's.
@@ -126,10 +145,12 @@ class Engine:
         self._inbox: deque[_Request] = deque()  # submitted, not yet given to the scheduler
         self._cancels: deque[_Request] = deque()  # cancelled, not yet finished
         self._outbox: list[tuple[_Request, tuple]] = []  # what a turn delivers to the queues
+        self._step_lps: dict[int, dict] = {}  # id(work) -> the log-probabilities it computed
         self._closed = self._cancel_all = False
         self._wakeup = asyncio.Event()
         self._published = self._report_now()  # nothing runs yet: read here, once
-        self._published_at = time.monotonic()
+        self._published_at = self._trimmed_at = time.monotonic()
+        self._ran_since_trim = False
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     @classmethod
@@ -180,6 +201,7 @@ class Engine:
                     else admission_window_ms
                 ),
                 priority_aging_s=sched.priority_aging_s,
+                step_target_ms=sched.step_target_ms,
             )  # fmt: skip
         except BaseException:
             parts.close()
@@ -365,7 +387,13 @@ class Engine:
         if reason != "cancelled" and req.emitted < len(req.text):
             self._outbox.append((req, ("text", req.text[req.emitted :])))
             req.emitted = len(req.text)
-        done = Completion(req.text, list(req.output_ids), reason, len(req.prompt_ids))
+        p = req.params
+        done = Completion(
+            req.text, list(req.output_ids), reason, len(req.prompt_ids),
+            min(req.prefix_hit, len(req.prompt_ids)),
+            req.logprobs[: len(req.output_ids)] if p.logprobs is not None else None,
+            [None, *req.prompt_logprobs] if p.prompt_logprobs is not None else None,
+        )  # fmt: skip
         self._outbox.append((req, ("done", done)))
 
     def _flush(self) -> None:
@@ -387,6 +415,13 @@ class Engine:
                     await compute.run(self._release)
                     return
                 self._wakeup.clear()
+                if self._ran_since_trim:
+                    # Steps ran, then nothing for IDLE_TRIM_S: give the heap's free pages back.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_TRIM_S)
+                    if not self._wakeup.is_set():
+                        await compute.run(self._trim)
+                    continue
                 await self._wakeup.wait()
                 continue
             try:
@@ -441,8 +476,15 @@ class Engine:
             # PUBLISH_S (what /health and /metrics read).
             t = time.monotonic()
             ended = any(item[0] != "text" for _, item in self._outbox)
-            if ended or self._idle() or t - self._published_at >= PUBLISH_S:
+            idle = self._idle()
+            if ended or idle or t - self._published_at >= PUBLISH_S:
                 self._published, self._published_at = self._report_now(), t
+            if t - self._trimmed_at >= TRIM_S:
+                self._trim()
+
+    def _trim(self) -> None:
+        compute.trim_heap()
+        self._trimmed_at, self._ran_since_trim = time.monotonic(), False
 
     def _turn_inner(self, now: float) -> bool:
         while self._inbox:
@@ -461,7 +503,10 @@ class Engine:
             self._finish(req, "length")
         if not plan.work:
             return False  # preempted this round, or held by the window; admission brings it
+        t0 = time.perf_counter()
+        self._ran_since_trim = True
         results = self._execute_isolated(plan.work)
+        self.scheduler.timed(sum(len(w.tokens) for w in plan.work), time.perf_counter() - t0)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
         for work, outcome in results:
             req = work.req
@@ -476,9 +521,16 @@ class Engine:
             elif isinstance(outcome, BaseException):
                 self._finish(req, "error", outcome)
             else:
+                lps = self._step_lps.get(id(work), {})
+                req.prompt_logprobs.extend(lps.get("prompt", ()))
+                if "token" in lps:
+                    req.logprobs.append(lps["token"])
                 self.scheduler.computed(work)
                 if outcome is not None:
                     self._emit(req, outcome)
+                elif work.needs_logits and req.params.max_new_tokens == 0:
+                    self._finish(req, "length")  # the prompt alone was asked for
+        self._step_lps.clear()
         return True
 
     def _execute_isolated(self, plan: list[Work[_Request]]) -> list[tuple[Work[_Request], object]]:
@@ -506,12 +558,21 @@ class Engine:
         prompt chunk), or the exception its own sampling raised: after the step's KV is
         committed nothing fails for the batch."""
         tokens, positions, rows = [], [], []
+        spans = []  # per item: its rows in the logits (prompt logprobs: all, else the last)
         for w in plan:
             start = w.req.num_computed
+            first = len(tokens)
             tokens.extend(w.tokens)
             positions.extend(range(start, start + len(w.tokens)))
-            if w.needs_logits:
+            if w.req.wants_prompt_logits and start < len(w.req.prompt_ids):
+                span = range(len(rows), len(rows) + len(w.tokens))
+                rows.extend(range(first, len(tokens)))
+            elif w.needs_logits:
+                span = range(len(rows), len(rows) + 1)
                 rows.append(len(tokens) - 1)
+            else:
+                span = range(0)
+            spans.append(span)
         batch = StepBatch(
             [w.req.rid for w in plan],
             [len(w.tokens) for w in plan],
@@ -526,17 +587,36 @@ class Engine:
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
         out: list[int | BaseException | None] = []
-        r = 0
-        for w in plan:
-            if w.needs_logits:
-                try:
-                    out.append(sample(logits[r], w.req.params, w.req.gen))
-                except Exception as e:  # this request's values: its failure alone
-                    out.append(e)
-                r += 1
-            else:
-                out.append(None)
+        for w, span in zip(plan, spans, strict=True):
+            try:  # this request's values: a failure here is its own
+                out.append(self._book(w, logits[span.start : span.stop]))
+            except Exception as e:
+                out.append(e)
         return out
+
+    def _book(self, w: Work[_Request], logits: torch.Tensor) -> int | None:
+        """The token sampled for `w` from its rows of logits (None: a prompt chunk, or a
+        prompt-only request); the log-probabilities it asked for go to `self._step_lps`."""
+        req, p = w.req, w.req.params
+        lps: dict[str, object] = {}
+        if req.wants_prompt_logits and req.num_computed < len(req.prompt_ids) - 1:
+            # row i (position start + i) predicts the prompt token at start + i + 1
+            start, n = req.num_computed, len(req.prompt_ids)
+            nxt = req.prompt_ids[start + 1 : min(start + len(w.tokens), n - 1) + 1]
+            lps["prompt"] = logprobs_of(logits[: len(nxt)], nxt, p.prompt_logprobs)
+        token = None
+        if w.needs_logits and p.max_new_tokens > 0:
+            row = logits[-1]
+            banned = ()
+            if len(req.output_ids) < p.min_tokens:
+                eos = self.tokenizer.eos_id
+                banned = (*p.stop_token_ids, *(() if eos is None or p.ignore_eos else (eos,)))
+            seen = req.tokens if p.repetition_penalty != 1.0 else ()
+            token = sample(row, p, req.gen, seen, banned)
+            if p.logprobs is not None:
+                lps["token"] = logprobs_of(row.unsqueeze(0), [token], p.logprobs)[0]
+        self._step_lps[id(w)] = lps
+        return token
 
     def _emit(self, req: _Request, token: int) -> None:
         """Record a sampled token, stream new text, and finish the request when it should stop."""

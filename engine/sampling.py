@@ -14,11 +14,31 @@ MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes on every platform
 # `priority` (lower runs first): bounded where a request enters, so no value can overflow the
 # scheduler's arithmetic or take every step for itself (docs/serving.md, limits and trust).
 PRIORITY_RANGE = (-1000, 1000)
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its raw logits), and the
+    `top` most likely tokens at that position with theirs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 means greedy.
+
+    `max_new_tokens` 0 computes the prompt only (its logprobs, or the prefix cache). `min_p`
+    drops tokens less likely than that share of the most likely one; `repetition_penalty`
+    (vLLM's) divides the positive logits and multiplies the negative ones of every token seen in
+    the prompt or the output; `min_tokens` holds EOS and `stop_token_ids` back until that many
+    tokens are out. `logprobs` (0-20) returns each generated token's log-probability with that
+    many alternatives; `prompt_logprobs` the same for every prompt token after the first (its
+    whole prompt is computed, not read from the prefix cache).
+    """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -28,14 +48,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0: no min-p filter
+    repetition_penalty: float = 1.0  # 1: none
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         t = self.temperature
         if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -55,6 +80,19 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        m = self.min_p
+        if not isinstance(m, int | float) or not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, int | float) or not math.isfinite(r) or not 0 < r <= 100:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {r!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {v!r}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -80,11 +118,28 @@ def check_priority(priority: object) -> int:
     return priority
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from logits [V] under `params`."""
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    seen: list[int] | tuple[int, ...] = (),
+    banned: tuple[int, ...] = (),
+) -> int:
+    """Pick the next token from logits [V] under `params`: the repetition penalty over the
+    `seen` tokens, `banned` ones (EOS before `min_tokens`) never, then greedy or filtered
+    sampling (top-k, top-p, min-p)."""
+    x = logits
+    if params.repetition_penalty != 1.0 and seen:
+        x = x.float().clone()
+        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=x.device)
+        v = x[idx]
+        x[idx] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if banned:
+        x = x.float().clone() if x is logits else x
+        x[list(banned)] = float("-inf")
     if params.greedy:
-        return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
+        return int(torch.argmax(x))
+    x = x.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -96,4 +151,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its token in `tokens`, and its `top` alternatives (rows of
+    `logits` [N, V] in order; the model's raw distribution, before any sampling rule)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+    if top:
+        vals, ids = torch.topk(lp, top, dim=-1)
+        alts = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(),
+                                                             strict=True)]  # fmt: skip
+    else:
+        alts = [[] for _ in tokens]
+    return [TokenLogprob(t, c, a) for t, c, a in zip(tokens, chosen, alts, strict=True)]

@@ -33,6 +33,7 @@ class Schedulable(Protocol):
     prefix_hit: int  # the most prompt tokens whose KV came from the prefix cache
     priority: int  # lower runs first (vLLM's convention); FifoOrder ignores it
     arrival: float  # when it was submitted, in the scheduler's clock (seconds)
+    wants_prompt_logits: bool  # every prompt token computed (never from the prefix cache)
 
     @property
     def tokens(self) -> list[int]:
@@ -41,6 +42,7 @@ class Schedulable(Protocol):
 
 
 R = TypeVar("R", bound=Schedulable)
+MIN_STEP_TOKENS = 32  # the smallest token budget a step target cuts to
 
 
 @dataclass(slots=True)
@@ -54,6 +56,10 @@ class SchedulerConfig:
     # New requests wait until the oldest of them has waited this long (or the batch's free
     # slots are all asked for), then are admitted together: their prompts share one prefill.
     admission_window_s: float = 0.0
+    # Prompt chunks are cut so a step takes about this long at the speed steps were measured
+    # at (`Scheduler.timed`; 0: `max_step_tokens` alone). A request that arrives while a step
+    # runs waits for that step: this bounds how long an urgent one waits on any machine.
+    step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < 1:
@@ -61,6 +67,8 @@ class SchedulerConfig:
                 "max_batch and max_step_tokens must be >= 1, "
                 f"got {self.max_batch}, {self.max_step_tokens}"
             )
+        if not 0.0 <= self.step_target_s <= 60.0:
+            raise ValueError(f"step_target_s = {self.step_target_s}; allowed: 0 to 60 seconds")
         if not 0.0 <= self.admission_window_s <= 10.0:
             raise ValueError(
                 f"admission_window_s = {self.admission_window_s}; allowed: 0 to 10 seconds"
@@ -225,6 +233,8 @@ class Scheduler(Generic[R]):
         self.running: list[R] = []  # in serving order (see `order`)
         self.swapped: deque[R] = deque()  # KV moved off the device, to be swapped back in
         self.preemptions = 0  # swapped out or dropped, including lost KV recomputed
+        self.step_tokens = self.config.max_step_tokens  # this step's token budget
+        self._token_s: float | None = None  # measured seconds per token of prompt-sized steps
 
     # ---- what the engine calls --------------------------------------------------------------
 
@@ -268,6 +278,18 @@ class Scheduler(Generic[R]):
         req.num_computed += len(work.tokens)
         self.kv.publish(req.rid, req.tokens[: req.num_computed])
 
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` tokens took `seconds`: with a step target, size the next steps'
+        token budget to it (a power of two, at least MIN_STEP_TOKENS, at most
+        `max_step_tokens`; steps under MIN_STEP_TOKENS, mostly fixed costs, are not counted)."""
+        target = self.config.step_target_s
+        if not target or tokens < MIN_STEP_TOKENS or not seconds > 0:
+            return
+        per = seconds / tokens
+        self._token_s = per if self._token_s is None else 0.7 * self._token_s + 0.3 * per
+        fit = max(MIN_STEP_TOKENS, int(target / self._token_s))
+        self.step_tokens = min(self.config.max_step_tokens, 1 << (fit.bit_length() - 1))
+
     def recompute(self, req: R) -> None:
         """Part of `req`'s KV cannot be read back (a lost block): compute all of it again."""
         self.running.remove(req)
@@ -298,6 +320,7 @@ class Scheduler(Generic[R]):
             "requests_waiting": len(self.waiting),
             "requests_swapped": len(self.swapped),
             "preemptions": self.preemptions,
+            "step_tokens": self.step_tokens,
         }
 
     # ---- one step -----------------------------------------------------------------------------
@@ -337,7 +360,7 @@ class Scheduler(Generic[R]):
             if self.running and not self.kv.can_admit(len(tokens) + 1):
                 return
             self.order.admit(self.running, self.waiting.popleft())
-            if req.num_computed == 0 and self.config.prefix_sharing:
+            if req.num_computed == 0 and self.config.prefix_sharing and not req.wants_prompt_logits:
                 req.num_computed = self.kv.match_prefix(req.rid, tokens)
                 req.prefix_hit = max(req.prefix_hit, req.num_computed)
 
@@ -354,7 +377,7 @@ class Scheduler(Generic[R]):
 
     def _plan(self) -> list[Work[R]]:
         """Decode tokens first (one per request), then prompt chunks within the token budget."""
-        budget = self.config.max_step_tokens
+        budget = self.step_tokens
         plan: list[Work[R]] = []
         known = [(req, req.tokens) for req in self.order.focus(self.running)]
         for req, tokens in known:

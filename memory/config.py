@@ -23,6 +23,7 @@ File format (TOML, see configs/unikv.toml)::
     batch_size = 8             # requests running at once, 1..4096
     batching_window_ms = 40    # admission window, 0..10000 ms
     priority_aging_s = 1.0     # starvation guard: priority improves by 1 per this many s
+    step_target_ms = 100       # prompt chunks sized so a step takes about this long (0: off)
     [thermal]                  # optional (see ThermalOptions): replicas' cooling windows
     sensor = "auto"            # auto, hwmon, nvml, command (the profile's), none, scripted:PATH
     margin_c = 3.0             # readings this close to the chip's thermal_throttle_c count
@@ -81,8 +82,21 @@ OTHER_ENV = frozenset(
         "UNIKV_ISA",
         "UNIKV_API_KEY",
         "UNIKV_CHECK_OWNER",
+        "UNIKV_LOG_LEVEL",
+        "UNIKV_STORE_SECRET",
     }  # fmt: skip
 )
+
+
+def cache_dir() -> Path:
+    """unikv's cache root (built kernels, calibrations): `$UNIKV_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/unikv`, else ~/.cache/unikv."""
+    if os.environ.get("UNIKV_CACHE_DIR"):
+        return Path(os.environ["UNIKV_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "unikv"
+
+
 MAX_BLOCK_SIZE = 1024
 DEFAULT_DEVICE_BYTES = 1 << 30  # used when a config has no [tiers] table
 
@@ -115,7 +129,7 @@ _TOP_KEYS = (
 )
 MOE_TOPK = ("auto", "exact", "blockwise")
 _MOE_KEYS = ("topk", "topk_block", "expert_cache", "expert_host")
-_SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s")
+_SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s", "step_target_ms")
 _THERMAL_KEYS = ("sensor", "margin_c", "readings", "hysteresis_c", "interval_s")
 SENSOR_KINDS = ("auto", "hwmon", "nvml", "command", "none")
 _TIER_KEYS = {
@@ -138,9 +152,29 @@ class _Invalid(Exception):
         self.expected = expected
 
 
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def host_ram_bytes() -> int:
-    """Physical RAM of this machine in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """RAM this process may use, in bytes: the machine's physical RAM, or the memory limit of
+    its cgroup (a container's) when that is lower."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_limit_bytes()
+    return min(ram, limit) if limit else ram
+
+
+def cgroup_limit_bytes(paths: tuple[str, ...] = CGROUP_LIMITS) -> int | None:
+    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `limit_in_bytes`), or
+    None where there is none ("max", an absurd v1 value, no such file)."""
+    for path in paths:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < 1 << 60:  # v1 says "no limit" with ~2**63
+            return int(text)
+        return None
+    return None
 
 
 def _size(value: object, ram_bytes: int | None) -> int:
@@ -293,10 +327,17 @@ def _aging(value: object) -> float:
     return float(value)
 
 
+def _step_target(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60_000:
+        raise _Invalid("expected milliseconds 0..60000 (0: off)")
+    return float(value)
+
+
 _SCHEDULER_CHECKS = {
     "batch_size": _batch_size,
     "batching_window_ms": _window_ms,
     "priority_aging_s": _aging,
+    "step_target_ms": _step_target,
 }
 
 
@@ -406,12 +447,16 @@ class SchedulerOptions:
 
     `batch_size` caps the running batch; `batching_window_ms` is the admission window
     (requests arriving within it are admitted and prefilled together); `priority_aging_s` is
-    the starvation guard (a waiting request's priority improves by one per that many seconds).
+    the starvation guard (a waiting request's priority improves by one per that many seconds);
+    `step_target_ms` sizes prompt chunks by the machine's measured speed so that a step takes
+    about that long (an urgent request that arrives waits at most one such step; 0: chunks of
+    the engine's token budget alone).
     """
 
     batch_size: int | None = None
     batching_window_ms: float | None = None
     priority_aging_s: float = 1.0
+    step_target_ms: float = 100.0
 
     def __post_init__(self) -> None:
         for name, check in _SCHEDULER_CHECKS.items():

@@ -232,3 +232,55 @@ def test_env_settings_of_their_own_are_not_configuration_keys(tmp_path) -> None:
     env = {"UNIKV_CACHE_DIR": str(tmp_path), "UNIKV_NO_KERNEL": "1", "UNIKV_CHIP": "cpu",
            "UNIKV_ISA": "avx2", "UNIKV_API_KEY": "k"}  # fmt: skip
     assert load(None, env).chip == "cpu"
+
+
+def test_the_step_target_is_a_scheduler_key(tmp_path: Path) -> None:
+    """`[scheduler] step_target_ms` (default 100; 0 turns it off) and its override."""
+    assert load(None).scheduler.step_target_ms == 100.0
+    cfg = load(write(tmp_path, "[scheduler]\nstep_target_ms = 0\n"))
+    assert cfg.scheduler.step_target_ms == 0.0
+    env = {"UNIKV_SCHEDULER__STEP_TARGET_MS": "250"}
+    assert load(None, env).scheduler.step_target_ms == 250.0
+    with pytest.raises(ConfigError, match="step_target_ms.*0..60000"):
+        load(write(tmp_path, "[scheduler]\nstep_target_ms = -5\n"))
+
+
+def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> None:
+    """Issue 33: `UNIKV_API_KEY=k unikv serve` (documented in --help) exited 2, "names no
+    configuration key", and so did UNIKV_STORE_SECRET. Every UNIKV_ name the code reads is a
+    configuration key or one of the program's own variables, which the check leaves alone."""
+    import re
+
+    names = set()
+    for pkg in ("engine", "memory", "kvstrategies", "storage", "serving"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            names |= set(re.findall(r'"(UNIKV_[A-Z_]+)"', f.read_text(encoding="utf-8")))
+    assert {"UNIKV_API_KEY", "UNIKV_STORE_SECRET", "UNIKV_LOG_LEVEL"} <= names
+    for name in sorted(names):
+        value = {"UNIKV_BLOCK_SIZE": "32", "UNIKV_STRATEGY": "full", "UNIKV_CHIP": "cpu"}
+        load(None, {name: value.get(name, "1")})  # raises ConfigError if refused
+
+
+def test_cache_dir_follows_xdg_and_ram_follows_the_cgroup(tmp_path: Path, monkeypatch) -> None:
+    """Issue 33: the cache ignored XDG_CACHE_HOME, and "25%" of RAM ignored a container's
+    memory limit (cgroup v2 `memory.max`, v1 `limit_in_bytes`)."""
+    from memory import config
+
+    monkeypatch.delenv("UNIKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert config.cache_dir() == tmp_path / "xdg" / "unikv"
+    monkeypatch.setenv("UNIKV_CACHE_DIR", str(tmp_path / "own"))
+    assert config.cache_dir() == tmp_path / "own"
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    v2.write_text("max\n")
+    assert config.cgroup_limit_bytes((str(v2), str(v1))) is None
+    v2.write_text("4294967296\n")
+    assert config.cgroup_limit_bytes((str(v2), str(v1))) == 4 * GiB
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert config.cgroup_limit_bytes((str(tmp_path / "none"), str(v1))) is None
+    monkeypatch.setattr(config, "cgroup_limit_bytes", lambda: 2 * GiB)
+    assert config.host_ram_bytes() == 2 * GiB
+    assert (
+        load_config(None, env={"UNIKV_TIERS__DEVICE__CAPACITY": "25%"}).tiers[0].capacity_bytes
+        == GiB // 2
+    )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, logprobs_of, sample
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, 1.0, -2.0])
 
@@ -41,7 +41,13 @@ def test_temperature_sharpens():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": -1}, "temperature"),
         ({"top_k": -3}, "top_k"),
@@ -59,3 +65,35 @@ def test_bad_parameters_name_the_value(kwargs, match):
 
 def test_single_stop_string_is_accepted():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_min_p_repetition_penalty_and_banned_tokens():
+    """Issue 33's sampling fields: min-p keeps tokens at least that share as likely as the
+    best (1.0: only the best, so sampling is greedy); vLLM's repetition penalty divides a seen
+    token's positive logit and multiplies a negative one; banned tokens (EOS before
+    `min_tokens`) are never picked."""
+    logits = torch.tensor([3.0, 2.9, -1.0, 0.5])
+    draws = {sample(logits, SamplingParams(temperature=1.0, min_p=1.0, seed=s), None)
+             for s in range(20)}  # fmt: skip
+    assert draws == {0}
+    gen = SamplingParams(temperature=1.0, min_p=0.5, seed=0).make_generator()
+    picks = {sample(logits, SamplingParams(temperature=1.0, min_p=0.5), gen) for _ in range(200)}
+    assert picks == {0, 1}  # 2 and 3 are far below half of the best's probability
+    greedy = SamplingParams()
+    assert sample(logits, greedy, None) == 0
+    pen = SamplingParams(repetition_penalty=2.0)
+    assert sample(logits, pen, None, seen=[0]) == 1  # 3.0 / 2 < 2.9
+    assert sample(torch.tensor([-1.0, -1.5]), pen, None, seen=[0]) == 1  # -1 * 2 < -1.5
+    assert sample(logits, greedy, None, banned=(0, 1)) == 3
+    assert torch.equal(logits, torch.tensor([3.0, 2.9, -1.0, 0.5]))  # the caller's, unchanged
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]])
+    lps = logprobs_of(logits, [1, 2], 2)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [x.token_id for x in lps] == [1, 2]
+    assert lps[0].logprob == pytest.approx(float(ref[0, 1]))
+    assert [t for t, _ in lps[0].top] == [0, 1] and lps[1].top[0][0] == 2
+    assert lps[1].top[0][1] == pytest.approx(float(ref[1, 2]))
+    assert logprobs_of(logits, [0, 0], 0)[1].top == []

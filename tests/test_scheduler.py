@@ -105,6 +105,7 @@ class Req:
     finish_reason: str | None = None
     priority: int = 0
     arrival: float = 0.0
+    wants_prompt_logits: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -406,6 +407,7 @@ def test_cancel_of_waiting_and_swapped_requests():
         "requests_waiting": 0,
         "requests_swapped": 0,
         "preemptions": 1,
+        "step_tokens": 512,
     }
 
 
@@ -581,3 +583,34 @@ def test_an_urgent_request_skips_the_admission_window():
     s.add(req(2, 4, priority=-1, arrival=10.0))
     # The urgent one opens the window for the queue, and its prefill is the step.
     assert shape(step(s, now=10.001)) == [(2, 4, True)]
+
+
+def test_a_step_target_cuts_prompt_chunks_to_the_measured_speed():
+    """Issue 31: a request that arrives while a step runs waits for that step; a 512-token
+    prefill step took 0.57 s on the 2-core CPU, so an urgent request's first token waited up
+    to that long under load. With a step target the budget follows the measured seconds per
+    token (a power of two between MIN_STEP_TOKENS and max_step_tokens), on any machine."""
+    from engine.scheduler import MIN_STEP_TOKENS
+
+    kv = FakeKV(capacity=10_000)
+    s = sched(kv, max_step_tokens=512, step_target_s=0.1)
+    assert s.step_tokens == 512  # nothing measured yet
+    long = req(0, 1000)
+    s.add(long)
+    assert sum(len(w.tokens) for w in step(s)) == 512
+    s.timed(512, 0.57)  # 1.1 ms a token: 0.1 s holds 89 tokens -> 64
+    assert s.step_tokens == 64
+    assert sum(len(w.tokens) for w in step(s)) == 64
+    s.timed(8, 100.0)  # a few decode tokens (mostly fixed costs) say nothing about the rate
+    assert s.step_tokens == 64
+    for _ in range(20):  # a faster machine (or a lighter load): the budget grows back
+        s.timed(64, 0.0064)
+    assert s.step_tokens == 512
+    for _ in range(20):  # a very slow one: never below the floor
+        s.timed(64, 64.0)
+    assert s.step_tokens == MIN_STEP_TOKENS
+    off = sched(FakeKV(capacity=10_000), max_step_tokens=512)
+    off.timed(512, 5.0)  # no target: the budget alone
+    assert off.step_tokens == 512
+    with pytest.raises(ValueError, match="step_target_s"):
+        SchedulerConfig(step_target_s=-1.0)

@@ -1,14 +1,14 @@
 """Quality per bit of `hybrid_fp16_int4` against the full cache and transformers' quanto caches.
 
-DESIGN.md protocol on SmolLM2-135M: the first 2048 tokens of the text, prefill 256, then chunks
-of 16, every token after the prefill scored. For each setting: PPL, its change against the full
-cache of the same engine, mean KL and top-1 agreement against the full cache's logits, and bits
-per element from the bytes actually stored. The peer, transformers' `QuantizedCache` with the
-quanto backend (int4 and int2, groups of 64, 128-token full-precision residual), runs on the
-same model (transformers' Llama loaded from the same GGUF) and text in the same process; its
-bits count the bytes of its quantized tensors plus the residual window at the end of the run.
-Also compares the channel-importance methods at two settings. Writes a PNG of PPL change
-against bits per element.
+The protocol of docs/protocol.md on SmolLM2-135M: the first 2048 tokens of the text, prefill 256,
+then chunks of 16, every token after the prefill scored. For each setting: PPL, its change against
+the full cache of the same engine, mean KL and top-1 agreement against the full cache's logits, and
+bits per element from the bytes actually stored. The peer, transformers' `QuantizedCache` with the
+quanto backend (int4 and int2, groups of 64, 128-token full-precision residual), runs on the same
+model (transformers' Llama loaded from the same GGUF) and text in the same process; its bits count
+the bytes of its quantized tensors plus the residual window at the end of the run. Also compares
+the channel-importance methods at two settings. Writes a PNG of PPL change against bits per
+element.
 
     python benchmarks/kv_quant_quality.py [--text PATH] [--png docs/kv_quant_curve.png]
 """

@@ -1,17 +1,16 @@
 """Token pruning: perplexity change and passkey accuracy against the kept ratio, for every
 scorer (the learned head and the in-house baselines), same model, same process (issue 6).
 
-Perplexity: DESIGN.md's protocol (GPL-3, first `--tokens` tokens, prefill 256, chunks of 16,
-every later token scored) through the pruning strategy, against the `full` cache of the same
-run. Also kvpress's protocol (the one `kvpress_compare.py` runs its presses on): six windows of
-the text at offsets 0, 1152, ..., each 1,024 tokens prefilled in one step (pruned once, at its
-end), then the next 128 tokens fed in one step and scored. Passkey: `--samples` prompts of
-`--length` tokens (needle at 10/50/90% depth; seed 1: seed 0's prompts were used when the
-head's defaults were chosen). Every scorer runs at the same kept ratios; the achieved ratio is
-reported. Baselines run in their published form (no recent share) unless given one. `head`
-uses the shipped head file unless `--head FILE` (made by `unikv tune
---kv_optimization=learned_prune`); `--chart PNG` draws the curves (needs matplotlib:
-`make bench`).
+Perplexity: the protocol of docs/protocol.md (GPL-3, first `--tokens` tokens, prefill 256, chunks
+of 16, every later token scored) through the pruning strategy, against the `full` cache of the same
+run. Also kvpress's protocol (the one `kvpress_compare.py` runs its presses on): six windows of the
+text at offsets 0, 1152, ..., each 1,024 tokens prefilled in one step (pruned once, at its end),
+then the next 128 tokens fed in one step and scored. Passkey: `--samples` prompts of `--length`
+tokens (needle at 10/50/90% depth; seed 1: seed 0's prompts were used when the head's defaults were
+chosen). Every scorer runs at the same kept ratios; the achieved ratio is reported. Baselines run
+in their published form (no recent share) unless given one. `head` uses the shipped head file
+unless `--head FILE` (made by `unikv tune --kv_optimization=learned_prune`); `--chart PNG` draws
+the curves (needs matplotlib: `make bench`).
 
     python benchmarks/prune_quality.py [--ratios 0.5 0.59 0.75] [--samples 12] [--head F]
         [--scorers streaming surprisal:recent_share=0.5 ...]

@@ -1,11 +1,11 @@
 """Quantization-aware tuning for `hybrid_fp16_int4`: does the gap to the full cache shrink?
 
-DESIGN.md protocol on held-out text (default GPL-3, which the tuning never sees; it tunes on
-GPL-2): the first 2048 tokens, prefill 256, then chunks of 16. For the base model and for the
-model tuned by `unikv tune --kv_optimization=hybrid_fp16_int4` (for the tightest setting,
-`TIGHT`), in the same process: PPL with the `full` cache, and with `hybrid_fp16_int4` at the
-tight setting and the looser ones; the gap (hybrid over full) before and after, and how much of
-it is left. The tuning runs in this process first (or `--tuned DIR` reuses a finished run).
+The protocol of docs/protocol.md on held-out text (default GPL-3, which the tuning never sees; it
+tunes on GPL-2): the first 2048 tokens, prefill 256, then chunks of 16. For the base model and for
+the model tuned by `unikv tune --kv_optimization=hybrid_fp16_int4` (for the tightest setting,
+`TIGHT`), in the same process: PPL with the `full` cache, and with `hybrid_fp16_int4` at the tight
+setting and the looser ones; the gap (hybrid over full) before and after, and how much of it is
+left. The tuning runs in this process first (or `--tuned DIR` reuses a finished run).
 
     python benchmarks/tune_quality.py [--steps 70] [--out /tmp/unikv-tuned] [--tuned DIR]
 """

@@ -1,4 +1,4 @@
-"""Perplexity through the cache, following the measurement protocol of DESIGN.md.
+"""Perplexity through the cache, following the measurement protocol of docs/protocol.md.
 
 Tokenize, keep the first `tokens` tokens, prefill `prefill` of them in one step, then feed the rest
 in chunks of `chunk` tokens through the cache, scoring every token after the prefill.

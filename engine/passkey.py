@@ -1,4 +1,4 @@
-"""Passkey retrieval through the cache, following the protocol of DESIGN.md.
+"""Passkey retrieval through the cache, following the protocol of docs/protocol.md.
 
 A raw prompt (no chat template): a one-line instruction, filler sentences, the needle "The pass
 key is NNNNN. Remember it. NNNNN is the pass key." at a depth of 10%, 50% or 90% of the filler,

@@ -127,7 +127,7 @@ class HybridStrategy(KVStrategy):
 
     name = "hybrid_fp16_int4"
     axes = ("hybrid", "resident", "all")
-    default_for = ("high",)  # a high-bandwidth chip wants a smaller cache (DESIGN.md)
+    default_for = ("high",)  # a high-bandwidth chip wants a smaller cache (docs/configuration.md)
     tolerance = 0.5  # |attend - exact| on the contract tests' N(0, 1) data
     # The contract runs int4 + fp16 channels: with int2 key channels (a quarter by default),
     # a latent cache's values (its keys) are partly int2 and attention ends up far off exact

@@ -58,7 +58,7 @@ from .kv import StepBatch
 from .options import Option
 from .registry import register
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 _HOST_ACCESS = ("auto", "stage")
 
@@ -429,7 +429,7 @@ class HierarchicalOffloadStrategy(TieredPlacement, FullStrategy):
     axes = ("fp32", "tiered", "all")
     tolerance = 1e-5
     lossless = True
-    default_for = ("medium",)  # a medium-bandwidth chip spills to host and SSD (DESIGN.md)
+    default_for = ("medium",)  # a medium-bandwidth chip spills to host and SSD
     options = (*FullStrategy.options, *TieredPlacement.options)
     # Options that change what a block holds; the others (windows, prefetch) only move blocks,
     # so prefixes persisted under one setting are found under another.

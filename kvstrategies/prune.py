@@ -37,7 +37,7 @@ Scorers (a score per layer, KV head and stored token; higher is kept):
 - `h2o`: attention it has received so far, summed over query rows and the heads of its group;
 - `tova`: attention it received from the step's last query (replaced every step);
 - `snapkv`: the gain above alone (SnapKV), 0 for tokens written after the prompt;
-- `surprisal`: its negative log-likelihood under the model when it was written (DESIGN.md's
+- `surprisal`: its negative log-likelihood under the model when it was written (the design's
   write-time rule: a surprising token is likely to be asked about). The model hands the cache
   every row's next-token distribution (`wants_token_logprobs`); eviction then waits for it
   (or, from a caller that never hands it, happens at the next step).
@@ -60,7 +60,7 @@ from .kv import StepBatch
 from .options import Option
 from .registry import register
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 # Made by `unikv tune --kv_optimization=learned_prune --text benchmarks/texts/GPL-2.txt --out DIR`
 # for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
@@ -453,5 +453,5 @@ class PruneStrategy(PrunedSelection, FullStrategy):
     axes = ("fp32", "resident", "pruned")
     tolerance = 1e-5  # over the kept tokens (see `read`)
     lossless = False
-    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache (DESIGN.md)
+    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache
     options = (*FullStrategy.options, *PrunedSelection.options)

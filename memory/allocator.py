@@ -8,7 +8,7 @@ sequence).
 What does not: the tensors that hold KV bytes (the pool's arenas), moving data between tiers,
 choosing a tier (the pool and the strategies) and content hashing (`memory.prefix`).
 
-This module imports no torch, so its tests run in milliseconds (STYLE.md habit 1).
+This module imports no torch, so its tests run in milliseconds.
 
 Ownership: a block handed out by `allocate(n, owner)` is *owned* by that sequence, the only one
 allowed to write into it. A block that becomes shared (a prefix-cache hit, `acquire_cached`)

@@ -10,9 +10,9 @@ What does not: the strategies, their registry and which one each class gets (eac
 declares the classes it is the default of; `kvstrategies.select` resolves them), applying the
 tuned parameters (the scheduler and engine read them from the profile).
 
-Bandwidth classes (DESIGN.md): high >= 1000 GB/s, medium 300-1000 GB/s, low < 300 GB/s.
-A profile may pin its class with `bandwidth_class` where DESIGN.md's field table disagrees
-with the spec-sheet figure; the report then says the class came from the profile.
+Bandwidth classes (docs/configuration.md): high >= 1000 GB/s, medium 300-1000 GB/s, low < 300 GB/s.
+A profile may pin its class with `bandwidth_class` where the field table of docs/configuration.md
+disagrees with the spec-sheet figure; the report then says the class came from the profile.
 
 Profile file keys: display_name, bandwidth (GB/s, or "measure"), measure_on ("host" or
 "cuda", with "measure"), declared_bandwidth (GB/s used when "cuda" cannot be measured),
@@ -78,7 +78,7 @@ _TUNED_KEYS = (
 TOPK_MODES = ("exact", "blockwise")  # the MoE router's final top-k (engine.routing)
 # 16 fp32 scores = 64 bytes: one cache line, one 512-bit vector; see engine.routing.
 DEFAULT_TOPK_BLOCK = 16
-# Optional [tuned] keys (not in DESIGN.md's field table), with their defaults.
+# Optional [tuned] keys (not in the field table of docs/configuration.md), with their defaults.
 _TUNED_OPTIONAL = {"moe_topk": "exact", "moe_topk_block": DEFAULT_TOPK_BLOCK}
 
 
@@ -116,7 +116,7 @@ def choose_topk(profile: ChipProfile, config: PoolConfig | MoEOptions) -> tuple[
 
 @dataclass(frozen=True, slots=True)
 class TunedParams:
-    """Field-tuned runtime parameters of a chip (DESIGN.md table)."""
+    """Field-tuned runtime parameters of a chip (docs/configuration.md)."""
 
     batch_size: int
     kv_precision: str
@@ -453,7 +453,8 @@ def profile_report(
         class_source = "pinned by the profile, agrees with the bandwidth"
     else:
         class_source = (
-            f"pinned by the profile (DESIGN.md field table); {gbps:g} GB/s alone would be {derived}"
+            f"pinned by the profile (the field table of docs/configuration.md); {gbps:g} GB/s "
+            f"alone would be {derived}"
         )
     t = profile.tuned
     strategy, reason = (None, "")

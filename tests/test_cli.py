@@ -398,6 +398,6 @@ def test_eval_passkey_json(capsys):
     argv = ["eval", "passkey", "--length", "512", "--samples", "3", "--strategy", "full"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
-    # The full cache finds the key at every depth (DESIGN.md: 1.00 at 512 tokens).
+    # The full cache finds the key at every depth (the design: 1.00 at 512 tokens).
     assert out["accuracy"] == 1.0 and out["samples"] == 3 and out["strategy"] == "full"
     assert 480 <= out["length"] <= 512 and set(out["by_depth"]) == {"10%", "50%", "90%"}

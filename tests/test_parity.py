@@ -94,7 +94,7 @@ def test_greedy_continuation_matches_reference(model, hf_model, tokenizer, promp
 
 
 def _reference_ppl(hf_model, ids, prefill, chunk):
-    """The DESIGN.md protocol through transformers' own DynamicCache."""
+    """The protocol of docs/protocol.md through transformers' own DynamicCache."""
     from transformers import DynamicCache
 
     cache = DynamicCache()

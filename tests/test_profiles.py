@@ -24,7 +24,7 @@ from memory.profiles import (
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# DESIGN.md: class table and field-tuned parameters
+# docs/configuration.md: class table and field-tuned parameters
 # (batch, KV precision, window ms, throttle °C, L2 prefetch depth).
 DESIGN = {
     "ascend910b": ("high", (64, "fp16+int4", 15, 88, 4)),
@@ -109,7 +109,7 @@ def test_bandwidth_class_rejects(bad: object) -> None:
         bandwidth_class(bad)  # type: ignore[arg-type]
 
 
-# DESIGN.md's class table: the default strategy of each bandwidth class.
+# the class table of docs/configuration.md: the default strategy of each bandwidth class.
 DESIGN_DEFAULTS = {
     "high": "hybrid_fp16_int4",
     "medium": "hierarchical_offload",

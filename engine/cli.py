@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -222,7 +224,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     evsub = ev.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
     ppl = evsub.add_parser(
         "ppl",
-        help="perplexity through the cache (DESIGN.md protocol)",
+        help="perplexity through the cache (docs/protocol.md)",
         description=(
             "Tokenize the text, keep the first --tokens tokens, prefill --prefill of them, then "
             "feed the rest in chunks of --chunk tokens through the cache, scoring every token "
@@ -238,7 +240,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     json_arg(ppl)
     pk = evsub.add_parser(
         "passkey",
-        help="passkey retrieval through the cache (DESIGN.md protocol)",
+        help="passkey retrieval through the cache (docs/protocol.md)",
         description=(
             "Hide a 5-digit key in filler text at 10%%, 50%% and 90%% depth (cycling over the "
             "samples), ask for it at the end of a raw prompt of --length tokens, and count the "
@@ -382,7 +384,54 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     json_arg(cache)
     for add, _ in (extra or {}).values():
         add(sub)
+    # Before or after the command (`unikv --log-level debug serve` or `unikv serve --log-level
+    # debug`): on the main parser with defaults, on each command without (SUPPRESS).
+    for parser, default in ((p, None), *((c, argparse.SUPPRESS) for c in sub.choices.values())):
+        parser.add_argument(
+            "--log-level", default=default, type=str.upper, choices=LOG_LEVELS,
+            help=f"unikv's log level on stderr (default: ${LOG_ENV}, else INFO)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--log-format", default="text" if default is None else default,
+            choices=("text", "json"),
+            help="log lines as text (time, level, logger, message) or one JSON object each "
+            "(default: text)",
+        )  # fmt: skip
     return p
+
+
+LOG_ENV = "UNIKV_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": self.formatTime(record), "level": record.levelname,
+                "logger": record.name, "message": record.getMessage()}  # fmt: skip
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def configure_logging(level: str | None = None, fmt: str = "text") -> str:
+    """Send the `unikv` logger tree to stderr, once per process (stdout is the answer or the
+    JSON document): `level`, else $UNIKV_LOG_LEVEL, else INFO. Returns the level."""
+    level = (level or os.environ.get(LOG_ENV) or "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"${LOG_ENV} = {level!r}; expected one of {', '.join(LOG_LEVELS)}")
+    root = logging.getLogger("unikv")
+    for h in [h for h in root.handlers if getattr(h, "unikv", False)]:
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.unikv = True  # type: ignore[attr-defined]  (ours: replaced, never duplicated)
+    handler.setFormatter(
+        _JsonLines() if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )  # fmt: skip
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False  # the lines go out once, not again through the root's handlers
+    return level
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -882,6 +931,7 @@ def main(argv: list[str] | None = None, extra: Extra | None = None) -> int:
     as_json = getattr(args, "json", False)
     stdout = sys.stdout
     try:
+        args.log_level = configure_logging(args.log_level, args.log_format)
         if extra and args.command in extra:
             return extra[args.command][1](args) or 0
         # Under --json every human line (and any stray print) goes to stderr: stdout is the

@@ -33,7 +33,7 @@ FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
 
 

@@ -22,7 +22,7 @@ from .config import ModelConfig, ModelLoadError
 from .quantized import FORMATS as QUANT_FORMATS
 from .quantized import QuantizedTensor, scales
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_QUANT_TYPES = (

@@ -45,7 +45,7 @@ from kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choos
 from . import gemv
 from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 
 

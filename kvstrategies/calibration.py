@@ -26,11 +26,12 @@ engine recomputes it only when asked to (option `recalibrate`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from memory import config
 
 from .kv import ContiguousKVCache, KVSpec
 
@@ -169,10 +170,10 @@ WARMUP_TEXT = Path(__file__).with_name("data") / "warmup.txt"
 
 
 def default_path(identity: str) -> Path:
-    """The per-model calibration file under `$UNIKV_CACHE_DIR` (default ~/.cache/unikv)."""
+    """The per-model calibration file under unikv's cache root (`memory.config.cache_dir`)."""
     import hashlib
 
-    root = Path(os.environ.get("UNIKV_CACHE_DIR", Path.home() / ".cache" / "unikv"))
+    root = config.cache_dir()
     slug = "".join(c if c.isalnum() else "-" for c in identity)[:60]
     digest = hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
     return root / "calibration" / f"{slug}-{digest}.pt"

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from memory import config
+
 SOURCE = Path(__file__).with_name("hybrid_attend.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 ISAS = ("avx512", "avx2", "portable", "native")
@@ -58,7 +60,7 @@ ISA_FLAGS = {
 KERNEL_ERROR: str | None = None
 _libs: dict[tuple, ctypes.CDLL | None] = {}
 _warned: set[str] = set()
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 # A small shape `status(probe=True)` builds to see whether this machine can build the kernel
 # at all (compiler, OpenMP, a writable cache directory); the engine builds its own shapes.
 PROBE_SHAPE = {"T": 16, "D": 64, "NF": 8, "NM": 48, "NL": 8, "VF": 8, "VM": 48, "VL": 8,
@@ -109,8 +111,11 @@ def _cpu_key() -> str:
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: `$UNIKV_KERNEL_DIR`, default ~/.cache/unikv/kernels."""
-    return Path(os.environ.get("UNIKV_KERNEL_DIR", Path.home() / ".cache" / "unikv" / "kernels"))
+    """Where built kernels are kept: `$UNIKV_KERNEL_DIR`, else `kernels` in unikv's cache
+    root (`memory.config.cache_dir`: $UNIKV_CACHE_DIR, $XDG_CACHE_HOME/unikv, ~/.cache/unikv)."""
+    if os.environ.get("UNIKV_KERNEL_DIR"):
+        return Path(os.environ["UNIKV_KERNEL_DIR"])
+    return config.cache_dir() / "kernels"
 
 
 def _compiler() -> str | None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from .base import KVSpec, KVStrategy
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
 _strategies: Registry[KVStrategy] = Registry(

@@ -30,7 +30,7 @@ from memory.services import WriteThrough
 from memory.tiers import BlockLostError, StoreTier, TensorTier, _slice_suffix
 from storage import StoreFullError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 _T = TypeVar("_T")
 

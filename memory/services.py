@@ -26,7 +26,7 @@ import torch
 
 from memory.tiers import StoreTier, TensorTier, Tier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 Group = tuple[str, tuple[int, ...]]  # (tier name, block ids) read as one piece
 # Per sequence, its groups in order. The sequence ids belong to the plan, so a next step's

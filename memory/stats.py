@@ -37,7 +37,7 @@ from typing import Any
 from memory.allocator import TierAllocator
 from memory.prefix import PrefixCache
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("unikv." + __name__)
 
 GREEN_MAX_USAGE = 0.85  # device usage at or above this is at least yellow
 RED_USAGE = 0.95  # device usage above this is red

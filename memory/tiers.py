@@ -36,7 +36,7 @@ import torch
 from memory.layout import BLOCKS, BlockLayout
 from storage import StoreFullError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("unikv." + __name__)
 
 
 class TierKind(StrEnum):

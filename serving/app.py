@@ -1,9 +1,10 @@
 """`unikv serve`: the OpenAI-compatible HTTP server around one engine.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events in
-OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, `GET /health` (the
-three-colour view, 503 when red), `GET /metrics` (Prometheus), `GET /dashboard` (one HTML page)
-and `GET /dashboard/data` (what the page draws).
+OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET /health` (liveness: the three-colour view, always 200),
+`GET /ready` (readiness: the same, 503 when red), `GET /metrics` (Prometheus), `GET /dashboard`
+(one HTML page) and `GET /dashboard/data` (what the page draws).
 
 Admission: a request is refused with 429 and `Retry-After` when the waiting queue is full or
 when the requests in flight reach the health colour's load share of capacity (green 100%,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -27,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +44,7 @@ from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate,
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("unikv.serve")
+B = TypeVar("B", bound=p._Lenient)
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 SERIES_BUCKET_S = 5.0  # the dashboard's throughput and TTFT series: one point per 5 s
 SERIES_POINTS = 60  # five minutes of them
@@ -61,6 +65,7 @@ class ServeSettings:
     allowed_hosts: tuple[str, ...] = ()
     public_metrics: bool = False  # /metrics and /dashboard open even when a key is set
     read_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    strict: bool = False  # unknown request fields are a 400 (else ignored, logged, listed)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_tokens_limit"):
@@ -230,24 +235,61 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _read(request, p.CompletionRequest, settings.max_body_bytes,
-                           settings.read_timeout_s)  # fmt: skip
+        body = await _read(request, p.CompletionRequest, settings)
         return await _serve(server, request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _read(request, p.ChatCompletionRequest, settings.max_body_bytes,
-                           settings.read_timeout_s)  # fmt: skip
+        body = await _read(request, p.ChatCompletionRequest, settings)
         return await _serve(server, request, body, chat=True)
 
-    @app.get("/health")
-    async def health():
-        view = server.health()
-        body = view.as_dict()
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _read(request, p.TokenizeRequest, settings)
+        tok = server.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise p.APIError(400, "send either 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            chat = p.ChatCompletionRequest(messages=body.messages)
+            ids = _prompt(server, chat, chat=True)
+        else:
+            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        ctx = server.engine.model.cfg.context_length
+        return _with(body, {"count": len(ids), "max_model_len": ctx, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _read(request, p.DetokenizeRequest, settings)
+        vocab = server.engine.model.cfg.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise p.APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}",
+                             param="tokens")  # fmt: skip
+        return _with(body, {"prompt": server.engine.tokenizer.decode(body.tokens)})
+
+    def view() -> tuple[dict, bool]:
+        v = server.health()
+        body = v.as_dict()
         replicas = server.memory_report().get("replicas")
         if replicas is not None:
             body["replicas"] = replicas
-        return JSONResponse(body, status_code=503 if view.status == "red" else 200)
+        return body, v.status == "red"
+
+    @app.get("/health")
+    async def health():
+        # Liveness: 200 while the process serves, whatever the colour (a probe that restarts
+        # a red instance would restart the busiest one).
+        return JSONResponse(view()[0])
+
+    @app.get("/ready")
+    async def ready():
+        # Readiness: the same view, 503 when red (a balancer sends its traffic elsewhere).
+        body, red = view()
+        return JSONResponse(body, status_code=503 if red else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -279,7 +321,7 @@ def create_app(server: Server) -> FastAPI:
 
 # Paths behind the API key when one is set: the API, and (unless `public_metrics`) what shows
 # the server's load and its requests. /health stays open for probes.
-_KEYED = ("/v1/",)
+_KEYED = ("/v1/", "/tokenize", "/detokenize")
 _KEYED_UNLESS_PUBLIC = ("/metrics", "/dashboard")
 
 
@@ -361,11 +403,12 @@ def _json_content_type(request: Request) -> None:
                          code="unsupported_media_type")  # fmt: skip
 
 
-async def _read(
-    request: Request, model: type[p._Sampling], limit: int, timeout: float = 30.0
-) -> p._Sampling:
-    """The request body parsed into `model`; 415 unless declared JSON, 413 past `limit` bytes,
-    400 for bad JSON (too deep, lone surrogates) or naming a bad field."""
+async def _read(request: Request, model: type[B], settings: ServeSettings) -> B:
+    """The request body parsed into `model`; 415 unless declared JSON, 413 past the body limit,
+    408 past the read timeout, 400 for bad JSON (too deep, lone surrogates) or naming a bad
+    field, 404 for another model's name. Unknown fields are logged and kept in
+    `body.ignored` (a 400 when `settings.strict`)."""
+    limit, timeout = settings.max_body_bytes, settings.read_timeout_s
     _json_content_type(request)
     raw = bytearray()
 
@@ -395,8 +438,37 @@ async def _read(
         body = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
-    body.refuse_unsupported()
+    if body.model is not None and body.model != settings.model_name:
+        raise p.APIError(404, f"the model '{body.model}' does not exist; this server serves "
+                         f"'{settings.model_name}'", param="model",
+                         code="model_not_found")  # fmt: skip
+    if isinstance(body, p._Sampling):
+        unknown = body.refuse_unsupported(settings.strict)
+    else:
+        unknown = body.unknown_fields()
+        if settings.strict and unknown:
+            raise p.APIError(400, f"unknown field '{unknown[0]}'", param=unknown[0],
+                             code="extra_forbidden")  # fmt: skip
+    if unknown:
+        log.info("ignored unknown request fields: %s", ", ".join(unknown))
+    body._ignored = unknown
     return body
+
+
+def _with(body: p._Lenient, content: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSON answer that names the request's ignored fields in `x-unikv-ignored-fields`."""
+    return JSONResponse(content, headers={**_ignored(body), **(headers or {})})
+
+
+def _ignored(body: p._Lenient) -> dict[str, str]:
+    return {"x-unikv-ignored-fields": ",".join(body.ignored)} if body.ignored else {}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("unikv")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
 
 
 def _prompt(server: Server, body: p._Sampling, chat: bool) -> list[int]:
@@ -443,50 +515,94 @@ def _max_tokens(server: Server, body: p._Sampling, chat: bool, prompt_len: int) 
 
 
 async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool):
-    """Admit, submit to the engine, and answer (streamed or whole)."""
+    """Admit, submit to the engine (`n` requests for `n` choices), and answer (streamed or
+    whole)."""
     t0 = time.perf_counter()
+    if body.stream:
+        for name, on in (("n", body.n > 1), ("logprobs", body.token_logprobs() is not None),
+                         ("echo", getattr(body, "echo", False))):  # fmt: skip
+            if on:
+                raise p.APIError(400, f"'{name}' is supported without 'stream' only",
+                                 param=name, code="unsupported_field")  # fmt: skip
     server.admit()
     ids = _prompt(server, body, chat)
-    params = body.sampling(_max_tokens(server, body, chat, len(ids)))
+    max_tokens = _max_tokens(server, body, chat, len(ids))
     try:
-        handle = server.engine.submit(ids, params, priority=body.priority)
+        handles = [server.engine.submit(ids, body.sampling(max_tokens, i), priority=body.priority)
+                   for i in range(body.n)]  # fmt: skip
     except ValueError as e:
         raise p.APIError(400, str(e), param="messages" if chat else "prompt") from None
     server.in_flight += 1
     kind = "chat.completion" if chat else "text_completion"
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     if body.stream:
-        gen = _stream(server, handle, body, kind, rid, chat, t0)
+        gen = _stream(server, handles[0], body, kind, rid, chat, t0)
         return StreamingResponse(
-            gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+            gen, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **_ignored(body)},
+        )  # fmt: skip
     try:
-        done = await _whole(server, request, handle, t0)
+        dones = await asyncio.gather(*(_whole(server, request, h, t0) for h in handles))
     except Exception as e:  # as a stream says it: the engine's (or lost replica's) reason
+        for h in handles:
+            h.cancel()
         log.warning("request %s failed: %s", rid, e)
         raise p.APIError(500, f"generation failed: {e}", type="server_error") from None
     finally:
         server.in_flight -= 1
-    if done is None:
+    if any(done is None for done in dones):
+        for h in handles:
+            h.cancel()
         return Response(status_code=499)  # the client left; nobody reads this
     # Which replica answered, with replicas (`serving.replicas`); absent for one engine.
-    where = getattr(handle, "replica", None)
+    where = getattr(handles[0], "replica", None)
     headers = {"x-unikv-replica": where} if where else None
-    choice: dict = {"index": 0, "finish_reason": p.finish_reason(done.finish_reason)}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
-        choice["logprobs"] = None
-    body = {
+    choices = [_choice(server, body, chat, i, done, ids) for i, done in enumerate(dones)]
+    first = dones[0]
+    answer = {
         "id": rid,
         "object": kind,
         "created": p.now(),
         "model": server.settings.model_name,
-        "choices": [choice],
-        "usage": p.usage(done.prompt_tokens, done.completion_tokens),
+        "choices": choices,
+        "usage": p.usage(
+            first.prompt_tokens, sum(d.completion_tokens for d in dones), first.cached_tokens
+        ),  # fmt: skip
     }
-    return JSONResponse(body, headers=headers)
+    return _with(body, answer, headers)
+
+
+def _choice(server: Server, body: p._Sampling, chat: bool, i: int, done, ids: list[int]) -> dict:
+    """One choice of a whole answer: text (after the prompt with `echo`), finish reason, and
+    the log-probabilities asked for."""
+    tok = server.engine.tokenizer
+
+    def decode(token_id: int) -> str:
+        return tok.decode([token_id], skip_special=False)
+
+    choice: dict = {"index": i, "finish_reason": p.finish_reason(done.finish_reason)}
+    wanted = body.token_logprobs() is not None
+    if wanted and done.logprobs is None:
+        raise p.APIError(400, "logprobs are not available from this server's replicas",
+                         param="logprobs")  # fmt: skip
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+        choice["logprobs"] = p.chat_logprobs(done.logprobs, decode) if wanted else None
+        return choice
+    echo = getattr(body, "echo", False)
+    prompt_text = tok.decode(ids, skip_special=False) if echo else ""
+    choice["text"] = prompt_text + done.text
+    if not wanted:
+        choice["logprobs"] = None
+        return choice
+    gen_ids = done.token_ids[: len(done.logprobs)]
+    tokens = [decode(t) for t in gen_ids]
+    lps: list = list(done.logprobs)
+    if echo:
+        tokens = [decode(t) for t in ids] + tokens
+        lps = list(done.prompt_logprobs or [None] * len(ids)) + lps
+    choice["logprobs"] = p.completion_logprobs(tokens, lps, 0, decode)
+    return choice
 
 
 async def _whole(server: Server, request: Request, handle: RequestHandle, t0: float):
@@ -593,7 +709,7 @@ async def _stream(
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": p.usage(done.prompt_tokens, done.completion_tokens),
+                "usage": p.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
             }
             yield f"data: {json.dumps(u)}\n\n"
         lat.finished(handle)

@@ -49,6 +49,16 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     engine_cli.add_axis_flags(sp)
     sp.add_argument("--chip", default=None, help="chip profile (default: the config's)")
+    sp.add_argument(
+        "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
+    )
+    sp.add_argument(
+        "--threads",
+        type=engine_cli._positive_int,
+        default=None,
+        help="CPU threads for the model's work (default: PyTorch's, one per core; give each "
+        "of several processes on one machine its share)",
+    )
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     sp.add_argument(
@@ -121,6 +131,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="with --api-key, leave /metrics and /dashboard open (default: behind the key)",
     )
     sp.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse request fields this server does not know with a 400 (default: ignore them, "
+        "log them and name them in the x-unikv-ignored-fields response header, as vLLM does)",
+    )
+    sp.add_argument(
         "--limit-concurrency",
         type=engine_cli._positive_int,
         default=256,
@@ -158,6 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else (),
         public_metrics=args.public_metrics,
         read_timeout_s=args.read_timeout,
+        strict=args.strict,
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0..65535")
@@ -203,8 +220,13 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
     async def make_engine():
         if client is not None:
             return client
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
         return await Engine.create(
             args.model,
+            device=args.device,
             dtype=args.dtype,
             progress=True,
             strategy=args.strategy,
@@ -216,7 +238,8 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
     app = create_app(Server(make_engine, settings))
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-        log_level="info", limit_concurrency=args.limit_concurrency, timeout_keep_alive=5,
+        log_level=args.log_level.lower(), limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=5,
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers
     )  # fmt: skip
     return 0

@@ -179,7 +179,8 @@ class EngineReplica:
             c = handle.completion
             yield {"done": {"text": c.text, "token_ids": c.token_ids,
                             "finish_reason": c.finish_reason,
-                            "prompt_tokens": c.prompt_tokens}}  # fmt: skip
+                            "prompt_tokens": c.prompt_tokens,
+                            "cached_tokens": c.cached_tokens}}  # fmt: skip
         except Exception as e:
             if service_fault(e):
                 self.server.failures.add()

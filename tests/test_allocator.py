@@ -17,7 +17,7 @@ def make(num_blocks: int = 8, **kw) -> TierAllocator:
 
 
 def test_memory_imports_no_torch_or_numpy() -> None:
-    # The allocator must stay importable and testable without torch (STYLE.md habit 1);
+    # The allocator must stay importable and testable without torch;
     # a fresh interpreter is the only honest check, since pytest plugins may import torch.
     code = "import sys, memory; assert not {'torch', 'numpy'} & set(sys.modules), sys.modules"
     root = Path(__file__).resolve().parents[1]

@@ -158,3 +158,17 @@ def test_every_module_imports_with_only_the_runtime_dependencies():
     # The one optional module says what to install.
     assert set(failed) == {"kvstrategies.hf_cache"}, failed
     assert "transformers>=4.56" in failed["kvstrategies.hf_cache"]
+
+
+def test_no_code_or_help_text_cites_a_file_outside_the_repository():
+    """Issue 33: help texts and docstrings named the design document, which a user of the
+    package does not have; the measurement protocol's copy is docs/protocol.md."""
+    outside = ("DESIGN.md", "STYLE.md", "../shared")
+    found = []
+    for folder in ("engine", "memory", "kvstrategies", "storage", "serving", "benchmarks",
+                   "configs", "tests"):  # fmt: skip
+        for f in sorted((ROOT / folder).rglob("*")):
+            if f.suffix in (".py", ".toml", ".c", ".html") and f.name != Path(__file__).name:
+                text = f.read_text(encoding="utf-8")
+                found += [f"{f.relative_to(ROOT)}: {o}" for o in outside if o in text]
+    assert not found

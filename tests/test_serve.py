@@ -166,26 +166,109 @@ def test_models_lists_the_served_model(client):
 # ---- raw HTTP: the edges ---------------------------------------------------------------------
 
 
-def test_unsupported_and_unknown_fields_are_400_naming_the_field(srv):
+def test_unsupported_values_are_400_naming_the_field(srv):
     url = srv[0]
     for body, field in (
-        ({"prompt": "hi", "n": 2}, "n"),
-        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
-        ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "n": 17}, "n"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "best_of": 2}, "best_of"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ):
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 400, body
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"], err
         assert set(err) == {"message", "type", "param", "code"}
+    for body, field in (
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, "messages"),
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
     r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     json_type = {"Content-Type": "application/json"}
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers=json_type, timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_openai_off_values_and_unknown_fields_are_accepted(srv, model, tokenizer, caplog):
+    """Issue 33: what SDKs and frameworks send when a feature is unused (`logprobs: false`,
+    `tools: []`, `tool_choice: "none"`, `response_format: text`), fields this server does not
+    know (`store`, `metadata`, `service_tier`, a message's `refusal`) and the `developer`
+    role answer 200 as OpenAI and vLLM do; the unknown ones are logged and named in a header.
+    `--strict` refuses them; another model's name is a 404."""
+    import logging
+
+    url = srv[0]
+    chat = {
+        "model": "smollm2",
+        "messages": [
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue.", "refusal": None},
+            {"role": "user", "content": "Another?"},
+        ],
+        "max_tokens": 4, "temperature": 0, "logprobs": False, "top_logprobs": 0, "n": 1,
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+        "parallel_tool_calls": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "store": False, "metadata": {"team": "a"}, "service_tier": "auto", "user": "u1",
+    }  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="unikv.serve"):
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    ignored = "store,metadata,service_tier,messages[2].refusal"
+    assert r.headers["x-unikv-ignored-fields"] == ignored
+    assert "ignored unknown request fields: store, metadata" in caplog.text
+    # `developer` is the system role: the same answer as with `system`
+    system = {**chat, "messages": [{"role": "system", "content": "Answer briefly."},
+                                   *chat["messages"][1:]]}  # fmt: skip
+    again = httpx.post(url + "/v1/chat/completions", json=system, timeout=60).json()
+    assert again["choices"][0]["message"] == r.json()["choices"][0]["message"]
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "frobnicate": 1}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200 and s.headers["x-unikv-ignored-fields"] == "frobnicate"
+        assert "[DONE]" in s.read().decode()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "model": "gpt-4o"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "smollm2" in r.json()["error"]["message"]
+    with live(model, tokenizer, strict=True) as (strict_url, _):
+        r = httpx.post(strict_url + "/v1/completions",
+                       json={"prompt": "hi", "metadata": {}}, timeout=30)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+        ok = {"prompt": "hi", "max_tokens": 1, "logprobs": None, "echo": False}
+        assert httpx.post(strict_url + "/v1/completions", json=ok, timeout=60).status_code == 200
+
+
+def test_cached_tokens_tokenize_detokenize_and_version(srv, tokenizer):
+    """Issue 33: the prefix cache is the product, so usage says how many prompt tokens it
+    served (`prompt_tokens_details.cached_tokens`); vLLM's /tokenize, /detokenize, /version."""
+    url = srv[0]
+    prompt = "The history of the printing press begins in China, " * 6
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    second = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    n = len(tokenizer.encode(prompt))
+    assert first["prompt_tokens"] == second["prompt_tokens"] == n
+    assert first["prompt_tokens_details"]["cached_tokens"] < 16  # nothing cached yet
+    # all but the last (partial) block of 16 tokens, and never the last token
+    assert second["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    r = httpx.post(url + "/tokenize", json={"prompt": prompt}, timeout=30).json()
+    assert r["tokens"] == tokenizer.encode(prompt) and r["count"] == n and r["max_model_len"] > n
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=30).json()  # fmt: skip
+    assert tokenizer.decode(chat["tokens"], skip_special=False).endswith("assistant\n")
+    back = httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
+    bad = httpx.post(url + "/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(url + "/tokenize", json={}, timeout=30).status_code == 400
+    assert httpx.get(url + "/version", timeout=30).json()["version"]
 
 
 def test_hostile_bodies_answer_4xx_never_500(srv):
@@ -311,6 +394,20 @@ def test_client_leaving_mid_stream_frees_its_kv(srv):
     assert server.in_flight == 0
 
 
+def test_health_is_liveness_and_ready_is_readiness(srv, monkeypatch):
+    """Issue 33: `/health` answered 503 when red, so a Kubernetes liveness probe restarted the
+    busiest instance. `/health` is 200 while the process serves; `/ready` is 503 when red."""
+    from serving.health import HealthView
+
+    url, server = srv
+    assert httpx.get(url + "/ready", timeout=30).status_code == 200
+    red = HealthView("red", 0.3, ("OOM predicted",), ())
+    monkeypatch.setattr(server, "health", lambda: red)
+    live_r, ready_r = httpx.get(url + "/health", timeout=30), httpx.get(url + "/ready", timeout=30)
+    assert live_r.status_code == 200 and live_r.json()["status"] == "red"
+    assert ready_r.status_code == 503 and ready_r.json()["reasons"] == ["OOM predicted"]
+
+
 def test_health_metrics_and_dashboard_data(srv, client):
     url, _ = srv
     client.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
@@ -407,3 +504,87 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_logprobs_echo_n_and_the_vllm_sampling_fields(client, srv, tokenizer):
+    """Issue 33: what clients reach for. `echo` + `logprobs` + `max_tokens: 0` scores a prompt
+    (lm-evaluation-harness's log-likelihood request); `n` choices; chat `logprobs` with
+    `top_logprobs`; vLLM's `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`."""
+    url = srv[0]
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    again = client.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=1, temperature=0)  # fmt: skip
+    assert again.choices[0].logprobs.token_logprobs == lp.token_logprobs  # cached or not
+    # greedy continuation with logprobs: the chosen token is its own top alternative
+    g = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, logprobs=2,
+                                  temperature=0)  # fmt: skip
+    glp = g.choices[0].logprobs
+    assert "".join(glp.tokens) == g.choices[0].text and len(glp.tokens) == 4
+    assert all(max(t, key=t.get) == tok for t, tok in zip(glp.top_logprobs, glp.tokens,
+                                                          strict=True))  # fmt: skip
+    # n choices: greedy ones agree; seeded samples reproduce choice by choice
+    three = client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, n=3,
+                                      temperature=0)  # fmt: skip
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.text for c in three.choices}) == 1 and three.usage.completion_tokens == 12
+    s1, s2 = (client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, n=2,
+                                        temperature=1.0, seed=7) for _ in range(2))  # fmt: skip
+    assert [c.text for c in s1.choices] == [c.text for c in s2.choices]
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "repetition_penalty": 1.3,
+            "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [tokenizer.eos_id]}  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 2
+    for bad in ({"n": 2}, {"logprobs": 1}, {"echo": True}):
+        s = httpx.post(url + "/v1/completions", json={"prompt": "hi", "stream": True, **bad},
+                       timeout=30)  # fmt: skip
+        assert s.status_code == 400 and s.json()["error"]["param"] == next(iter(bad))
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user",
+                   "content": "hi"}], "top_logprobs": 2}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_langchain_and_the_async_openai_client(srv):
+    """Issue 33: real clients no one here wrote. LangChain's ChatOpenAI (invoke and stream)
+    and the official async client, streamed, against the live server."""
+    import asyncio
+
+    from langchain_openai import ChatOpenAI
+    from openai import AsyncOpenAI
+
+    url = srv[0]
+    llm = ChatOpenAI(base_url=url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                     max_tokens=8, max_retries=0, timeout=120)  # fmt: skip
+    whole = llm.invoke("Name a colour.")
+    assert whole.content and whole.usage_metadata["output_tokens"] <= 8
+    assert "".join(c.content for c in llm.stream("Name a colour.")) == whole.content
+
+    async def streamed() -> str:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = []
+        stream = await client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8, temperature=0, stream=True,
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                out.append(chunk.choices[0].delta.content)
+        await client.close()
+        return "".join(out)
+
+    assert asyncio.run(streamed()) == whole.content

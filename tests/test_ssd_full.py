@@ -35,7 +35,7 @@ def test_a_full_disk_warns_once_and_counts_what_it_skipped(caplog):
     dst = _Dst()
     w = WriteThrough(dst)
     try:
-        with caplog.at_level(logging.INFO, logger="memory.services"):
+        with caplog.at_level(logging.INFO, logger="unikv.memory.services"):
             for step in range(10):  # ten steps, each persisting two blocks, on a full disk
                 w.submit(_Src(), [(0, b"a%d" % step), (1, b"b%d" % step)])
                 w.wait_writes()

@@ -60,7 +60,7 @@ def test_oom_predictor_fires_on_high_and_rising(caplog: pytest.LogCaptureFixture
     seen: list[OomWarning] = []
     p = OomPredictor(clock=clock, on_warning=seen.append)
     # 89.5% -> 95.5% over 60 s: 6 points per minute, above 95% only at the end.
-    with caplog.at_level(logging.WARNING, logger="memory.stats"):
+    with caplog.at_level(logging.WARNING, logger="unikv.memory.stats"):
         for i in range(7):
             clock.t = 1000.0 + 10 * i
             w = p.record(0.895 + 0.01 * i)

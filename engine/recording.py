@@ -26,11 +26,14 @@ import torch
 from tqdm import tqdm
 
 from kvstrategies.calibration import (
+    DEFAULT_SAMPLES,
+    DEFAULT_WINDOW,
     TUNED_FILE,
     WARMUP_TEXT,
     ChannelRecorder,
     ChannelStats,
     default_path,
+    shipped_path,
 )
 from kvstrategies.kv import ContiguousKVCache, StepBatch
 from kvstrategies.prune_head import TargetRecorder, TrainResult, fit
@@ -131,14 +134,23 @@ def ensure_calibration(model: LlamaModel, tokenizer, opts: dict, progress: bool 
     if path.exists() and not opts.get("recalibrate"):
         ChannelStats.load(path, cfg.identity, shape)  # refuses another model's file
         return path
+    samples = opts.get("calibration_samples", DEFAULT_SAMPLES)
+    window = opts.get("calibration_window", DEFAULT_WINDOW)
+    shipped = shipped_path(cfg.identity)
+    defaults = not opts.get("calibration_text") and (samples, window) == (
+        DEFAULT_SAMPLES, DEFAULT_WINDOW)  # fmt: skip
+    if (
+        shipped is not None
+        and path == default_path(cfg.identity)
+        and defaults
+        and not opts.get("recalibrate")
+    ):
+        ChannelStats.load(shipped, cfg.identity, shape)
+        return shipped  # the packaged model's, computed with these very settings
     text = read_text(str(opts.get("calibration_text") or WARMUP_TEXT))
     ids = tokenizer.encode(text)
     stats = collect_channel_stats(
-        model,
-        ids,
-        samples=opts.get("calibration_samples", 100),
-        window=min(opts.get("calibration_window", 256), len(ids)),
-        progress=progress,
+        model, ids, samples=samples, window=min(window, len(ids)), progress=progress
     )
     stats.save(path)
     return path

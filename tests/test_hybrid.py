@@ -280,6 +280,31 @@ def test_ensure_calibration_computes_once_and_refuses_another_models_file(
     ChannelStats.load(path, model.cfg.identity, (30, 3, 64))
 
 
+def test_the_packaged_model_ships_its_calibration(model, tokenizer, tmp_path, monkeypatch):
+    """Issue 33: a first run spent 31 s (AVX-512) to 73 s (AVX2) of a 2-core CPU calibrating
+    the default strategy's channels before its first token. The packaged model's calibration
+    (the default settings on the warm-up text) ships in the package; other settings, an
+    explicit file or `recalibrate` still compute one."""
+    import engine.recording as recording
+    from kvstrategies.calibration import shipped_path
+
+    monkeypatch.setenv("UNIKV_CACHE_DIR", str(tmp_path))  # nothing cached yet
+
+    def computed(*args, **kwargs):
+        raise AssertionError("computed a calibration")
+
+    monkeypatch.setattr(recording, "collect_channel_stats", computed)
+    shipped = shipped_path(model.cfg.identity)
+    assert shipped is not None and shipped.parent.name == "data"
+    assert ensure_calibration(model, tokenizer, {}) == shipped
+    assert ensure_calibration(model, tokenizer, {"calibration_samples": 100}) == shipped
+    ChannelStats.load(shipped, model.cfg.identity, (30, 3, 64))
+    for other in ({"calibration_samples": 50}, {"recalibrate": True},
+                  {"calibration": str(tmp_path / "mine.pt")}):  # fmt: skip
+        with pytest.raises(AssertionError, match="computed"):
+            ensure_calibration(model, tokenizer, other)
+
+
 class _LatentModel:
     """What calibration needs of an MLA model: its config, KV spec and a forward that writes
     latent keys (values: their first channels) and attends, layer by layer, through the cache

@@ -34,6 +34,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs), strict=True))
 
 
+# The pre-tokenizers (llama.cpp's `tokenizer.ggml.pre`) whose splitting this tokenizer does:
+# GPT-2's regex over byte-level BPE ("default" is what llama.cpp assumes when the key is missing).
+# SmolLM's also splits digits one by one, which its merges already do (none joins two digits).
+# Others (llama-bpe, qwen2, ...) split differently and are refused by name.
+SUPPORTED_PRE = ("default", "gpt2", "smollm")
+
+
 class GGUFTokenizer:
     """Encode/decode text, with the special tokens and chat template a GGUF file declares."""
 
@@ -41,6 +48,13 @@ class GGUFTokenizer:
         kind = _field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(f"{path}: unsupported tokenizer {kind!r}; supported: gpt2 (BPE)")
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        if pre not in SUPPORTED_PRE:
+            raise ModelLoadError(
+                f"{path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
+                f"{', '.join(SUPPORTED_PRE)}. Its text would be split unlike the model's "
+                "training, so its answers would be wrong without an error"
+            )
         tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
         merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
         types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []

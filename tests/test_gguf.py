@@ -55,6 +55,19 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_gguf(path, progress=False)
 
 
+def test_a_pre_tokenizer_it_cannot_follow_is_refused_by_name(tmp_path):
+    """Issue 33: a Llama-3 GGUF (`tokenizer.ggml.pre = "llama-bpe"`) was accepted and its text
+    split with GPT-2's rule, wrong without an error. GPT-2's and SmolLM's load."""
+    from engine.loading import load_tokenizer
+
+    for pre in ("gpt2", "smollm"):
+        tinygguf.write(tmp_path / f"{pre}.gguf", pre=pre)
+        assert load_tokenizer(str(tmp_path / f"{pre}.gguf")).vocab_size == tinygguf.VOCAB
+    tinygguf.write(tmp_path / "llama3.gguf", pre="llama-bpe")
+    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'llama-bpe'.*supported: default"):
+        load_tokenizer(str(tmp_path / "llama3.gguf"))
+
+
 def test_corrupt_and_truncated_files(tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"this is not a gguf file at all" * 10)

@@ -45,9 +45,10 @@ def weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write(
-    path: Path, qtype: str = "F32", arch: str = "llama", seed: int = 0
+    path: Path, qtype: str = "F32", arch: str = "llama", seed: int = 0, pre: str | None = None
 ) -> dict[str, np.ndarray]:
-    """Write a tiny model; return the original (unpermuted, unquantized) weights."""
+    """Write a tiny model (with `tokenizer.ggml.pre` when `pre` is given); return the original
+    (unpermuted, unquantized) weights."""
     w = weights(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
@@ -60,6 +61,8 @@ def write(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list([chr(0x100 + i) for i in range(VOCAB)])
     writer.add_token_types([1] * VOCAB)
     writer.add_token_merges([])

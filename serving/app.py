@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import json
 import logging
 import time
@@ -37,6 +36,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.cli import version as engine_version
 from engine.engine import Engine, RequestHandle
 
 from . import protocol as p
@@ -245,7 +245,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": _version()}
+        return {"version": engine_version()}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -462,13 +462,6 @@ def _with(body: p._Lenient, content: dict, headers: dict[str, str] | None = None
 
 def _ignored(body: p._Lenient) -> dict[str, str]:
     return {"x-unikv-ignored-fields": ",".join(body.ignored)} if body.ignored else {}
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("unikv")
-    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "0+unknown"
 
 
 def _prompt(server: Server, body: p._Sampling, chat: bool) -> list[int]:

@@ -54,7 +54,9 @@ common = {
     "priority": st.one_of(st.integers(-1001, 1001), hostile), "stop": st.one_of(
         st.text(max_size=4), st.lists(st.text(max_size=4), max_size=5), hostile),
     "stream": st.booleans(), "n": small_int, "logprobs": hostile, "user": hostile,
-    "frobnicate": hostile, "ignore_eos": hostile,
+    "frobnicate": hostile, "ignore_eos": hostile, "echo": hostile, "top_logprobs": small_int,
+    "min_p": hostile, "repetition_penalty": hostile, "min_tokens": small_int,
+    "stop_token_ids": hostile, "model": hostile,
 }  # fmt: skip
 # Requests a client means (values in range, sometimes at their edges): these reach the model.
 valid = {

@@ -20,11 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.engine import compute  # noqa: E402
+from unikv.engine.engine import Engine  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.engine.sampling import SamplingParams  # noqa: E402
+
 from benchmarks.common import interleaved, report  # noqa: E402
-from engine import compute  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
 
 PROSE = (
     "The history of the town is long and full of small surprises. Its first houses were built by "
@@ -47,9 +48,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
-
-    from engine.gguf_loader import resolve_model_path
-    from kvstrategies.kv import DTYPES
+    from unikv.engine.gguf_loader import resolve_model_path
+    from unikv.kvstrategies.kv import DTYPES
 
     dtype = DTYPES[args.dtype]
     # All torch work on the one compute thread (see engine/compute.py), the reference's too.

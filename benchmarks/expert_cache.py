@@ -76,8 +76,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.memory.experts import ExpertCache  # noqa: E402
+
 from benchmarks.common import report  # noqa: E402
-from memory.experts import ExpertCache  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, SHARED = 1024, 512, 64, 6, 2
 
@@ -193,10 +194,10 @@ def counters(cache: ExpertCache) -> dict:
 
 def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
     """The cases on a real checkpoint through the engine (see the module docstring)."""
-    from engine.assembly import build_kv
-    from engine.loading import load_model
-    from kvstrategies.kv import StepBatch
-    from memory.config import MoEOptions, PoolConfig, TierConfig
+    from unikv.engine.assembly import build_kv
+    from unikv.engine.loading import load_model
+    from unikv.kvstrategies.kv import StepBatch
+    from unikv.memory.config import MoEOptions, PoolConfig, TierConfig
 
     rows, base = [], None
     for name, (fc, fh, _cold) in cases.items():

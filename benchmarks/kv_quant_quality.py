@@ -23,12 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kvstrategies  # noqa: E402
+from unikv.engine.assembly import build_kv  # noqa: E402
+from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+
 from benchmarks.common import report  # noqa: E402
 from benchmarks.peers import quanto_run  # noqa: E402
-from engine.assembly import build_kv  # noqa: E402
-from engine.evaluate import perplexity, read_text  # noqa: E402
-from engine.loading import load_model  # noqa: E402
+from unikv import kvstrategies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Settings from near-lossless down to 2 bits (options of the strategy; the first is the default).
@@ -55,7 +56,7 @@ METHOD_SETTINGS = [SETTINGS[0], SETTINGS[9]]
 
 def label(options: dict) -> str:
     """The channel classes of a setting, e.g. 'K 4f+28i4+32i2 / V 64i4' (of 64 channels)."""
-    from kvstrategies.quant import channel_counts
+    from unikv.kvstrategies.quant import channel_counts
 
     o = kvstrategies.get("hybrid_fp16_int4").check_options(options)
     out = []
@@ -75,7 +76,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
 
 
 def engine_run(model, tok, ids, name, options=None, block_size=None):
-    from memory.config import PoolConfig
+    from unikv.memory.config import PoolConfig
 
     spec = model.kv_spec()
     cfg = PoolConfig(block_size=block_size)

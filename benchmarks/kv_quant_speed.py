@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.engine.assembly import build_kv  # noqa: E402
+from unikv.engine.evaluate import read_text  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.kvstrategies.kv import StepBatch  # noqa: E402
+
 from benchmarks.common import report  # noqa: E402
-from engine.assembly import build_kv  # noqa: E402
-from engine.evaluate import read_text  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from kvstrategies.kv import StepBatch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "benchmarks" / "texts" / "GPL-3.txt"

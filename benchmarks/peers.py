@@ -18,8 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from engine.gguf_loader import resolve_model_path
+from unikv.engine.gguf_loader import resolve_model_path
 
 # Bits per element of llama.cpp's KV cache types (block of 32 values plus an fp16 scale).
 LLAMACPP_KV_BITS = {"f16": 16.0, "q8_0": 8.5, "q5_0": 5.5, "q4_0": 4.5}

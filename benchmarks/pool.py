@@ -23,14 +23,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.engine import compute  # noqa: E402
+from unikv.engine.assembly import assemble_for  # noqa: E402
+from unikv.engine.engine import Engine  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.engine.sampling import SamplingParams  # noqa: E402
+from unikv.kvstrategies.kv import ContiguousKVCache  # noqa: E402
+
 from benchmarks.common import interleaved, report  # noqa: E402
 from benchmarks.pool_alloc import latency, waste  # noqa: E402
-from engine import compute  # noqa: E402
-from engine.assembly import assemble_for  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "texts" / "GPL-3.txt"
 
@@ -43,10 +44,9 @@ def _full_kv(model):
 def pool_latency(iters: int = 20000) -> dict:
     """p50/p99 of UnifiedMemoryPool.reserve(seq, one block) + free(seq), in µs."""
     import torch
-
-    from memory.config import PoolConfig, TierConfig
-    from memory.layout import BLOCKS, ArenaSpec, BlockLayout
-    from memory.pool import UnifiedMemoryPool
+    from unikv.memory.config import PoolConfig, TierConfig
+    from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
+    from unikv.memory.pool import UnifiedMemoryPool
 
     layout = BlockLayout(16, (ArenaSpec("kv", torch.float32, (BLOCKS, 16)),))
     pool = UnifiedMemoryPool(

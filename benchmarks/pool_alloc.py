@@ -28,7 +28,7 @@ import platform
 import random
 import time
 
-from memory.allocator import BlockTable, TierAllocator
+from unikv.memory.allocator import BlockTable, TierAllocator
 
 TARGET_P99_US = 5.0
 TARGET_WASTE = 0.04

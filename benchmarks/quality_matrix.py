@@ -92,7 +92,7 @@ class Method:
 
     def check(self) -> None:
         """A ValueError (one line) for an unknown strategy spec or a bad option."""
-        import kvstrategies
+        from unikv import kvstrategies
 
         kvstrategies.get(self.spec).check_options(self.options or {})
 
@@ -462,8 +462,7 @@ class Runner:
     def run(self) -> dict:
         """Everything, text by text."""
         import torch
-
-        from engine.loading import load_model
+        from unikv.engine.loading import load_model
 
         a = self.args
         torch.set_num_threads(a.threads)
@@ -480,9 +479,9 @@ class Runner:
         return self.results
 
     def run_text(self, model, tok, path: Path, quanto, llama, half: list[Method]) -> None:
-        from engine.assembly import assemble_for
-        from engine.evaluate import perplexity, read_text
-        from engine.passkey import passkey
+        from unikv.engine.assembly import assemble_for
+        from unikv.engine.evaluate import perplexity, read_text
+        from unikv.engine.passkey import passkey
 
         a, name = self.args, path.stem
         text = read_text(str(path))
@@ -606,8 +605,9 @@ class Runner:
 
     def llamacpp_ready(self) -> tuple[Path, Path] | None:
         """llama.cpp's binaries and the F32 GGUF (else skipped, with the reason)."""
+        from unikv.engine.gguf_loader import resolve_model_path
+
         from benchmarks.llamacpp import converted, find_or_build
-        from engine.gguf_loader import resolve_model_path
 
         try:
             bin_dir = find_or_build(progress=False)

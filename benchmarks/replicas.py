@@ -30,9 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.engine.sampling import SamplingParams  # noqa: E402
+from unikv.serving.replicas import Replicas, ReplicaSpec  # noqa: E402
+
 from benchmarks.common import report  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from serving.replicas import Replicas, ReplicaSpec  # noqa: E402
 
 LIMIT_C = 85.0  # the cpu profile's thermal_throttle_c
 TOPICS = ["a lighthouse keeper", "a tea merchant", "a chess club", "a mountain railway",
@@ -139,8 +140,7 @@ def run_router(router: str, spec: ReplicaSpec, sensors: Path, args, ps) -> dict:
 def ray_overhead(spec: ReplicaSpec, ps, n: int) -> dict:
     """Median latency of sequential requests: one replica through Ray vs the engine here."""
     import torch
-
-    from engine.engine import Engine
+    from unikv.engine.engine import Engine
 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     reqs = [p[-40:] for p in ps[:n]]  # short prompts: the fixed costs show
@@ -188,7 +188,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-requests", type=int, default=12)
     args = p.parse_args()
-    from engine.loading import load_tokenizer
+    from unikv.engine.loading import load_tokenizer
 
     tok = load_tokenizer("smollm2")
     d = Path(tempfile.mkdtemp(prefix="unikv-replicas-"))

@@ -49,10 +49,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from unikv.engine.config import MoEConfig  # noqa: E402
+from unikv.engine.routing import default_winners, route  # noqa: E402
+from unikv.memory.profiles import DEFAULT_TOPK_BLOCK  # noqa: E402
+
 from benchmarks.common import environment, interleaved, report  # noqa: E402
-from engine.config import MoEConfig  # noqa: E402
-from engine.routing import default_winners, route  # noqa: E402
-from memory.profiles import DEFAULT_TOPK_BLOCK  # noqa: E402
 
 FIELD_DIFF_PCT_4K = 0.79  # field figure to beat: % of tokens routed differently at 4K tokens
 LATENT = 64
@@ -193,8 +194,8 @@ def synthetic_sources(args: argparse.Namespace):
 
 def model_sources(args: argparse.Namespace):
     """The same per MoE layer of a checkpoint: its router logits over windows of the text."""
-    from engine.loading import load_model
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.engine.loading import load_model
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     model, tok = load_model(args.model, progress=True)
     if model.cfg.moe is None:

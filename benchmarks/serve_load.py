@@ -39,9 +39,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
+
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
-from engine.gguf_loader import resolve_model_path  # noqa: E402
 
 TEXT = Path(__file__).with_name("texts") / "GPL-3.txt"
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,7 +217,7 @@ def unikv_server(batch: int, window_ms: float | None) -> Proc:
     argv = [
         sys.executable,
         "-m",
-        "serving.cli",
+        "unikv.serving.cli",
         "serve",
         "--port",
         str(port),

@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from unikv.kvstrategies import Built, KVSpec, KVStrategy
+from unikv.kvstrategies.registry import content_identity
+from unikv.memory.config import PoolConfig, TierConfig, load_config
+from unikv.memory.pool import StoreTier
+from unikv.memory.profiles import ChipProfile
+from unikv.memory.remote import RemoteTier
+from unikv.storage import BlockStore, create_store, open_url, url_store
+from unikv.storage.registry import redact
 
-import kvstrategies
-from kvstrategies import Built, KVSpec, KVStrategy
-from kvstrategies.registry import content_identity
-from memory.config import PoolConfig, TierConfig, load_config
-from memory.pool import StoreTier
-from memory.profiles import ChipProfile
-from memory.remote import RemoteTier
-from storage import BlockStore, create_store, open_url, url_store
-from storage.registry import redact
+from unikv import kvstrategies
 
 from .loading import load_model
 from .model import LlamaModel

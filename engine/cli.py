@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvstrategies import operators
-from kvstrategies.kv import DTYPES
-from kvstrategies.options import Option
+from unikv.kvstrategies import operators
+from unikv.kvstrategies.kv import DTYPES
+from unikv.kvstrategies.options import Option
+from unikv.memory.config import list_profiles
 
 from .gguf_loader import WEIGHT_MODES
 
@@ -111,7 +112,7 @@ def _flag_kwargs(o: Option) -> dict:
 def strategy_option_args(sp: argparse.ArgumentParser, names: tuple[str, ...] = ()) -> None:
     """One argument group per strategy (default: every registered one), each flag made from
     the strategy's option declarations; a flag two strategies share is added once."""
-    import kvstrategies
+    from unikv import kvstrategies
 
     added: dict[str, tuple[argparse.Action, Option]] = {}
     also: dict[str, list[str]] = {}  # flag -> the other strategies with the same declaration
@@ -191,8 +192,8 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         sp.add_argument(
             "--chip",
             default=None,
-            help="chip profile (configs/profiles/NAME.toml; default: the config file's chip, "
-            "else cpu)",
+            help=f"chip profile: a shipped name ({', '.join(list_profiles())}) or a .toml path "
+            "(default: the config file's chip, else cpu)",
         )
         strategy_option_args(sp)
 
@@ -258,7 +259,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         "profile",
         help="show the chip, its bandwidth class, the strategy it gets and the tiers",
         description=(
-            "Resolve a chip profile (configs/profiles/NAME.toml) and a memory-tier config: "
+            "Resolve a chip profile (a shipped name or a .toml path) and a memory-tier config: "
             "bandwidth (measured for cpu), class high/medium/low, the strategy that would be "
             "chosen, the tiers and the field-tuned parameters."
         ),
@@ -500,7 +501,7 @@ async def _run(args: argparse.Namespace) -> dict:
 
 def _kernel_status(mem: dict) -> str:
     """The attention path of the run's strategy: hybrid's C kernel or its PyTorch fallback."""
-    from kvstrategies import kernels
+    from unikv.kvstrategies import kernels
 
     kernel = mem.get("kernel")
     if kernel is None:  # a strategy without a C kernel: PyTorch attention is its only path
@@ -524,7 +525,7 @@ def add_axis_flags(sp: argparse.ArgumentParser) -> None:
 
 def _axis_choices() -> dict[str, list[str]]:
     """Each strategy axis and its names (`--kv-format`, `--kv-placement`, `--kv-selection`)."""
-    from kvstrategies import formats, placement, selection
+    from unikv.kvstrategies import formats, placement, selection
 
     return {"format": list(formats.FORMATS), "placement": list(placement.PLACEMENTS),
             "selection": list(selection.SELECTIONS)}  # fmt: skip
@@ -534,8 +535,9 @@ def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str
     """--strategy with the --kv-AXIS flags applied: each given axis replaces that axis of
     --strategy's (a preset's axes, a composed name's, or "auto" ones; without --strategy, of
     the config file's strategy). None when neither is given."""
-    import kvstrategies
-    from kvstrategies import composed
+    from unikv.kvstrategies import composed
+
+    from unikv import kvstrategies
 
     given = {a: getattr(args, f"kv_{a}", None) for a in composed.AXES}
     if not any(given.values()):
@@ -549,8 +551,9 @@ def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str
 def _check_kv_args(args: argparse.Namespace) -> None:
     """Fail on a bad config file or strategy name before the (slow) model load; folds the
     --kv-AXIS flags into args.strategy."""
-    import kvstrategies
-    from memory.config import load_config
+    from unikv.memory.config import load_config
+
+    from unikv import kvstrategies
 
     cfg = load_config(args.config)
     args.strategy = strategy_arg(args, cfg.strategy)
@@ -563,7 +566,7 @@ def _check_kv_args(args: argparse.Namespace) -> None:
 
 def _kv_options(args: argparse.Namespace) -> dict:
     """Strategy options given as flags (those left out keep the config file's values)."""
-    import kvstrategies
+    from unikv import kvstrategies
 
     opts = {}
     for name in kvstrategies.available():
@@ -647,9 +650,10 @@ def _memory_lines(mem: dict) -> str:
 
 
 def _profile(args: argparse.Namespace) -> dict:
-    import kvstrategies
-    from kvstrategies import kernels
-    from memory.profiles import format_report, profile_report
+    from unikv.kvstrategies import kernels
+    from unikv.memory.profiles import format_report, profile_report
+
+    from unikv import kvstrategies
 
     report = profile_report(args.chip, args.config, kvstrategies.select,
                             axes_of=lambda name: kvstrategies.get(name).axes)  # fmt: skip
@@ -669,8 +673,8 @@ def _registry_choices(device) -> dict:
     """Per registered op: the implementations this device and build offer, in preference order
     (the first is the one a model or strategy loaded here would use), and the others with why.
     Attention's C kernel is judged by the probe build (`kernels.status(probe=True)`)."""
-    import kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
-    from kvstrategies import kernels
+    import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
+    from unikv.kvstrategies import kernels
 
     from . import linear  # noqa: F401  (registers the matmul, norm and rope entries)
 
@@ -692,7 +696,7 @@ def _registry_choices(device) -> dict:
 
 
 def _cache(args: argparse.Namespace) -> tuple[dict, int]:
-    from memory.config import load_config
+    from unikv.memory.config import load_config
 
     from .assembly import open_store
 
@@ -803,8 +807,7 @@ def _tune(args: argparse.Namespace) -> dict:
 
 def _tune_hybrid(args: argparse.Namespace, text: str) -> dict:
     import torch
-
-    from memory.config import load_config
+    from unikv.memory.config import load_config
 
     from .tune import TuneSettings, tune_hybrid
 
@@ -875,7 +878,7 @@ def _tune_prune(args: argparse.Namespace, text: str) -> dict:
 
 
 def _calibrate(args: argparse.Namespace) -> dict:
-    from kvstrategies.calibration import WARMUP_TEXT, default_path
+    from unikv.kvstrategies.calibration import WARMUP_TEXT, default_path
 
     from .evaluate import read_text
     from .loading import load_model

@@ -35,10 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from kvstrategies.kv import KVCache, KVSpec
-from memory.config import PoolConfig
-from memory.experts import ExpertCache
+from unikv.kvstrategies.kv import KVCache, KVSpec
+from unikv.memory.config import PoolConfig
+from unikv.memory.experts import ExpertCache
 
 from .config import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
 from .model import LlamaModel, RotaryTable, SplitLinear, rms_norm

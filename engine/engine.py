@@ -32,11 +32,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from kvstrategies.kv import KVCache, StepBatch
-from kvstrategies.registry import Built
-from memory.config import PoolConfig
-from memory.pool import BlockLostError
+from unikv.kvstrategies.kv import KVCache, StepBatch
+from unikv.kvstrategies.registry import Built
+from unikv.memory.config import PoolConfig
+from unikv.memory.pool import BlockLostError
 
 from . import compute
 from .assembly import Assembly, assemble, assemble_for
@@ -46,7 +45,7 @@ from .sampling import SamplingParams, TokenLogprob, check_priority, logprobs_of,
 from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 PUBLISH_S = 0.05  # the memory report readers on other threads see is at most this old
 # The C heap's free pages go back to the OS (`compute.trim_heap`, 10-40 ms) once the engine has
 # been idle IDLE_TRIM_S after running steps (a request that follows at once never waits for

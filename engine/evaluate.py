@@ -12,8 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
-
-from kvstrategies.kv import KVCache, StepBatch
+from unikv.kvstrategies.kv import KVCache, StepBatch
 
 from .model import LlamaModel
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from importlib import resources
 from pathlib import Path
 
 import torch
+from unikv.kvstrategies import kernels
 
-from kvstrategies import kernels
-
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCE = Path(resources.files(__package__) / "gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
 I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel's chunk of rows (checked too)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
@@ -33,7 +33,7 @@ FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
 
 

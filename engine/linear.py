@@ -39,13 +39,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
+from unikv.kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
 
 from . import gemv
 from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 
 

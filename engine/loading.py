@@ -8,8 +8,7 @@ another's module to find its way back.
 from __future__ import annotations
 
 import torch
-
-from kvstrategies.kv import DTYPES
+from unikv.kvstrategies.kv import DTYPES
 
 from .deepseek import DeepseekModel
 from .gguf_loader import check_weights, load_gguf, resolve_model_path

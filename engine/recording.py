@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-
-from kvstrategies.calibration import (
+from unikv.kvstrategies.calibration import (
     DEFAULT_SAMPLES,
     DEFAULT_WINDOW,
     TUNED_FILE,
@@ -35,8 +34,8 @@ from kvstrategies.calibration import (
     default_path,
     shipped_path,
 )
-from kvstrategies.kv import ContiguousKVCache, StepBatch
-from kvstrategies.prune_head import TargetRecorder, TrainResult, fit
+from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
+from unikv.kvstrategies.prune_head import TargetRecorder, TrainResult, fit
 
 from .evaluate import read_text
 from .model import LlamaModel

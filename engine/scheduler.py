@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:  # for annotations only: importing kvstrategies.kv would import torch
-    from kvstrategies.kv import KVMemory
+    from unikv.kvstrategies.kv import KVMemory
 
 
 class Schedulable(Protocol):

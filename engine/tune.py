@@ -46,8 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
-
-from storage.files import torch_save_atomic
+from unikv.storage.files import torch_save_atomic
 
 from .config import ModelConfig
 from .model import RotaryTable, rms_norm
@@ -88,7 +87,7 @@ class TunableLlama(nn.Module):
 
         quant: a `FakeQuant` (the cache as hybrid_fp16_int4 stores it) or None (full precision).
         base: ignore the deltas (the model as loaded)."""
-        from kvstrategies.hybrid_qat import read_mask
+        from unikv.kvstrategies.hybrid_qat import read_mask
 
         cfg = self.cfg
         b, t = tokens.shape
@@ -239,10 +238,11 @@ def tune_hybrid(
     hybrid_fp16_int4 setting `options`; write the tuned checkpoint directory `out`.
 
     `on_step(step)` is called after each step's checkpoint decision (tests interrupt there)."""
-    import kvstrategies
-    from kvstrategies.calibration import TUNED_FILE, ChannelStats
-    from kvstrategies.hybrid import HybridStrategy
-    from kvstrategies.hybrid_qat import FakeQuant
+    from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
+    from unikv.kvstrategies.hybrid import HybridStrategy
+    from unikv.kvstrategies.hybrid_qat import FakeQuant
+
+    from unikv import kvstrategies
 
     from .hf_loader import checkpoint_config, save_hf
     from .loading import load_weights

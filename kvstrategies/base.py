@@ -12,8 +12,7 @@ from abc import abstractmethod
 from typing import Any, ClassVar
 
 import torch
-
-from memory.pool import BlockLayout, UnifiedMemoryPool
+from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
 
 from .kv import KVCache, KVMemory, KVSpec, StepBatch
 from .options import Option, validate

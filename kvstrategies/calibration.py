@@ -27,11 +27,11 @@ engine recomputes it only when asked to (option `recalibrate`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
-
-from memory import config
+from unikv.memory import config
 
 from .kv import ContiguousKVCache, KVSpec
 
@@ -80,7 +80,7 @@ class ChannelStats:
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash mid-write never leaves a half file behind."""
-        from storage.files import torch_save_atomic
+        from unikv.storage.files import torch_save_atomic
 
         torch_save_atomic(self.to_dict(), path)
 
@@ -166,10 +166,10 @@ class ChannelRecorder(ContiguousKVCache):
         )
 
 
-WARMUP_TEXT = Path(__file__).with_name("data") / "warmup.txt"
+WARMUP_TEXT = Path(resources.files(__package__) / "data" / "warmup.txt")
 # Calibrations shipped for the packaged models (computed with the defaults below on the warm-up
 # text), so a first run does not spend 30-75 s on a 2-core CPU computing one.
-SHIPPED_DIR = Path(__file__).with_name("data")
+SHIPPED_DIR = Path(resources.files(__package__) / "data")
 DEFAULT_SAMPLES, DEFAULT_WINDOW = 100, 256
 
 

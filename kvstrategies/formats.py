@@ -43,7 +43,10 @@ class KVFormat:
 
 # NOTE: classes are named by path and imported on use, as the strategy registry does: the
 # implementing modules import the registry, so importing them here would be a cycle.
-_IMPLS = {"dense": "kvstrategies.full:FullStrategy", "packed": "kvstrategies.hybrid:HybridStrategy"}
+_IMPLS = {
+    "dense": "unikv.kvstrategies.full:FullStrategy",
+    "packed": "unikv.kvstrategies.hybrid:HybridStrategy",
+}
 
 
 def load(path: str) -> Any:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from memory.pool import BLOCKS, ArenaSpec, BlockLayout
-from memory.tiers import TierKind
+from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
+from unikv.memory.tiers import TierKind
 
 from .base import KVSpec, KVStrategy
 from .kv import DTYPES, StepBatch, attention_runs

@@ -21,7 +21,7 @@ try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # optional: only the tests and benchmarks drive transformers models
     raise ImportError(
-        "kvstrategies.hf_cache needs Hugging Face transformers>=4.56 "
+        "unikv.kvstrategies.hf_cache needs Hugging Face transformers>=4.56 "
         "(pip install 'unikv[test]'); the unikv engine itself does not use it"
     ) from e
 

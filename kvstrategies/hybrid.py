@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-
-from memory.pool import BLOCKS, ArenaSpec, BlockLayout
+from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from . import kernels
 from .base import KVSpec, KVStrategy

@@ -40,13 +40,13 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 import torch
+from unikv.memory import config
 
-from memory import config
-
-SOURCE = Path(__file__).with_name("hybrid_attend.c")
+SOURCE = Path(resources.files(__package__) / "hybrid_attend.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 ISAS = ("avx512", "avx2", "portable", "native")
 # What each x86-64 instruction set needs in /proc/cpuinfo, and its compiler flags.
@@ -60,7 +60,7 @@ ISA_FLAGS = {
 KERNEL_ERROR: str | None = None
 _libs: dict[tuple, ctypes.CDLL | None] = {}
 _warned: set[str] = set()
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 # A small shape `status(probe=True)` builds to see whether this machine can build the kernel
 # at all (compiler, OpenMP, a writable cache directory); the engine builds its own shapes.
 PROBE_SHAPE = {"T": 16, "D": 64, "NF": 8, "NM": 48, "NL": 8, "VF": 8, "VM": 48, "VL": 8,

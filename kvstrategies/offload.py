@@ -47,10 +47,10 @@ import math
 import time
 from typing import Any
 
-from memory.prefix import chain_hashes
-from memory.remote import RemoteTier, RemoteWriteThrough
-from memory.services import Prefetcher, WriteThrough
-from memory.tiers import StoreTier, TierKind
+from unikv.memory.prefix import chain_hashes
+from unikv.memory.remote import RemoteTier, RemoteWriteThrough
+from unikv.memory.services import Prefetcher, WriteThrough
+from unikv.memory.tiers import StoreTier, TierKind
 
 from .base import KVSpec
 from .full import FullStrategy
@@ -58,7 +58,7 @@ from .kv import StepBatch
 from .options import Option
 from .registry import register
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 _HOST_ACCESS = ("auto", "stage")
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 
 class Implementation(ABC):

@@ -14,7 +14,7 @@ PLACEMENTS: dict[str, AxisEntry] = {
     for p in (
         AxisEntry("resident", "every block on the device tier"),
         AxisEntry("tiered", "device -> host -> SSD -> remote by recency, prefetched",
-                  "kvstrategies.offload:TieredPlacement"),
+                  "unikv.kvstrategies.offload:TieredPlacement"),
     )
 }  # fmt: skip
 

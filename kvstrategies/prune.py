@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,11 @@ from .kv import StepBatch
 from .options import Option
 from .registry import register
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 # Made by `unikv tune --kv_optimization=learned_prune --text benchmarks/texts/GPL-2.txt --out DIR`
 # for the packaged SmolLM2-135M-Instruct (its identity, with the weights digest, is checked).
-SHIPPED_HEAD = Path(__file__).resolve().parent / "data" / "prune_head.pt"
+SHIPPED_HEAD = Path(resources.files(__package__) / "data" / "prune_head.pt")
 SCORERS = ("head", "streaming", "random", "knorm", "h2o", "tova", "surprisal", "snapkv")
 # Scorers whose rank the prompt's observation window adds to (the others are the pure baselines
 # they are measured against; h2o and tova observe every step by themselves).

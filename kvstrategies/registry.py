@@ -11,22 +11,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-from memory.config import PoolConfig, load_config
-from memory.pool import UnifiedMemoryPool
-from storage.registry import Registry
+from unikv.memory.config import PoolConfig, load_config
+from unikv.memory.pool import UnifiedMemoryPool
+from unikv.storage.registry import Registry
 
 if TYPE_CHECKING:
-    from memory.profiles import ChipProfile
+    from unikv.memory.profiles import ChipProfile
 
     from .base import KVSpec, KVStrategy
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 # Modules that register strategies when imported; a new strategy is one file plus a line here.
 _strategies: Registry[KVStrategy] = Registry(
     "strategy",
-    ("kvstrategies.full", "kvstrategies.hybrid", "kvstrategies.offload", "kvstrategies.prune"),
+    (
+        "unikv.kvstrategies.full",
+        "unikv.kvstrategies.hybrid",
+        "unikv.kvstrategies.offload",
+        "unikv.kvstrategies.prune",
+    ),
 )
 register = _strategies.register
 available = _strategies.available
@@ -88,7 +92,7 @@ FALLBACK = "full"
 def class_defaults() -> dict[str, str]:
     """Bandwidth class -> the registered strategy that declares itself its default
     (`default_for`); every class has exactly one."""
-    from memory.profiles import CLASSES
+    from unikv.memory.profiles import CLASSES
 
     found: dict[str, list[str]] = {c: [] for c in CLASSES}
     for name in available():
@@ -121,7 +125,7 @@ def select(
     refused combination, or "auto" when neither the class default nor the fallback is
     available.
     """
-    from memory.profiles import CLASSES
+    from unikv.memory.profiles import CLASSES
 
     from . import composed
 
@@ -280,7 +284,7 @@ def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None
     """(strategy name, why, chip profile, bandwidth class, GB/s) for a config, with an explicit
     `strategy`/`chip` taking precedence; resolves "auto" by the chip's bandwidth class (the
     `cpu` profile measures it: about 0.1 s). Builds nothing."""
-    from memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
+    from unikv.memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
 
     profile = load_profile(chip or cfg.chip)
     gbps, _ = resolve_bandwidth(profile)

@@ -14,7 +14,7 @@ SELECTIONS: dict[str, AxisEntry] = {
     for s in (
         AxisEntry("all", "every token keeps its KV"),
         AxisEntry("pruned", "a scorer evicts the lowest ranked tokens; compacted",
-                  "kvstrategies.prune:PrunedSelection"),
+                  "unikv.kvstrategies.prune:PrunedSelection"),
     )
 }  # fmt: skip
 

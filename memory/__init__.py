@@ -5,8 +5,8 @@ Re-exports the public API of `memory.allocator`, `memory.prefix`, `memory.stats`
 pool built on them live in their own modules.
 """
 
-from memory.allocator import SHARED, Block, BlockTable, FreeBlockQueue, TierAllocator
-from memory.config import (
+from unikv.memory.allocator import SHARED, Block, BlockTable, FreeBlockQueue, TierAllocator
+from unikv.memory.config import (
     TIER_ORDER,
     ConfigError,
     MoEOptions,
@@ -16,8 +16,8 @@ from memory.config import (
     load_config,
     parse_size,
 )
-from memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
-from memory.profiles import (
+from unikv.memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
+from unikv.memory.profiles import (
     ChipProfile,
     TunedParams,
     bandwidth_class,
@@ -28,7 +28,14 @@ from memory.profiles import (
     measure_host_bandwidth,
     profile_report,
 )
-from memory.stats import Health, HealthMonitor, HealthReport, OomPredictor, OomWarning, PoolStats
+from unikv.memory.stats import (
+    Health,
+    HealthMonitor,
+    HealthReport,
+    OomPredictor,
+    OomWarning,
+    PoolStats,
+)
 
 __all__ = [
     "SHARED",

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from memory.prefix import BlockRef, PrefixCache
+from unikv.memory.prefix import BlockRef, PrefixCache
 
 SHARED = None  # owner of a read-only block referenced by several sequences or the prefix cache
 

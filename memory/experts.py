@@ -62,9 +62,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from memory.tiers import BlockLostError
-from storage import BlockStore, create_store
+from unikv.memory.tiers import BlockLostError
+from unikv.storage import BlockStore, create_store
 
 Key = tuple[int, int]  # (layer, routed expert index)
 Weights = tuple[torch.Tensor, ...]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from memory.allocator import BlockTable, TierAllocator
-from memory.tiers import TierKind
+from unikv.memory.allocator import BlockTable, TierAllocator
+from unikv.memory.tiers import TierKind
 
 SeqId = Hashable
 

@@ -27,15 +27,14 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
-
-from memory.allocator import BlockTable, TierAllocator
-from memory.config import PoolConfig
-from memory.layout import BLOCKS, ArenaSpec, BlockLayout
-from memory.placement import Placement
-from memory.prefix import BlockRef
-from memory.prefix_index import PrefixIndex
-from memory.stats import HealthMonitor, HealthReport, PoolStats
-from memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
+from unikv.memory.allocator import BlockTable, TierAllocator
+from unikv.memory.config import PoolConfig
+from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
+from unikv.memory.placement import Placement
+from unikv.memory.prefix import BlockRef
+from unikv.memory.prefix_index import PrefixIndex
+from unikv.memory.stats import HealthMonitor, HealthReport, PoolStats
+from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
 
 # Re-exported: strategies and the engine import the layout and tier types from here.
 __all__ = [

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 
-from memory.allocator import BlockTable, TierAllocator
-from memory.prefix import BlockRef, PrefixCache, block_hash
-from memory.tiers import StoreTier, Tier
+from unikv.memory.allocator import BlockTable, TierAllocator
+from unikv.memory.prefix import BlockRef, PrefixCache, block_hash
+from unikv.memory.tiers import StoreTier, Tier
 
 SeqId = Hashable
 

@@ -1,7 +1,7 @@
 """Chip profiles and bandwidth classes.
 
 What lives here: `ChipProfile` / `TunedParams` (one TOML file per chip under
-configs/profiles/), `load_profile`, `list_profiles`, `bandwidth_class`, `CLASSES`, the
+memory/profiles/, package data), `load_profile`, `list_profiles`, `bandwidth_class`, `CLASSES`, the
 bandwidth probes (`measure_host_bandwidth` with numpy, `measure_cuda_bandwidth` with torch,
 imported lazily and only for the cuda profile) and `profile_report` / `format_report` behind
 `unikv profile`.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memory.config import (
+from unikv.memory.config import (
     PROFILE_DIR,
     ConfigError,
     MoEOptions,

@@ -25,12 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+from unikv.memory.services import WriteThrough
+from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, _slice_suffix
+from unikv.storage import StoreFullError
 
-from memory.services import WriteThrough
-from memory.tiers import BlockLostError, StoreTier, TensorTier, _slice_suffix
-from storage import StoreFullError
-
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 

@@ -23,10 +23,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+from unikv.memory.tiers import StoreTier, TensorTier, Tier
 
-from memory.tiers import StoreTier, TensorTier, Tier
-
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 Group = tuple[str, tuple[int, ...]]  # (tier name, block ids) read as one piece
 # Per sequence, its groups in order. The sequence ids belong to the plan, so a next step's

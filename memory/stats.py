@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from memory.allocator import TierAllocator
-from memory.prefix import PrefixCache
+from unikv.memory.allocator import TierAllocator
+from unikv.memory.prefix import PrefixCache
 
-logger = logging.getLogger("unikv." + __name__)
+logger = logging.getLogger(__name__)
 
 GREEN_MAX_USAGE = 0.85  # device usage at or above this is at least yellow
 RED_USAGE = 0.95  # device usage above this is red

@@ -32,11 +32,10 @@ from enum import StrEnum
 
 import numpy as np
 import torch
+from unikv.memory.layout import BLOCKS, BlockLayout
+from unikv.storage import StoreFullError
 
-from memory.layout import BLOCKS, BlockLayout
-from storage import StoreFullError
-
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 
 class TierKind(StrEnum):

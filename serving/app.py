@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,9 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from engine.cli import version as engine_version
-from engine.engine import Engine, RequestHandle
+from unikv.engine.cli import version as engine_version
+from unikv.engine.engine import Engine, RequestHandle
 
 from . import protocol as p
 from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate, service_fault
@@ -45,7 +45,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("unikv.serve")
 B = TypeVar("B", bound=p._Lenient)
-DASHBOARD = Path(__file__).with_name("dashboard.html")
+DASHBOARD = Path(resources.files(__package__) / "dashboard.html")
 SERIES_BUCKET_S = 5.0  # the dashboard's throughput and TTFT series: one point per 5 s
 SERIES_POINTS = 60  # five minutes of them
 

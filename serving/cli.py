@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from engine import cli as engine_cli
+from unikv.engine import cli as engine_cli
 
 DESCRIPTION = (
     "Serve the model over an OpenAI-compatible HTTP API: /v1/completions, "
@@ -160,7 +160,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the server and block until it is stopped (SIGINT or SIGTERM)."""
-    from memory.config import load_config
+    from unikv.memory.config import load_config
 
     from .app import ServeSettings
 
@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
         return _run(args, settings)
 
-    from memory.config import SENSOR_KINDS
+    from unikv.memory.config import SENSOR_KINDS
 
     from .replicas import Replicas, ReplicaSpec
 
@@ -213,8 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, settings, client=None) -> int:
     """uvicorn around one engine built here, or around the replicas' `client`."""
     import uvicorn
-
-    from engine.engine import Engine
+    from unikv.engine.engine import Engine
 
     from .app import Server, create_app
 

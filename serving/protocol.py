@@ -21,8 +21,13 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
-
-from engine.sampling import MAX_LOGPROBS, MAX_SEED, PRIORITY_RANGE, SamplingParams, TokenLogprob
+from unikv.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    PRIORITY_RANGE,
+    SamplingParams,
+    TokenLogprob,
+)
 
 MAX_N = 16  # choices one request may ask for
 

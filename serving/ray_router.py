@@ -6,7 +6,7 @@ adapter turns Ray's replicas into `ReplicaState`s from what each replica last re
 `record_routing_stats` (`serving.replicas.EngineReplica`) and from Ray's own count of requests
 in flight on it, asks the policy for ranks, and tells the policy where each request went.
 
-Selected with `RequestRouterConfig(request_router_class="serving.ray_router:UnikvRouter")`.
+Selected with `RequestRouterConfig(request_router_class="unikv.serving.ray_router:UnikvRouter")`.
 Ray pickles this module by value to ship the class, so it keeps no state of its own at module
 level: the live router registers itself in `serving.routing` (`routing.current()`), where the
 front finds it.

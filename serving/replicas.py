@@ -31,10 +31,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from engine.engine import Completion, RequestHandle
-from engine.gguf_loader import check_weights
-from engine.sampling import SamplingParams
-from memory.prefix import chain_hashes
+from unikv.engine.engine import Completion, RequestHandle
+from unikv.engine.gguf_loader import check_weights
+from unikv.engine.sampling import SamplingParams
+from unikv.memory.prefix import chain_hashes
 
 from . import routing
 from .health import SHARES, HealthView, Indicator, service_fault
@@ -45,9 +45,9 @@ MAX_RETRIES = 2  # a request that sent no text yet is retried on another replica
 HASH_BYTES = 8  # block hashes are compared on their first 8 bytes (router and reports)
 REPORTED_HASHES = 2048  # newest cached block hashes a replica reports
 ROUTERS = {
-    "unikv": "serving.ray_router:UnikvRouter",
+    "unikv": "unikv.serving.ray_router:UnikvRouter",
     # Ray Serve's default, for comparison (benchmarks/replicas.py).
-    "power_of_two": "serving.ray_router:PowerOfTwoRouter",
+    "power_of_two": "unikv.serving.ray_router:PowerOfTwoRouter",
 }
 
 
@@ -88,8 +88,7 @@ class EngineReplica:
     async def __init__(self, spec: dict) -> None:
         import torch
         from ray import serve
-
-        from engine.engine import Engine
+        from unikv.engine.engine import Engine
 
         from .app import Server, ServeSettings
         from .cooling import Cooling
@@ -417,7 +416,7 @@ class Replicas:
             raise RuntimeError(
                 "--replicas needs Ray Serve: pip install 'unikv[replicas]' (ray[serve])"
             ) from None
-        from engine.loading import load_tokenizer
+        from unikv.engine.loading import load_tokenizer
 
         t0 = time.monotonic()
         threads = self.spec.threads

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serving.health import SHARES
+from unikv.serving.health import SHARES
 
 if TYPE_CHECKING:
-    from memory.profiles import ChipProfile
+    from unikv.memory.profiles import ChipProfile
 
 log = logging.getLogger("unikv.sensors")
 

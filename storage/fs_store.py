@@ -54,7 +54,7 @@ from .base import (
 )
 from .registry import register
 
-logger = logging.getLogger("unikv." + __name__)
+logger = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 100  # 200 hex characters: a file name stays well under NAME_MAX (255)
 _TMP = ".tmp-"

@@ -51,7 +51,7 @@ from .base import (
 )
 from .registry import register
 
-logger = logging.getLogger("unikv." + __name__)
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _FORMAT = b"unikv.storage.lmdb/1"

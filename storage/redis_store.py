@@ -50,7 +50,7 @@ from .base import (
 )
 from .registry import redact, register
 
-logger = logging.getLogger("unikv." + __name__)
+logger = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 1024
 PASSWORD_ENV = "REDISCLI_AUTH"  # the variable redis-cli itself reads

@@ -53,7 +53,8 @@ class Registry(Generic[T]):
 
 # A new backend is one file plus a line here.
 _stores: Registry[BlockStore] = Registry(
-    "block store", ("storage.lmdb_store", "storage.redis_store", "storage.fs_store")
+    "block store",
+    ("unikv.storage.lmdb_store", "unikv.storage.redis_store", "unikv.storage.fs_store"),
 )
 register = _stores.register
 available = _stores.available

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from storage.lmdb_store import LmdbBlockStore  # noqa: E402
+from unikv.storage.lmdb_store import LmdbBlockStore  # noqa: E402
 
 
 def block_key(i: int) -> bytes:

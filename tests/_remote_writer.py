@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.assembly import create_kv  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loading import load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from memory.config import PoolConfig, TierConfig  # noqa: E402
+from unikv.engine.assembly import create_kv  # noqa: E402
+from unikv.engine.engine import Engine  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.engine.sampling import SamplingParams  # noqa: E402
+from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
 
 
 def main(url: str, ssd: str, prompt_file: str) -> None:

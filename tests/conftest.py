@@ -82,7 +82,7 @@ def cpu_isas() -> list[str]:
     """The kernel instruction sets this CPU runs (`kernels.ISA_NEEDS`), best first: on an
     AVX-512 machine avx512, avx2 and portable, so its tests prove the AVX2 machine's paths
     (only `$UNIKV_ISA` where that is set)."""
-    from kvstrategies import kernels
+    from unikv.kvstrategies import kernels
 
     if os.environ.get("UNIKV_ISA"):  # a run held to one instruction set (tests/test_isa.py)
         return [os.environ["UNIKV_ISA"]]
@@ -95,7 +95,7 @@ def cpu_isas() -> list[str]:
 @pytest.fixture(params=cpu_isas())
 def isa(request, monkeypatch):
     """Each C kernel built for one instruction set (`UNIKV_ISA`), loaded afresh in this test."""
-    from engine import gemv
+    from unikv.engine import gemv
 
     monkeypatch.setenv("UNIKV_ISA", request.param)
     monkeypatch.setattr(gemv, "_state", {})
@@ -110,7 +110,7 @@ def english_text() -> str:
 
 @pytest.fixture(scope="session")
 def model_path():
-    from engine.gguf_loader import resolve_model_path
+    from unikv.engine.gguf_loader import resolve_model_path
 
     return resolve_model_path("smollm2")
 
@@ -118,8 +118,8 @@ def model_path():
 @pytest.fixture(scope="session")
 def loaded(model_path):
     """(config, fp32 tensors, tokenizer) of the real model, read once."""
-    from engine.gguf_loader import load_gguf
-    from engine.tokenizer import GGUFTokenizer
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.tokenizer import GGUFTokenizer
 
     cfg, tensors, reader = load_gguf(model_path, progress=False)
     return cfg, tensors, GGUFTokenizer(reader, str(model_path))
@@ -128,7 +128,7 @@ def loaded(model_path):
 @pytest.fixture(scope="session")
 def model(loaded):
     """unikv's float32 model."""
-    from engine.model import LlamaModel
+    from unikv.engine.model import LlamaModel
 
     cfg, tensors, _ = loaded
     return LlamaModel(cfg, tensors)
@@ -160,7 +160,7 @@ def hf_tokenizer(model_path):
 @pytest.fixture
 def new_kv(model):
     """A factory of empty contiguous caches shaped for the model."""
-    from kvstrategies.kv import ContiguousKVCache
+    from unikv.kvstrategies.kv import ContiguousKVCache
 
     cfg = model.cfg
 
@@ -173,7 +173,7 @@ def new_kv(model):
 @pytest.fixture(scope="session")
 def calibration(model, tokenizer, tmp_path_factory):
     """A small hybrid_fp16_int4 calibration file for the real model (4 windows of 128 tokens)."""
-    from engine.recording import collect_channel_stats
+    from unikv.engine.recording import collect_channel_stats
 
     ids = tokenizer.encode(make_english(60, seed=11))
     stats = collect_channel_stats(model, ids, samples=4, window=128, block=64)

@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from memory.allocator import Block, BlockTable, FreeBlockQueue, TierAllocator
-from memory.prefix import BlockRef, PrefixCache
+from unikv.memory.allocator import Block, BlockTable, FreeBlockQueue, TierAllocator
+from unikv.memory.prefix import BlockRef, PrefixCache
 
 BS = 4
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from unikv.engine.cli import main
 
-import kvstrategies
-from engine.cli import main
+from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -80,8 +80,9 @@ def test_argument_errors_exit_2(argv, capsys):
 
 
 def test_strategy_flags_come_from_the_option_declarations(capsys):
-    import kvstrategies
-    from engine.cli import _kv_options, build_parser
+    from unikv.engine.cli import _kv_options, build_parser
+
+    from unikv import kvstrategies
 
     parse = build_parser().parse_args
     base = ["eval", "ppl", "--text", "x"]
@@ -127,7 +128,7 @@ def test_strategy_flag_values_of_the_wrong_form_are_argument_errors(argv, capsys
 def _cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
+        [sys.executable, "-m", "unikv.engine.cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -137,7 +138,7 @@ def _cli(*args):
 
 @pytest.mark.slow
 def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, capsys):
-    from engine.evaluate import perplexity
+    from unikv.engine.evaluate import perplexity
 
     proc = _cli(
         "eval",
@@ -237,7 +238,7 @@ def test_chip_flag_on_run_and_eval(text_file, capsys):
 def test_a_failing_disk_is_an_io_error_not_a_user_mistake(tmp_path, capsys, monkeypatch):
     import errno
 
-    from storage.lmdb_store import LmdbBlockStore
+    from unikv.storage.lmdb_store import LmdbBlockStore
 
     cfg = tmp_path / "pool.toml"
     store_dir = tmp_path / "kv"
@@ -295,7 +296,7 @@ def test_profile_and_strategy_errors_exit_2(tmp_path, capsys):
 
 
 def test_cache_stats_verify_clear(tmp_path, capsys):
-    from storage import create_store
+    from unikv.storage import create_store
 
     store_dir = tmp_path / "kv"
     cfg = tmp_path / "pool.toml"

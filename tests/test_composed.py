@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from unikv.engine.assembly import Scheduling, create_kv
+from unikv.engine.cli import build_parser, strategy_arg
+from unikv.kvstrategies import composed
+from unikv.kvstrategies.kv import StepBatch
+from unikv.memory.config import PoolConfig, TierConfig, load_config
+from unikv.memory.profiles import load_profile, profile_report
 
-import kvstrategies
-from engine.assembly import Scheduling, create_kv
-from engine.cli import build_parser, strategy_arg
-from kvstrategies import composed
-from kvstrategies.kv import StepBatch
-from memory.config import PoolConfig, TierConfig, load_config
-from memory.profiles import load_profile, profile_report
+from unikv import kvstrategies
 
 SPEC = kvstrategies.KVSpec(2, 2, 16, torch.float32, identity="composed")
 BS = 8
@@ -247,7 +247,7 @@ def test_batch_size_and_window_set_the_scheduler(tmp_path):
 
 
 def test_thermal_throttle_sets_the_cooling_rule(tmp_path):
-    from serving.cooling import Cooling
+    from unikv.serving.cooling import Cooling
 
     rules = [
         Cooling.from_options(load_profile(chip(tmp_path, throttle=t)).tuned.thermal_throttle_c,
@@ -274,7 +274,7 @@ def test_profile_report_names_the_composition_and_each_parameter(tmp_path):
 
 
 def test_every_shipped_profile_composes_a_default_that_builds():
-    from memory.config import list_profiles
+    from unikv.memory.config import list_profiles
 
     for name in list_profiles():
         if name == "cpu":

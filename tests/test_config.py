@@ -3,8 +3,7 @@
 from pathlib import Path
 
 import pytest
-
-from memory.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
+from unikv.memory.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -34,7 +33,7 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> PoolConfig:
     ],  # fmt: skip
 )
 def test_shipped_configs_load(name: str) -> None:
-    import kvstrategies
+    from unikv import kvstrategies
 
     cfg = load(ROOT / "configs" / name)
     assert cfg.tiers[0].name == "device" and cfg.block_size is None
@@ -264,7 +263,7 @@ def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> Non
 def test_cache_dir_follows_xdg_and_ram_follows_the_cgroup(tmp_path: Path, monkeypatch) -> None:
     """Issue 33: the cache ignored XDG_CACHE_HOME, and "25%" of RAM ignored a container's
     memory limit (cgroup v2 `memory.max`, v1 `limit_in_bytes`)."""
-    from memory import config
+    from unikv.memory import config
 
     monkeypatch.delenv("UNIKV_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

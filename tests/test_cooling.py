@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from memory.config import ThermalOptions
-from serving.cooling import Cooling
-from serving.sensors import ScriptedSensor
+from unikv.memory.config import ThermalOptions
+from unikv.serving.cooling import Cooling
+from unikv.serving.sensors import ScriptedSensor
 
 pytestmark = pytest.mark.timeout(10)
 

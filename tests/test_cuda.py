@@ -10,9 +10,9 @@ pytestmark = [
 
 
 async def test_cuda_engine_matches_cpu_greedy(loaded, model, tokenizer):
-    from engine.engine import Engine
-    from engine.model import LlamaModel
-    from engine.sampling import SamplingParams
+    from unikv.engine.engine import Engine
+    from unikv.engine.model import LlamaModel
+    from unikv.engine.sampling import SamplingParams
 
     cfg, tensors, _ = loaded
     gpu = LlamaModel(cfg, tensors, device="cuda")

@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
+from unikv.engine.assembly import create_kv
+from unikv.engine.config import ModelLoadError
+from unikv.engine.deepseek import DeepseekModel, kv_footprint
+from unikv.engine.loading import load_model
+from unikv.kvstrategies.kv import StepBatch
+from unikv.memory.config import PoolConfig, TierConfig
 
-import kvstrategies
-from engine.assembly import create_kv
-from engine.config import ModelLoadError
-from engine.deepseek import DeepseekModel, kv_footprint
-from engine.loading import load_model
-from kvstrategies.kv import StepBatch
-from memory.config import PoolConfig, TierConfig
+from unikv import kvstrategies
 
 COMMON = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
@@ -67,7 +67,7 @@ def build_reference(kind: str, vocab: int, **config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer):
     """name -> (checkpoint directory, transformers model), the tokenizer saved alongside."""
-    from engine.hf_loader import save_tokenizer
+    from unikv.engine.hf_loader import save_tokenizer
 
     vocab = tokenizer._tk.get_vocab_size()
     out = {}
@@ -122,8 +122,8 @@ def test_greedy_continuation_matches_transformers(pair, tokenizer):
     greedy tokens (transformers with its own cache)."""
     import asyncio
 
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from unikv.engine.engine import Engine
+    from unikv.engine.sampling import SamplingParams
 
     model, ref = pair
     prompt = tokenizer.encode("The KV cache of a latent attention model")
@@ -147,7 +147,7 @@ def test_greedy_continuation_matches_transformers(pair, tokenizer):
 def test_perplexity_through_the_cache_equals_the_reference(checkpoints, english_text, tokenizer):
     """The DESIGN protocol (prefill, then chunks) through the latent cache scores a text as one
     transformers forward pass does."""
-    from engine.evaluate import perplexity
+    from unikv.engine.evaluate import perplexity
 
     path, ref = checkpoints["v3_qlora_groups_yarn"]
     model, _ = load_model(str(path), progress=False)
@@ -231,7 +231,7 @@ def _edit_config(path, **changes):
 @pytest.fixture
 def broken(tmp_path, tokenizer):
     """A fresh copy of a small V3 checkpoint to break."""
-    from engine.hf_loader import save_tokenizer
+    from unikv.engine.hf_loader import save_tokenizer
 
     ref = build_reference("V3", 300, **SHAPES["v3_qlora_groups_yarn"][1])
     ref.save_pretrained(tmp_path)
@@ -299,7 +299,7 @@ def test_missing_and_misshapen_tensors_and_shards(broken):
 
 @pytest.mark.parametrize("kind", ["hybrid_fp16_int4", "learned_prune"])
 def test_tune_refuses_a_latent_model(checkpoints, tmp_path, capsys, kind):
-    from engine.cli import main
+    from unikv.engine.cli import main
 
     text = tmp_path / "t.txt"
     text.write_text("Some text to tune on. " * 200)
@@ -318,7 +318,7 @@ def test_model_class_refuses_a_llama_config(model):
 def test_cli_runs_and_scores_a_checkpoint_dir(checkpoints, tmp_path, capsys):
     """`--model DIR` works for `run` and `eval ppl`; the run's memory report gives the latent
     cache's bytes per token against multi-head KV."""
-    from engine.cli import main
+    from unikv.engine.cli import main
 
     path, _ = checkpoints["v2_group_limited"]
     argv = ["run", "--model", str(path), "--prompt", "Hello there", "--max-new-tokens", "6"]
@@ -346,8 +346,8 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
     """A config's [moe] table: blockwise top-k and a quarter of the experts on the device, half
     of the rest on host, the remainder on SSD. Logits are the same as all-resident exact
     routing when blockwise keeps enough winners; the report gives the hit rate."""
-    from memory.config import MoEOptions
-    from memory.profiles import load_profile
+    from unikv.memory.config import MoEOptions
+    from unikv.memory.profiles import load_profile
 
     path, ref = checkpoints["v3_qlora_groups_yarn"]
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3))
@@ -378,8 +378,8 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
 
 
 def test_profile_chooses_the_topk_and_ssd_placement_needs_an_ssd_tier(checkpoints):
-    from memory.config import MoEOptions
-    from memory.profiles import load_profile
+    from unikv.memory.config import MoEOptions
+    from unikv.memory.profiles import load_profile
 
     model, _ = load_model(str(checkpoints["v2_greedy"][0]), progress=False)
     why = model.configure_moe(PoolConfig(), load_profile("mlu370"))

@@ -5,10 +5,9 @@ import threading
 
 import pytest
 import torch
-
-from engine.engine import Engine
-from engine.sampling import SamplingParams
-from kvstrategies.kv import ContiguousKVCache, StepBatch
+from unikv.engine.engine import Engine
+from unikv.engine.sampling import SamplingParams
+from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -300,7 +299,7 @@ async def test_a_failing_sample_fails_its_request_alone_and_appends_nothing_twic
     the engine re-run the whole batch one by one on top of the committed KV (every co-batched
     sequence's cache grew by the step twice). Now sampling fails per request: the others'
     tokens equal their solo runs and every cache holds exactly its request's tokens."""
-    import engine.engine as eng
+    import unikv.engine.engine as eng
 
     real = eng.sample
 
@@ -348,7 +347,7 @@ async def test_only_the_compute_thread_touches_the_pool(model, tokenizer):
     the compute thread stepped (a swapped-out request's blocks freed mid-allocation, the OOM
     predictor sampled inside `end_step`). Now the event loop queues them and reads the report
     the last turn published; the pool's owner check (on in the tests) catches a violation."""
-    from engine import compute
+    from unikv.engine import compute
 
     engine = Engine(model, tokenizer, max_batch=8)
     pool = engine.kv.pool
@@ -384,8 +383,8 @@ async def test_the_engine_gives_the_heap_back_once_it_is_idle(engine, monkeypatc
     grown). The engine trims the C heap on the compute thread once it has been idle for
     IDLE_TRIM_S after running steps: never between a request and one that follows at once,
     and not again while it stays idle."""
-    from engine import compute
-    from engine import engine as engine_module
+    from unikv.engine import compute
+    from unikv.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "IDLE_TRIM_S", 0.2)
     done: list[int] = []
@@ -408,7 +407,7 @@ async def test_the_engine_gives_the_heap_back_once_it_is_idle(engine, monkeypatc
 
 def test_trim_heap_returns_memory_to_the_os():
     """On glibc `trim_heap` calls `malloc_trim`: freed heap memory leaves the process's RSS."""
-    from engine import compute
+    from unikv.engine import compute
 
     if compute._malloc_trim is None:
         pytest.skip("this C library has no malloc_trim")

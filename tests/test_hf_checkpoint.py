@@ -5,15 +5,14 @@ import json
 
 import pytest
 import torch
-
-from engine.config import ModelLoadError
-from engine.loading import load_model
+from unikv.engine.config import ModelLoadError
+from unikv.engine.loading import load_model
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, loaded):
     """The packaged SmolLM2 re-saved in Hugging Face layout by `save_hf`."""
-    from engine.hf_loader import save_hf
+    from unikv.engine.hf_loader import save_hf
 
     path = tmp_path_factory.mktemp("smollm2-hf")
     save_hf(*loaded, path)
@@ -28,7 +27,7 @@ def test_checkpoint_dir_matches_the_gguf_model(hf_dir, model, tokenizer, capsys)
     assert tok.eos_id == tokenizer.eos_id and tok.chat_template == tokenizer.chat_template
     assert tok.special_ids == tokenizer.special_ids
     ids = torch.tensor(tokenizer.encode("Paris is the capital of France. It is"))
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     def logits(m):
         cfg = m.cfg
@@ -44,7 +43,7 @@ def test_checkpoint_dir_matches_the_gguf_model(hf_dir, model, tokenizer, capsys)
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(theirs(ids[None]).logits[0], logits(model), atol=1e-4)
-    from engine.cli import main
+    from unikv.engine.cli import main
 
     argv = ["run", "--model", str(hf_dir), "--prompt", "What is the capital of France?"]
     assert main([*argv, "--chat", "--max-new-tokens", "8", "--strategy", "full"]) == 0
@@ -65,9 +64,9 @@ def tiny(tmp_path, **config):
 
 
 def test_sharded_checkpoint_logits_match_transformers(tmp_path):
-    from engine.hf_loader import load_hf
-    from engine.model import LlamaModel
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.engine.hf_loader import load_hf
+    from unikv.engine.model import LlamaModel
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     ref = tiny(tmp_path, rope_theta=5000.0)
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -84,8 +83,7 @@ def test_sharded_checkpoint_logits_match_transformers(tmp_path):
 
 def test_bad_checkpoints_name_what_is_wrong(tmp_path):
     from safetensors.torch import load_file, save_file
-
-    from engine.hf_loader import load_hf
+    from unikv.engine.hf_loader import load_hf
 
     tiny(tmp_path)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

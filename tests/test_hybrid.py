@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
+from unikv.engine.evaluate import perplexity
+from unikv.engine.recording import ensure_calibration
+from unikv.kvstrategies import kernels
+from unikv.kvstrategies.calibration import CalibrationMismatch, ChannelStats
+from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
+from unikv.memory.config import PoolConfig, TierConfig
 
-import kvstrategies
-from engine.evaluate import perplexity
-from engine.recording import ensure_calibration
-from kvstrategies import kernels
-from kvstrategies.calibration import CalibrationMismatch, ChannelStats
-from kvstrategies.kv import StepBatch
-from kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
-from memory.config import PoolConfig, TierConfig
+from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -285,8 +285,8 @@ def test_the_packaged_model_ships_its_calibration(model, tokenizer, tmp_path, mo
     the default strategy's channels before its first token. The packaged model's calibration
     (the default settings on the warm-up text) ships in the package; other settings, an
     explicit file or `recalibrate` still compute one."""
-    import engine.recording as recording
-    from kvstrategies.calibration import shipped_path
+    import unikv.engine.recording as recording
+    from unikv.kvstrategies.calibration import shipped_path
 
     monkeypatch.setenv("UNIKV_CACHE_DIR", str(tmp_path))  # nothing cached yet
 
@@ -337,7 +337,7 @@ class _LatentModel:
 
 def test_latent_calibration_ranks_key_channels(tmp_path):
     """A latent cache is calibrated on its keys alone; the plan orders values as keys."""
-    from engine.recording import collect_channel_stats
+    from unikv.engine.recording import collect_channel_stats
 
     m = _LatentModel()
     stats = collect_channel_stats(m, list(range(100)), samples=3, window=2 * BS, block=BS)
@@ -379,8 +379,7 @@ def test_real_model_quality_and_size(model, tokenizer, calibration):
 
 def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, calibration):
     from transformers import DynamicCache
-
-    from kvstrategies.hf_cache import StrategyCache
+    from unikv.kvstrategies.hf_cache import StrategyCache
 
     c = hf_model.config
     spec = kvstrategies.KVSpec(c.num_hidden_layers, c.num_key_value_heads,
@@ -402,8 +401,8 @@ async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calib
     (with the sinks' fp16 KV from the sink cache) gives the same greedy tokens."""
     import asyncio
 
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from unikv.engine.engine import Engine
+    from unikv.engine.sampling import SamplingParams
 
     spec = model.kv_spec()
     kv = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
@@ -425,8 +424,8 @@ async def test_preemption_by_swap_changes_no_output(model, tokenizer, calibratio
     packed blocks (moved through the host tier) and their fp16 side buffers intact."""
     import asyncio
 
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from unikv.engine.engine import Engine
+    from unikv.engine.sampling import SamplingParams
 
     spec = model.kv_spec()
     opts = {"calibration": str(calibration)}

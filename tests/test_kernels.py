@@ -5,9 +5,8 @@ import logging
 import os
 
 import pytest
-
-from engine.cli import _kernel_status, _memory_lines
-from kvstrategies import kernels
+from unikv.engine.cli import _kernel_status, _memory_lines
+from unikv.kvstrategies import kernels
 
 
 @pytest.fixture

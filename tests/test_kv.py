@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-
-from kvstrategies.kv import ContiguousKVCache, StepBatch, attention_one
+from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch, attention_one
 
 
 def naive_attention(q, k, v, num_past, scale):
@@ -130,7 +129,7 @@ def _pieces(k, v, cuts, end):
 def test_attention_over_pieces_equals_one_piece(cuts, values):
     """K/V split into runs anywhere, also inside the step's own tokens, attend like one run;
     also with values narrower than the keys (a latent cache's, or unrelated ones)."""
-    from kvstrategies.kv import attention_runs
+    from unikv.kvstrategies.kv import attention_runs
 
     g = torch.Generator().manual_seed(len(cuts))
     q = torch.randn(6, 4, 8, generator=g)  # a chunk of 6 new tokens after 14 stored ones

@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from engine.quantized import FORMATS, QuantizedTensor, dequantize, int4_groups
+from unikv.engine.quantized import FORMATS, QuantizedTensor, dequantize, int4_groups
 
 
 def _quantized(fmt: str, rows: int = 48, cols: int = 96):
@@ -39,14 +38,14 @@ def test_bad_blocks_are_refused():
 
 
 def test_unknown_weights_value():
-    from engine.loading import load_model
+    from unikv.engine.loading import load_model
 
     with pytest.raises(ValueError, match="choose one of: native, float32, bfloat16"):
         load_model("smollm2", weights="int3")
 
 
 def test_cli_rejects_unknown_weights(capsys):
-    from engine.cli import build_parser
+    from unikv.engine.cli import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["run", "--prompt", "x", "--weights", "int3"])
@@ -59,11 +58,11 @@ def test_serving_entries_default_to_native_weights():
     stays the float32 reference that benchmarks and tuning measure against."""
     import inspect
 
-    from engine.cli import build_parser
-    from engine.engine import Engine
-    from engine.loading import load_model
-    from serving.cli import add_serve, run_serve
-    from serving.replicas import ReplicaSpec
+    from unikv.engine.cli import build_parser
+    from unikv.engine.engine import Engine
+    from unikv.engine.loading import load_model
+    from unikv.serving.cli import add_serve, run_serve
+    from unikv.serving.replicas import ReplicaSpec
 
     parser = build_parser({"serve": (add_serve, run_serve)})
     assert parser.parse_args(["serve"]).weights == "native"
@@ -82,15 +81,15 @@ def test_serving_entries_default_to_native_weights():
 
 @pytest.fixture(scope="module")
 def native(model_path):
-    from engine.gguf_loader import load_gguf
-    from engine.model import LlamaModel
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.model import LlamaModel
 
     cfg, tensors, _ = load_gguf(model_path, progress=False, weights="native")
     return LlamaModel(cfg, tensors)
 
 
 def _logits(m, ids):
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     c = m.cfg
     kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, m.dtype)
@@ -101,7 +100,7 @@ def _logits(m, ids):
 def test_native_model_keeps_weights_packed(native):
     fmts = native.memory_report()["weights"]
     assert set(fmts) == {"Q4_1", "Q8_0"}  # every layer packed, the tied head Q8_0
-    from engine import gemv
+    from unikv.engine import gemv
 
     report = native.operators.report()
     # the C decode kernel, where built: int8 activations where the CPU has VNNI
@@ -129,7 +128,7 @@ def test_native_logits_and_ppl_within_tolerance(native, model, tokenizer, englis
 
 def _decode_logits(m, ids):
     """Logits of feeding `ids` one token per step (decode: every matmul gets one row)."""
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     c = m.cfg
     kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, m.dtype)
@@ -140,10 +139,10 @@ def _decode_logits(m, ids):
 def _native_untimed(model_path, monkeypatch, i8: bool):
     """The packaged model with native weights, its breakers never timing (a busy machine must
     not switch it off the kernel under test); without the int8 kernel unless `i8`."""
-    from engine import gemv
-    from engine.gguf_loader import load_gguf
-    from engine.model import LlamaModel
-    from kvstrategies import operators
+    from unikv.engine import gemv
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.model import LlamaModel
+    from unikv.kvstrategies import operators
 
     reason = gemv.i8_unavailable() if i8 else gemv.unavailable()
     if reason is not None:

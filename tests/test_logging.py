@@ -5,9 +5,8 @@ import json
 import logging
 
 import pytest
-
-from engine import cli as engine_cli
-from serving import cli as serving_cli
+from unikv.engine import cli as engine_cli
+from unikv.serving import cli as serving_cli
 
 
 @pytest.fixture(autouse=True)

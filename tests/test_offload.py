@@ -11,16 +11,16 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from unikv.engine.assembly import build_kv, create_kv
+from unikv.engine.engine import Engine
+from unikv.engine.evaluate import perplexity
+from unikv.engine.sampling import SamplingParams
+from unikv.kvstrategies.kv import StepBatch
+from unikv.memory.config import PoolConfig, TierConfig
+from unikv.storage import create_store
+from unikv.storage.base import decode_frame
 
-import kvstrategies
-from engine.assembly import build_kv, create_kv
-from engine.engine import Engine
-from engine.evaluate import perplexity
-from engine.sampling import SamplingParams
-from kvstrategies.kv import StepBatch
-from memory.config import PoolConfig, TierConfig
-from storage import create_store
-from storage.base import decode_frame
+from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -104,7 +104,7 @@ def test_an_unusable_store_path_is_a_config_error(tmp_path):
 
 def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path, caplog):
     """The SSD tier's map cannot grow: demotions fail, blocks stay up, nothing is lost."""
-    from memory.tiers import StoreTier
+    from unikv.memory.tiers import StoreTier
 
     spec = kvstrategies.KVSpec(2, 2, 16, identity="m")
     cls = kvstrategies.get(NAME)

@@ -9,12 +9,11 @@ import logging
 import numpy as np
 import pytest
 import torch
-
-import engine.linear as linear
-import kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
-from engine.quantized import FORMATS, QuantizedTensor
-from kvstrategies import operators
-from kvstrategies.operators import Breaker, BreakerSettings, FnImplementation
+import unikv.engine.linear as linear
+import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
+from unikv.engine.quantized import FORMATS, QuantizedTensor
+from unikv.kvstrategies import operators
+from unikv.kvstrategies.operators import Breaker, BreakerSettings, FnImplementation
 
 
 class Clock:
@@ -251,8 +250,8 @@ def _example(op: str):
     if op == "rmsnorm":
         return (x, torch.rand(128), 1e-6), 1e-5
     if op == "rope":
-        from engine.config import ModelConfig
-        from engine.model import RotaryTable
+        from unikv.engine.config import ModelConfig
+        from unikv.engine.model import RotaryTable
 
         cfg = ModelConfig("t", "llama", 10, 64, 128, 1, 2, 2, 32, 1e-6, 1e4, 64)
         return (RotaryTable(cfg, torch.device("cpu"), torch.float32),
@@ -315,7 +314,7 @@ PACKED_SHAPES = [(67, 96), (1, 32), (130, 32), (257, 576), (80, 1568)]
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("fmt", ["float", *sorted(FORMATS)])
 def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa):
-    from engine import gemv
+    from unikv.engine import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl, ref = _gemv_entry(op), operators.reference(op)
@@ -342,8 +341,8 @@ def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa
 def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
     """x rounded as gemv.c's int8 kernel rounds it (engine.gemv.quantize_blocks, in torch),
     times the dequantized weight, in float64."""
-    from engine import gemv
-    from engine.quantized import dequantize
+    from unikv.engine import gemv
+    from unikv.engine.quantized import dequantize
 
     codes, scale = gemv.quantize_blocks(x, digits)  # [N, K/32, 32], [N, K/32, 1]
     xq = (codes.double() * scale.double()).reshape(x.shape)
@@ -361,7 +360,7 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
     activations); one code (ggml's Q8_0 rounding) is called directly. Shapes: an odd number of
     blocks (a half step), one block, more than 16 blocks (a second header chunk), a single
     output row."""
-    from engine import gemv
+    from unikv.engine import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl = _gemv_entry(op, "gemv_i8")
@@ -393,7 +392,7 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
 def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
     """One code: d = amax / 127 per 32 elements, round(x / d) (to nearest even), a zero block
     0. Two: 256 q1 + q2 with q2 the rest in 1/256 steps, so the error is at most d / 512."""
-    from engine import gemv
+    from unikv.engine import gemv
 
     x = torch.zeros(1, 64)
     x[0, :32] = torch.linspace(-1, 2.54, 32)
@@ -414,7 +413,7 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     """The float-activation gemv keeps prefill on PyTorch's kernels: a call of more rows than
     gemv.MAX_ROWS, or of none, never reaches the C library (gemv_i8 takes every batch size in
     chunks: tested above at 37 rows)."""
-    from engine import gemv
+    from unikv.engine import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl = _gemv_entry(op, name)
@@ -435,8 +434,8 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
 
 
 def test_gemv_unavailable_says_why(monkeypatch):
-    from engine import gemv
-    from kvstrategies import kernels
+    from unikv.engine import gemv
+    from unikv.kvstrategies import kernels
 
     monkeypatch.setattr(gemv, "_state", {})
     monkeypatch.setenv("UNIKV_NO_KERNEL", "1")
@@ -464,7 +463,7 @@ def test_gemv_unavailable_says_why(monkeypatch):
 def test_the_best_instruction_set_is_the_default(monkeypatch):
     """Without UNIKV_ISA: AVX-512 where the CPU has F and BW, else AVX2 (with FMA and F16C),
     else the portable C paths; the int8 kernel is first for every packed format on each."""
-    from kvstrategies import kernels
+    from unikv.kvstrategies import kernels
 
     if not kernels._x86():
         pytest.skip("the x86-64 instruction sets")

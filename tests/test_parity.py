@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
-from engine.evaluate import perplexity
-from kvstrategies.kv import StepBatch
+from unikv.engine.evaluate import perplexity
+from unikv.kvstrategies.kv import StepBatch
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +128,8 @@ def test_perplexity_through_cache_matches_reference(
 
 
 def test_bfloat16_tracks_float32(loaded, model, tokenizer, english_text, new_kv):
-    from engine.model import LlamaModel
-    from kvstrategies.kv import ContiguousKVCache
+    from unikv.engine.model import LlamaModel
+    from unikv.kvstrategies.kv import ContiguousKVCache
 
     cfg, tensors, _ = loaded
     bf = LlamaModel(cfg, tensors, dtype=torch.bfloat16)

@@ -3,8 +3,7 @@
 import re
 
 import pytest
-
-from engine.passkey import DEPTHS, QUESTION, needle, passkey, passkey_prompt
+from unikv.engine.passkey import DEPTHS, QUESTION, needle, passkey, passkey_prompt
 
 
 @pytest.mark.slow

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
-from engine.assembly import build_kv
-from memory.config import PoolConfig, TierConfig
-from memory.layout import BLOCKS, ArenaSpec, BlockLayout
-from memory.pool import UnifiedMemoryPool
+from unikv.engine.assembly import build_kv
+from unikv.memory.config import PoolConfig, TierConfig
+from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
+from unikv.memory.pool import UnifiedMemoryPool
 
 BS = 4
 LAYOUT = BlockLayout(BS, (ArenaSpec("kv", torch.float32, (2, BLOCKS, BS, 3)),))
@@ -208,8 +207,8 @@ def test_growth_room_bookkeeping_stays_consistent():
 
 
 def make_ssd_pool(tmp_path, device_blocks=8, ssd_blocks=8):
-    from memory.tiers import StoreTier
-    from storage import create_store
+    from unikv.memory.tiers import StoreTier
+    from unikv.storage import create_store
 
     store = create_store("lmdb", path=tmp_path / "ssd", map_size=1 << 20)
     tiers = (
@@ -235,7 +234,7 @@ def test_blocks_move_to_the_ssd_tier_and_back_bit_exact(tmp_path):
 
 
 def test_a_lost_ssd_block_is_reported_and_changes_nothing(tmp_path):
-    from memory.tiers import BlockLostError
+    from unikv.memory.tiers import BlockLostError
 
     pool, store = make_ssd_pool(tmp_path)
     pool.reserve("a", 8)
@@ -252,7 +251,7 @@ def test_a_lost_ssd_block_is_reported_and_changes_nothing(tmp_path):
 
 
 def test_build_makes_the_ssd_tier_from_the_config(tmp_path):
-    import kvstrategies
+    from unikv import kvstrategies
 
     cfg_file = tmp_path / "pool.toml"
     cfg_file.write_text(
@@ -272,8 +271,8 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
     """Corrupt values in different slices (layers) of several blocks of a stored chain: the
     first failed read checks the whole chain, deletes every corrupt block and counts them, so
     the next lookup stops at the first one (a miss from there) and everything before reads."""
-    from memory.tiers import BlockLostError, StoreTier
-    from storage import create_store
+    from unikv.memory.tiers import BlockLostError, StoreTier
+    from unikv.storage import create_store
 
     from .test_storage import _lmdb_corrupt
 
@@ -321,9 +320,8 @@ def test_the_ssd_tier_stays_usable_after_ten_times_its_capacity(tmp_path):
     bounded tier keeps its content within capacity by last use (held and recently used
     content stays), and collects ended sessions' values at open."""
     import numpy as np
-
-    from memory.tiers import StoreTier
-    from storage import create_store
+    from unikv.memory.tiers import StoreTier
+    from unikv.storage import create_store
 
     path = tmp_path / "ssd"
     cap = 8

@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import memory.prefix as prefix
-from memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
+import unikv.memory.prefix as prefix
+from unikv.memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
 
 BS = 4
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,12 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-import kvstrategies
-import memory.profiles as profiles
-from kvstrategies.registry import class_defaults
-from memory.config import ConfigError, MoEOptions, PoolConfig
-from memory.profiles import (
+import unikv.memory.profiles as profiles
+from unikv.kvstrategies.registry import class_defaults
+from unikv.memory.config import ConfigError, MoEOptions, PoolConfig
+from unikv.memory.profiles import (
     SensorSpec,
     TunedParams,
     bandwidth_class,
@@ -21,6 +19,8 @@ from memory.profiles import (
     profile_report,
     resolve_bandwidth,
 )
+
+from unikv import kvstrategies
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from unikv.engine.evaluate import perplexity
+from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
+from unikv.memory.config import PoolConfig, TierConfig
 
-import kvstrategies
-from engine.evaluate import perplexity
-from kvstrategies.kv import StepBatch
-from kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
-from memory.config import PoolConfig, TierConfig
+from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -61,7 +61,7 @@ def kept_keys(s, layer=0):
 
 @pytest.mark.parametrize("scorer", SCORERS)
 def test_evicts_to_the_budget_and_attends_exactly_over_what_it_keeps(scorer):
-    from kvstrategies.prune_head import PruneHead
+    from unikv.kvstrategies.prune_head import PruneHead
 
     head = PruneHead(SPEC.num_layers, SPEC.head_dim) if scorer == "head" else None  # untrained
     s = make(scorer=scorer, kept_ratio=0.5, head=head)
@@ -107,7 +107,7 @@ def test_the_prompts_question_keeps_the_tokens_it_attends_to(scorer):
     """The observation window: the prompt's last rows attend to one early token (its key is
     their query, scaled up); SnapKV's rule and the head's reserved share keep it, streaming
     (no observation) drops it. Observed once per sequence, at the prompt's end only."""
-    from kvstrategies.prune_head import PruneHead
+    from unikv.kvstrategies.prune_head import PruneHead
 
     g = torch.Generator().manual_seed(3)
     n, needle = 64, 10
@@ -210,7 +210,7 @@ def test_real_model_keeps_half_the_kv_and_stays_sane(model, tokenizer):
 def test_head_file_round_trip(tmp_path, per_layer):
     """Both head forms save and load with their shape; the per-layer form gives each layer its
     own weights (the same input scores differently by layer), the shared one a layer embedding."""
-    from kvstrategies.prune_head import HeadMismatch, PruneHead
+    from unikv.kvstrategies.prune_head import HeadMismatch, PruneHead
 
     torch.manual_seed(0)
     head = PruneHead(3, 16, hidden=8, per_layer=per_layer)
@@ -229,8 +229,8 @@ def test_head_file_round_trip(tmp_path, per_layer):
 
 @pytest.mark.slow
 def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
-    from engine.cli import main
-    from kvstrategies.prune_head import HeadMismatch, PruneHead
+    from unikv.engine.cli import main
+    from unikv.kvstrategies.prune_head import HeadMismatch, PruneHead
 
     text = tmp_path / "train.txt"
     text.write_text(make_english(80, seed=9))
@@ -266,7 +266,7 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
 def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
     """At half the KV, the write-time surprisal rule finds the passkey at every depth; a
     recency window of the same size loses the needle placed early in the prompt."""
-    from engine.passkey import passkey
+    from unikv.engine.passkey import passkey
 
     spec = model.kv_spec()
     opts = {"kept_ratio": 0.5, "recent_share": 0.75, "observe_window": 0}  # the rule alone
@@ -282,7 +282,7 @@ def test_surprisal_keeps_the_needle_that_recency_drops(model, tokenizer):
 
 @pytest.mark.slow
 def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model, caplog):
-    from kvstrategies.prune_head import HeadMismatch
+    from unikv.kvstrategies.prune_head import HeadMismatch
 
     spec = model.kv_spec()
     s = kvstrategies.create(

@@ -126,7 +126,7 @@ def test_chart_is_written(tmp_path):
 
 @pytest.mark.slow
 def test_a_text_filler_surrounds_the_needle_with_whole_sentences(tokenizer):
-    from engine.passkey import QUESTION, needle, passkey_prompt
+    from unikv.engine.passkey import QUESTION, needle, passkey_prompt
 
     text = "See Node.js for more.\nThe stream ends here. A new emitter starts.\n" * 3  # short
     for depth in (0.1, 0.5, 0.9):

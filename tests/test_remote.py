@@ -19,17 +19,16 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from unikv.engine.assembly import create_kv
+from unikv.engine.engine import Engine
+from unikv.engine.sampling import SamplingParams
+from unikv.kvstrategies.kv import StepBatch
+from unikv.memory.config import PoolConfig, TierConfig
+from unikv.memory.remote import CircuitBreaker
+from unikv.serving.health import HealthInputs, evaluate
+from unikv.storage.fs_store import FileBlockStore
 
-import kvstrategies
-import storage
-from engine.assembly import create_kv
-from engine.engine import Engine
-from engine.sampling import SamplingParams
-from kvstrategies.kv import StepBatch
-from memory.config import PoolConfig, TierConfig
-from memory.remote import CircuitBreaker
-from serving.health import HealthInputs, evaluate
-from storage.fs_store import FileBlockStore
+from unikv import kvstrategies, storage
 
 from ._redis import PASSWORD, free_port, redis_server
 from .conftest import make_english
@@ -273,7 +272,7 @@ def test_the_filesystem_store_serves_as_the_remote_tier(tmp_path):
 _FS_WRITER = """
 import sys
 sys.path.insert(0, {root!r})
-from storage.fs_store import FileBlockStore
+from unikv.storage.fs_store import FileBlockStore
 s = FileBlockStore({path!r}, namespace="race")
 value = bytes([{n}]) * 200_000
 for _ in range(150):

@@ -18,8 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from serving.app import Server, ServeSettings, create_app  # noqa: E402
-from serving.replicas import APP, DEPLOYMENT, Replicas, ReplicaSpec  # noqa: E402
+from unikv.serving.app import Server, ServeSettings, create_app  # noqa: E402
+from unikv.serving.replicas import APP, DEPLOYMENT, Replicas, ReplicaSpec  # noqa: E402
 
 from .test_serve import free_port, wait_until  # noqa: E402
 

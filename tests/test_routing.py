@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.config import MoEConfig
-from engine.routing import (
+from unikv.engine.config import MoEConfig
+from unikv.engine.routing import (
     DEFAULT_TOPK_BLOCK,
     blockwise_topk,
     choose_topk,
@@ -19,8 +18,8 @@ from engine.routing import (
     exact_topk,
     route,
 )
-from memory.config import ConfigError, MoEOptions, PoolConfig, load_config
-from memory.profiles import format_report, load_profile, profile_report
+from unikv.memory.config import ConfigError, MoEOptions, PoolConfig, load_config
+from unikv.memory.profiles import format_report, load_profile, profile_report
 
 HIDDEN = 32
 TOKENS = 64

@@ -10,9 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
-
-from engine.scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
-from kvstrategies.kv import KVMemory
+from unikv.engine.scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
+from unikv.kvstrategies.kv import KVMemory
 
 NEW_TOKEN = 7  # what the fake model samples
 
@@ -590,7 +589,7 @@ def test_a_step_target_cuts_prompt_chunks_to_the_measured_speed():
     prefill step took 0.57 s on the 2-core CPU, so an urgent request's first token waited up
     to that long under load. With a step target the budget follows the measured seconds per
     token (a power of two between MIN_STEP_TOKENS and max_step_tokens), on any machine."""
-    from engine.scheduler import MIN_STEP_TOKENS
+    from unikv.engine.scheduler import MIN_STEP_TOKENS
 
     kv = FakeKV(capacity=10_000)
     s = sched(kv, max_step_tokens=512, step_target_s=0.1)

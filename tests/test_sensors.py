@@ -11,11 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-import serving.sensors as sensors
-from memory.config import SENSOR_KINDS
-from memory.profiles import ChipProfile, SensorSpec, TunedParams, load_profile
-from serving.sensors import (
+import unikv.serving.sensors as sensors
+from unikv.memory.config import SENSOR_KINDS
+from unikv.memory.profiles import ChipProfile, SensorSpec, TunedParams, load_profile
+from unikv.serving.sensors import (
     KINDS,
     SENSORS,
     CommandSensor,

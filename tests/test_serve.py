@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from unikv.engine.engine import Engine
+from unikv.memory.config import PoolConfig, TierConfig
+from unikv.serving.app import Server, ServeSettings, create_app
 
-import kvstrategies
-from engine.engine import Engine
-from memory.config import PoolConfig, TierConfig
-from serving.app import Server, ServeSettings, create_app
+from unikv import kvstrategies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -397,7 +397,7 @@ def test_client_leaving_mid_stream_frees_its_kv(srv):
 def test_health_is_liveness_and_ready_is_readiness(srv, monkeypatch):
     """Issue 33: `/health` answered 503 when red, so a Kubernetes liveness probe restarted the
     busiest instance. `/health` is 200 while the process serves; `/ready` is 503 when red."""
-    from serving.health import HealthView
+    from unikv.serving.health import HealthView
 
     url, server = srv
     assert httpx.get(url + "/ready", timeout=30).status_code == 200
@@ -449,7 +449,7 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
         [
             sys.executable,
             "-m",
-            "serving.cli",
+            "unikv.serving.cli",
             "serve",
             "--port",
             str(port),

@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-
-from memory.services import WriteThrough
-from storage import StoreFullError
+from unikv.memory.services import WriteThrough
+from unikv.storage import StoreFullError
 
 
 class _Src:
@@ -56,8 +55,8 @@ def test_a_full_disk_warns_once_and_counts_what_it_skipped(caplog):
 
 
 def test_skipped_writes_reach_the_memory_report_and_metrics():
-    from engine.cli import _memory_lines
-    from serving.metrics import ServerMetrics
+    from unikv.engine.cli import _memory_lines
+    from unikv.serving.metrics import ServerMetrics
 
     mem = {"kv_bytes_peak": 1, "kv_bytes_used": 0, "ssd_writes_skipped": 7}
     assert "[SSD tier full: 7 block writes skipped" in _memory_lines(mem)

@@ -4,10 +4,9 @@ import json
 import logging
 
 import pytest
-
-from memory.allocator import TierAllocator
-from memory.prefix import PrefixCache
-from memory.stats import (
+from unikv.memory.allocator import TierAllocator
+from unikv.memory.prefix import PrefixCache
+from unikv.memory.stats import (
     GREEN_MAX_USAGE,
     RED_USAGE,
     Health,

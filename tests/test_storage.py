@@ -27,11 +27,11 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from unikv.storage import AsyncBlockStore, BlockStore, ChecksumError, StoreFullError
+from unikv.storage.base import HEADER_BYTES, decode_frame, encode_frame
+from unikv.storage.lmdb_store import _LOC, LmdbBlockStore
 
-import storage
-from storage import AsyncBlockStore, BlockStore, ChecksumError, StoreFullError
-from storage.base import HEADER_BYTES, decode_frame, encode_frame
-from storage.lmdb_store import _LOC, LmdbBlockStore
+from unikv import storage
 
 from ._crash_writer import block_key, block_value
 from ._redis import need_redis, redis_cluster, redis_server
@@ -584,7 +584,7 @@ def test_the_file_store_refuses_planted_files_and_collects_stale_temporaries(tmp
     import os
     import time
 
-    from storage.fs_store import STALE_TMP_S, FileBlockStore
+    from unikv.storage.fs_store import STALE_TMP_S, FileBlockStore
 
     st = FileBlockStore(tmp_path, "ns")
     st.put(b"good", b"x" * 100)
@@ -618,8 +618,8 @@ def test_with_a_secret_a_planted_value_is_a_miss_and_deleted(make, tmp_path):
     prompt's hash (a CRC is no defence against an author). With the deployment's secret every
     value is signed (HMAC-SHA256 over key, header, payload): a value written without it, or
     with another, is a miss, counted and deleted; the signed value reads back."""
-    from storage.fs_store import FileBlockStore
-    from storage.redis_store import RedisBlockStore
+    from unikv.storage.fs_store import FileBlockStore
+    from unikv.storage.redis_store import RedisBlockStore
 
     from ._redis import redis_server
 

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from unikv.engine.assembly import create_kv
+from unikv.kvstrategies import composed
+from unikv.kvstrategies.full import FullStrategy
+from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.options import Option
+from unikv.kvstrategies.tables import BEGIN, END, option_tables
+from unikv.memory.config import PoolConfig, TierConfig
 
-import kvstrategies
-import kvstrategies.registry
-from engine.assembly import create_kv
-from kvstrategies import composed
-from kvstrategies.full import FullStrategy
-from kvstrategies.kv import StepBatch
-from kvstrategies.options import Option
-from kvstrategies.tables import BEGIN, END, option_tables
-from memory.config import PoolConfig, TierConfig
+from unikv import kvstrategies
 
 LAYERS, QHEADS, BS = 2, 4, 8
 SPECS = {
@@ -267,7 +266,7 @@ def test_options_are_declared_with_their_defaults(name):
 
 
 def test_a_new_strategy_is_one_class_plus_a_registry_line(monkeypatch, tmp_path, capsys):
-    from engine.cli import _kv_options, build_parser, main
+    from unikv.engine.cli import _kv_options, build_parser, main
 
     register_for_the_test(monkeypatch, TinyStrategy)
     assert "contract_tiny" in kvstrategies.available()

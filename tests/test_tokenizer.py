@@ -1,8 +1,7 @@
 """The GGUF tokenizer must tokenize exactly like transformers does for the same file."""
 
 import pytest
-
-from engine.tokenizer import IncrementalDecoder
+from unikv.engine.tokenizer import IncrementalDecoder
 
 TEXTS = [
     "Hello world, 12345 tokens!\n\n  x",
@@ -88,7 +87,7 @@ def test_long_streams_equal_one_shot_decode(tokenizer):
 
 
 def test_hf_tokenizer_streams_equal_one_shot_decode(tokenizer, tmp_path):
-    from engine.tokenizer import HFTokenizer
+    from unikv.engine.tokenizer import HFTokenizer
 
     tokenizer._tk.save(str(tmp_path / "tokenizer.json"))  # the same vocabulary as tokenizer.json
     hf = HFTokenizer(tmp_path)

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
+from unikv.engine.assembly import build_kv
+from unikv.engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybrid
+from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
+from unikv.kvstrategies.hybrid_qat import FakeQuant, read_mask
+from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.quant import ChannelPlan
+from unikv.memory.config import PoolConfig, TierConfig
 
-import kvstrategies
-from engine.assembly import build_kv
-from engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybrid
-from kvstrategies.calibration import TUNED_FILE, ChannelStats
-from kvstrategies.hybrid_qat import FakeQuant, read_mask
-from kvstrategies.kv import StepBatch
-from kvstrategies.quant import ChannelPlan
-from memory.config import PoolConfig, TierConfig
+from unikv import kvstrategies
 
 HYBRID = "hybrid_fp16_int4"
 L, H, QH, D, BS = 2, 2, 6, 32, 16
@@ -151,7 +151,7 @@ def tiny_model_dir(path, loaded):
     """A 2-layer random Llama with SmolLM2's tokenizer, as a checkpoint directory."""
     import dataclasses
 
-    from engine.hf_loader import save_hf
+    from unikv.engine.hf_loader import save_hf
 
     cfg0, _, tok = loaded
     cfg = dataclasses.replace(cfg0, name="tiny", hidden_size=64, intermediate_size=128,
@@ -214,9 +214,9 @@ def test_interrupted_run_resumes_exactly(tiny_dir, english_text, tmp_path, monke
 def test_tuned_directory_runs_with_its_calibration(tiny_dir, english_text, tmp_path, monkeypatch):
     """The output loads with --model DIR; hybrid_fp16_int4 picks up kv_calibration.pt (the plan
     the model was tuned for, under the tuned identity) without computing another."""
-    from engine.cli import main
-    from engine.loading import load_model
-    from kvstrategies.calibration import default_path
+    from unikv.engine.cli import main
+    from unikv.engine.loading import load_model
+    from unikv.kvstrategies.calibration import default_path
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("UNIKV_CACHE_DIR", str(cache))
@@ -274,7 +274,7 @@ def test_tuning_lowers_the_gap_it_trains_on(loaded, tunable, tokenizer, english_
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys, english_text, tiny_dir):
-    from engine.cli import main
+    from unikv.engine.cli import main
 
     txt = tmp_path / "t.txt"
     txt.write_text(english_text)

@@ -1,0 +1,12 @@
+"""unikv: a KV-cache and memory-management service for LLM inference.
+
+One import namespace over the repository's floors (setuptools maps each to its folder):
+
+    unikv.serving       the OpenAI-compatible server, replicas, health, the `unikv` command
+    unikv.engine        the attention + MoE engine and its async API (`unikv.engine.Engine`)
+    unikv.kvstrategies  how keys and values are stored (formats, placements, selections)
+    unikv.memory        the unified memory pool, its tiers, config files and chip profiles
+    unikv.storage       block stores under the SSD and remote tiers (LMDB, files, Redis)
+
+Dependencies point down only: a floor imports the floors below it, never above.
+"""

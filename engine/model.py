@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kvstrategies.kv import KVCache, KVSpec, StepBatch
-from kvstrategies.operators import OperatorSet
+from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
+from unikv.kvstrategies.operators import OperatorSet
 
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm
@@ -73,6 +72,8 @@ class LlamaModel:
     ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.source = None  # the checkpoint directory the weights came from, if any
+        # GGUF types decoded once at load for want of a native kernel (gguf_loader.GGUFTensors)
+        self.dequantized: list[str] = list(getattr(tensors, "dequantized", ()))
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -144,8 +145,12 @@ class LlamaModel:
 
     def memory_report(self) -> dict:
         """The weights' formats (tensors and bytes per format); the kernels are reported by
-        the engine from `operators` (every model class has them)."""
-        return {"weights": weight_formats(self)}
+        the engine from `operators` (every model class has them), and the GGUF types that were
+        decoded to float at load for want of a native kernel ("dequantized")."""
+        report: dict = {"weights": weight_formats(self)}
+        if self.dequantized:
+            report["dequantized"] = self.dequantized
+        return report
 
     @torch.inference_mode()
     def forward(

@@ -1,13 +1,13 @@
-"""GGUF loading: dequantization of each supported type, the Q/K un-permutation, bad files."""
+"""GGUF loading: dequantization of the types gguf can write, the Q/K un-permutation, bad files
+(the K-quants and IQ types: tests/test_gguf_fidelity.py)."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from engine.config import ModelLoadError
-from engine.gguf_loader import load_gguf, resolve_model_path
+from unikv.engine.config import ModelLoadError
+from unikv.engine.gguf_loader import load_gguf, resolve_model_path
 
 from . import tinygguf
 
@@ -35,8 +35,8 @@ def test_dequantized_weights_match_originals(tmp_path, qtype):
 
 
 def test_bfloat16_model_runs(tmp_path):
-    from engine.model import LlamaModel
-    from kvstrategies.kv import ContiguousKVCache, StepBatch
+    from unikv.engine.model import LlamaModel
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
     path = tmp_path / "tiny.gguf"
     tinygguf.write(path, "Q8_0")
@@ -57,15 +57,16 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_a_pre_tokenizer_it_cannot_follow_is_refused_by_name(tmp_path):
     """Issue 33: a Llama-3 GGUF (`tokenizer.ggml.pre = "llama-bpe"`) was accepted and its text
-    split with GPT-2's rule, wrong without an error. GPT-2's and SmolLM's load."""
-    from engine.loading import load_tokenizer
+    split with GPT-2's rule, wrong without an error. Those it can split (GPT-2's, SmolLM's,
+    Llama 3's, Qwen2's: tests/test_gguf_fidelity.py) load; another is refused by name."""
+    from unikv.engine.loading import load_tokenizer
 
-    for pre in ("gpt2", "smollm"):
+    for pre in ("gpt2", "smollm", "llama-bpe", "qwen2"):
         tinygguf.write(tmp_path / f"{pre}.gguf", pre=pre)
         assert load_tokenizer(str(tmp_path / f"{pre}.gguf")).vocab_size == tinygguf.VOCAB
-    tinygguf.write(tmp_path / "llama3.gguf", pre="llama-bpe")
-    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'llama-bpe'.*supported: default"):
-        load_tokenizer(str(tmp_path / "llama3.gguf"))
+    tinygguf.write(tmp_path / "jais.gguf", pre="jais")
+    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'jais'.*supported: default"):
+        load_tokenizer(str(tmp_path / "jais.gguf"))
 
 
 def test_corrupt_and_truncated_files(tmp_path):

@@ -1,13 +1,70 @@
-"""Writes tiny random Llama GGUF files for loader tests (no download, milliseconds)."""
+"""Writes tiny random Llama GGUF files for loader tests (no download, milliseconds).
+
+`write` takes the tensor type (any type `gguf.quants` decodes: the ones it cannot encode, such
+as the K-quants, get random blocks with sane scales), the dimensions (K-quants and most IQ types
+need rows of 256) and the vocabulary (`Vocab`: a byte-level or SentencePiece one with its flags).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 320
+# Dimensions whose rows hold whole 256-element super-blocks (K-quants, most IQ types).
+SUPER_HIDDEN = SUPER_FFN = 256
+
+# Byte offsets of the fp16 scale fields in one block (ggml-common.h) of the formats
+# `gguf.quants.quantize` cannot write; the other bytes of a synthetic block are random.
+SCALE_FIELDS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+@dataclass
+class Vocab:
+    """The tokenizer metadata of a file (`tokenizer.ggml.*`); None leaves a key out."""
+
+    model: str = "gpt2"
+    tokens: list[str] = field(default_factory=lambda: [chr(0x100 + i) for i in range(VOCAB)])
+    types: list[int] | None = None  # llama.cpp token types; None: all NORMAL (1)
+    merges: list[str] | None = field(default_factory=list)
+    scores: list[float] | None = None
+    pre: str | None = None
+    bos: int | None = None
+    eos: int | None = None
+    unk: int | None = None
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    add_space_prefix: bool | None = None
+
+    def write_to(self, writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model(self.model)
+        optional = {
+            writer.add_tokenizer_pre: self.pre,
+            writer.add_token_merges: self.merges,
+            writer.add_token_scores: self.scores,
+            writer.add_bos_token_id: self.bos,
+            writer.add_eos_token_id: self.eos,
+            writer.add_unk_token_id: self.unk,
+            writer.add_add_bos_token: self.add_bos,
+            writer.add_add_eos_token: self.add_eos,
+            writer.add_add_space_prefix: self.add_space_prefix,
+        }
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.types or [1] * len(self.tokens))
+        for add, value in optional.items():
+            if value is not None:
+                add(value)
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -19,64 +76,107 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def weights(seed: int = 0) -> dict[str, np.ndarray]:
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `permute`."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def weights(
+    seed: int = 0, vocab: int = VOCAB, hidden: int = HIDDEN, ffn: int = FFN
+) -> dict[str, np.ndarray]:
     """Random weights in HF layout names of the loader's output (GGUF tensor names)."""
     rng = np.random.default_rng(seed)
-    d = HIDDEN // HEADS
+    d = hidden // HEADS
 
     def r(*shape):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    out = {"token_embd.weight": r(VOCAB, HIDDEN), "output_norm.weight": 1 + r(HIDDEN)}
+    out = {"token_embd.weight": r(vocab, hidden), "output_norm.weight": 1 + r(hidden)}
     for i in range(LAYERS):
         p = f"blk.{i}."
         out |= {
-            p + "attn_norm.weight": 1 + r(HIDDEN),
-            p + "attn_q.weight": r(HEADS * d, HIDDEN),
-            p + "attn_k.weight": r(KV_HEADS * d, HIDDEN),
-            p + "attn_v.weight": r(KV_HEADS * d, HIDDEN),
-            p + "attn_output.weight": r(HIDDEN, HEADS * d),
-            p + "ffn_norm.weight": 1 + r(HIDDEN),
-            p + "ffn_gate.weight": r(FFN, HIDDEN),
-            p + "ffn_up.weight": r(FFN, HIDDEN),
-            p + "ffn_down.weight": r(HIDDEN, FFN),
+            p + "attn_norm.weight": 1 + r(hidden),
+            p + "attn_q.weight": r(HEADS * d, hidden),
+            p + "attn_k.weight": r(KV_HEADS * d, hidden),
+            p + "attn_v.weight": r(KV_HEADS * d, hidden),
+            p + "attn_output.weight": r(hidden, HEADS * d),
+            p + "ffn_norm.weight": 1 + r(hidden),
+            p + "ffn_gate.weight": r(ffn, hidden),
+            p + "ffn_up.weight": r(ffn, hidden),
+            p + "ffn_down.weight": r(hidden, ffn),
         }
     return out
 
 
+def synthetic_blocks(shape: tuple[int, int], qtype: str, rng) -> np.ndarray:
+    """Random `qtype` blocks for a [rows, cols] tensor, the fp16 scales set so that the decoded
+    values are about as large as the random weights (|w| <= 0.05): uint8 [rows, bytes]."""
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+
+    def set_scales(value: float) -> None:
+        for off in SCALE_FIELDS[qtype]:
+            blocks[:, off : off + 2] = np.full((len(blocks), 1), value, np.float16).view(np.uint8)
+
+    set_scales(1.0)
+    peak = np.abs(gguf.quants.dequantize(blocks, q)).max()
+    set_scales(0.05 / peak)
+    return blocks.reshape(rows, -1)
+
+
 def write(
-    path: Path, qtype: str = "F32", arch: str = "llama", seed: int = 0, pre: str | None = None
+    path: Path,
+    qtype: str = "F32",
+    arch: str = "llama",
+    seed: int = 0,
+    pre: str | None = None,
+    vocab: Vocab | None = None,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny model (with `tokenizer.ggml.pre` when `pre` is given); return the original
-    (unpermuted, unquantized) weights."""
-    w = weights(seed)
+    """Write a tiny model (with `tokenizer.ggml.pre` when `pre` is given, the vocabulary of
+    `vocab`, its 2-D tensors of type `qtype`, then the `extra` arrays as they are, e.g. int8 ->
+    I8); return the original (unpermuted, unquantized) weights. Where `gguf.quants` cannot encode
+    `qtype` the blocks are synthetic, and what comes back is their exact decoding (unpermuted):
+    what the loader must produce."""
+    vocab = vocab or Vocab(pre=pre)
+    w = weights(seed, len(vocab.tokens), hidden, ffn)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list([chr(0x100 + i) for i in range(VOCAB)])
-    writer.add_token_types([1] * VOCAB)
-    writer.add_token_merges([])
+    vocab.write_to(writer)
     q = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed + 1)
     for name, arr in w.items():
-        if ".attn_q." in name:
-            arr = permute(arr, HEADS)
-        elif ".attn_k." in name:
-            arr = permute(arr, KV_HEADS)
-        if arr.ndim == 2 and qtype != "F32":
-            data = gguf.quants.quantize(arr, q)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q)
-        else:
+        heads = HEADS if ".attn_q." in name else KV_HEADS if ".attn_k." in name else 0
+        if heads:
+            arr = permute(arr, heads)
+        if arr.ndim != 2 or qtype == "F32":
             writer.add_tensor(name, arr)
+            continue
+        if qtype in SCALE_FIELDS:
+            data = synthetic_blocks(arr.shape, qtype, rng)
+            decoded = gguf.quants.dequantize(data, q)
+            w[name] = unpermute(decoded, heads) if heads else decoded
+        else:
+            data = gguf.quants.quantize(arr, q)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q)
+    for name, arr in (extra or {}).items():
+        writer.add_tensor(name, arr)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

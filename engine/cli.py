@@ -644,6 +644,8 @@ def _memory_lines(mem: dict) -> str:
             for fmt, w in mem["weights"].items()
         ]
         lines.append(f"[weights: {', '.join(parts)}]")
+    if mem.get("dequantized"):
+        lines.append(f"[dequantized at load (no native kernel): {', '.join(mem['dequantized'])}]")
     for problem in mem.get("operator_fallbacks", ()):
         lines.append(f"[fallback: {problem}]")
     return "\n".join(lines)

@@ -226,6 +226,7 @@ def save_tokenizer(tokenizer, path: Path) -> None:
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,
         "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
         "chat_template": tokenizer.chat_template,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))

@@ -22,7 +22,7 @@ try:
 except ImportError as e:  # optional: only the tests and benchmarks drive transformers models
     raise ImportError(
         "unikv.kvstrategies.hf_cache needs Hugging Face transformers>=4.56 "
-        "(pip install 'unikv[test]'); the unikv engine itself does not use it"
+        "(pip install 'unikv[hf]'); the unikv engine itself does not use it"
     ) from e
 
 from .base import KVStrategy

@@ -257,7 +257,8 @@ def create_app(server: Server) -> FastAPI:
             chat = p.ChatCompletionRequest(messages=body.messages)
             ids = _prompt(server, chat, chat=True)
         else:
-            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+            special = None if body.add_special_tokens else False  # None: as the model file says
+            ids = tok.encode(body.prompt, add_bos=special, add_eos=special)
         ctx = server.engine.model.cfg.context_length
         return _with(body, {"count": len(ids), "max_model_len": ctx, "tokens": ids})
 

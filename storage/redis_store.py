@@ -28,10 +28,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.retry import Retry
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
+except ImportError as e:  # optional: only the remote tier speaks Redis
+    raise ImportError(
+        "the Redis block store (a redis:// remote tier) needs redis-py: pip install 'unikv[remote]'"
+    ) from e
 
 from .base import (
     BlockStore,

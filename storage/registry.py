@@ -23,6 +23,9 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, modules: tuple[str, ...]) -> None:
         self.kind, self.modules = kind, modules
         self._classes: dict[str, type[T]] = {}
+        # Modules whose optional dependency is not installed -> what to install (their
+        # ImportError's message), named when a class they would register is asked for.
+        self.missing: dict[str, str] = {}
 
     def register(self, cls: type[T]) -> type[T]:
         """Class decorator: make `cls` available under `cls.name`."""
@@ -34,7 +37,12 @@ class Registry(Generic[T]):
 
     def _load(self) -> None:
         for module in self.modules:
-            importlib.import_module(module)
+            if module in self.missing:
+                continue
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                self.missing[module] = str(e)
 
     def available(self) -> list[str]:
         """Names of the registered classes."""
@@ -48,7 +56,10 @@ class Registry(Generic[T]):
             return self._classes[name]
         except KeyError:
             supported = ", ".join(sorted(self._classes))
-            raise ValueError(f"unknown {self.kind} {name!r}; supported: {supported}") from None
+            absent = "".join(f"; not installed: {why}" for why in self.missing.values())
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; supported: {supported}{absent}"
+            ) from None
 
 
 # A new backend is one file plus a line here.

@@ -156,9 +156,10 @@ def test_every_module_imports_with_only_the_runtime_dependencies():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     failed = json.loads(proc.stdout.strip().splitlines()[-1])
-    # The one optional module says what to install.
-    assert set(failed) == {"unikv.kvstrategies.hf_cache"}, failed
-    assert "transformers>=4.56" in failed["unikv.kvstrategies.hf_cache"]
+    # The optional modules say which extra to install.
+    assert set(failed) == {"unikv.kvstrategies.hf_cache", "unikv.storage.redis_store"}, failed
+    assert "unikv[hf]" in failed["unikv.kvstrategies.hf_cache"]
+    assert "unikv[remote]" in failed["unikv.storage.redis_store"]
 
 
 def test_no_code_or_help_text_cites_a_file_outside_the_repository():

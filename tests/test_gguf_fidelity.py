@@ -265,3 +265,11 @@ def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
     assert logits["native"].shape == (8, tinygguf.VOCAB)
     assert torch.isfinite(logits["native"]).all()
     assert torch.equal(logits["native"], logits["float32"])
+
+
+def test_the_run_report_names_the_types_dequantized_at_load():
+    from unikv.engine.cli import _memory_lines
+
+    mem = {"kv_bytes_peak": 0, "kv_bytes_used": 0, "dequantized": ["Q5_K", "Q6_K"]}
+    assert "[dequantized at load (no native kernel): Q5_K, Q6_K]" in _memory_lines(mem)
+    assert "dequantized" not in _memory_lines({"kv_bytes_peak": 0, "kv_bytes_used": 0})

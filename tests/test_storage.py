@@ -647,3 +647,20 @@ def test_with_a_secret_a_planted_value_is_a_miss_and_deleted(make, tmp_path):
             opened("short")
         for s in (signed, plain, foreign):
             s.close()
+
+
+def test_a_store_whose_dependency_is_missing_is_named_with_what_to_install():
+    """Without redis-py (the `remote` extra) the other stores work, and asking for Redis names
+    what to install."""
+    code = (
+        "import sys; sys.modules['redis'] = None  # as if not installed\n"
+        "from unikv.storage import registry\n"
+        "print(registry.available())\n"
+        "registry.get('redis')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == "['fs', 'lmdb']"
+    assert "unknown block store 'redis'; supported: fs, lmdb; not installed:" in proc.stderr
+    assert "pip install 'unikv[remote]'" in proc.stderr

@@ -39,12 +39,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.model import weight_formats  # noqa: E402
 from unikv.kvstrategies import kernels as ckernels  # noqa: E402
 from unikv.kvstrategies.operators import summary  # noqa: E402
-
-from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 
 # (path fragment, function name or None for any) -> part; the first match, innermost frame first
 RULES = [

@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import interleaved, report  # noqa: E402
 from unikv.engine import compute  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
-
-from benchmarks.common import interleaved, report  # noqa: E402
 
 PROSE = (
     "The history of the town is long and full of small surprises. Its first houses were built by "
@@ -48,6 +47,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
+
     from unikv.engine.gguf_loader import resolve_model_path
     from unikv.kvstrategies.kv import DTYPES
 

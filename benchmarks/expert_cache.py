@@ -76,9 +76,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.memory.experts import ExpertCache  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
+from unikv.memory.experts import ExpertCache  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, SHARED = 1024, 512, 64, 6, 2
 

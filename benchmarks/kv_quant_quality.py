@@ -23,13 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.engine.assembly import build_kv  # noqa: E402
-from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
-from unikv.engine.loading import load_model  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
 from benchmarks.peers import quanto_run  # noqa: E402
 from unikv import kvstrategies  # noqa: E402
+from unikv.engine.assembly import build_kv  # noqa: E402
+from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Settings from near-lossless down to 2 bits (options of the strategy; the first is the default).

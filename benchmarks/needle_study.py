@@ -26,12 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import report  # noqa: E402
 from unikv.engine.assembly import assemble_for  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.passkey import passkey_prompt  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
-
-from benchmarks.common import report  # noqa: E402
 
 H = "hybrid_fp16_int4"
 OLD = {"scales": "fp16", "low_share": 0.5}  # the default before issue 21

@@ -49,13 +49,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.engine.assembly import build_kv  # noqa: E402
-from unikv.engine.loading import load_model  # noqa: E402
-from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from benchmarks.store_bandwidth import raw_read  # noqa: E402
+from unikv.engine.assembly import build_kv  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
 
 STRATEGIES = ("hierarchical_offload", "hybrid+tiered+all")  # the first is the baseline
 HUGE = 1 << 20

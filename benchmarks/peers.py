@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from unikv.engine.gguf_loader import resolve_model_path
 
 # Bits per element of llama.cpp's KV cache types (block of 32 values plus an fp16 scale).

@@ -23,15 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import interleaved, report  # noqa: E402
+from benchmarks.pool_alloc import latency, waste  # noqa: E402
 from unikv.engine import compute  # noqa: E402
 from unikv.engine.assembly import assemble_for  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
 from unikv.kvstrategies.kv import ContiguousKVCache  # noqa: E402
-
-from benchmarks.common import interleaved, report  # noqa: E402
-from benchmarks.pool_alloc import latency, waste  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "texts" / "GPL-3.txt"
 
@@ -44,6 +43,7 @@ def _full_kv(model):
 def pool_latency(iters: int = 20000) -> dict:
     """p50/p99 of UnifiedMemoryPool.reserve(seq, one block) + free(seq), in µs."""
     import torch
+
     from unikv.memory.config import PoolConfig, TierConfig
     from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
     from unikv.memory.pool import UnifiedMemoryPool

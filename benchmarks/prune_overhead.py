@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.engine.loading import load_model  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from unikv import kvstrategies  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
 
 
 def main() -> None:

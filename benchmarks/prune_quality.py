@@ -27,14 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import report  # noqa: E402
+from unikv import kvstrategies  # noqa: E402
 from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.passkey import passkey  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 from unikv.kvstrategies.prune import SCORERS  # noqa: E402
-
-from benchmarks.common import report  # noqa: E402
-from unikv import kvstrategies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "benchmarks" / "texts" / "GPL-3.txt"

@@ -462,6 +462,7 @@ class Runner:
     def run(self) -> dict:
         """Everything, text by text."""
         import torch
+
         from unikv.engine.loading import load_model
 
         a = self.args
@@ -605,9 +606,8 @@ class Runner:
 
     def llamacpp_ready(self) -> tuple[Path, Path] | None:
         """llama.cpp's binaries and the F32 GGUF (else skipped, with the reason)."""
-        from unikv.engine.gguf_loader import resolve_model_path
-
         from benchmarks.llamacpp import converted, find_or_build
+        from unikv.engine.gguf_loader import resolve_model_path
 
         try:
             bin_dir = find_or_build(progress=False)

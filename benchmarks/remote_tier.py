@@ -32,15 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import report  # noqa: E402
+from benchmarks.kv_quant_speed import context_ids  # noqa: E402
 from unikv.engine.assembly import create_kv  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
 from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
 from unikv.storage import open_url  # noqa: E402
-
-from benchmarks.common import report  # noqa: E402
-from benchmarks.kv_quant_speed import context_ids  # noqa: E402
 
 PASSWORD = "unikv-bench"
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)

@@ -30,10 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import report  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
 from unikv.serving.replicas import Replicas, ReplicaSpec  # noqa: E402
-
-from benchmarks.common import report  # noqa: E402
 
 LIMIT_C = 85.0  # the cpu profile's thermal_throttle_c
 TOPICS = ["a lighthouse keeper", "a tea merchant", "a chess club", "a mountain railway",
@@ -140,6 +139,7 @@ def run_router(router: str, spec: ReplicaSpec, sensors: Path, args, ps) -> dict:
 def ray_overhead(spec: ReplicaSpec, ps, n: int) -> dict:
     """Median latency of sequential requests: one replica through Ray vs the engine here."""
     import torch
+
     from unikv.engine.engine import Engine
 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

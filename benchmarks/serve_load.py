@@ -39,10 +39,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
-
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
+from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
 
 TEXT = Path(__file__).with_name("texts") / "GPL-3.txt"
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,9 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.storage.lmdb_store import LmdbBlockStore  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
+from unikv.storage.lmdb_store import LmdbBlockStore  # noqa: E402
 
 BIG = 737_280
 SMALL = 64 * 1024

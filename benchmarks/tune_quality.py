@@ -20,14 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import report  # noqa: E402
+from benchmarks.kv_quant_quality import label  # noqa: E402
 from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.tune import TuneSettings, tune_hybrid  # noqa: E402
 from unikv.memory.config import PoolConfig  # noqa: E402
-
-from benchmarks.common import report  # noqa: E402
-from benchmarks.kv_quant_quality import label  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ROOT / "benchmarks" / "texts"

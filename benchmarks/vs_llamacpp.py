@@ -31,13 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
-from unikv.engine.loading import load_model  # noqa: E402
-from unikv.kvstrategies.operators import summary  # noqa: E402
-
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
+from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.kvstrategies.operators import summary  # noqa: E402
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> float:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from unikv import kvstrategies
 from unikv.kvstrategies import Built, KVSpec, KVStrategy
 from unikv.kvstrategies.registry import content_identity
 from unikv.memory.config import PoolConfig, TierConfig, load_config
@@ -30,8 +32,6 @@ from unikv.memory.profiles import ChipProfile
 from unikv.memory.remote import RemoteTier
 from unikv.storage import BlockStore, create_store, open_url, url_store
 from unikv.storage.registry import redact
-
-from unikv import kvstrategies
 
 from .loading import load_model
 from .model import LlamaModel

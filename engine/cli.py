@@ -535,9 +535,8 @@ def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str
     """--strategy with the --kv-AXIS flags applied: each given axis replaces that axis of
     --strategy's (a preset's axes, a composed name's, or "auto" ones; without --strategy, of
     the config file's strategy). None when neither is given."""
-    from unikv.kvstrategies import composed
-
     from unikv import kvstrategies
+    from unikv.kvstrategies import composed
 
     given = {a: getattr(args, f"kv_{a}", None) for a in composed.AXES}
     if not any(given.values()):
@@ -551,9 +550,8 @@ def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str
 def _check_kv_args(args: argparse.Namespace) -> None:
     """Fail on a bad config file or strategy name before the (slow) model load; folds the
     --kv-AXIS flags into args.strategy."""
-    from unikv.memory.config import load_config
-
     from unikv import kvstrategies
+    from unikv.memory.config import load_config
 
     cfg = load_config(args.config)
     args.strategy = strategy_arg(args, cfg.strategy)
@@ -652,10 +650,9 @@ def _memory_lines(mem: dict) -> str:
 
 
 def _profile(args: argparse.Namespace) -> dict:
+    from unikv import kvstrategies
     from unikv.kvstrategies import kernels
     from unikv.memory.profiles import format_report, profile_report
-
-    from unikv import kvstrategies
 
     report = profile_report(args.chip, args.config, kvstrategies.select,
                             axes_of=lambda name: kvstrategies.get(name).axes)  # fmt: skip
@@ -809,6 +806,7 @@ def _tune(args: argparse.Namespace) -> dict:
 
 def _tune_hybrid(args: argparse.Namespace, text: str) -> dict:
     import torch
+
     from unikv.memory.config import load_config
 
     from .tune import TuneSettings, tune_hybrid

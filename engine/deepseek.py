@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from unikv.kvstrategies.kv import KVCache, KVSpec
 from unikv.memory.config import PoolConfig
 from unikv.memory.experts import ExpertCache

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from unikv.kvstrategies.kv import KVCache, StepBatch
 from unikv.kvstrategies.registry import Built
 from unikv.memory.config import PoolConfig

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
+
 from unikv.kvstrategies.kv import KVCache, StepBatch
 
 from .model import LlamaModel

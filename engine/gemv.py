@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
 from unikv.kvstrategies import kernels
 
 SOURCE = Path(resources.files(__package__) / "gemv.c")

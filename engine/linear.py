@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
 from unikv.kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
 
 from . import gemv

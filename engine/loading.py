@@ -8,6 +8,7 @@ another's module to find its way back.
 from __future__ import annotations
 
 import torch
+
 from unikv.kvstrategies.kv import DTYPES
 
 from .deepseek import DeepseekModel

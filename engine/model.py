@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
 from unikv.kvstrategies.operators import OperatorSet
 

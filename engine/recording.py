@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
 from unikv.kvstrategies.calibration import (
     DEFAULT_SAMPLES,
     DEFAULT_WINDOW,

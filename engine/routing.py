@@ -64,6 +64,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+
 from unikv.memory.profiles import DEFAULT_TOPK_BLOCK, TOPK_MODES, choose_topk
 
 from .config import MoEConfig

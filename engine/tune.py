@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
+
 from unikv.storage.files import torch_save_atomic
 
 from .config import ModelConfig
@@ -238,11 +239,10 @@ def tune_hybrid(
     hybrid_fp16_int4 setting `options`; write the tuned checkpoint directory `out`.
 
     `on_step(step)` is called after each step's checkpoint decision (tests interrupt there)."""
+    from unikv import kvstrategies
     from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
     from unikv.kvstrategies.hybrid import HybridStrategy
     from unikv.kvstrategies.hybrid_qat import FakeQuant
-
-    from unikv import kvstrategies
 
     from .hf_loader import checkpoint_config, save_hf
     from .loading import load_weights

@@ -12,6 +12,7 @@ from abc import abstractmethod
 from typing import Any, ClassVar
 
 import torch
+
 from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
 
 from .kv import KVCache, KVMemory, KVSpec, StepBatch

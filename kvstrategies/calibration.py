@@ -31,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
 from unikv.memory import config
 
 from .kv import ContiguousKVCache, KVSpec

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 

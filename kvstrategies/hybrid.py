@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from . import kernels

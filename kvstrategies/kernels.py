@@ -44,6 +44,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
 from unikv.memory import config
 
 SOURCE = Path(resources.files(__package__) / "hybrid_attend.c")

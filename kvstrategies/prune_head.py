@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
+
 from unikv.storage.files import torch_save_atomic
 
 from .kv import ContiguousKVCache, KVSpec

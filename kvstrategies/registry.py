@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
 from unikv.memory.config import PoolConfig, load_config
 from unikv.memory.pool import UnifiedMemoryPool
 from unikv.storage.registry import Registry

@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from unikv.memory.tiers import BlockLostError
 from unikv.storage import BlockStore, create_store
 

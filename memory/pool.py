@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
+
 from unikv.memory.allocator import BlockTable, TierAllocator
 from unikv.memory.config import PoolConfig
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout

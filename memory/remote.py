@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+
 from unikv.memory.services import WriteThrough
 from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, _slice_suffix
 from unikv.storage import StoreFullError

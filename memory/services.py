@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+
 from unikv.memory.tiers import StoreTier, TensorTier, Tier
 
 log = logging.getLogger(__name__)

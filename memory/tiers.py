@@ -32,6 +32,7 @@ from enum import StrEnum
 
 import numpy as np
 import torch
+
 from unikv.memory.layout import BLOCKS, BlockLayout
 from unikv.storage import StoreFullError
 

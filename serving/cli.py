@@ -213,6 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, settings, client=None) -> int:
     """uvicorn around one engine built here, or around the replicas' `client`."""
     import uvicorn
+
     from unikv.engine.engine import Engine
 
     from .app import Server, create_app

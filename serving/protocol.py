@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
 from unikv.engine.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,

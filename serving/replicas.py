@@ -88,6 +88,7 @@ class EngineReplica:
     async def __init__(self, spec: dict) -> None:
         import torch
         from ray import serve
+
         from unikv.engine.engine import Engine
 
         from .app import Server, ServeSettings

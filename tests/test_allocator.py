@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from unikv.memory.allocator import Block, BlockTable, FreeBlockQueue, TierAllocator
 from unikv.memory.prefix import BlockRef, PrefixCache
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from unikv.engine.cli import main
 
 from unikv import kvstrategies
+from unikv.engine.cli import main
 
 from .conftest import make_english
 
@@ -80,9 +80,8 @@ def test_argument_errors_exit_2(argv, capsys):
 
 
 def test_strategy_flags_come_from_the_option_declarations(capsys):
-    from unikv.engine.cli import _kv_options, build_parser
-
     from unikv import kvstrategies
+    from unikv.engine.cli import _kv_options, build_parser
 
     parse = build_parser().parse_args
     base = ["eval", "ppl", "--text", "x"]

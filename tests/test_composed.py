@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.assembly import Scheduling, create_kv
 from unikv.engine.cli import build_parser, strategy_arg
 from unikv.kvstrategies import composed
 from unikv.kvstrategies.kv import StepBatch
 from unikv.memory.config import PoolConfig, TierConfig, load_config
 from unikv.memory.profiles import load_profile, profile_report
-
-from unikv import kvstrategies
 
 SPEC = kvstrategies.KVSpec(2, 2, 16, torch.float32, identity="composed")
 BS = 8

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from unikv.memory.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]

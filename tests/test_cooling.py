@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from unikv.memory.config import ThermalOptions
 from unikv.serving.cooling import Cooling
 from unikv.serving.sensors import ScriptedSensor

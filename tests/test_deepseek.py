@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.assembly import create_kv
 from unikv.engine.config import ModelLoadError
 from unikv.engine.deepseek import DeepseekModel, kv_footprint
 from unikv.engine.loading import load_model
 from unikv.kvstrategies.kv import StepBatch
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 COMMON = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
 from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch

@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -92,6 +92,7 @@ async def test_shared_prefix_skips_prefill_and_changes_nothing(model, tokenizer,
 
 def test_transformers_cache_adapter_matches_dynamic_cache(hf_model, tokenizer, prompts):
     from transformers import DynamicCache
+
     from unikv.kvstrategies.hf_cache import StrategyCache
 
     c = hf_model.config

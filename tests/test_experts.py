@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from unikv.memory.experts import ExpertCache, ExpertLoadError, _store_key
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 4, 3

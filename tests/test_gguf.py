@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from unikv.engine.config import ModelLoadError
 from unikv.engine.gguf_loader import load_gguf, resolve_model_path
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
 from unikv.engine.config import ModelLoadError
 from unikv.engine.gguf_loader import load_gguf, supported_quant_types
 from unikv.engine.loading import load_model, load_tokenizer

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+
 from unikv.engine.config import ModelLoadError
 from unikv.engine.loading import load_model
 
@@ -83,6 +84,7 @@ def test_sharded_checkpoint_logits_match_transformers(tmp_path):
 
 def test_bad_checkpoints_name_what_is_wrong(tmp_path):
     from safetensors.torch import load_file, save_file
+
     from unikv.engine.hf_loader import load_hf
 
     tiny(tmp_path)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.evaluate import perplexity
 from unikv.engine.recording import ensure_calibration
 from unikv.kvstrategies import kernels
@@ -13,8 +15,6 @@ from unikv.kvstrategies.calibration import CalibrationMismatch, ChannelStats
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 from .conftest import make_english
 
@@ -379,6 +379,7 @@ def test_real_model_quality_and_size(model, tokenizer, calibration):
 
 def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, calibration):
     from transformers import DynamicCache
+
     from unikv.kvstrategies.hf_cache import StrategyCache
 
     c = hf_model.config

@@ -5,6 +5,7 @@ import logging
 import os
 
 import pytest
+
 from unikv.engine.cli import _kernel_status, _memory_lines
 from unikv.kvstrategies import kernels
 

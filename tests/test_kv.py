@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch, attention_one
 
 

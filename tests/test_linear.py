@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from unikv.engine.quantized import FORMATS, QuantizedTensor, dequantize, int4_groups
 
 

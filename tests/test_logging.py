@@ -5,6 +5,7 @@ import json
 import logging
 
 import pytest
+
 from unikv.engine import cli as engine_cli
 from unikv.serving import cli as serving_cli
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.assembly import build_kv, create_kv
 from unikv.engine.engine import Engine
 from unikv.engine.evaluate import perplexity
@@ -19,8 +21,6 @@ from unikv.kvstrategies.kv import StepBatch
 from unikv.memory.config import PoolConfig, TierConfig
 from unikv.storage import create_store
 from unikv.storage.base import decode_frame
-
-from unikv import kvstrategies
 
 from .conftest import make_english
 

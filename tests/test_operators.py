@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+
 import unikv.engine.linear as linear
 import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
 from unikv.engine.quantized import FORMATS, QuantizedTensor

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from unikv.engine.evaluate import perplexity
 from unikv.kvstrategies.kv import StepBatch
 

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+
 from unikv.engine.passkey import DEPTHS, QUESTION, needle, passkey, passkey_prompt
 
 

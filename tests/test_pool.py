@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from unikv.engine.assembly import build_kv
 from unikv.memory.config import PoolConfig, TierConfig
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
@@ -320,6 +321,7 @@ def test_the_ssd_tier_stays_usable_after_ten_times_its_capacity(tmp_path):
     bounded tier keeps its content within capacity by last use (held and recently used
     content stays), and collects ended sessions' values at open."""
     import numpy as np
+
     from unikv.memory.tiers import StoreTier
     from unikv.storage import create_store
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import unikv.memory.prefix as prefix
 from unikv.memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
 

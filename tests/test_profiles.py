@@ -4,7 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 import unikv.memory.profiles as profiles
+from unikv import kvstrategies
 from unikv.kvstrategies.registry import class_defaults
 from unikv.memory.config import ConfigError, MoEOptions, PoolConfig
 from unikv.memory.profiles import (
@@ -19,8 +21,6 @@ from unikv.memory.profiles import (
     profile_report,
     resolve_bandwidth,
 )
-
-from unikv import kvstrategies
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.evaluate import perplexity
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 from .conftest import make_english
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+
+from unikv import kvstrategies, storage
 from unikv.engine.assembly import create_kv
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
@@ -27,8 +29,6 @@ from unikv.memory.config import PoolConfig, TierConfig
 from unikv.memory.remote import CircuitBreaker
 from unikv.serving.health import HealthInputs, evaluate
 from unikv.storage.fs_store import FileBlockStore
-
-from unikv import kvstrategies, storage
 
 from ._redis import PASSWORD, free_port, redis_server
 from .conftest import make_english

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from unikv.serving.routing import ReplicaState, RoutingPolicy
 
 H = [bytes([i]) * 8 for i in range(8)]  # a request's leading block hashes

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from unikv.engine.config import MoEConfig
 from unikv.engine.routing import (
     DEFAULT_TOPK_BLOCK,

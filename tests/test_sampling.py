@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from unikv.engine.sampling import SamplingParams, logprobs_of, sample
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, 1.0, -2.0])

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
+
 from unikv.engine.scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from unikv.kvstrategies.kv import KVMemory
 

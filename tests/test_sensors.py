@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 import unikv.serving.sensors as sensors
 from unikv.memory.config import SENSOR_KINDS
 from unikv.memory.profiles import ChipProfile, SensorSpec, TunedParams, load_profile

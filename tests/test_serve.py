@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from unikv import kvstrategies
 from unikv.engine.engine import Engine
 from unikv.memory.config import PoolConfig, TierConfig
 from unikv.serving.app import Server, ServeSettings, create_app
-
-from unikv import kvstrategies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+
 from unikv.memory.services import WriteThrough
 from unikv.storage import StoreFullError
 

@@ -4,6 +4,7 @@ import json
 import logging
 
 import pytest
+
 from unikv.memory.allocator import TierAllocator
 from unikv.memory.prefix import PrefixCache
 from unikv.memory.stats import (

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import lmdb
 import pytest
+
+from unikv import storage
 from unikv.storage import AsyncBlockStore, BlockStore, ChecksumError, StoreFullError
 from unikv.storage.base import HEADER_BYTES, decode_frame, encode_frame
 from unikv.storage.lmdb_store import _LOC, LmdbBlockStore
-
-from unikv import storage
 
 from ._crash_writer import block_key, block_value
 from ._redis import need_redis, redis_cluster, redis_server

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.assembly import create_kv
 from unikv.kvstrategies import composed
 from unikv.kvstrategies.full import FullStrategy
@@ -28,8 +30,6 @@ from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.options import Option
 from unikv.kvstrategies.tables import BEGIN, END, option_tables
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 LAYERS, QHEADS, BS = 2, 4, 8
 SPECS = {

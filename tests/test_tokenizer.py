@@ -1,6 +1,7 @@
 """The GGUF tokenizer must tokenize exactly like transformers does for the same file."""
 
 import pytest
+
 from unikv.engine.tokenizer import IncrementalDecoder
 
 TEXTS = [

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+
+from unikv import kvstrategies
 from unikv.engine.assembly import build_kv
 from unikv.engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybrid
 from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
@@ -14,8 +16,6 @@ from unikv.kvstrategies.hybrid_qat import FakeQuant, read_mask
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.quant import ChannelPlan
 from unikv.memory.config import PoolConfig, TierConfig
-
-from unikv import kvstrategies
 
 HYBRID = "hybrid_fp16_int4"
 L, H, QH, D, BS = 2, 2, 6, 32, 16

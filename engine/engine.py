@@ -75,6 +75,17 @@ class Completion:
         return len(self.token_ids)
 
 
+@dataclass(slots=True)
+class Piece:
+    """A piece of a request's stream: new text, the log-probabilities of the tokens generated
+    since the last piece (with `SamplingParams.logprobs`; the pieces' lists add up to the
+    completion's) and, on the first piece only, the prompt's (with `prompt_logprobs`)."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
 @dataclass(eq=False)
 class _Request:
     rid: int
@@ -94,6 +105,8 @@ class _Request:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    logprobs_sent: int = 0  # of `logprobs`, how many went out with pieces
+    prompt_sent: bool = False  # whether the prompt's log-probabilities went out
 
     @property
     def finished(self) -> bool:
@@ -384,8 +397,10 @@ class Engine:
         if error is not None:
             self._outbox.append((req, ("error", error)))
             return
-        if reason != "cancelled" and req.emitted < len(req.text):
-            self._outbox.append((req, ("text", req.text[req.emitted :])))
+        if reason != "cancelled":
+            piece = self._piece(req, req.text[req.emitted :])
+            if piece.text or piece.logprobs or piece.prompt_logprobs is not None:
+                self._outbox.append((req, ("text", piece)))
             req.emitted = len(req.text)
         p = req.params
         done = Completion(
@@ -395,6 +410,17 @@ class Engine:
             [None, *req.prompt_logprobs] if p.prompt_logprobs is not None else None,
         )  # fmt: skip
         self._outbox.append((req, ("done", done)))
+
+    @staticmethod
+    def _piece(req: _Request, text: str) -> Piece:
+        """The next piece of `req`'s stream: `text` and the log-probabilities not yet sent."""
+        p, piece = req.params, Piece(text)
+        if p.logprobs is not None:
+            n = len(req.output_ids)
+            piece.logprobs, req.logprobs_sent = req.logprobs[req.logprobs_sent : n], n
+        if p.prompt_logprobs is not None and not req.prompt_sent:
+            piece.prompt_logprobs, req.prompt_sent = [None, *req.prompt_logprobs], True
+        return piece
 
     def _flush(self) -> None:
         """Deliver what the last turn collected (on the event loop: asyncio queues)."""
@@ -642,7 +668,7 @@ class Engine:
         req.text = text
         safe = max(req.emitted, len(text) - hold)
         if safe > req.emitted:
-            self._outbox.append((req, ("text", text[req.emitted : safe])))
+            self._outbox.append((req, ("text", self._piece(req, text[req.emitted : safe]))))
             req.emitted = safe
         ctx = self.model.cfg.context_length
         if len(req.output_ids) >= p.max_new_tokens or req.num_computed + 1 >= ctx:
@@ -662,6 +688,12 @@ class RequestHandle:
         return len(self._req.prompt_ids)
 
     async def __aiter__(self) -> AsyncIterator[str]:
+        async for piece in self.pieces():
+            if piece.text:
+                yield piece.text
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The stream as `Piece`s: text with the log-probabilities asked for."""
         try:
             while True:
                 kind, payload = await self._req.queue.get()

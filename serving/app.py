@@ -513,12 +513,6 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
     """Admit, submit to the engine (`n` requests for `n` choices), and answer (streamed or
     whole)."""
     t0 = time.perf_counter()
-    if body.stream:
-        for name, on in (("n", body.n > 1), ("logprobs", body.token_logprobs() is not None),
-                         ("echo", getattr(body, "echo", False))):  # fmt: skip
-            if on:
-                raise p.APIError(400, f"'{name}' is supported without 'stream' only",
-                                 param=name, code="unsupported_field")  # fmt: skip
     server.admit()
     ids = _prompt(server, body, chat)
     max_tokens = _max_tokens(server, body, chat, len(ids))
@@ -531,7 +525,7 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
     kind = "chat.completion" if chat else "text_completion"
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     if body.stream:
-        gen = _stream(server, handles[0], body, kind, rid, chat, t0)
+        gen = _stream(server, handles, body, kind, rid, chat, t0, ids)
         return StreamingResponse(
             gen, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **_ignored(body)},
@@ -577,9 +571,6 @@ def _choice(server: Server, body: p._Sampling, chat: bool, i: int, done, ids: li
 
     choice: dict = {"index": i, "finish_reason": p.finish_reason(done.finish_reason)}
     wanted = body.token_logprobs() is not None
-    if wanted and done.logprobs is None:
-        raise p.APIError(400, "logprobs are not available from this server's replicas",
-                         param="logprobs")  # fmt: skip
     if chat:
         choice["message"] = {"role": "assistant", "content": done.text}
         choice["logprobs"] = p.chat_logprobs(done.logprobs, decode) if wanted else None
@@ -663,51 +654,102 @@ async def _consume(server: Server, handle: RequestHandle, t0: float):
 
 async def _stream(
     server: Server,
-    handle: RequestHandle,
+    handles: list[RequestHandle],
     body: p._Sampling,
     kind: str,
     rid: str,
     chat: bool,
     t0: float,
+    ids: list[int],
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format; the request is cancelled if the client
-    leaves (Starlette cancels this generator, and `finally` cancels the request)."""
+    """Server-sent events in OpenAI's chunk format, the `n` choices interleaved as their pieces
+    come (each chunk names its `index`), with the log-probabilities of the tokens each piece
+    completes and, with `echo`, the prompt first. The requests are cancelled if the client
+    leaves (Starlette cancels this generator, and `finally` cancels them)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     created, model = p.now(), server.settings.model_name
+    tok = server.engine.tokenizer
+    wanted = body.token_logprobs() is not None
+    echo = getattr(body, "echo", False)
+    offsets = [0] * len(handles)  # completions' text_offset, per choice
 
-    def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+    def decode(token_id: int) -> str:
+        return tok.decode([token_id], skip_special=False)
+
+    def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
+              lps: list | None = None, tokens: list[str] | None = None) -> str:  # fmt: skip
         if chat:
             delta: dict = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            lp = p.chat_logprobs(lps, decode) if wanted and lps else None
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            lp = None
+            if wanted and lps:
+                tokens = tokens or [decode(x.token_id) for x in lps]
+                lp = p.completion_logprobs(tokens, lps, offsets[i], decode)
+                offsets[i] += sum(map(len, tokens))
+            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if body.include_usage:
             data["usage"] = None
         return f"data: {json.dumps(data)}\n\n"
 
-    lat = _Latency(server, t0)
+    def echoed(i: int, prompt_lps: list | None) -> str:
+        prompt_tokens = [decode(t) for t in ids]
+        return chunk(i, tok.decode(ids, skip_special=False), lps=prompt_lps, tokens=prompt_tokens)
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for piece in handle.pieces():
+                queue.put_nowait((i, piece))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    lats = [_Latency(server, t0) for _ in handles]
+    unechoed = set(range(len(handles))) if echo and not chat else set()
     try:
         if chat:
-            yield chunk("", role=True)
-        async for piece in handle:
-            lat.piece()
-            yield chunk(piece)
-        done = handle.completion
-        yield chunk(None if chat else "", p.finish_reason(done.finish_reason))
+            for i in range(len(handles)):
+                yield chunk(i, "", role=True)
+        running = len(handles)
+        while running:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if i in unechoed:
+                unechoed.discard(i)
+                yield echoed(i, item.prompt_logprobs if item is not None else None)
+            if item is None:
+                done = handles[i].completion
+                yield chunk(i, None if chat else "", p.finish_reason(done.finish_reason))
+                lats[i].finished(handles[i])
+                running -= 1
+                continue
+            if item.text or item.logprobs:
+                if item.text:
+                    lats[i].piece()
+                yield chunk(i, item.text, lps=item.logprobs)
         if body.include_usage:
+            first = handles[0].completion
             u = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": p.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
+                "usage": p.usage(
+                    first.prompt_tokens,
+                    sum(h.completion.completion_tokens for h in handles),
+                    first.cached_tokens,
+                ),  # fmt: skip
             }
             yield f"data: {json.dumps(u)}\n\n"
-        lat.finished(handle)
         yield "data: [DONE]\n\n"
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
         if service_fault(e):
@@ -717,7 +759,10 @@ async def _stream(
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        handle.cancel()  # no-op once finished; frees the KV of a request whose client left
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            h.cancel()  # no-op once finished; frees the KV of a request whose client left
         server.in_flight -= 1
 
 

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from unikv.engine.engine import Completion, RequestHandle
+from unikv.engine.engine import Completion, Piece, RequestHandle
 from unikv.engine.gguf_loader import check_weights
 from unikv.engine.sampling import SamplingParams
 from unikv.memory.prefix import chain_hashes
@@ -174,13 +174,14 @@ class EngineReplica:
         self.server.in_flight += 1
         try:
             yield {"replica": self.name}
-            async for piece in handle:
-                yield {"text": piece}
+            async for piece in handle.pieces():
+                yield {"text": piece}  # a Piece: text and log-probabilities (pickled by Ray)
             c = handle.completion
             yield {"done": {"text": c.text, "token_ids": c.token_ids,
                             "finish_reason": c.finish_reason,
                             "prompt_tokens": c.prompt_tokens,
-                            "cached_tokens": c.cached_tokens}}  # fmt: skip
+                            "cached_tokens": c.cached_tokens, "logprobs": c.logprobs,
+                            "prompt_logprobs": c.prompt_logprobs}}  # fmt: skip
         except Exception as e:
             if service_fault(e):
                 self.server.failures.add()
@@ -346,7 +347,7 @@ class RemoteHandle(RequestHandle):
     def prompt_tokens(self) -> int:
         return len(self.payload["prompt_ids"])
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         from ray.exceptions import RayActorError
 
         attempt = 0

@@ -452,6 +452,23 @@ async def test_prompt_logprobs_match_one_forward_pass_and_skip_the_cache(engine,
     assert all(x.top[0][0] == int(ref[i].argmax()) for i, x in enumerate(lps[1:]))
 
 
+async def test_pieces_carry_the_logprobs_of_their_tokens_and_add_up_to_the_completion(engine):
+    """Streaming with log-probabilities: each piece brings those of the tokens generated since
+    the last, the first also the prompt's, and together they are the completion's, also when a
+    stop string cuts the text (its tokens are still counted, as the whole answer counts them)."""
+    whole = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, logprobs=1))
+    stop = whole.text[len(whole.text) // 2 :][:3]  # a stop string in the middle of the answer
+    params = SamplingParams(max_new_tokens=12, logprobs=1, prompt_logprobs=0, stop=(stop,))
+    h = engine.submit(PROMPTS[0], params)
+    pieces = [p async for p in h.pieces()]
+    done = h.completion
+    assert "".join(p.text for p in pieces) == done.text and stop not in done.text
+    assert [x for p in pieces for x in p.logprobs] == done.logprobs
+    assert pieces[0].prompt_logprobs == done.prompt_logprobs
+    assert all(p.prompt_logprobs is None for p in pieces[1:])
+    assert len(pieces) > 1 and sum(1 for p in pieces if p.logprobs) > 1
+
+
 async def test_logprobs_min_tokens_min_p_and_repetition_penalty(engine):
     greedy = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, logprobs=3))
     assert len(greedy.logprobs) == 8

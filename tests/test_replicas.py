@@ -111,6 +111,24 @@ def test_second_request_with_the_prefix_lands_on_the_same_replica_and_hits(clust
     wait_until(lambda: replicas(url)[where]["prefix_hits"] > hits_before, "the prefix hit report")
 
 
+def test_logprobs_and_echo_come_back_from_a_replica_whole_and_streamed(cluster):
+    """Issue 33: log-probabilities cross the replica boundary (pickled by Ray) as they do from
+    one engine: whole, and per streamed piece."""
+    url, _, _ = cluster
+    body = {"prompt": "Logprobs. " + BODY[:200], "max_tokens": 3, "temperature": 0,
+            "logprobs": 1, "echo": True}  # fmt: skip
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert whole.status_code == 200, whole.text
+    lp = whole.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) > 3
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as r:  # fmt: skip
+        data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed = [t for d in data if d["choices"][0]["logprobs"]
+                for t in d["choices"][0]["logprobs"]["tokens"]]  # fmt: skip
+    assert streamed == lp["tokens"]
+
+
 def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
     url, sensors, _ = cluster
     name_a, _ = by_rank(url, 0)

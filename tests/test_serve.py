@@ -550,13 +550,89 @@ def test_logprobs_echo_n_and_the_vllm_sampling_fields(client, srv, tokenizer):
             "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [tokenizer.eos_id]}  # fmt: skip
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 2
-    for bad in ({"n": 2}, {"logprobs": 1}, {"echo": True}):
-        s = httpx.post(url + "/v1/completions", json={"prompt": "hi", "stream": True, **bad},
-                       timeout=30)  # fmt: skip
-        assert s.status_code == 400 and s.json()["error"]["param"] == next(iter(bad))
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user",
                    "content": "hi"}], "top_logprobs": 2}, timeout=30)  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def _streamed(url: str, path: str, body: dict) -> tuple[list[dict], dict | None]:
+    """The chunks of a streamed answer (parsed), and its usage chunk."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    return [c for c in chunks if c["choices"]], chunks[-1]["usage"]
+
+
+def _close(a, b, tol: float = 1e-4) -> bool:
+    """Equal structure (lists, dicts, None), numbers within `tol`: the same log-probabilities
+    computed in another batch."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, float | int) and isinstance(b, float | int):
+        return abs(a - b) <= tol
+    return a == b
+
+
+def _merge_completion(chunks: list[dict], n: int) -> list[dict]:
+    """Streamed completion chunks joined per choice: text and the logprobs lists."""
+    out = [{"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [],
+            "text_offset": [], "finish_reason": None} for _ in range(n)]  # fmt: skip
+    for c in chunks:
+        (ch,) = c["choices"]
+        o = out[ch["index"]]
+        o["text"] += ch["text"]
+        o["finish_reason"] = ch["finish_reason"] or o["finish_reason"]
+        for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            o[k] += (ch["logprobs"] or {}).get(k, [])
+    return out
+
+
+def test_n_logprobs_and_echo_stream_as_they_answer_whole(srv, tokenizer):
+    """Issue 33: `n`, `logprobs` and `echo` streamed: each choice's chunks (interleaved, named
+    by `index`) add up to the same text and log-probabilities as the answer that is not
+    streamed, the echoed prompt first; chat streams `logprobs.content` per chunk."""
+    url = srv[0]
+    prompt = "The quick brown fox jumps over the lazy dog"
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 3,
+            "logprobs": 2, "echo": True}  # fmt: skip
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+    chunks, usage = _streamed(url, "/v1/completions", body)
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2}
+    # log-probabilities come with the pieces they belong to, not all at the end
+    assert sum(1 for c in chunks if c["choices"][0]["logprobs"]) >= 3 * 3
+    assert usage == whole["usage"]
+    for got, want in zip(_merge_completion(chunks, 3), whole["choices"], strict=True):
+        assert got["text"] == want["text"] and got["text"].startswith(prompt)
+        assert got["finish_reason"] == want["finish_reason"]
+        lp = want["logprobs"]
+        assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+        assert _close(got["token_logprobs"], lp["token_logprobs"])
+        assert _close(got["top_logprobs"], lp["top_logprobs"])
+    # max_tokens 0 with echo: the prompt's log-likelihood, streamed as one chunk
+    ll = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = httpx.post(url + "/v1/completions", json=ll, timeout=60).json()["choices"][0]
+    (got,) = _merge_completion(_streamed(url, "/v1/completions", ll)[0], 1)
+    assert got["text"] == prompt and got["token_logprobs"][0] is None
+    assert _close(got["token_logprobs"], whole["logprobs"]["token_logprobs"])
+    # chat: logprobs.content per chunk adds up to the whole answer's
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "n": 2}  # fmt: skip
+    whole = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
+    chunks, _ = _streamed(url, "/v1/chat/completions", chat)
+    for i, want in enumerate(whole["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        text = "".join(m["delta"].get("content") or "" for m in mine)
+        content = [e for m in mine if m["logprobs"] for e in m["logprobs"]["content"]]
+        assert text == want["message"]["content"]
+        assert [e["token"] for e in content] == [e["token"] for e in want["logprobs"]["content"]]
+        assert [e["logprob"] for e in content] == pytest.approx(
+            [e["logprob"] for e in want["logprobs"]["content"]], abs=1e-5
+        )
 
 
 def test_langchain_and_the_async_openai_client(srv):

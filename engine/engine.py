@@ -60,7 +60,7 @@ class Completion:
     """The result of one request."""
 
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # generated, with the EOS or stop token that ended it (as vLLM counts)
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -105,6 +105,7 @@ class _Request:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    stop_token: int | None = None  # the EOS or stop token that ended it (never fed)
     logprobs_sent: int = 0  # of `logprobs`, how many went out with pieces
     prompt_sent: bool = False  # whether the prompt's log-probabilities went out
 
@@ -116,6 +117,12 @@ class _Request:
     def wants_prompt_logits(self) -> bool:
         """Whether every prompt token's logits are wanted (so none comes from the cache)."""
         return self.params.prompt_logprobs is not None
+
+    @property
+    def generated(self) -> list[int]:
+        """The generated token ids as a client counts them: the outputs, then the EOS or stop
+        token that ended the request (vLLM's convention; its text is never in the answer)."""
+        return self.output_ids + ([] if self.stop_token is None else [self.stop_token])
 
     @property
     def tokens(self) -> list[int]:
@@ -403,10 +410,11 @@ class Engine:
                 self._outbox.append((req, ("text", piece)))
             req.emitted = len(req.text)
         p = req.params
+        ids = req.generated
         done = Completion(
-            req.text, list(req.output_ids), reason, len(req.prompt_ids),
+            req.text, ids, reason, len(req.prompt_ids),
             min(req.prefix_hit, len(req.prompt_ids)),
-            req.logprobs[: len(req.output_ids)] if p.logprobs is not None else None,
+            req.logprobs[: len(ids)] if p.logprobs is not None else None,
             [None, *req.prompt_logprobs] if p.prompt_logprobs is not None else None,
         )  # fmt: skip
         self._outbox.append((req, ("done", done)))
@@ -416,7 +424,7 @@ class Engine:
         """The next piece of `req`'s stream: `text` and the log-probabilities not yet sent."""
         p, piece = req.params, Piece(text)
         if p.logprobs is not None:
-            n = len(req.output_ids)
+            n = len(req.generated)
             piece.logprobs, req.logprobs_sent = req.logprobs[req.logprobs_sent : n], n
         if p.prompt_logprobs is not None and not req.prompt_sent:
             piece.prompt_logprobs, req.prompt_sent = [None, *req.prompt_logprobs], True
@@ -649,6 +657,7 @@ class Engine:
         p = req.params
         eos = self.tokenizer.eos_id
         if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
+            req.stop_token = token
             self._finish(req, "stop")
             return
         req.output_ids.append(token)

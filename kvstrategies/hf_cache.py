@@ -7,8 +7,9 @@ sequence, read back from the strategy (for `full`, the stored values themselves)
 that any strategy can be checked against, and used with, transformers' own attention; unikv's
 engine attends on the stored form directly and never goes through here.
 
-Optional: it needs Hugging Face `transformers` >= 4.56 (the per-layer `Cache(layers=...)` API;
-`CacheLayerMixin` itself arrived in 4.54), which is in the `test` and `bench` extras, not a
+Optional: it needs Hugging Face `transformers` >= 5.24 (the tested floor; the per-layer
+`Cache(layers=...)` API it uses exists since 4.56), which is in the `hf`, `test` and `bench`
+extras, not a
 runtime dependency. Nothing in the runtime packages imports this module; importing it without
 transformers raises an ImportError saying what to install.
 """
@@ -21,7 +22,7 @@ try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # optional: only the tests and benchmarks drive transformers models
     raise ImportError(
-        "unikv.kvstrategies.hf_cache needs Hugging Face transformers>=4.56 "
+        "unikv.kvstrategies.hf_cache needs Hugging Face transformers>=5.24 "
         "(pip install 'unikv[hf]'); the unikv engine itself does not use it"
     ) from e
 

@@ -1,10 +1,10 @@
 """`unikv serve`: the OpenAI-compatible HTTP server around one engine.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events in
-OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, `POST /tokenize`,
-`POST /detokenize`, `GET /version`, `GET /health` (liveness: the three-colour view, always 200),
-`GET /ready` (readiness: the same, 503 when red), `GET /metrics` (Prometheus), `GET /dashboard`
-(one HTML page) and `GET /dashboard/data` (what the page draws).
+OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, `GET /tokenizer_info`,
+`POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health` (liveness: the three-colour
+view, always 200), `GET /ready` (readiness: the same, 503 when red), `GET /metrics`
+(Prometheus), `GET /dashboard` (one HTML page) and `GET /dashboard/data` (what the page draws).
 
 Admission: a request is refused with 429 and `Retry-After` when the waiting queue is full or
 when the requests in flight reach the health colour's load share of capacity (green 100%,
@@ -247,6 +247,22 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": engine_version()}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness
+        probes it before it would fetch a tokenizer from a model hub)."""
+        tok = server.engine.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": None,
+            "add_bos_token": tok.add_bos,
+            "add_eos_token": tok.add_eos,
+            "chat_template": tok.chat_template,
+            "model_max_length": server.engine.model.cfg.context_length,
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -14,9 +14,9 @@ from unikv.engine import cli as engine_cli
 
 DESCRIPTION = (
     "Serve the model over an OpenAI-compatible HTTP API: /v1/completions, "
-    "/v1/chat/completions (streamed or not), /v1/models, vLLM's /tokenize and /detokenize, "
-    "/version, plus /health (liveness), /ready (readiness: 503 when red), /metrics and "
-    "/dashboard. Binds to 127.0.0.1 unless --host says otherwise."
+    "/v1/chat/completions (streamed or not), /v1/models, vLLM's /tokenize, /detokenize and "
+    "/tokenizer_info, /version, plus /health (liveness), /ready (readiness: 503 when red), "
+    "/metrics and /dashboard. Binds to 127.0.0.1 unless --host says otherwise."
 )
 
 

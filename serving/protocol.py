@@ -211,10 +211,11 @@ class _Sampling(_Lenient):
 
 
 class CompletionRequest(_Sampling):
-    """`POST /v1/completions`: one prompt (text or token ids). `max_tokens` 0 with `echo` and
-    `logprobs` scores the prompt alone (what lm-evaluation-harness's log-likelihood asks)."""
+    """`POST /v1/completions`: one prompt (text or token ids, alone or as a list of one).
+    `echo` with `logprobs` scores every prompt token; `max_tokens` 0 scores the prompt alone
+    (lm-evaluation-harness asks `max_tokens` 1 and drops the generated entry, an EOS included)."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -225,10 +226,11 @@ class CompletionRequest(_Sampling):
     def prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo and self.logprobs is not None else None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+    def _one_prompt(cls, v: object) -> object:
+        """OpenAI's `prompt` is a text, token ids, or a list of several of either: one here."""
+        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
             if len(v) != 1:
                 raise ValueError("one prompt per request (a list of several is not supported)")
             return v[0]

@@ -238,7 +238,9 @@ async def test_stop_string_and_stop_token(engine):
         PROMPTS[3], SamplingParams(max_new_tokens=24, stop_token_ids=(tok,))
     )
     first = free.token_ids.index(tok)
-    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[:first]
+    # the stop token ends the ids (vLLM counts it), never the text
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
+    assert by_id.text == engine.tokenizer.decode(free.token_ids[:first])
 
 
 async def test_chat_template_and_eos(engine):
@@ -247,6 +249,7 @@ async def test_chat_template_and_eos(engine):
     )
     assert "Paris" in c.text
     assert c.finish_reason == "stop"  # the model ends its answer with <|im_end|>
+    assert c.token_ids[-1] == engine.tokenizer.eos_id and "<|im_end|>" not in c.text
 
 
 async def test_close_finishes_running_requests(model, tokenizer):
@@ -483,7 +486,8 @@ async def test_logprobs_min_tokens_min_p_and_repetition_penalty(engine):
     first = greedy.token_ids[0]
     stop_first = SamplingParams(max_new_tokens=8, stop_token_ids=(first,))
     stopped = await engine.generate(PROMPTS[0], stop_first)
-    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert stopped.text == "" and stopped.completion_tokens == 1
     held = await engine.generate(
         PROMPTS[0], SamplingParams(max_new_tokens=4, stop_token_ids=(first,), min_tokens=2)
     )

@@ -269,6 +269,15 @@ def test_cached_tokens_tokenize_detokenize_and_version(srv, tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.post(url + "/tokenize", json={}, timeout=30).status_code == 400
     assert httpx.get(url + "/version", timeout=30).json()["version"]
+    info = httpx.get(url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["model_max_length"] > n
+    # a list of one token-id list is one prompt (lm-evaluation-harness sends it); two are refused
+    ids = tokenizer.encode("The capital of France is")
+    one, flat = (httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3,
+                 "temperature": 0}, timeout=60).json() for prompt in ([ids], ids))  # fmt: skip
+    assert one["choices"][0]["text"] == flat["choices"][0]["text"]
+    two = httpx.post(url + "/v1/completions", json={"prompt": [ids, ids]}, timeout=30)
+    assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
 
 
 def test_hostile_bodies_answer_4xx_never_500(srv):

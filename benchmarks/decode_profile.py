@@ -6,8 +6,8 @@ Runs `--steps` greedy decode steps of the real model after a `--context`-token p
 to the part of the step its innermost unikv frame belongs to: `kvstrategies/` is attention (KV
 append and attend), `engine/linear.py`'s matmuls and norm, the model's RoPE table, sampling
 (the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The matmul
-C kernel (`engine/gemv.c`, called through ctypes) is no torch op: its time is the self time of
-the Python functions in `engine/gemv.py` that call it. The profiler costs microseconds per op,
+C kernel (`kernels/gemv.c`, called through ctypes) is no torch op: its time is the self time of
+the Python functions in `kernels/gemv.py` that call it. The profiler costs microseconds per op,
 so the step's wall time is also measured without it; "python" is that wall time minus the
 ops' share of the profiled run, scaled to the unprofiled one.
 
@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.model import weight_formats  # noqa: E402
-from unikv.kvstrategies import kernels as ckernels  # noqa: E402
-from unikv.kvstrategies.operators import summary  # noqa: E402
+from unikv.kernels import native as ckernels  # noqa: E402
+from unikv.kernels.operators import summary  # noqa: E402
 
 # (path fragment, function name or None for any) -> part; the first match, innermost frame first
 RULES = [
@@ -55,7 +55,7 @@ RULES = [
     ("benchmarks/kv_quant_speed.py", "decode", "sampling"),
     ("engine/model.py", None, "other ops"),
 ]
-C_KERNEL = "engine/gemv.py("  # the Python frames that call the matmul C kernel (engine/gemv.c)
+C_KERNEL = "kernels/gemv.py("  # the Python frames that call the matmul C kernel (kernels/gemv.c)
 
 
 def part_of(event) -> str:

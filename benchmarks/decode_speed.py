@@ -49,7 +49,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from unikv.engine.gguf_loader import resolve_model_path
-    from unikv.kvstrategies.kv import DTYPES
+    from unikv.kernels.dtypes import DTYPES
 
     dtype = DTYPES[args.dtype]
     # All torch work on the one compute thread (see engine/compute.py), the reference's too.

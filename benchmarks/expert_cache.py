@@ -196,7 +196,7 @@ def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
     from unikv.engine.assembly import build_kv
     from unikv.engine.loading import load_model
     from unikv.kvstrategies.kv import StepBatch
-    from unikv.memory.config import MoEOptions, PoolConfig, TierConfig
+    from unikv.settings.config import MoEOptions, PoolConfig, TierConfig
 
     rows, base = [], None
     for name, (fc, fh, _cold) in cases.items():

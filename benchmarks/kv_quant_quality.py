@@ -75,7 +75,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
 
 
 def engine_run(model, tok, ids, name, options=None, block_size=None):
-    from unikv.memory.config import PoolConfig
+    from unikv.settings.config import PoolConfig
 
     spec = model.kv_spec()
     cfg = PoolConfig(block_size=block_size)

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_profile import cpu_name  # noqa: E402
-from unikv.engine import gemv  # noqa: E402
 from unikv.engine.evaluate import perplexity  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.model import weight_formats  # noqa: E402
+from unikv.kernels import gemv  # noqa: E402
 from unikv.kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
 TEXTS = Path(__file__).resolve().parent / "texts"

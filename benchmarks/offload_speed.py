@@ -54,7 +54,7 @@ from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
 from benchmarks.store_bandwidth import raw_read  # noqa: E402
 from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
-from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 STRATEGIES = ("hierarchical_offload", "hybrid+tiered+all")  # the first is the baseline
 HUGE = 1 << 20

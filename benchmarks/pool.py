@@ -44,9 +44,9 @@ def pool_latency(iters: int = 20000) -> dict:
     """p50/p99 of UnifiedMemoryPool.reserve(seq, one block) + free(seq), in µs."""
     import torch
 
-    from unikv.memory.config import PoolConfig, TierConfig
     from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
     from unikv.memory.pool import UnifiedMemoryPool
+    from unikv.settings.config import PoolConfig, TierConfig
 
     layout = BlockLayout(16, (ArenaSpec("kv", torch.float32, (BLOCKS, 16)),))
     pool = UnifiedMemoryPool(

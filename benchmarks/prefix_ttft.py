@@ -39,7 +39,7 @@ from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
-from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
 

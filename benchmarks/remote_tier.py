@@ -38,7 +38,7 @@ from unikv.engine.assembly import create_kv  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
-from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 from unikv.storage import open_url  # noqa: E402
 
 PASSWORD = "unikv-bench"

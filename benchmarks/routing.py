@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import environment, interleaved, report  # noqa: E402
 from unikv.engine.config import MoEConfig  # noqa: E402
 from unikv.engine.routing import default_winners, route  # noqa: E402
-from unikv.memory.profiles import DEFAULT_TOPK_BLOCK  # noqa: E402
+from unikv.settings.profiles import DEFAULT_TOPK_BLOCK  # noqa: E402
 
 FIELD_DIFF_PCT_4K = 0.79  # field figure to beat: % of tokens routed differently at 4K tokens
 LATENT = 64

@@ -216,7 +216,7 @@ def unikv_server(batch: int, window_ms: float | None) -> Proc:
     argv = [
         sys.executable,
         "-m",
-        "unikv.serving.cli",
+        "unikv.cli",
         "serve",
         "--port",
         str(port),

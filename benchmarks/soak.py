@@ -265,7 +265,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     if args.device_capacity != "default":
         env["UNIKV_TIERS__DEVICE__CAPACITY"] = args.device_capacity
-    argv = [sys.executable, "-m", "unikv.serving.cli", "serve", "--port", str(port),
+    argv = [sys.executable, "-m", "unikv.cli", "serve", "--port", str(port),
             "--max-waiting", "256"]  # fmt: skip
     server = Proc("unikv-soak", argv, port, env)
     try:

@@ -26,7 +26,7 @@ from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.tune import TuneSettings, tune_hybrid  # noqa: E402
-from unikv.memory.config import PoolConfig  # noqa: E402
+from unikv.settings.config import PoolConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ROOT / "benchmarks" / "texts"

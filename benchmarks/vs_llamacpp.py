@@ -36,7 +36,7 @@ from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noq
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
 from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
-from unikv.kvstrategies.operators import summary  # noqa: E402
+from unikv.kernels.operators import summary  # noqa: E402
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> float:

@@ -17,10 +17,11 @@ OUT = Path(__file__).resolve().parent / "architecture.png"
 # One band per layer, top to bottom: (name, what it owns, band colour, height).
 LAYERS = [
     (
-        "server  (later)",
-        "unikv serve: OpenAI-compatible HTTP API,\nmetrics, health view, replicas + router",
+        "cli/  +  serving/",
+        "cli: the unikv command (run, eval, profile, tune,\n     calibrate, cache, serve)\n"
+        "serving: OpenAI-compatible HTTP API, metrics,\n     health view, replicas + router",
         "#eeeeee",
-        11,
+        14,
     ),
     (
         "engine/",
@@ -30,42 +31,47 @@ LAYERS = [
         "assembly.py  builds model + strategy + pool + stores\n"
         "             + expert cache from a config; closes\n"
         "             them in reverse order\n"
-        "loading.py, config.py   models (GGUF, HF dirs)\n"
-        "model, deepseek, routing, tokenizer, sampling, CLI",
+        "loading.py   models (GGUF, HF dirs); model, deepseek,\n"
+        "             routing, tokenizer, sampling",
         "#dbe9f6",
-        28,
+        25,
     ),
     (
         "kvstrategies/",
         "kv.py  the seam: StepBatch, KVSpec,\n"
         "       KVCache (append / attend)  <- model\n"
         "       KVMemory (reserve / free / prefix / swap)\n"
-        "                                  <- scheduler\n"
         "full, hybrid_fp16_int4, hierarchical_offload,\n"
         "learned_prune; options, registry, bandwidth class",
         "#e3f1dc",
-        19,
+        16,
     ),
     (
-        "memory/",
-        "UnifiedMemoryPool facade over: tiers, blocks,\n"
-        "block tables, ref counts; placement; prefix index;\n"
-        "budgets + watermarks; stats + health;\n"
-        "write-through and prefetch services; experts;\n"
-        "config files, chip profiles",
+        "memory/  |  kernels/",
+        "memory: UnifiedMemoryPool over tiers, blocks, block\n"
+        "  tables, prefix index, budgets, stats + health,\n"
+        "  write-through and prefetch, experts\n"
+        "kernels: operator registry + breaker, C kernels\n"
+        "  per ISA (hybrid attention, GGUF gemv), dtypes",
         "#fbecd5",
-        18,
+        17,
     ),
     (
         "storage/",
-        "BlockStore: LMDB on SSD (CRC per value,\nrecovery, async I/O); Redis / shared fs later",
+        "BlockStore: LMDB, Redis, shared dir (CRC, recovery)",
         "#f3dfe8",
-        12,
+        9,
+    ),
+    (
+        "settings/",
+        "config files + env, chip profiles + probes, logs",
+        "#f0f0f0",
+        8,
     ),
 ]
 
 GAP = 1.2
-TOP = 94.0
+TOP = 95.5
 LEFT_W = 47.0  # the "owns" column; the flow column starts after it
 FLOW_X0, FLOW_X1 = 52.0, 98.0
 
@@ -127,7 +133,7 @@ def main() -> None:
                 fc=colour,
                 ec="#888888",
                 lw=1.0,
-                ls="--" if name.startswith("server") else "-",
+                ls="-",
             )
         )
         ax.text(3, y - 2.2, name, size=13.5, weight="bold", va="top", family="monospace")
@@ -138,13 +144,13 @@ def main() -> None:
     # Dependencies point down only.
     ax.annotate(
         "",
-        xy=(LEFT_W + 1.6, bands["storage/"][0] + 2),
-        xytext=(LEFT_W + 1.6, bands["server"][1] - 2),
+        xy=(LEFT_W + 1.6, bands["settings/"][0] + 2),
+        xytext=(LEFT_W + 1.6, bands["cli/"][1] - 2),
         arrowprops=dict(arrowstyle="-|>", lw=2.2, color="#777777"),
     )
     ax.text(
         LEFT_W - 0.5,
-        (bands["server"][1] + bands["storage/"][0]) / 2,
+        (bands["cli/"][1] + bands["settings/"][0]) / 2,
         "imports point down only (import-linter)",
         rotation=90,
         ha="center",
@@ -157,8 +163,8 @@ def main() -> None:
     mid = FLOW_X0 + w / 2
 
     # server
-    s0, s1 = bands["server"]
-    http = box(ax, FLOW_X0 + 6, s0 + 2, w - 12, s1 - s0 - 4, "HTTP request (OpenAI API)", ls="--")
+    s0, s1 = bands["cli/"]
+    http = box(ax, FLOW_X0 + 6, s0 + 2, w - 12, s1 - s0 - 4, "HTTP request (OpenAI API)")
 
     # engine: async API -> scheduler -> model forward
     e0, e1 = bands["engine/"]
@@ -245,19 +251,18 @@ def main() -> None:
 
     # storage: SSD (LMDB) and remote
     t0, t1 = bands["storage/"]
-    ssd = box(ax, FLOW_X1 - 5 - tw, t0 + 2.2, tw, 4.4, "SSD (LMDB)", fc="#fdf0f5")
-    remote = box(ax, FLOW_X0 + 5, t0 + 2.2, tw, 4.4, "remote (later)", fc="#fdf0f5", ls="--")
-    arrow(ax, (host[0], m0 + 1.4), (ssd[0], t0 + 7.0), both=True)
+    ssd = box(ax, FLOW_X1 - 5 - tw, t0 + 1.6, tw, 4.4, "SSD (LMDB)", fc="#fdf0f5")
+    remote = box(ax, FLOW_X0 + 5, t0 + 1.6, tw, 4.4, "remote (Redis)", fc="#fdf0f5")
+    arrow(ax, (host[0], m0 + 1.4), (ssd[0], t0 + 6.4), both=True)
     arrow(
         ax,
         (ssd[0] - tw / 2 - 0.4, ssd[1]),
         (remote[0] + tw / 2 + 0.4, remote[1]),
         both=True,
-        ls="--",
     )
     ax.text(
         host[0] - 1.5,
-        t1 - 2.6,
+        t1 + 0.6,
         "write-through (down), prefetch (up)",
         ha="right",
         va="center",

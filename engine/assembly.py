@@ -26,10 +26,10 @@ import torch
 from unikv import kvstrategies
 from unikv.kvstrategies import Built, KVSpec, KVStrategy
 from unikv.kvstrategies.registry import content_identity
-from unikv.memory.config import PoolConfig, TierConfig, load_config
 from unikv.memory.pool import StoreTier
-from unikv.memory.profiles import ChipProfile
 from unikv.memory.remote import RemoteTier
+from unikv.settings.config import PoolConfig, TierConfig, load_config
+from unikv.settings.profiles import ChipProfile
 from unikv.storage import BlockStore, create_store, open_url, url_store
 from unikv.storage.registry import redact
 

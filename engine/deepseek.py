@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from unikv.kvstrategies.kv import KVCache, KVSpec
-from unikv.memory.config import PoolConfig
 from unikv.memory.experts import ExpertCache
+from unikv.settings.config import PoolConfig
 
 from .config import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
 from .model import LlamaModel, RotaryTable, SplitLinear, rms_norm

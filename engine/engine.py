@@ -35,8 +35,8 @@ import torch
 
 from unikv.kvstrategies.kv import KVCache, StepBatch
 from unikv.kvstrategies.registry import Built
-from unikv.memory.config import PoolConfig
 from unikv.memory.pool import BlockLostError
+from unikv.settings.config import PoolConfig
 
 from . import compute
 from .assembly import Assembly, assemble, assemble_for

@@ -8,7 +8,7 @@ breaker (`kvstrategies.operators`), the block formats (`engine.quantized`), the 
 (`engine.model`).
 
 Ops and their entries, in preference order (the last is the reference, available everywhere):
-- matmul.float (weights in the compute dtype): gemv (CPU, AVX-512: `engine/gemv.c` for decode,
+- matmul.float (weights in the compute dtype): gemv (CPU, AVX-512: `kernels/gemv.c` for decode,
   at most `gemv.MAX_ROWS` rows of float32; larger batches go on to split_bmm), split_bmm (CPU),
   mm.
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from unikv.kvstrategies.operators import Breaker, FnImplementation, OperatorSet, choose, register
+from unikv.kernels import gemv
+from unikv.kernels.operators import Breaker, FnImplementation, OperatorSet, choose, register
 
-from . import gemv
 from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from unikv.kvstrategies.kv import DTYPES
+from unikv.kernels.dtypes import DTYPES
 
 from .deepseek import DeepseekModel
 from .gguf_loader import check_weights, load_gguf, resolve_model_path

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from unikv.kernels.operators import OperatorSet
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
-from unikv.kvstrategies.operators import OperatorSet
 
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm

@@ -65,7 +65,8 @@ from collections.abc import Mapping
 
 import torch
 
-from unikv.memory.profiles import DEFAULT_TOPK_BLOCK, TOPK_MODES, choose_topk
+from unikv.settings.config import MoEOptions, PoolConfig
+from unikv.settings.profiles import DEFAULT_TOPK_BLOCK, TOPK_MODES, ChipProfile
 
 from .config import MoEConfig
 
@@ -275,3 +276,19 @@ def check_moe(moe: MoEConfig, names: Mapping[str, str] | None = None) -> None:
 
 
 _check_moe = functools.cache(check_moe)  # route checks each config once
+
+
+def choose_topk(profile: ChipProfile, config: PoolConfig | MoEOptions) -> tuple[str, int, str]:
+    """(mode, block, why) of the MoE router's final top-k: the config's [moe] topk, else the
+    chip profile's preference. `block` is the experts per block, 0 for "exact"."""
+    moe = config.moe if isinstance(config, PoolConfig) else config
+    tuned = profile.tuned
+    if moe.topk == "auto":
+        mode, why = tuned.moe_topk, f"auto: the {profile.name} profile prefers {tuned.moe_topk!r}"
+    else:
+        mode, why = moe.topk, f"configured [moe] topk = {moe.topk!r}"
+    if mode == "exact":
+        return "exact", 0, why
+    if moe.topk_block is not None:
+        return mode, moe.topk_block, f"{why}, configured blocks of {moe.topk_block} experts"
+    return mode, tuned.moe_topk_block, f"{why}, blocks of {tuned.moe_topk_block} (profile)"

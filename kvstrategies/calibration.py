@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from unikv.memory import config
+from unikv.settings import config
 
 from .kv import ContiguousKVCache, KVSpec
 

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from unikv.kernels.dtypes import DTYPES
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 
 from .base import KVSpec, KVStrategy
-from .kv import DTYPES, StepBatch, attention_runs
+from .kv import StepBatch, attention_runs
 from .options import Option
 from .registry import register
 

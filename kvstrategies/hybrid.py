@@ -42,14 +42,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from unikv.kernels import native as kernels
+from unikv.kernels.operators import FnImplementation, OperatorSet
+from unikv.kernels.operators import register as register_op
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
-from . import kernels
 from .base import KVSpec, KVStrategy
 from .calibration import METHODS
 from .kv import StepBatch, merge_partials
-from .operators import FnImplementation, OperatorSet
-from .operators import register as register_op
 from .options import Option
 from .quant import BITS, SCALES, ChannelPlan, channel_counts, header_low, pack, quantize, unpack
 from .registry import register

@@ -62,10 +62,6 @@ class StepBatch:
         return slice(self.offsets[i], self.offsets[i + 1])
 
 
-# Compute dtypes by name, as configs and command lines spell them.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass(frozen=True, slots=True)
 class KVSpec:
     """The shape of a model's KV cache, as a strategy needs to know it."""

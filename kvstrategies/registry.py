@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from unikv.memory.config import PoolConfig, load_config
 from unikv.memory.pool import UnifiedMemoryPool
-from unikv.storage.registry import Registry
+from unikv.registry import Registry
+from unikv.settings.config import PoolConfig, load_config
 
 if TYPE_CHECKING:
-    from unikv.memory.profiles import ChipProfile
+    from unikv.settings.profiles import ChipProfile
 
     from .base import KVSpec, KVStrategy
 
@@ -93,7 +93,7 @@ FALLBACK = "full"
 def class_defaults() -> dict[str, str]:
     """Bandwidth class -> the registered strategy that declares itself its default
     (`default_for`); every class has exactly one."""
-    from unikv.memory.profiles import CLASSES
+    from unikv.settings.profiles import CLASSES
 
     found: dict[str, list[str]] = {c: [] for c in CLASSES}
     for name in available():
@@ -126,7 +126,7 @@ def select(
     refused combination, or "auto" when neither the class default nor the fallback is
     available.
     """
-    from unikv.memory.profiles import CLASSES
+    from unikv.settings.profiles import CLASSES
 
     from . import composed
 
@@ -285,7 +285,7 @@ def choose(cfg: PoolConfig, strategy: str | None = None, chip: str | None = None
     """(strategy name, why, chip profile, bandwidth class, GB/s) for a config, with an explicit
     `strategy`/`chip` taking precedence; resolves "auto" by the chip's bandwidth class (the
     `cpu` profile measures it: about 0.1 s). Builds nothing."""
-    from unikv.memory.profiles import bandwidth_class, load_profile, resolve_bandwidth
+    from unikv.settings.profiles import bandwidth_class, load_profile, resolve_bandwidth
 
     profile = load_profile(chip or cfg.chip)
     gbps, _ = resolve_bandwidth(profile)

@@ -29,13 +29,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 import torch
 
 from unikv.memory.allocator import BlockTable, TierAllocator
-from unikv.memory.config import PoolConfig
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.placement import Placement
 from unikv.memory.prefix import BlockRef
 from unikv.memory.prefix_index import PrefixIndex
 from unikv.memory.stats import HealthMonitor, HealthReport, PoolStats
 from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
+from unikv.settings.config import PoolConfig
 
 # Re-exported: strategies and the engine import the layout and tier types from here.
 __all__ = [

@@ -37,7 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unikv.engine.cli import version as engine_version
+from unikv import version as engine_version
 from unikv.engine.engine import Engine, RequestHandle
 
 from . import protocol as p

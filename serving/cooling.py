@@ -25,7 +25,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from unikv.memory.config import ThermalOptions
+    from unikv.settings.config import ThermalOptions
 
 log = logging.getLogger("unikv.cooling")
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from unikv.serving.health import SHARES
 
 if TYPE_CHECKING:
-    from unikv.memory.profiles import ChipProfile
+    from unikv.settings.profiles import ChipProfile
 
 log = logging.getLogger("unikv.sensors")
 

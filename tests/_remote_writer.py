@@ -21,7 +21,7 @@ from unikv.engine.assembly import create_kv  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.sampling import SamplingParams  # noqa: E402
-from unikv.memory.config import PoolConfig, TierConfig  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 
 def main(url: str, ssd: str, prompt_file: str) -> None:

@@ -19,6 +19,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ["UNIKV_CHECK_OWNER"] = "1"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+@pytest.fixture(autouse=True)
+def _unikv_logging_restored():
+    """A test that runs the CLI in-process configures the `unikv` logger tree (its own stderr
+    handler, no propagation); put it back so the next test's caplog sees unikv's records."""
+    import logging
+
+    root = logging.getLogger("unikv")
+    saved = root.handlers[:], root.level, root.propagate
+    yield
+    root.handlers[:], root.level, root.propagate = saved
+
+
 _SUBJECTS = [
     "The old farmer",
     "A young teacher",
@@ -82,7 +95,7 @@ def cpu_isas() -> list[str]:
     """The kernel instruction sets this CPU runs (`kernels.ISA_NEEDS`), best first: on an
     AVX-512 machine avx512, avx2 and portable, so its tests prove the AVX2 machine's paths
     (only `$UNIKV_ISA` where that is set)."""
-    from unikv.kvstrategies import kernels
+    from unikv.kernels import native as kernels
 
     if os.environ.get("UNIKV_ISA"):  # a run held to one instruction set (tests/test_isa.py)
         return [os.environ["UNIKV_ISA"]]
@@ -95,7 +108,7 @@ def cpu_isas() -> list[str]:
 @pytest.fixture(params=cpu_isas())
 def isa(request, monkeypatch):
     """Each C kernel built for one instruction set (`UNIKV_ISA`), loaded afresh in this test."""
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     monkeypatch.setenv("UNIKV_ISA", request.param)
     monkeypatch.setattr(gemv, "_state", {})

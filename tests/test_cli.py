@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unikv import kvstrategies
-from unikv.engine.cli import main
+from unikv.cli.main import main
 
 from .conftest import make_english
 
@@ -81,16 +81,17 @@ def test_argument_errors_exit_2(argv, capsys):
 
 def test_strategy_flags_come_from_the_option_declarations(capsys):
     from unikv import kvstrategies
-    from unikv.engine.cli import _kv_options, build_parser
+    from unikv.cli.args import kv_options
+    from unikv.cli.main import build_parser
 
     parse = build_parser().parse_args
     base = ["eval", "ppl", "--text", "x"]
-    assert _kv_options(parse(base)) == {}  # flags left out keep the config file's values
+    assert kv_options(parse(base)) == {}  # flags left out keep the config file's values
     argv = [*base, "--fp16-share", "0.25", "--bits", "8", "--scales", "fp8", "--sink-tokens",
             "2", "--recalibrate", "--calibration", "c.pt", "--device-window", "32",
             "--no-persist-prefix", "--prefetch-depth", "3", "--kept-ratio", "0.3", "--scorer",
             "tova", "--prune-head", "h.pt", "--recent-window", "8"]  # fmt: skip
-    assert _kv_options(parse(argv)) == {
+    assert kv_options(parse(argv)) == {
         "fp16_share": 0.25, "bits": 8, "scales": "fp8", "sink_tokens": 2, "recalibrate": True,
         "calibration": "c.pt", "device_window": 32, "persist_prefix": False,
         "prefetch_depth": 3, "kept_ratio": 0.3, "scorer": "tova", "head": "h.pt",
@@ -105,7 +106,7 @@ def test_strategy_flags_come_from_the_option_declarations(capsys):
         for o in kvstrategies.get(name).options:
             assert o.flag_name in help_text, o.name
     tune = ["tune", "--kv_optimization=hybrid_fp16_int4", "--text", "t", "--out", "o"]
-    assert _kv_options(parse([*tune, "--bits", "2", "--low-bits", "2"])) == {
+    assert kv_options(parse([*tune, "--bits", "2", "--low-bits", "2"])) == {
         "bits": 2,
         "low_bits": 2,
     }
@@ -127,7 +128,7 @@ def test_strategy_flag_values_of_the_wrong_form_are_argument_errors(argv, capsys
 def _cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run(
-        [sys.executable, "-m", "unikv.engine.cli", *args],
+        [sys.executable, "-m", "unikv.cli", *args],
         capture_output=True,
         text=True,
         env=env,

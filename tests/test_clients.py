@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_serve import free_port, wait_until
+from tests.test_serve import free_port, wait_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,21 +68,12 @@ def unikv_serve(log: Path, *args: str):
     yields its base URL, and terminates it (and waits) afterwards."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "unikv.serving.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "unikv.cli", "serve", "--port", str(port), *args]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"unikv serve exited:\n{log.read_text()[-4000:]}")
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, "unikv serve to start", limit=180)
+        wait_serving(proc, url, lambda: log.read_text()[-4000:])
         yield url
     finally:
         proc.terminate()

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from unikv import kvstrategies
+from unikv.cli.args import strategy_arg
+from unikv.cli.main import build_parser
+from unikv.cli.profile import profile_report
 from unikv.engine.assembly import Scheduling, create_kv
-from unikv.engine.cli import build_parser, strategy_arg
 from unikv.kvstrategies import composed
 from unikv.kvstrategies.kv import StepBatch
-from unikv.memory.config import PoolConfig, TierConfig, load_config
-from unikv.memory.profiles import load_profile, profile_report
+from unikv.settings.config import PoolConfig, TierConfig, load_config
+from unikv.settings.profiles import load_profile
 
 SPEC = kvstrategies.KVSpec(2, 2, 16, torch.float32, identity="composed")
 BS = 8
@@ -274,7 +276,7 @@ def test_profile_report_names_the_composition_and_each_parameter(tmp_path):
 
 
 def test_every_shipped_profile_composes_a_default_that_builds():
-    from unikv.memory.config import list_profiles
+    from unikv.settings.config import list_profiles
 
     for name in list_profiles():
         if name == "cpu":

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from unikv.memory.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
+from unikv.settings.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -252,7 +252,16 @@ def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> Non
     import re
 
     names = set()
-    for pkg in ("engine", "memory", "kvstrategies", "storage", "serving"):
+    for pkg in (
+        "cli",
+        "serving",
+        "engine",
+        "kvstrategies",
+        "kernels",
+        "memory",
+        "storage",
+        "settings",
+    ):
         for f in (ROOT / pkg).rglob("*.py"):
             names |= set(re.findall(r'"(UNIKV_[A-Z_]+)"', f.read_text(encoding="utf-8")))
     assert {"UNIKV_API_KEY", "UNIKV_STORE_SECRET", "UNIKV_LOG_LEVEL"} <= names
@@ -264,7 +273,7 @@ def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> Non
 def test_cache_dir_follows_xdg_and_ram_follows_the_cgroup(tmp_path: Path, monkeypatch) -> None:
     """Issue 33: the cache ignored XDG_CACHE_HOME, and "25%" of RAM ignored a container's
     memory limit (cgroup v2 `memory.max`, v1 `limit_in_bytes`)."""
-    from unikv.memory import config
+    from unikv.settings import config
 
     monkeypatch.delenv("UNIKV_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

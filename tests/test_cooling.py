@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from unikv.memory.config import ThermalOptions
 from unikv.serving.cooling import Cooling
 from unikv.serving.sensors import ScriptedSensor
+from unikv.settings.config import ThermalOptions
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -18,7 +18,7 @@ from unikv.engine.config import ModelLoadError
 from unikv.engine.deepseek import DeepseekModel, kv_footprint
 from unikv.engine.loading import load_model
 from unikv.kvstrategies.kv import StepBatch
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 COMMON = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
@@ -299,7 +299,7 @@ def test_missing_and_misshapen_tensors_and_shards(broken):
 
 @pytest.mark.parametrize("kind", ["hybrid_fp16_int4", "learned_prune"])
 def test_tune_refuses_a_latent_model(checkpoints, tmp_path, capsys, kind):
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
 
     text = tmp_path / "t.txt"
     text.write_text("Some text to tune on. " * 200)
@@ -318,7 +318,7 @@ def test_model_class_refuses_a_llama_config(model):
 def test_cli_runs_and_scores_a_checkpoint_dir(checkpoints, tmp_path, capsys):
     """`--model DIR` works for `run` and `eval ppl`; the run's memory report gives the latent
     cache's bytes per token against multi-head KV."""
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
 
     path, _ = checkpoints["v2_group_limited"]
     argv = ["run", "--model", str(path), "--prompt", "Hello there", "--max-new-tokens", "6"]
@@ -346,8 +346,8 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
     """A config's [moe] table: blockwise top-k and a quarter of the experts on the device, half
     of the rest on host, the remainder on SSD. Logits are the same as all-resident exact
     routing when blockwise keeps enough winners; the report gives the hit rate."""
-    from unikv.memory.config import MoEOptions
-    from unikv.memory.profiles import load_profile
+    from unikv.settings.config import MoEOptions
+    from unikv.settings.profiles import load_profile
 
     path, ref = checkpoints["v3_qlora_groups_yarn"]
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3))
@@ -378,8 +378,8 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
 
 
 def test_profile_chooses_the_topk_and_ssd_placement_needs_an_ssd_tier(checkpoints):
-    from unikv.memory.config import MoEOptions
-    from unikv.memory.profiles import load_profile
+    from unikv.settings.config import MoEOptions
+    from unikv.settings.profiles import load_profile
 
     model, _ = load_model(str(checkpoints["v2_greedy"][0]), progress=False)
     why = model.configure_moe(PoolConfig(), load_profile("mlu370"))

@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kvstrategies", "memory", "storage", "serving")
+PACKAGES = ("cli", "serving", "engine", "kvstrategies", "kernels", "memory", "storage", "settings")
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 RUNTIME = [Requirement(r) for r in PROJECT["dependencies"]]
 EXTRAS = {k: [Requirement(r) for r in v] for k, v in PROJECT["optional-dependencies"].items()}
@@ -167,7 +167,8 @@ def test_no_code_or_help_text_cites_a_file_outside_the_repository():
     package does not have; the measurement protocol's copy is docs/protocol.md."""
     outside = ("DESIGN.md", "STYLE.md", "../shared")
     found = []
-    for folder in ("engine", "memory", "kvstrategies", "storage", "serving", "benchmarks",
+    for folder in ("cli", "engine", "memory", "kvstrategies", "kernels", "settings", "storage",
+                   "serving", "benchmarks",
                    "configs", "tests"):  # fmt: skip
         for f in sorted((ROOT / folder).rglob("*")):
             if f.suffix in (".py", ".toml", ".c", ".html") and f.name != Path(__file__).name:

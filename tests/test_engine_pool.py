@@ -9,7 +9,7 @@ import torch
 from unikv import kvstrategies
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 from .conftest import make_english
 

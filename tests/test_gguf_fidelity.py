@@ -269,7 +269,7 @@ def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
 
 
 def test_the_run_report_names_the_types_dequantized_at_load():
-    from unikv.engine.cli import _memory_lines
+    from unikv.cli.main import _memory_lines
 
     mem = {"kv_bytes_peak": 0, "kv_bytes_used": 0, "dequantized": ["Q5_K", "Q6_K"]}
     assert "[dequantized at load (no native kernel): Q5_K, Q6_K]" in _memory_lines(mem)

@@ -44,7 +44,7 @@ def test_checkpoint_dir_matches_the_gguf_model(hf_dir, model, tokenizer, capsys)
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(theirs(ids[None]).logits[0], logits(model), atol=1e-4)
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
 
     argv = ["run", "--model", str(hf_dir), "--prompt", "What is the capital of France?"]
     assert main([*argv, "--chat", "--max-new-tokens", "8", "--strategy", "full"]) == 0

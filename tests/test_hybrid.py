@@ -10,11 +10,11 @@ import torch
 from unikv import kvstrategies
 from unikv.engine.evaluate import perplexity
 from unikv.engine.recording import ensure_calibration
-from unikv.kvstrategies import kernels
+from unikv.kernels import native as kernels
 from unikv.kvstrategies.calibration import CalibrationMismatch, ChannelStats
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 from .conftest import make_english
 

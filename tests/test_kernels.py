@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from unikv.engine.cli import _kernel_status, _memory_lines
-from unikv.kvstrategies import kernels
+from unikv.cli.main import _kernel_status, _memory_lines
+from unikv.kernels import native as kernels
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def fresh(monkeypatch, tmp_path):
 
 
 def _fallback(caplog) -> str:
-    with caplog.at_level(logging.WARNING, logger="unikv.kvstrategies.kernels"):
+    with caplog.at_level(logging.WARNING, logger="unikv.kernels.native"):
         status = kernels.status(probe=True)
     assert status.startswith("PyTorch fallback (")
     assert f"attention kernel: {status}" in caplog.text  # logged, not silent
@@ -53,7 +53,7 @@ def test_failed_build(fresh, monkeypatch, caplog):
 
 def test_disabled_and_warned_once(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
-    with caplog.at_level(logging.WARNING, logger="unikv.kvstrategies.kernels"):
+    with caplog.at_level(logging.WARNING, logger="unikv.kernels.native"):
         for t in (16, 32):  # two shapes, one reason: one warning
             kernels.hybrid_kernel({**kernels.PROBE_SHAPE, "T": t})
     assert caplog.text.count("attention kernel: PyTorch fallback") == 1

@@ -46,7 +46,7 @@ def test_unknown_weights_value():
 
 
 def test_cli_rejects_unknown_weights(capsys):
-    from unikv.engine.cli import build_parser
+    from unikv.cli.main import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["run", "--prompt", "x", "--weights", "int3"])
@@ -59,13 +59,12 @@ def test_serving_entries_default_to_native_weights():
     stays the float32 reference that benchmarks and tuning measure against."""
     import inspect
 
-    from unikv.engine.cli import build_parser
+    from unikv.cli.main import build_parser
     from unikv.engine.engine import Engine
     from unikv.engine.loading import load_model
-    from unikv.serving.cli import add_serve, run_serve
     from unikv.serving.replicas import ReplicaSpec
 
-    parser = build_parser({"serve": (add_serve, run_serve)})
+    parser = build_parser()
     assert parser.parse_args(["serve"]).weights == "native"
     assert parser.parse_args(["run", "--prompt", "x"]).weights == "native"
     assert parser.parse_args(["eval", "ppl", "--text", "t"]).weights == "native"
@@ -101,7 +100,7 @@ def _logits(m, ids):
 def test_native_model_keeps_weights_packed(native):
     fmts = native.memory_report()["weights"]
     assert set(fmts) == {"Q4_1", "Q8_0"}  # every layer packed, the tied head Q8_0
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     report = native.operators.report()
     # the C decode kernel, where built: int8 activations where the CPU has VNNI
@@ -140,10 +139,9 @@ def _decode_logits(m, ids):
 def _native_untimed(model_path, monkeypatch, i8: bool):
     """The packaged model with native weights, its breakers never timing (a busy machine must
     not switch it off the kernel under test); without the int8 kernel unless `i8`."""
-    from unikv.engine import gemv
     from unikv.engine.gguf_loader import load_gguf
     from unikv.engine.model import LlamaModel
-    from unikv.kvstrategies import operators
+    from unikv.kernels import gemv, operators
 
     reason = gemv.i8_unavailable() if i8 else gemv.unavailable()
     if reason is not None:
@@ -160,7 +158,7 @@ def _native_untimed(model_path, monkeypatch, i8: bool):
 def test_native_decode_matches_the_dequantized_model(
     model_path, model, tokenizer, english_text, monkeypatch
 ):
-    """At decode the float-activation kernel (engine/gemv.c's gemv_q) multiplies the packed
+    """At decode the float-activation kernel (kernels/gemv.c's gemv_q) multiplies the packed
     blocks with float32 activations: the logits equal the dequantized model's up to float32
     summation order (far inside the bf16 kernels' tolerance above)."""
     native = _native_untimed(model_path, monkeypatch, i8=False)

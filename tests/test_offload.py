@@ -18,7 +18,7 @@ from unikv.engine.engine import Engine
 from unikv.engine.evaluate import perplexity
 from unikv.engine.sampling import SamplingParams
 from unikv.kvstrategies.kv import StepBatch
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 from unikv.storage import create_store
 from unikv.storage.base import decode_frame
 

@@ -13,8 +13,8 @@ import torch
 import unikv.engine.linear as linear
 import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
 from unikv.engine.quantized import FORMATS, QuantizedTensor
-from unikv.kvstrategies import operators
-from unikv.kvstrategies.operators import Breaker, BreakerSettings, FnImplementation
+from unikv.kernels import operators
+from unikv.kernels.operators import Breaker, BreakerSettings, FnImplementation
 
 
 class Clock:
@@ -93,7 +93,7 @@ def test_a_raising_implementation_is_rerun_on_the_next_and_restored(caplog):
     b = Breaker("test.op", _impls(clock, cost, fail), SETTINGS, clock)
     assert b(torch.tensor(1.0)) == 2
     fail.add("fast")
-    with caplog.at_level(logging.WARNING, logger="unikv.kvstrategies.operators"):
+    with caplog.at_level(logging.WARNING, logger="unikv.kernels.operators"):
         for _ in range(5):  # the failing call's answer comes from the next implementation
             assert b(torch.tensor(3.0)) == 6
     assert b.active.name == "ref" and caplog.text.count("switched off") == 1  # logged once
@@ -147,7 +147,7 @@ def test_a_slow_switch_is_undone_when_the_next_is_no_faster(caplog):
     for _ in range(4):
         b(torch.tensor(1.0))
     assert b.active.name == "ref"
-    with caplog.at_level(logging.INFO, logger="unikv.kvstrategies.operators"):
+    with caplog.at_level(logging.INFO, logger="unikv.kernels.operators"):
         for _ in range(3 + 4):  # ref calibrates, then a window at 3.0x fast's budget
             assert b(torch.tensor(1.0)) == 2
     assert b.active.name == "fast" and b.report()["rebases"] == 1
@@ -210,7 +210,7 @@ def test_choice_per_device_and_unknown_op():
 
 def test_a_healthy_breaker_times_one_call_in_every():
     """What keeps the breaker cheap (its measured overhead is stated in
-    kvstrategies/operators.py): a healthy breaker reads the clock twice per `every` calls and
+    kernels/operators.py): a healthy breaker reads the clock twice per `every` calls and
     never on the others (counted with a fake clock, not timed)."""
     reads = []
 
@@ -294,7 +294,7 @@ def test_cuda_entries_agree(op):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= rtol
 
 
-# ---- the decode kernel (engine/gemv.c): a few rows, odd shapes, one and two threads ----------
+# ---- the decode kernel (kernels/gemv.c): a few rows, odd shapes, one and two threads ----------
 
 
 def _gemv_entry(op: str, name: str = "gemv"):
@@ -315,7 +315,7 @@ PACKED_SHAPES = [(67, 96), (1, 32), (130, 32), (257, 576), (80, 1568)]
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("fmt", ["float", *sorted(FORMATS)])
 def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa):
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl, ref = _gemv_entry(op), operators.reference(op)
@@ -342,8 +342,8 @@ def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa
 def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
     """x rounded as gemv.c's int8 kernel rounds it (engine.gemv.quantize_blocks, in torch),
     times the dequantized weight, in float64."""
-    from unikv.engine import gemv
     from unikv.engine.quantized import dequantize
+    from unikv.kernels import gemv
 
     codes, scale = gemv.quantize_blocks(x, digits)  # [N, K/32, 32], [N, K/32, 1]
     xq = (codes.double() * scale.double()).reshape(x.shape)
@@ -361,7 +361,7 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
     activations); one code (ggml's Q8_0 rounding) is called directly. Shapes: an odd number of
     blocks (a half step), one block, more than 16 blocks (a second header chunk), a single
     output row."""
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl = _gemv_entry(op, "gemv_i8")
@@ -393,7 +393,7 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
 def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
     """One code: d = amax / 127 per 32 elements, round(x / d) (to nearest even), a zero block
     0. Two: 256 q1 + q2 with q2 the rest in 1/256 steps, so the error is at most d / 512."""
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     x = torch.zeros(1, 64)
     x[0, :32] = torch.linspace(-1, 2.54, 32)
@@ -414,7 +414,7 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     """The float-activation gemv keeps prefill on PyTorch's kernels: a call of more rows than
     gemv.MAX_ROWS, or of none, never reaches the C library (gemv_i8 takes every batch size in
     chunks: tested above at 37 rows)."""
-    from unikv.engine import gemv
+    from unikv.kernels import gemv
 
     op = f"matmul.{fmt.lower()}"
     impl = _gemv_entry(op, name)
@@ -435,8 +435,8 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
 
 
 def test_gemv_unavailable_says_why(monkeypatch):
-    from unikv.engine import gemv
-    from unikv.kvstrategies import kernels
+    from unikv.kernels import gemv
+    from unikv.kernels import native as kernels
 
     monkeypatch.setattr(gemv, "_state", {})
     monkeypatch.setenv("UNIKV_NO_KERNEL", "1")
@@ -464,7 +464,7 @@ def test_gemv_unavailable_says_why(monkeypatch):
 def test_the_best_instruction_set_is_the_default(monkeypatch):
     """Without UNIKV_ISA: AVX-512 where the CPU has F and BW, else AVX2 (with FMA and F16C),
     else the portable C paths; the int8 kernel is first for every packed format on each."""
-    from unikv.kvstrategies import kernels
+    from unikv.kernels import native as kernels
 
     if not kernels._x86():
         pytest.skip("the x86-64 instruction sets")

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from unikv.engine.assembly import build_kv
-from unikv.memory.config import PoolConfig, TierConfig
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.pool import UnifiedMemoryPool
+from unikv.settings.config import PoolConfig, TierConfig
 
 BS = 4
 LAYOUT = BlockLayout(BS, (ArenaSpec("kv", torch.float32, (2, BLOCKS, BS, 3)),))

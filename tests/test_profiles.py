@@ -5,20 +5,19 @@ from pathlib import Path
 
 import pytest
 
-import unikv.memory.profiles as profiles
+import unikv.settings.profiles as profiles
 from unikv import kvstrategies
+from unikv.cli.profile import format_report, profile_report
+from unikv.engine.routing import choose_topk
 from unikv.kvstrategies.registry import class_defaults
-from unikv.memory.config import ConfigError, MoEOptions, PoolConfig
-from unikv.memory.profiles import (
+from unikv.settings.config import ConfigError, MoEOptions, PoolConfig
+from unikv.settings.profiles import (
     SensorSpec,
     TunedParams,
     bandwidth_class,
-    choose_topk,
-    format_report,
     list_profiles,
     load_profile,
     measure_host_bandwidth,
-    profile_report,
     resolve_bandwidth,
 )
 

@@ -11,7 +11,7 @@ from unikv import kvstrategies
 from unikv.engine.evaluate import perplexity
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 from .conftest import make_english
 
@@ -229,7 +229,7 @@ def test_head_file_round_trip(tmp_path, per_layer):
 
 @pytest.mark.slow
 def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
     from unikv.kvstrategies.prune_head import HeadMismatch, PruneHead
 
     text = tmp_path / "train.txt"

@@ -25,9 +25,9 @@ from unikv.engine.assembly import create_kv
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
 from unikv.kvstrategies.kv import StepBatch
-from unikv.memory.config import PoolConfig, TierConfig
 from unikv.memory.remote import CircuitBreaker
 from unikv.serving.health import HealthInputs, evaluate
+from unikv.settings.config import PoolConfig, TierConfig
 from unikv.storage.fs_store import FileBlockStore
 
 from ._redis import PASSWORD, free_port, redis_server

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unikv.cli.profile import format_report, profile_report
 from unikv.engine.config import MoEConfig
 from unikv.engine.routing import (
     DEFAULT_TOPK_BLOCK,
@@ -19,8 +20,8 @@ from unikv.engine.routing import (
     exact_topk,
     route,
 )
-from unikv.memory.config import ConfigError, MoEOptions, PoolConfig, load_config
-from unikv.memory.profiles import format_report, load_profile, profile_report
+from unikv.settings.config import ConfigError, MoEOptions, PoolConfig, load_config
+from unikv.settings.profiles import load_profile
 
 HIDDEN = 32
 TOKENS = 64

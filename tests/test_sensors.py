@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 import unikv.serving.sensors as sensors
-from unikv.memory.config import SENSOR_KINDS
-from unikv.memory.profiles import ChipProfile, SensorSpec, TunedParams, load_profile
 from unikv.serving.sensors import (
     KINDS,
     SENSORS,
@@ -25,6 +23,8 @@ from unikv.serving.sensors import (
     SensorSource,
     open_sensor,
 )
+from unikv.settings.config import SENSOR_KINDS
+from unikv.settings.profiles import ChipProfile, SensorSpec, TunedParams, load_profile
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,8 +19,8 @@ import pytest
 
 from unikv import kvstrategies
 from unikv.engine.engine import Engine
-from unikv.memory.config import PoolConfig, TierConfig
 from unikv.serving.app import Server, ServeSettings, create_app
+from unikv.settings.config import PoolConfig, TierConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +88,21 @@ def wait_until(cond, what: str, limit: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(0.02)
+
+
+def wait_serving(proc: subprocess.Popen, url: str, output, path: str = "/health") -> None:
+    """Wait until the server process `proc` answers 200 on `path`; if it exits first, fail
+    with `output()` (its log)."""
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"unikv serve exited:\n{output()}")
+        try:
+            return httpx.get(url + path, timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, f"{url}{path} to answer", limit=180)
 
 
 # ---- the official client ---------------------------------------------------------------------
@@ -458,7 +473,7 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
         [
             sys.executable,
             "-m",
-            "unikv.serving.cli",
+            "unikv.cli",
             "serve",
             "--port",
             str(port),
@@ -475,16 +490,7 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, "the server to start", limit=180)
+        wait_serving(proc, url, proc.stdout.read)
         body = {
             "prompt": "Write a long story",
             "max_tokens": 40,

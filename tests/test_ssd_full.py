@@ -56,7 +56,7 @@ def test_a_full_disk_warns_once_and_counts_what_it_skipped(caplog):
 
 
 def test_skipped_writes_reach_the_memory_report_and_metrics():
-    from unikv.engine.cli import _memory_lines
+    from unikv.cli.main import _memory_lines
     from unikv.serving.metrics import ServerMetrics
 
     mem = {"kv_bytes_peak": 1, "kv_bytes_used": 0, "ssd_writes_skipped": 7}

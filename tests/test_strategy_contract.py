@@ -29,7 +29,7 @@ from unikv.kvstrategies.full import FullStrategy
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.options import Option
 from unikv.kvstrategies.tables import BEGIN, END, option_tables
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 LAYERS, QHEADS, BS = 2, 4, 8
 SPECS = {
@@ -266,7 +266,8 @@ def test_options_are_declared_with_their_defaults(name):
 
 
 def test_a_new_strategy_is_one_class_plus_a_registry_line(monkeypatch, tmp_path, capsys):
-    from unikv.engine.cli import _kv_options, build_parser, main
+    from unikv.cli.args import kv_options
+    from unikv.cli.main import build_parser, main
 
     register_for_the_test(monkeypatch, TinyStrategy)
     assert "contract_tiny" in kvstrategies.available()
@@ -281,7 +282,7 @@ def test_a_new_strategy_is_one_class_plus_a_registry_line(monkeypatch, tmp_path,
     # So do its flag, its help and the parsed option; inherited flags are shared.
     argv = ["run", "--prompt", "hi", "--strategy", "contract_tiny", "--tiny-window", "7"]
     args = build_parser().parse_args([*argv, "--kv-dtype", "float32"])
-    assert _kv_options(args) == {"tiny_window": 7, "dtype": "float32"}
+    assert kv_options(args) == {"tiny_window": 7, "dtype": "float32"}
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())

@@ -15,7 +15,7 @@ from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
 from unikv.kvstrategies.hybrid_qat import FakeQuant, read_mask
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.quant import ChannelPlan
-from unikv.memory.config import PoolConfig, TierConfig
+from unikv.settings.config import PoolConfig, TierConfig
 
 HYBRID = "hybrid_fp16_int4"
 L, H, QH, D, BS = 2, 2, 6, 32, 16
@@ -214,7 +214,7 @@ def test_interrupted_run_resumes_exactly(tiny_dir, english_text, tmp_path, monke
 def test_tuned_directory_runs_with_its_calibration(tiny_dir, english_text, tmp_path, monkeypatch):
     """The output loads with --model DIR; hybrid_fp16_int4 picks up kv_calibration.pt (the plan
     the model was tuned for, under the tuned identity) without computing another."""
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
     from unikv.engine.loading import load_model
     from unikv.kvstrategies.calibration import default_path
 
@@ -274,7 +274,7 @@ def test_tuning_lowers_the_gap_it_trains_on(loaded, tunable, tokenizer, english_
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys, english_text, tiny_dir):
-    from unikv.engine.cli import main
+    from unikv.cli.main import main
 
     txt = tmp_path / "t.txt"
     txt.write_text(english_text)

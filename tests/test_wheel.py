@@ -23,17 +23,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_serve import free_port, wait_until
+from tests.test_serve import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(900)
 
 # What the code opens at run time, as paths inside the wheel.
 PACKAGE_DATA = (
-    "unikv/memory/profiles/cpu.toml",
-    "unikv/memory/profiles/kunpeng920.toml",
-    "unikv/engine/gemv.c",
-    "unikv/kvstrategies/hybrid_attend.c",
+    "unikv/settings/chips/cpu.toml",
+    "unikv/settings/chips/kunpeng920.toml",
+    "unikv/kernels/gemv.c",
+    "unikv/kernels/hybrid_attend.c",
     "unikv/kvstrategies/data/prune_head.pt",
     "unikv/kvstrategies/data/warmup.txt",
     "unikv/serving/dashboard.html",
@@ -96,7 +96,8 @@ def test_every_unikv_module_comes_from_the_install_not_the_repository(installed)
         "import json, sys, unikv.serving.app, unikv.engine.engine, unikv.storage.registry\n"
         "print(json.dumps({n: getattr(m, '__file__', '') for n, m in sys.modules.items()\n"
         "                  if n.split('.')[0] in ('unikv', 'memory', 'engine', 'storage',\n"
-        "                                         'kvstrategies', 'serving')}))"
+        "                                         'kvstrategies', 'serving', 'kernels', 'cli',\n"
+        "                                         'settings')}))"
     )
     proc = _run(installed, str(installed["py"]), "-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -133,16 +134,7 @@ def test_unikv_serve_from_another_directory_answers_a_completion(installed):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                return httpx.get(url + "/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, "the installed server to be ready", limit=180)
+        wait_serving(proc, url, proc.stdout.read, path="/ready")
         r = httpx.post(
             url + "/v1/completions",
             json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},

@@ -10,3 +10,14 @@ One import namespace over the repository's floors (setuptools maps each to its f
 
 Dependencies point down only: a floor imports the floors below it, never above.
 """
+
+
+def version() -> str:
+    """The installed package's version (importlib.metadata), or "unknown" outside an install."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("unikv")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

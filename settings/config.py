@@ -8,7 +8,7 @@ against the strategy registry (`kvstrategies`), and building the pool from a con
 File format (TOML, see configs/unikv.toml)::
 
     block_size = 16            # tokens per block, 1..1024 (default: the strategy's own)
-    chip = "cpu"               # a shipped profile name (memory/profiles/) or a .toml path
+    chip = "cpu"               # a shipped profile name (settings/chips/) or a .toml path
     strategy = "auto"          # "auto" (by the chip), a preset name, or FORMAT+PLACEMENT+SELECTION
                                # (or a [strategy] table: format, placement, selection; a
                                # missing axis is "auto")
@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 # The shipped chip profiles: package data (a directory, since unikv installs unzipped).
-PROFILE_DIR = Path(resources.files(__package__) / "profiles")
+PROFILE_DIR = Path(resources.files(__package__) / "chips")
 
 
 def list_profiles(profile_dir: str | os.PathLike[str] = PROFILE_DIR) -> list[str]:

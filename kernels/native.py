@@ -1,5 +1,5 @@
 """Build and load the small C kernels on first use: `hybrid_attend.c` here, and the engine's own
-(`engine/gemv.c`, through `build`).
+(`kernels/gemv.c`, through `build`).
 
 Compiled with the system C compiler (`cc -O3 -fopenmp` and the flags of the instruction set
 `isa()` chooses) into a cache directory (`$UNIKV_KERNEL_DIR`, default `~/.cache/unikv/kernels`),
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from unikv.memory import config
+from unikv.settings import config
 
 SOURCE = Path(resources.files(__package__) / "hybrid_attend.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")

@@ -1,16 +1,12 @@
-"""The `unikv` console script: every engine command (`engine.cli`) plus `unikv serve`.
-
-`serve` lives here, above the engine, because the server is a layer of its own: the engine's
-command line never imports it.
-"""
+"""`unikv serve`: its arguments and how it starts the server (one engine, or replicas on Ray
+Serve), a command like the others in `cli.main`."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from unikv.engine import cli as engine_cli
+from .args import add_model_flags, positive_int, strategy_arg
 
 DESCRIPTION = (
     "Serve the model over an OpenAI-compatible HTTP API: /v1/completions, "
@@ -20,42 +16,23 @@ DESCRIPTION = (
 )
 
 
-def add_serve(sub: argparse._SubParsersAction) -> None:
+def add_serve(sub: argparse._SubParsersAction, epilog: str) -> None:
     """The `serve` subcommand's arguments."""
     sp = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server",
         description=DESCRIPTION,
-        epilog=engine_cli.EPILOG,
+        epilog=epilog,
     )
-    sp.add_argument("--model", default="smollm2", help="model name or path (default: smollm2)")
+    add_model_flags(sp, strategy_options=False)
     sp.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients send and /v1/models lists (default: --model)",
     )
     sp.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(engine_cli.DTYPES),
-        help="compute dtype (default: float32)",
-    )
-    engine_cli.add_weights_flag(sp)
-    sp.add_argument("--config", default=None, help="memory-tier config file (TOML)")
-    sp.add_argument(
-        "--strategy",
-        default=None,
-        help="KV strategy: a preset name, FORMAT+PLACEMENT+SELECTION, or 'auto' (default: the "
-        "config file's, else auto)",
-    )
-    engine_cli.add_axis_flags(sp)
-    sp.add_argument("--chip", default=None, help="chip profile (default: the config's)")
-    sp.add_argument(
-        "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
-    )
-    sp.add_argument(
         "--threads",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=None,
         help="CPU threads for the model's work (default: PyTorch's, one per core; give each "
         "of several processes on one machine its share)",
@@ -69,19 +46,19 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     sp.add_argument(
         "--max-waiting",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=64,
         help="requests queued before 429 (default: 64)",
     )
     sp.add_argument(
         "--max-tokens-limit",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=4096,
         help="the largest max_tokens a request may ask for (default: 4096)",
     )
     sp.add_argument(
         "--max-body-bytes",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=1 << 20,
         help="largest request body (default: 1 MiB)",
     )
@@ -90,7 +67,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     rep.add_argument(
         "--replicas",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=None,
         help="serve N engine replicas as one Ray Serve deployment behind this HTTP API, routed "
         "by health, prefix affinity and queue length (default: one engine in this process)",
@@ -103,7 +80,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     rep.add_argument(
         "--replica-threads",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=1,
         help="compute threads (and Ray CPUs) per replica (default: 1)",
     )
@@ -139,7 +116,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     sp.add_argument(
         "--limit-concurrency",
-        type=engine_cli._positive_int,
+        type=positive_int,
         default=256,
         help="open connections and requests at once; past it new ones get 503 (default: 256)",
     )
@@ -160,11 +137,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the server and block until it is stopped (SIGINT or SIGTERM)."""
-    from unikv.memory.config import load_config
+    from unikv.serving.app import ServeSettings
+    from unikv.settings.config import load_config
 
-    from .app import ServeSettings
-
-    args.strategy = engine_cli.strategy_arg(args, load_config(args.config).strategy)
+    args.strategy = strategy_arg(args, load_config(args.config).strategy)
     key = args.api_key if args.api_key is not None else os.environ.get("UNIKV_API_KEY")
     settings = ServeSettings(
         model_name=args.served_model_name or args.model,
@@ -188,9 +164,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
         return _run(args, settings)
 
-    from unikv.memory.config import SENSOR_KINDS
-
-    from .replicas import Replicas, ReplicaSpec
+    from unikv.serving.replicas import Replicas, ReplicaSpec
+    from unikv.settings.config import SENSOR_KINDS
 
     kind = args.sensor
     if kind is not None and kind not in SENSOR_KINDS and not kind.startswith("scripted:"):
@@ -215,8 +190,7 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
     import uvicorn
 
     from unikv.engine.engine import Engine
-
-    from .app import Server, create_app
+    from unikv.serving.app import Server, create_app
 
     async def make_engine():
         if client is not None:
@@ -244,12 +218,3 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers
     )  # fmt: skip
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `unikv` console script."""
-    return engine_cli.main(argv, extra={"serve": (add_serve, run_serve)})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

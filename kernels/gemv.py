@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from unikv.kvstrategies import kernels
+from unikv.kernels import native as kernels
 
 SOURCE = Path(resources.files(__package__) / "gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
@@ -57,7 +57,7 @@ def _load() -> ctypes.CDLL | None:
         or lib.gemv_max_in() != MAX_IN
         or (lib.gemv_i8_max_rows() != I8_MAX_ROWS)
     ):
-        _state["error"] = "gemv.c and engine/gemv.py disagree on their limits (rebuild)"
+        _state["error"] = "gemv.c and kernels/gemv.py disagree on their limits (rebuild)"
         return None
     if lib.gemv_isa() != ISA_CODE[isa]:  # the flags did not reach the compiler as meant
         _state["error"] = f"gemv.c built for {isa} holds path {lib.gemv_isa()} (check $CC)"

@@ -28,8 +28,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -171,6 +172,9 @@ class Engine:
         self._published = self._report_now()  # nothing runs yet: read here, once
         self._published_at = self._trimmed_at = time.monotonic()
         self._ran_since_trim = False
+        # Awaited after each step that ran, with its seconds: a hook for whoever serves the
+        # engine (the replicas' simulated hot chip slows its steps with it).
+        self.after_step: Callable[[float], Awaitable[None]] | None = None
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     @classmethod
@@ -459,7 +463,10 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             try:
+                t0 = time.perf_counter()
                 ran = await self._step()
+                if ran and self.after_step is not None:
+                    await self.after_step(time.perf_counter() - t0)
                 if not ran and (closes := self.scheduler.window_closes_at()) is not None:
                     # Only the admission window holds requests back: sleep until it closes
                     # (a new arrival wakes the loop early; the window may then be full).
@@ -475,6 +482,14 @@ class Engine:
                 self._flush()
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
+
+    def check_running(self) -> None:
+        """Raise RuntimeError, with the loop's own exception, if the engine's loop has stopped
+        (a health check restarts such an engine)."""
+        task = self._loop_task
+        if task.done():
+            why = "cancelled" if task.cancelled() else task.exception() or "the engine was closed"
+            raise RuntimeError(f"the engine loop stopped: {why}")
 
     def _fail_all(self, e: Exception) -> None:
         for req in [*self.scheduler.drain(), *self._inbox]:
@@ -682,6 +697,27 @@ class Engine:
         ctx = self.model.cfg.context_length
         if len(req.output_ids) >= p.max_new_tokens or req.num_computed + 1 >= ctx:
             self._finish(req, "length")
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What a server needs of an engine, and all it may use: one process's `Engine`, or the
+    client of engine replicas (`serving.replicas.ReplicaClient`) behind the same calls."""
+
+    tokenizer: GGUFTokenizer  # encode, decode, the chat template
+    model: Any  # `.cfg.context_length`
+
+    @property
+    def max_batch(self) -> int: ...
+
+    def submit(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+        priority: int = 0,
+    ) -> RequestHandle: ...  # fmt: skip
+
+    def memory_report(self) -> dict: ...
+
+    async def close(self, cancel: bool = False) -> None: ...
 
 
 class RequestHandle:

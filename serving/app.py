@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv import version as engine_version
-from unikv.engine.engine import Engine, RequestHandle
+from unikv.engine.engine import RequestHandle, ServedEngine
 
 from . import protocol as p
 from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate, service_fault
@@ -82,9 +82,9 @@ class ServeSettings:
 class Server:
     """One engine behind the HTTP API: admission, accounting and the health view."""
 
-    def __init__(self, make_engine: Callable[[], Awaitable[Engine]], settings: ServeSettings):
+    def __init__(self, make_engine: Callable[[], Awaitable[ServedEngine]], settings: ServeSettings):
         self.make_engine, self.settings = make_engine, settings
-        self.engine: Engine | None = None
+        self.engine: ServedEngine | None = None
         self.metrics = ServerMetrics(self.memory_report, lambda: self.health().as_dict())
         self.in_flight = 0
         self.failures = RecentEvents()

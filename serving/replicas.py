@@ -130,16 +130,12 @@ class EngineReplica:
 
     def _throttle_steps(self, slowdown: float) -> None:
         """The benchmark's hot chip: while `_hot`, every engine step takes `slowdown` longer."""
-        step = self.engine._step
 
-        async def throttled() -> bool:
-            t0 = time.perf_counter()
-            ran = await step()
-            if ran and self._hot:
-                await asyncio.sleep((time.perf_counter() - t0) * slowdown)
-            return ran
+        async def throttled(seconds: float) -> None:
+            if self._hot:
+                await asyncio.sleep(seconds * slowdown)
 
-        self.engine._step = throttled
+        self.engine.after_step = throttled
 
     async def _watch_sensor(self) -> None:
         """Read the sensor every `interval_s`; a cooling window halves the batch limit."""
@@ -223,9 +219,10 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop stopped is restarted."""
-        task = self.engine._loop_task
-        if task.done():
-            raise RuntimeError(f"replica {self.name}: the engine loop stopped: {task.exception()}")
+        try:
+            self.engine.check_running()
+        except RuntimeError as e:
+            raise RuntimeError(f"replica {self.name}: {e}") from None
 
     async def __del__(self) -> None:  # Ray Serve awaits an async __del__ on shutdown
         if hasattr(self, "_watch"):  # (a constructor that failed has nothing to stop)
@@ -315,7 +312,9 @@ class ReplicaClient:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0):
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
+    ) -> RemoteHandle:
         ids = list(prompt_ids)
         ctx = self.model.cfg.context_length
         if len(ids) >= ctx:

@@ -17,12 +17,14 @@ import asyncio
 import errno
 import hashlib
 import hmac
+import logging
 import os
 import struct
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -225,6 +227,63 @@ def check_value(key: bytes, value: object) -> Buffer:
     return value
 
 
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """What every store counts since it was opened (its `stats()` reports them); a backend
+    with more to count subclasses this."""
+
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    deletes: int = 0
+    checksum_failures: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class Accounting:
+    """A store's counters under their own lock, and the bookkeeping every backend shares:
+    reads (hits, misses, bytes), writes, deletes, and a corrupt value (logged, counted, a miss)."""
+
+    def __init__(self, where: str, counters: StoreCounters | None = None) -> None:
+        self.where = where  # the store's path or URL, for messages
+        self.n = counters if counters is not None else StoreCounters()
+        self._lock = threading.Lock()
+
+    def read(self, asked: int, hits: int, nbytes: int) -> None:
+        """`asked` keys read, `hits` of them found whole, `nbytes` returned."""
+        with self._lock:
+            self.n.gets += asked
+            self.n.hits += hits
+            self.n.misses += asked - hits
+            self.n.bytes_read += nbytes
+
+    def wrote(self, n: int, nbytes: int) -> None:
+        """`n` values stored, `nbytes` written."""
+        with self._lock:
+            self.n.puts += n
+            self.n.bytes_written += nbytes
+
+    def add(self, counter: str, n: int = 1) -> None:
+        """Add `n` to one counter (deletes, evictions, a backend's own)."""
+        with self._lock:
+            setattr(self.n, counter, getattr(self.n, counter) + n)
+
+    def corrupt(self, e: ChecksumError) -> None:
+        """A stored value failed its check: logged with its key, counted, read as a miss."""
+        log.warning("block store %s: %s; treated as a miss", self.where, e)
+        self.add("checksum_failures")
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters, read together."""
+        with self._lock:
+            return asdict(self.n)
+
+
 class BlockStore(ABC):
     """A persistent store of blocks: opaque `bytes` keys (e.g. content hashes) -> `bytes`.
 
@@ -239,6 +298,53 @@ class BlockStore(ABC):
     """
 
     name: ClassVar[str]
+    # Set by every backend: its counters (`Accounting`) and whether it is closed; a backend
+    # that signs its frames sets `_secret`.
+    _acct: Accounting
+    _closed: bool
+    _secret: bytes | None = None
+
+    @abstractmethod
+    def _check(self, key: object) -> bytes:
+        """`key` as bytes, or a ValueError naming what is wrong with it."""
+
+    def _frame_batch(self, items) -> dict[bytes, bytes]:
+        """Validate and frame a `put_many` batch before anything is written, so bad input
+        writes nothing (a repeated key: the last value wins)."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        frames: dict[bytes, bytes] = {}
+        for item in pairs:
+            try:
+                key, value = item
+            except (TypeError, ValueError):
+                raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
+            key = self._check(key)
+            frames[key] = encode_frame(key, check_value(key, value), self._secret)
+        return frames
+
+    def _verify_frames(self, frames: Iterable[tuple[bytes, Buffer | None]]) -> VerifyReport:
+        """`verify` over (key, stored frame) pairs read back (None: gone since listed): the
+        corrupt keys are listed, logged and counted."""
+        checked = nbytes = 0
+        corrupted: list[bytes] = []
+        for key, frame in frames:
+            if frame is None:
+                continue
+            checked += 1
+            nbytes += len(frame)
+            try:
+                check_frame(key, frame, self._secret)
+            except ChecksumError as e:
+                corrupted.append(key)
+                self._report_corrupt(e)
+        return VerifyReport(checked, nbytes, corrupted)
+
+    def _report_corrupt(self, e: ChecksumError) -> None:
+        self._acct.corrupt(e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"block store {self._acct.where} is closed")
 
     # -- batched forms: what a backend implements ------------------------------------------
 

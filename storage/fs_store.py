@@ -28,7 +28,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +37,16 @@ import aiofiles.os
 
 from .base import (
     HEADER_BYTES,
+    Accounting,
     BlockStore,
     Buffer,
     ChecksumError,
+    StoreCounters,
     StoreFullError,
     VerifyReport,
-    check_frame,
     check_key,
     check_namespace,
-    check_value,
     decode_frame,
-    encode_frame,
     frame_bytes,
     prepare_dir,
     secret_bytes,
@@ -67,16 +66,8 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 
 
 @dataclass(slots=True)
-class _Counters:
-    puts: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    deletes: int = 0
-    checksum_failures: int = 0
-    evictions: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
+class _Counters(StoreCounters):
+    evictions: int = 0  # files deleted to stay under max_bytes
 
 
 @register
@@ -111,7 +102,7 @@ class FileBlockStore(BlockStore):
         prepare_dir(self.path)
         self.stale_removed = self._collect_stale()
         self._lock = threading.Lock()
-        self._n = _Counters()
+        self._acct = Accounting(str(self.path), _Counters())
         self._size = self._count_bytes()
         self._closed = False
 
@@ -211,11 +202,7 @@ class FileBlockStore(BlockStore):
 
     def _count_reads(self, keys: list[bytes], out: list[bytes | None]) -> None:
         hits = sum(v is not None for v in out)
-        with self._lock:
-            self._n.gets += len(keys)
-            self._n.hits += hits
-            self._n.misses += len(keys) - hits
-            self._n.bytes_read += sum(len(v) for v in out if v is not None)
+        self._acct.read(len(keys), hits, sum(len(v) for v in out if v is not None))
 
     def contains(self, key: bytes) -> bool:
         """Whether `key` is stored (its value is not read or checked)."""
@@ -248,8 +235,7 @@ class FileBlockStore(BlockStore):
                 entries += 1
             except FileNotFoundError:
                 continue
-        with self._lock:
-            counters = asdict(self._n)
+        counters = self._acct.snapshot()
         return {
             "backend": self.name,
             "path": str(self.path),
@@ -264,31 +250,23 @@ class FileBlockStore(BlockStore):
     def verify(self) -> VerifyReport:
         """Check every file's checksum; list (and log) the corrupt keys (they are kept)."""
         self._check_open()
-        checked = nbytes = 0
-        corrupted = []
-        for e in self._files():
-            try:
-                key = bytes.fromhex(e.name)
-            except ValueError:
-                continue
-            frame = self._read(Path(e.path))
-            if frame is None:
-                continue
-            checked += 1
-            nbytes += len(frame)
-            try:
-                check_frame(key, frame, self._secret)
-            except ChecksumError as err:
-                corrupted.append(key)
-                self._report_corrupt(err)
-        return VerifyReport(checked, nbytes, corrupted)
+
+        def stored() -> Iterator[tuple[bytes, bytes | None]]:
+            for e in self._files():
+                try:
+                    key = bytes.fromhex(e.name)
+                except ValueError:
+                    continue
+                yield key, self._read(Path(e.path))
+
+        return self._verify_frames(stored())
 
     # -- writing ---------------------------------------------------------------------------
 
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store every pair, each file written whole and renamed into place; if one fails, the
         batch's files written so far are removed again (old values stay readable elsewhere)."""
-        frames = self._frames(items)
+        frames = self._frame_batch(items)
         self._check_open()
         done: list[Path] = []
         added = 0
@@ -303,20 +281,6 @@ class FileBlockStore(BlockStore):
                 file.unlink(missing_ok=True)
             raise self._write_error(e, sum(len(f) for f in frames.values())) from e
         self._wrote(len(frames), sum(len(f) for f in frames.values()), added)
-
-    def _frames(self, items) -> dict[bytes, bytes]:
-        pairs = items.items() if isinstance(items, Mapping) else items
-        frames: dict[bytes, bytes] = {}
-        for item in pairs:
-            try:
-                key, value = item
-            except (TypeError, ValueError):
-                raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
-            key = self._check(key)
-            frames[key] = encode_frame(
-                key, check_value(key, value), self._secret
-            )  # a repeated key: last wins
-        return frames
 
     def _write(self, file: Path, frame: bytes) -> None:
         file.parent.mkdir(exist_ok=True)
@@ -333,9 +297,8 @@ class FileBlockStore(BlockStore):
             raise
 
     def _wrote(self, n: int, nbytes: int, added: int) -> None:
+        self._acct.wrote(n, nbytes)
         with self._lock:
-            self._n.puts += n
-            self._n.bytes_written += nbytes
             self._size += added
             over = self._size > self.max_bytes
         if over:
@@ -365,7 +328,7 @@ class FileBlockStore(BlockStore):
             total -= size
         with self._lock:
             self._size = total
-            self._n.evictions += removed
+        self._acct.add("evictions", removed)
         return removed
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
@@ -373,8 +336,7 @@ class FileBlockStore(BlockStore):
         unique = list(dict.fromkeys(self._check(k) for k in keys))
         self._check_open()
         removed = sum(self._unlink(self._file(k)) for k in unique)
-        with self._lock:
-            self._n.deletes += removed
+        self._acct.add("deletes", removed)
         return removed
 
     def _unlink(self, file: Path, size: int | None = None) -> bool:
@@ -431,7 +393,7 @@ class FileBlockStore(BlockStore):
         self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]
     ) -> None:
         """`put_many` from asyncio: temporary files written through aiofiles, then renamed."""
-        frames = self._frames(items)
+        frames = self._frame_batch(items)
         self._check_open()
         done: list[Path] = []
         added = 0
@@ -480,15 +442,6 @@ class FileBlockStore(BlockStore):
                 f"({e.strerror}); the batch was removed and everything stored before is intact",
             )
         return OSError(e.errno, f"block store {self.path}: write failed ({e.strerror})", e.filename)
-
-    def _report_corrupt(self, e: ChecksumError) -> None:
-        logger.warning("block store %s: %s; treated as a miss", self.path, e)
-        with self._lock:
-            self._n.checksum_failures += 1
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"block store {self.path} is closed")
 
 
 def _touch(file: Path) -> None:

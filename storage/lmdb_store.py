@@ -26,7 +26,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,17 +35,17 @@ import numpy as np
 
 from .base import (
     HEADER_BYTES,
+    Accounting,
     BlockStore,
     Buffer,
     ChecksumError,
+    StoreCounters,
     StoreFullError,
     VerifyReport,
     check_frame,
     check_key,
     check_parts,
-    check_value,
     decode_frame,
-    encode_frame,
     prepare_dir,
     scatter,
 )
@@ -64,16 +64,8 @@ _CAN_PREFETCH = hasattr(os, "posix_fadvise") and os.path.exists("/proc/self/maps
 
 
 @dataclass(slots=True)
-class _Counters:
-    puts: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    deletes: int = 0
-    checksum_failures: int = 0
-    map_growths: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
+class _Counters(StoreCounters):
+    map_growths: int = 0  # times the memory map was grown
 
 
 class _Gate:
@@ -205,8 +197,7 @@ class LmdbBlockStore(BlockStore):
         self.prefetch = prefetch and _CAN_PREFETCH
         self._gate = _Gate()
         self._write_lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        self._n = _Counters()
+        self._acct = Accounting(str(self.path), _Counters())
         self._closed = True  # until the environment is fully open (see __del__)
         # Hints learned after the last commit, written with the next transaction (or on close):
         # key -> packed (offset, length). Only the writer mutates it (under _write_lock);
@@ -274,7 +265,7 @@ class LmdbBlockStore(BlockStore):
 
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         """The value of each key in order; None where absent or corrupt."""
-        keys = [check_key(k, self._max_key) for k in keys]
+        keys = [self._check(k) for k in keys]
         out: list[bytes | None] = []
         corrupt: list[ChecksumError] = []
         nbytes = 0
@@ -296,11 +287,7 @@ class LmdbBlockStore(BlockStore):
         return out
 
     def _count_reads(self, n: int, hits: int, nbytes: int, corrupt: list[ChecksumError]) -> None:
-        with self._count_lock:
-            self._n.gets += n
-            self._n.hits += hits
-            self._n.misses += n - hits
-            self._n.bytes_read += nbytes
+        self._acct.read(n, hits, nbytes)
         for e in corrupt:
             self._report_corrupt(e)
 
@@ -315,7 +302,7 @@ class LmdbBlockStore(BlockStore):
         is copied twice and a stale hint costs speed, never data: the offset read is the live
         one. The read transaction is held throughout, so LMDB cannot reuse those pages.
         """
-        keys = [check_key(k, self._max_key) for k in keys]
+        keys = [self._check(k) for k in keys]
         found: list[bool] = []
         corrupt: list[ChecksumError] = []
         nbytes = 0
@@ -345,7 +332,7 @@ class LmdbBlockStore(BlockStore):
 
     def contains(self, key: bytes) -> bool:
         """Whether `key` is stored (its value is not read or checked)."""
-        key = check_key(key, self._max_key)
+        key = self._check(key)
         with self._reading() as txn:
             # A cursor positions on the key and touches at most the value's first page (measured:
             # 4 KiB read per cold call); `get` would read the whole value from disk.
@@ -361,14 +348,16 @@ class LmdbBlockStore(BlockStore):
         with self._reading() as txn:
             return txn.stat(self._blocks)["entries"]
 
+    def _check(self, key: object) -> bytes:
+        return check_key(key, self._max_key)
+
     def stats(self) -> dict[str, Any]:
         """Counters since open, and sizes: entries, bytes (pages used), map and file size."""
         with self._reading() as txn:
             st = txn.stat(self._blocks)
             hints = txn.stat(self._locs)["entries"]
             map_size = self._env.info()["map_size"]
-        with self._count_lock:
-            counters = asdict(self._n)
+        counters = self._acct.snapshot()
         pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
         return {
             "backend": self.name,
@@ -389,26 +378,15 @@ class LmdbBlockStore(BlockStore):
 
     def verify(self) -> VerifyReport:
         """Check every stored frame's checksum; list (and log) the corrupt keys."""
-        checked = nbytes = 0
-        corrupted: list[bytes] = []
-        for chunk in self._key_chunks(_VERIFY_CHUNK):
-            errors: list[ChecksumError] = []
-            with self._reading() as txn:
-                self._advise(txn, chunk)
-                for key in chunk:
-                    frame = txn.get(key)
-                    if frame is None:  # deleted since the keys were listed
-                        continue
-                    checked += 1
-                    nbytes += len(frame)
-                    try:
-                        check_frame(key, frame)
-                    except ChecksumError as e:
-                        errors.append(e)
-            for e in errors:
-                corrupted.append(e.key)
-                self._report_corrupt(e)
-        return VerifyReport(checked, nbytes, corrupted)
+
+        def stored() -> Iterator[tuple[bytes, Buffer | None]]:
+            for chunk in self._key_chunks(_VERIFY_CHUNK):
+                with self._reading() as txn:
+                    self._advise(txn, chunk)
+                    # None: deleted since the keys were listed; frames are checked in the txn
+                    yield from ((key, txn.get(key)) for key in chunk)
+
+        return self._verify_frames(stored())
 
     def drop_page_cache(self) -> bool:
         """Evict this store's file from the OS page cache, so the next reads come from the disk.
@@ -438,17 +416,9 @@ class LmdbBlockStore(BlockStore):
 
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store every (key, value) pair in one transaction: all of them or, on error, none."""
-        pairs = items.items() if isinstance(items, Mapping) else items
-        # Validate and frame everything before the transaction starts: bad input never leaves
-        # a partial batch, and the write lock is not held while CRCs are computed.
-        frames: dict[bytes, bytes] = {}
-        for item in pairs:
-            try:
-                key, value = item
-            except (TypeError, ValueError):
-                raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
-            key = check_key(key, self._max_key)
-            frames[key] = encode_frame(key, check_value(key, value))  # a repeated key: last wins
+        # Framed before the transaction starts: bad input never leaves a partial batch, and the
+        # write lock is not held while CRCs are computed.
+        frames = self._frame_batch(items)
         if not frames:
             return
         nbytes = sum(len(f) for f in frames.values())
@@ -461,13 +431,11 @@ class LmdbBlockStore(BlockStore):
         with self._write_lock:
             self._write(body, nbytes, frames.keys())
             self._learn(k for k, f in frames.items() if len(f) >= 2 * self._page)
-        with self._count_lock:
-            self._n.puts += len(frames)
-            self._n.bytes_written += nbytes
+        self._acct.wrote(len(frames), nbytes)
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
         """Remove the keys in one transaction; how many were present."""
-        unique = list(dict.fromkeys(check_key(k, self._max_key) for k in keys))
+        unique = list(dict.fromkeys(self._check(k) for k in keys))
         if not unique:
             return 0
 
@@ -478,8 +446,7 @@ class LmdbBlockStore(BlockStore):
 
         with self._write_lock:
             removed = self._write(body, 0, unique)
-        with self._count_lock:
-            self._n.deletes += removed
+        self._acct.add("deletes", removed)
         return removed
 
     def clear(self) -> None:
@@ -578,8 +545,7 @@ class LmdbBlockStore(BlockStore):
             self._env.set_mapsize(new)
             self._locator.invalidate()
         logger.info("block store %s: map grown %d -> %d bytes", self.path, current, new)
-        with self._count_lock:
-            self._n.map_growths += 1
+        self._acct.add("map_growths")
 
     def _adopt_map_size(self) -> None:
         with self._gate.exclusive():
@@ -661,15 +627,6 @@ class LmdbBlockStore(BlockStore):
             if not more:
                 return
             after = chunk[-1]
-
-    def _report_corrupt(self, e: ChecksumError) -> None:
-        logger.warning("block store %s: %s; treated as a miss", self.path, e)
-        with self._count_lock:
-            self._n.checksum_failures += 1
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"block store {self.path} is closed")
 
 
 def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:

@@ -25,7 +25,6 @@ import os
 import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 try:
@@ -39,18 +38,17 @@ except ImportError as e:  # optional: only the remote tier speaks Redis
     ) from e
 
 from .base import (
+    Accounting,
     BlockStore,
     Buffer,
     ChecksumError,
+    StoreCounters,
     StoreFullError,
     StoreUnavailableError,
     VerifyReport,
-    check_frame,
     check_key,
     check_namespace,
-    check_value,
     decode_frame,
-    encode_frame,
     secret_bytes,
 )
 from .registry import redact, register
@@ -61,18 +59,6 @@ MAX_KEY_BYTES = 1024
 PASSWORD_ENV = "REDISCLI_AUTH"  # the variable redis-cli itself reads
 _CHUNK = 256  # keys per MGET / pipeline chunk: bounds one reply's size
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
-
-
-@dataclass(slots=True)
-class _Counters:
-    puts: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    deletes: int = 0
-    checksum_failures: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
 
 
 @register
@@ -120,7 +106,7 @@ class RedisBlockStore(BlockStore):
                 raise ValueError(f"{label} must be > 0 seconds, got {t!r}")
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._prefix = f"unikv:{self.namespace}:".encode()
-        self._n = _Counters()
+        self._acct = Accounting(self.url, StoreCounters())
         self._lock = threading.Lock()
         self._closed = True
         options: dict[str, Any] = {
@@ -204,11 +190,7 @@ class RedisBlockStore(BlockStore):
         if corrupt:
             self._drop_corrupt(corrupt)
         hits = sum(v is not None for v in out)
-        with self._lock:
-            self._n.gets += len(keys)
-            self._n.hits += hits
-            self._n.misses += len(keys) - hits
-            self._n.bytes_read += nbytes
+        self._acct.read(len(keys), hits, nbytes)
         return out
 
     def _mget(self, names: list[bytes]) -> list[bytes | None]:
@@ -258,8 +240,7 @@ class RedisBlockStore(BlockStore):
                     pipe.strlen(self._k(k))
                 nbytes += sum(pipe.execute())
             memory = self._memory_info()
-        with self._lock:
-            counters = asdict(self._n)
+        counters = self._acct.snapshot()
         limit = memory.get("maxmemory") or memory.get("total_system_memory") or 0
         return {
             "backend": self.name,
@@ -282,52 +263,27 @@ class RedisBlockStore(BlockStore):
     def verify(self) -> VerifyReport:
         """Check every stored value's checksum; list (and log) the corrupt keys."""
         keys = list(self.keys())
-        checked = nbytes = 0
-        corrupted: list[bytes] = []
-        for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i : i + _CHUNK]
-            with self._errors("read"):
-                frames = self._mget([self._k(k) for k in chunk])
-            for key, frame in zip(chunk, frames, strict=True):
-                if frame is None:  # deleted or expired since listed
-                    continue
-                checked += 1
-                nbytes += len(frame)
-                try:
-                    check_frame(key, frame, self._secret)
-                except ChecksumError as e:
-                    corrupted.append(key)
-                    self._report_corrupt(e)
-        return VerifyReport(checked, nbytes, corrupted)
+
+        def stored() -> Iterator[tuple[bytes, bytes | None]]:
+            for i in range(0, len(keys), _CHUNK):
+                chunk = keys[i : i + _CHUNK]
+                with self._errors("read"):
+                    frames = self._mget([self._k(k) for k in chunk])
+                yield from zip(chunk, frames, strict=True)  # None: deleted or expired since
+
+        return self._verify_frames(stored())
 
     # -- writing ---------------------------------------------------------------------------
 
     def put_many(self, items: Mapping[bytes, Buffer] | Iterable[tuple[bytes, Buffer]]) -> None:
         """Store every (key, value) pair: one MULTI/EXEC transaction, all of them or none."""
-        frames = self._frames(items)
+        frames = self._frame_batch(items)
         self._check_open()
         if not frames:
             return
         with self._errors("write"):
             self._write(frames)
-        with self._lock:
-            self._n.puts += len(frames)
-            self._n.bytes_written += sum(len(f) for f in frames.values())
-
-    def _frames(self, items) -> dict[bytes, bytes]:
-        """Validate and frame a batch before anything is sent: bad input writes nothing."""
-        pairs = items.items() if isinstance(items, Mapping) else items
-        frames: dict[bytes, bytes] = {}
-        for item in pairs:
-            try:
-                key, value = item
-            except (TypeError, ValueError):
-                raise ValueError(f"put_many takes (key, value) pairs, got {item!r:.60}") from None
-            key = self._check(key)
-            frames[key] = encode_frame(
-                key, check_value(key, value), self._secret
-            )  # a repeated key: last wins
-        return frames
+        self._acct.wrote(len(frames), sum(len(f) for f in frames.values()))
 
     def _write(self, frames: dict[bytes, bytes]) -> None:
         if self.ttl_ms is not None:  # SET ... PX per key, in one MULTI/EXEC transaction
@@ -367,8 +323,7 @@ class RedisBlockStore(BlockStore):
             return 0
         with self._errors("write"):
             removed = self._delete([self._k(k) for k in unique])
-        with self._lock:
-            self._n.deletes += removed
+        self._acct.add("deletes", removed)
         return removed
 
     def _delete(self, names: list[bytes]) -> int:
@@ -397,15 +352,6 @@ class RedisBlockStore(BlockStore):
         except (redis.RedisError, OSError) as e:
             # Deleting is a courtesy to the next reader; the read already was a miss.
             logger.warning("block store %s: corrupt entries not deleted: %s", self.url, _why(e))
-
-    def _report_corrupt(self, e: ChecksumError) -> None:
-        logger.warning("block store %s: %s; treated as a miss", self.url, e)
-        with self._lock:
-            self._n.checksum_failures += 1
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"block store {self.url} is closed")
 
     def _errors(self, what: str) -> _Translate:
         return _Translate(self.url, what)

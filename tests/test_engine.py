@@ -252,6 +252,26 @@ async def test_chat_template_and_eos(engine):
     assert c.token_ids[-1] == engine.tokenizer.eos_id and "<|im_end|>" not in c.text
 
 
+async def test_after_step_hook_sees_every_step_and_check_running_says_when_it_stopped(
+    model, tokenizer
+):
+    """The public hooks a server uses instead of the engine's internals: `after_step` (the
+    replicas' simulated hot chip) and `check_running` (Ray Serve's health check)."""
+    engine = Engine(model, tokenizer)
+    seen: list[float] = []
+
+    async def hook(seconds: float) -> None:
+        seen.append(seconds)
+
+    engine.after_step = hook
+    await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=3))
+    assert len(seen) >= 3 and all(s > 0 for s in seen)  # the prompt's step, then each token
+    engine.check_running()
+    await engine.close()
+    with pytest.raises(RuntimeError, match="loop stopped: the engine was closed"):
+        engine.check_running()
+
+
 async def test_close_finishes_running_requests(model, tokenizer):
     engine = Engine(model, tokenizer)
     handle = engine.submit(PROMPTS[0], GREEDY_16)

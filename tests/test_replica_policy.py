@@ -103,3 +103,25 @@ def test_bad_parameters_are_refused():
     with pytest.raises(ValueError, match="imbalance"):
         RoutingPolicy(imbalance=-1)
     assert RoutingPolicy().rank([], H).ranks == []
+
+
+async def test_the_engine_and_the_replica_client_serve_through_one_protocol(model, tokenizer):
+    """Issue 32: the server depends on `ServedEngine`, which both implement, and on nothing
+    else of either (no private attribute, no monkeypatching)."""
+    import inspect
+
+    from unikv.engine.engine import Engine, ServedEngine
+    from unikv.serving.replicas import ReplicaClient
+
+    engine = Engine(model, tokenizer)
+    info = {"context_length": 2048, "block_size": 16, "identity": "x", "max_batch": 4,
+            "kv_choice": "full"}  # fmt: skip
+    client = ReplicaClient(None, info, tokenizer, replicas=2)
+    try:
+        for served in (engine, client):
+            assert isinstance(served, ServedEngine)
+            params = inspect.signature(served.submit).parameters
+            assert params["priority"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert client.max_batch == 8  # before any report: 4 per replica
+    finally:
+        await engine.close()

@@ -185,7 +185,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         ("MoE top-k", f"{report['moe_topk']} ({report['moe_topk_reason']})"),
         ("MoE experts", _experts_line(report["expert_cache"], report["expert_host"])),
         ("sensor", _sensor_line(report.get("sensor"))),
-        # Added by the caller that can build it (`unikv profile`: kvstrategies.kernels.status).
+        # Added by the caller that can build it (`unikv profile`: kernels.native.status).
         *([("attention kernel", report["attention_kernel"])] if "attention_kernel" in report
           else []),
     ]  # fmt: skip

@@ -4,7 +4,7 @@ What lives here: `SplitLinear` (float weights, multiplied as column slices), `Pa
 GGUF-quantized weight kept packed, with the forms its kernels prepared), `Linear` (one layer:
 a weight plus the breaker of its format's matmul op), `build_linear`, and the registry entries of
 the matmul ops (one per weight format), `rmsnorm` and `rope`. What does not: the registry and the
-breaker (`kvstrategies.operators`), the block formats (`engine.quantized`), the forward pass
+breaker (`kernels.operators`), the block formats (`engine.quantized`), the forward pass
 (`engine.model`).
 
 Ops and their entries, in preference order (the last is the reference, available everywhere):
@@ -51,7 +51,7 @@ NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 
 class SplitLinear:
     """y = x @ W.T with W stored row-major [out, in], multiplied by the decode kernel (a few rows,
-    `engine.gemv`) or, for larger batches, as column slices by one `bmm`.
+    `kernels.gemv`) or, for larger batches, as column slices by one `bmm`.
 
     NOTE: on CPU, MKL runs a matrix-vector product (decode at batch 1) on one core, and skinny
     matrix products poorly. Splitting the output columns into P slices and multiplying them as a

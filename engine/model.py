@@ -81,7 +81,7 @@ class LlamaModel:
 
         # One slice per core on CPU; accelerators run one plain matmul.
         self._parts = 4 if self.device.type == "cpu" else 1
-        # Every matmul, norm and rope goes through the kernel registry (kvstrategies.operators):
+        # Every matmul, norm and rope goes through the kernel registry (kernels.operators):
         # the first implementation this device offers, switched to the next if it fails.
         self.operators = OperatorSet(self.device, owner=self)
         self._rms, self._rope = self.operators["rmsnorm"], self.operators["rope"]

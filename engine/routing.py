@@ -2,8 +2,8 @@
 
 What lives here: `route` (the router of DeepSeek-V2/V3 as Hugging Face `transformers` computes
 it), the two implementations of its final top-k (`exact_topk`, `blockwise_topk`),
-`default_winners` (how many winners each block keeps), and `choose_topk` re-exported from
-`memory.profiles` (which top-k a chip prefers, and the config override). What does not: the
+`default_winners` (how many winners each block keeps), and `choose_topk` (which top-k a chip's
+profile prefers, and a config's [moe] override). What does not: the
 router's matmul and the experts themselves (`engine.deepseek`), the expert cache.
 
 The router, step by step (`transformers` `DeepseekV3TopkRouter` / `DeepseekV2TopkRouter`):

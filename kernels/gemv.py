@@ -10,7 +10,7 @@ portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_bl
 rounding in torch: what the int8 kernel's result is checked against).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
-(`kvstrategies.kernels.build`, shared with the attention kernel: same flags, same cache
+(`kernels.native.build`, shared with the attention kernel: same flags, same cache
 directory, the same libgomp as torch, so the kernel's OpenMP threads are torch's).
 """
 

@@ -113,7 +113,7 @@ def _cpu_key() -> str:
 
 def cache_dir() -> Path:
     """Where built kernels are kept: `$UNIKV_KERNEL_DIR`, else `kernels` in unikv's cache
-    root (`memory.config.cache_dir`: $UNIKV_CACHE_DIR, $XDG_CACHE_HOME/unikv, ~/.cache/unikv)."""
+    root (`settings.config.cache_dir`: $UNIKV_CACHE_DIR, $XDG_CACHE_HOME/unikv, ~/.cache/unikv)."""
     if os.environ.get("UNIKV_KERNEL_DIR"):
         return Path(os.environ["UNIKV_KERNEL_DIR"])
     return config.cache_dir() / "kernels"

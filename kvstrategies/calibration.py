@@ -181,7 +181,7 @@ def shipped_path(identity: str) -> Path | None:
 
 
 def default_path(identity: str) -> Path:
-    """The per-model calibration file under unikv's cache root (`memory.config.cache_dir`)."""
+    """The per-model calibration file under unikv's cache root (`settings.config.cache_dir`)."""
     import hashlib
 
     root = config.cache_dir()

@@ -5,7 +5,7 @@ What lives here: `Option` (name, type, default, allowed values, one-line help, C
 defaults) and `markdown` (option tables). What does not: the declarations themselves (each
 strategy class lists its own in `options`), checks that relate two options (a strategy's
 `check_combination`), the README's tables of the registered strategies (`kvstrategies.tables`,
-which needs the registry) and the command line built from the declarations (`engine.cli`).
+which needs the registry) and the command line built from the declarations (`cli.main`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 What lives here: `Cooling`, one replica's state machine over its temperature readings. What
 does not: reading a sensor (`serving.sensors`), what cooling does to a replica (no new
 requests, its queue finishes at half the batch size: the deployment and the router), the
-options' validation (`memory.config.ThermalOptions`).
+options' validation (`settings.config.ThermalOptions`).
 
 The rule, with `limit` the chip profile's `thermal_throttle_c`:
 

@@ -4,7 +4,7 @@ What lives here: the `SensorSource` ABC, its sources (`HwmonSensor` for Linux hw
 `NvmlSensor` for NVIDIA GPUs through `pynvml`, `CommandSensor` for the vendor tool a chip
 profile's `[sensor]` table names, `ScriptedSensor` for tests and benchmarks), the `SENSORS`
 registry and `open_sensor`, which turns a `[thermal] sensor` setting into a source. What does
-not: the cooling rule (`serving.cooling`), the profile's `[sensor]` table (`memory.profiles`),
+not: the cooling rule (`serving.cooling`), the profile's `[sensor]` table (`settings.profiles`),
 routing and the replicas themselves.
 
 Every source reads degrees Celsius, the hottest of what it watches, and never raises once

@@ -2,7 +2,7 @@
 
 What lives here: `TierConfig`, `MoEOptions`, `SchedulerOptions`, `ThermalOptions` and
 `PoolConfig` (validated on construction), `parse_size`, `load_config` and `ConfigError`. What
-does not: chip profiles and bandwidth classes (`memory.profiles`), checking a strategy name
+does not: chip profiles and bandwidth classes (`settings.profiles`), checking a strategy name
 against the strategy registry (`kvstrategies`), and building the pool from a config (the pool).
 
 File format (TOML, see configs/unikv.toml)::
@@ -423,7 +423,7 @@ DEFAULT_TIERS = (TierConfig("device", DEFAULT_DEVICE_BYTES),)
 class MoEOptions:
     """DeepSeekMoE settings: the router's final top-k and where the routed experts live.
 
-    `topk` "auto" takes the chip profile's preference (`memory.profiles.choose_topk`);
+    `topk` "auto" takes the chip profile's preference (`engine.routing.choose_topk`);
     `topk_block` None takes the profile's block size. `expert_cache` is the fraction of routed
     experts kept on the device tier (1.0: all resident); of the rest, `expert_host` is the
     fraction kept in host memory, the remainder on the SSD tier.

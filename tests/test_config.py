@@ -1,4 +1,4 @@
-"""Tests of memory.config: TOML files, validation messages and UNIKV_ environment overrides."""
+"""Tests of settings.config: TOML files, validation messages and UNIKV_ environment overrides."""
 
 from pathlib import Path
 

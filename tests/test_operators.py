@@ -340,7 +340,7 @@ def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa
 
 
 def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
-    """x rounded as gemv.c's int8 kernel rounds it (engine.gemv.quantize_blocks, in torch),
+    """x rounded as gemv.c's int8 kernel rounds it (kernels.gemv.quantize_blocks, in torch),
     times the dequantized weight, in float64."""
     from unikv.engine.quantized import dequantize
     from unikv.kernels import gemv

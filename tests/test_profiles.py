@@ -1,4 +1,4 @@
-"""Tests of memory.profiles: shipped chip profiles, bandwidth classes, strategy choice, report."""
+"""Tests of settings.profiles: shipped chip profiles, bandwidth classes, strategy choice, report."""
 
 import json
 from pathlib import Path

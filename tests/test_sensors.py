@@ -257,7 +257,7 @@ def test_open_sensor_errors() -> None:
 
 
 def test_every_config_kind_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """memory.config validates [thermal] sensor against its own list: keep the two in step."""
+    """settings.config validates [thermal] sensor against its own list: keep the two in step."""
     monkeypatch.setattr(sensors, "HWMON_ROOT", tmp_path)
     for kind in SENSOR_KINDS:
         assert kind in KINDS

@@ -19,11 +19,13 @@ dimension in `StepBatch.seq_ids` order, so sequences of different lengths need n
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(slots=True)
@@ -209,6 +211,31 @@ class KVMemory(ABC):
         return {"kv_bytes_used": self.bytes_used(), "kv_bytes_reserved": self.bytes_reserved()}
 
 
+log = logging.getLogger(__name__)
+
+# Set once PyTorch's fused CPU attention refused the dispatch it was given (see `sdpa`).
+_math_only = False
+
+
+def sdpa(q, k, v, attn_mask=None, scale=None) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, or its math kernel where the fused one cannot run:
+    PyTorch 2.13's bfloat16 flash attention on a CPU with AMX, with its dispatch held to AVX2
+    (`ATEN_CPU_CAPABILITY=avx2`, how the AVX2 path is reproduced here), fails with "pack_vnni2
+    is only supported when avx512 is supported"; the math kernel then serves every later call."""
+    global _math_only
+    if not _math_only:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        except RuntimeError as e:
+            if "pack_vnni" not in str(e):
+                raise
+            log.warning("PyTorch's fused CPU attention cannot run here (%s); using its math "
+                        "kernel", e)  # fmt: skip
+            _math_only = True
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
 def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `v` is a view of the first channels of `k`, as a latent (MLA) cache's values are.
 
@@ -247,9 +274,7 @@ def attention_one(
         mask = allowed.repeat(g, 1)  # [G*T, S]
     if values_in_keys(k, v):
         v = k
-    out = F.scaled_dot_product_attention(
-        qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale
-    )[..., :dv]
+    out = sdpa(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[..., :dv]
     # out: [1, Hkv, G*T, Dv] -> [T, Hq, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)
 

@@ -140,3 +140,35 @@ def test_attention_over_pieces_equals_one_piece(cuts, values):
     # Decoding: one new token after 14 stored ones.
     got = attention_runs(q[:1], _pieces(k, v, cuts, 15), 14, 0.3)
     torch.testing.assert_close(got, naive_attention(q[:1], k[:, :15], v[:, :15], 14, 0.3))
+
+
+def test_attention_falls_back_to_the_math_kernel_where_the_fused_one_cannot_run(monkeypatch):
+    """PyTorch 2.13's bfloat16 flash attention on an AMX CPU with ATEN_CPU_CAPABILITY=avx2
+    raises "pack_vnni2 is only supported when avx512 is supported": the math kernel serves
+    from then on, with the same result; any other error still raises."""
+    import torch.nn.functional as F
+
+    from unikv.kvstrategies import kv as kvmod
+
+    q, k = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    want = F.scaled_dot_product_attention(q, k, k)
+    real, calls = F.scaled_dot_product_attention, []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvmod, "_math_only", False)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refusing)
+    torch.testing.assert_close(kvmod.sdpa(q, k, k), want)
+    assert kvmod._math_only and len(calls) == 2  # the refused call, then the math kernel
+    monkeypatch.setattr(kvmod, "_math_only", False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        kvmod.sdpa(q, k, k)

@@ -4,8 +4,8 @@ LiteLLM's `completion` (plain and streamed) and `text_completion`, and lm-evalua
 official `openai` SDK and LangChain are in test_serve.py.
 
 Each client runs in a process of its own, offline and behind tests/_no_network.py's guard (its
-`sitecustomize`): nothing reaches the network, and the harness reads its tokenizer from a folder
-transformers converts from the packaged GGUF file (no hub)."""
+`sitecustomize`): nothing reaches the network; the harness, run with its defaults, reads the
+tokenizer from the server (`/tokenizer_info`) and sends token-id prompts (no hub)."""
 
 from __future__ import annotations
 
@@ -176,15 +176,6 @@ def test_litellm_completion_streamed_and_text_equal_the_server(server, tmp_path)
 # ---- lm-evaluation-harness -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(hf_tokenizer, tmp_path_factory):
-    """The model's tokenizer as a Hugging Face folder, converted by transformers from the GGUF
-    file the server loads (not unikv's own tokenizer): the harness counts context tokens with it."""
-    path = tmp_path_factory.mktemp("tokenizer")
-    hf_tokenizer.save_pretrained(path)
-    return path
-
-
 def lm_eval(tmp: Path, model_args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the `lm_eval` command line on the facts task (written to `tmp`), offline and behind
     the network guard; returns the finished process and what the guard refused."""
@@ -236,19 +227,9 @@ def check_harness_run(tmp: Path, server: str, proc: subprocess.CompletedProcess)
     assert acc == pytest.approx(right / len(FACTS))
 
 
-def test_lm_eval_local_completions_scores_what_the_server_scores(server, tokenizer_dir, tmp_path):
-    """The harness with a local tokenizer folder, sending text prompts (the documented
-    command line in docs/serving.md)."""
-    model_args = (f"model={MODEL},base_url={server}/v1/completions,tokenizer_backend=huggingface,"
-                  f"tokenizer={tokenizer_dir},tokenized_requests=False,num_concurrent=1,"
-                  "max_retries=1")  # fmt: skip
-    proc, refused = lm_eval(tmp_path, model_args)
-    assert refused == []
-    check_harness_run(tmp_path, server, proc)
-
-
 def test_lm_eval_with_its_defaults_needs_no_local_tokenizer(server, tmp_path):
-    """`local-completions` as a user first tries it: no tokenizer given, token-id requests."""
+    """`local-completions` as a user first tries it (no tokenizer given, token-id requests):
+    every log-likelihood it reports is the server's own for that context and continuation."""
     model_args = f"model={MODEL},base_url={server}/v1/completions,num_concurrent=1,max_retries=1"
     proc, refused = lm_eval(tmp_path, model_args)
     assert refused == []

@@ -597,8 +597,7 @@ def _choice(server: Server, body: p._Sampling, chat: bool, i: int, done, ids: li
     if not wanted:
         choice["logprobs"] = None
         return choice
-    gen_ids = done.token_ids[: len(done.logprobs)]
-    tokens = [decode(t) for t in gen_ids]
+    tokens = [decode(x.token_id) for x in done.logprobs]  # as the streamed chunks spell them
     lps: list = list(done.logprobs)
     if echo:
         tokens = [decode(t) for t in ids] + tokens

@@ -303,10 +303,18 @@ class BlockStore(ABC):
     _acct: Accounting
     _closed: bool
     _secret: bytes | None = None
+    _max_key: int  # the longest key the backend takes, in bytes
 
-    @abstractmethod
     def _check(self, key: object) -> bytes:
         """`key` as bytes, or a ValueError naming what is wrong with it."""
+        return check_key(key, self._max_key)
+
+    def _count_reads(self, n: int, hits: int, nbytes: int,
+                     corrupt: Iterable[ChecksumError] = ()) -> None:  # fmt: skip
+        """Count a read of `n` keys, `hits` found with `nbytes` bytes, and the corrupt ones."""
+        self._acct.read(n, hits, nbytes)
+        for e in corrupt:
+            self._report_corrupt(e)
 
     def _frame_batch(self, items) -> dict[bytes, bytes]:
         """Validate and frame a `put_many` batch before anything is written, so bad input
@@ -368,9 +376,9 @@ class BlockStore(ABC):
     def keys(self) -> Iterator[bytes]:
         """Every stored key, in the backend's order; safe to write while iterating."""
 
-    @abstractmethod
     def __len__(self) -> int:
-        """Number of stored entries."""
+        """Number of stored entries (a backend that counts them cheaper overrides this)."""
+        return int(self.stats()["entries"])
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

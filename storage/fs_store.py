@@ -44,7 +44,6 @@ from .base import (
     StoreCounters,
     StoreFullError,
     VerifyReport,
-    check_key,
     check_namespace,
     decode_frame,
     frame_bytes,
@@ -103,17 +102,15 @@ class FileBlockStore(BlockStore):
         self.stale_removed = self._collect_stale()
         self._lock = threading.Lock()
         self._acct = Accounting(str(self.path), _Counters())
-        self._size = self._count_bytes()
+        self._size = self._count_files()[1]
         self._closed = False
+        self._max_key = MAX_KEY_BYTES
 
     # -- keys and files --------------------------------------------------------------------
 
     def _file(self, key: bytes) -> Path:
         name = key.hex()
         return self.path / name[:2] / name
-
-    def _check(self, key: object) -> bytes:
-        return check_key(key, MAX_KEY_BYTES)
 
     def _files(self) -> Iterator[os.DirEntry]:
         """Every value file (not temporary ones) under the namespace."""
@@ -141,7 +138,8 @@ class FileBlockStore(BlockStore):
         for key in keys:
             frame = self._read(self._file(key))
             out.append(None if frame is None else self._decode(key, frame))
-        self._count_reads(keys, out)
+        self._count_reads(len(keys), sum(v is not None for v in out),
+                          sum(len(v) for v in out if v is not None))  # fmt: skip
         return out
 
     def _read(self, file: Path) -> bytes | None:
@@ -200,10 +198,6 @@ class FileBlockStore(BlockStore):
             self._unlink(self._file(key), len(frame))
             return None
 
-    def _count_reads(self, keys: list[bytes], out: list[bytes | None]) -> None:
-        hits = sum(v is not None for v in out)
-        self._acct.read(len(keys), hits, sum(len(v) for v in out if v is not None))
-
     def contains(self, key: bytes) -> bool:
         """Whether `key` is stored (its value is not read or checked)."""
         key = self._check(key)
@@ -221,20 +215,10 @@ class FileBlockStore(BlockStore):
                 continue
         return iter(found)
 
-    def __len__(self) -> int:
-        self._check_open()
-        return sum(1 for _ in self._files())
-
     def stats(self) -> dict[str, Any]:
         """Counters since open, and sizes: entries, bytes of the files, the bound."""
         self._check_open()
-        entries = nbytes = 0
-        for e in self._files():
-            try:
-                nbytes += e.stat().st_size
-                entries += 1
-            except FileNotFoundError:
-                continue
+        entries, nbytes = self._count_files()
         counters = self._acct.snapshot()
         return {
             "backend": self.name,
@@ -382,7 +366,8 @@ class FileBlockStore(BlockStore):
                 continue
             await aiofiles.os.wrap(_touch)(file)
             out.append(self._decode(key, frame))
-        self._count_reads(keys, out)
+        self._count_reads(len(keys), sum(v is not None for v in out),
+                          sum(len(v) for v in out if v is not None))  # fmt: skip
         return out
 
     async def aput(self, key: bytes, value: Buffer) -> None:
@@ -425,14 +410,16 @@ class FileBlockStore(BlockStore):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _count_bytes(self) -> int:
-        total = 0
+    def _count_files(self) -> tuple[int, int]:
+        """(value files, their bytes) now."""
+        entries = nbytes = 0
         for e in self._files():
             try:
-                total += e.stat().st_size
+                nbytes += e.stat().st_size
+                entries += 1
             except FileNotFoundError:
                 continue
-        return total
+        return entries, nbytes
 
     def _write_error(self, e: OSError, nbytes: int) -> OSError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

@@ -43,7 +43,6 @@ from .base import (
     StoreFullError,
     VerifyReport,
     check_frame,
-    check_key,
     check_parts,
     decode_frame,
     prepare_dir,
@@ -286,11 +285,6 @@ class LmdbBlockStore(BlockStore):
         self._count_reads(len(keys), sum(v is not None for v in out), nbytes, corrupt)
         return out
 
-    def _count_reads(self, n: int, hits: int, nbytes: int, corrupt: list[ChecksumError]) -> None:
-        self._acct.read(n, hits, nbytes)
-        for e in corrupt:
-            self._report_corrupt(e)
-
     def read_into(self, keys: Iterable[bytes], buffers: Sequence[Sequence[Buffer]]) -> list[bool]:
         """Each key's payload read straight into its `buffers` (in order); False where absent,
         corrupt or of another size.
@@ -347,9 +341,6 @@ class LmdbBlockStore(BlockStore):
         """Number of stored entries."""
         with self._reading() as txn:
             return txn.stat(self._blocks)["entries"]
-
-    def _check(self, key: object) -> bytes:
-        return check_key(key, self._max_key)
 
     def stats(self) -> dict[str, Any]:
         """Counters since open, and sizes: entries, bytes (pages used), map and file size."""

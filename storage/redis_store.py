@@ -46,7 +46,6 @@ from .base import (
     StoreFullError,
     StoreUnavailableError,
     VerifyReport,
-    check_key,
     check_namespace,
     decode_frame,
     secret_bytes,
@@ -150,6 +149,7 @@ class RedisBlockStore(BlockStore):
                 "again as the service runs", self.url, self.unreachable_at_open,
             )  # fmt: skip
         self._closed = False
+        self._max_key = MAX_KEY_BYTES
 
     def _connect(self, url: str, options: dict[str, Any], max_connections: int):
         return redis.Redis.from_url(url, max_connections=max_connections, **options)
@@ -158,9 +158,6 @@ class RedisBlockStore(BlockStore):
 
     def _k(self, key: bytes) -> bytes:
         return self._prefix + key
-
-    def _check(self, key: object) -> bytes:
-        return check_key(key, MAX_KEY_BYTES)
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -86,9 +86,9 @@ def build(model, tok, name: str, store_dir: Path, options: dict, depth: int | No
 def evict(kv) -> float:
     """Evict the store's pages before a step: wait (timed) for the fetches in flight, then
     evict (untimed: set-up of the measurement, not work a deployment does per step)."""
-    kv.prefetcher.drain()
+    kv.placement.prefetcher.drain()
     t0 = time.perf_counter()
-    kv.ssd.store.drop_page_cache()
+    kv.placement.ssd.store.drop_page_cache()
     return time.perf_counter() - t0
 
 
@@ -96,21 +96,21 @@ def io_only(kv, seq: int, threads: int) -> tuple[float, int]:
     """(seconds, bytes) to read every SSD block of `seq`, all layers, cold, as the
     prefetcher's threads would, with nothing else running."""
     ids = [r.block_id for r in kv.pool.table(seq).refs if r.tier == "ssd"]
-    kv.ssd.store.drop_page_cache()
+    kv.placement.ssd.store.drop_page_cache()
     layers = range(kv.spec.num_layers)
     with ThreadPoolExecutor(threads) as ex:
         t0 = time.perf_counter()
-        list(ex.map(lambda layer: kv.ssd.read_slice(ids, layer), layers))
+        list(ex.map(lambda layer: kv.placement.ssd.read_slice(ids, layer), layers))
         seconds = time.perf_counter() - t0
-    return seconds, len(ids) * kv.ssd.slice_bytes * kv.spec.num_layers
+    return seconds, len(ids) * kv.placement.ssd.slice_bytes * kv.spec.num_layers
 
 
 def raw_mbps(kv) -> float:
     """The disk's O_DIRECT bandwidth for reads of one SSD value's size (16 threads)."""
     count = sum(r.tier == "ssd" for r in kv.pool.table(0).refs) * kv.spec.num_layers
     # O_DIRECT reads whole 4 KiB pages: a packed record's value is rounded up to them.
-    size = -(-kv.ssd.slice_bytes // 4096) * 4096
-    return raw_read(kv.ssd.store.path / "data.mdb", size, count, 16)[0]
+    size = -(-kv.placement.ssd.slice_bytes // 4096) * 4096
+    return raw_read(kv.placement.ssd.store.path / "data.mdb", size, count, 16)[0]
 
 
 def run_context(model, tok, n: int, args, root: Path) -> list[dict]:

@@ -130,10 +130,10 @@ def add_axis_flags(sp: argparse.ArgumentParser) -> None:
 
 def _axis_choices() -> dict[str, list[str]]:
     """Each strategy axis and its names (`--kv-format`, `--kv-placement`, `--kv-selection`)."""
-    from unikv.kvstrategies import formats, placement, selection
+    from unikv.kvstrategies import FORMATS, PLACEMENTS, SELECTIONS
 
-    return {"format": list(formats.FORMATS), "placement": list(placement.PLACEMENTS),
-            "selection": list(selection.SELECTIONS)}  # fmt: skip
+    return {"format": FORMATS.names(), "placement": PLACEMENTS.names(),
+            "selection": SELECTIONS.names()}  # fmt: skip
 
 
 def strategy_arg(args: argparse.Namespace, config_strategy: str = "auto") -> str | None:

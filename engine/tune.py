@@ -241,8 +241,8 @@ def tune_hybrid(
     `on_step(step)` is called after each step's checkpoint decision (tests interrupt there)."""
     from unikv import kvstrategies
     from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
-    from unikv.kvstrategies.hybrid import HybridStrategy
     from unikv.kvstrategies.hybrid_qat import FakeQuant
+    from unikv.kvstrategies.packed import channel_plan
 
     from .hf_loader import checkpoint_config, save_hf
     from .loading import load_weights
@@ -251,7 +251,8 @@ def tune_hybrid(
 
     settings.check()
     device = _check_device(device)
-    block = HybridStrategy.default_block_size
+    hybrid = kvstrategies.get("hybrid_fp16_int4")
+    block = hybrid.default_block_size
     if settings.seq_len % block:
         raise ValueError(f"--seq-len must be a multiple of the block size {block}")
     out = Path(out)
@@ -260,7 +261,7 @@ def tune_hybrid(
         raise ValueError(f"nothing to resume: {ckpt_path} does not exist")
     if not resume and out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass --resume to continue a run there")
-    opts = HybridStrategy.check_options(options)
+    opts = hybrid.check_options(options)
     cfg, tensors, tokenizer, source = load_weights(model, progress=progress)
     check_tunable(cfg, "hybrid_fp16_int4")
     ids = tokenizer.encode(text)
@@ -281,7 +282,7 @@ def tune_hybrid(
     spec = kvstrategies.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                identity=cfg.identity)  # fmt: skip
     opts = {**opts, "calibration": str(cal)}
-    plan = HybridStrategy.channel_plan(spec, opts)
+    plan = channel_plan(spec, opts)
     quant = FakeQuant(spec, opts, plan, block, device)
 
     net = TunableLlama(cfg, tensors, device)

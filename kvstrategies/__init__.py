@@ -1,18 +1,38 @@
-"""KV strategies: the KV seam (`kv`), strategies behind `KVStrategy` composed of three axes
-(`formats`, `placement`, `selection`, put together by `composed`), the registry of the four
-presets, selection by chip (kv_precision and bandwidth class)."""
+"""KV strategies: the KV seam (`kv`); a strategy made of three objects, a format, a placement
+and a selection (`axes`), put together by one adapter (`strategy`); the presets as named
+triples and the choice by chip (`registry`), any other triple by name (`composed`).
 
-from .base import KVStrategy
+Importing the package registers every axis: a new format, placement or selection is one
+module plus its import below.
+"""
+
+# Register the axes, in the order they are listed: formats, placements, selections.
+# isort: off
+from . import full, hybrid  # noqa: F401
+from . import placement, offload  # noqa: F401
+from . import selection, prune  # noqa: F401
+
+# isort: on
+from .axes import FORMATS, PLACEMENTS, SELECTIONS, Format, Placement, Selection, Step
 from .kv import KVCache, KVMemory, KVSpec, StepBatch
 from .registry import Built, Plan, available, build, choose, create, get, plan, register, select
+from .strategy import KVStrategy, Recipe
 
 __all__ = [
+    "FORMATS",
+    "PLACEMENTS",
+    "SELECTIONS",
     "Built",
+    "Format",
     "KVCache",
     "KVMemory",
     "KVSpec",
     "KVStrategy",
+    "Placement",
     "Plan",
+    "Recipe",
+    "Selection",
+    "Step",
     "StepBatch",
     "available",
     "build",

@@ -1,35 +1,29 @@
 """The one composition: a strategy as format x placement x selection.
 
-`compose(format, placement, selection)` builds the strategy class from the format's class
-(`formats`: what stores and attends), the placement's mixin (`placement`: tiered moves
-blocks) and the selection's mixin (`selection`: pruned evicts tokens), bases in that order
-(selection, placement, format), options merged from the three (a name two declare is the
-format's: `sink_tokens` of a pruned hybrid is both the fp16 sinks and the never-pruned
-ones). A composed strategy is named `FORMAT+PLACEMENT+SELECTION` (e.g. `hybrid+tiered+all`);
-the four presets (`full`, `hybrid_fp16_int4`, `hierarchical_offload`, `learned_prune`) are
-registered classes built from the same parts that declare their `axes`.
-
-An axis written `auto` is chosen by the chip profile: the format by its `kv_precision`, the
-placement and selection by its bandwidth class (those of the preset that declares itself the
-class's default). Combinations that make no sense are refused with the reason (`refusal`).
-What does not live here: the registry of presets and the resolution of "auto" by chip
-(`registry`), the mechanics of each axis (full.py, hybrid.py, offload.py, prune.py).
+A composed strategy is named `FORMAT+PLACEMENT+SELECTION` (e.g. `hybrid+tiered+all`) and is a
+`Recipe` of the three registered axis classes (`axes.FORMATS`, `PLACEMENTS`, `SELECTIONS`);
+the presets (`registry.PRESETS`) are named triples of the same axes. An axis written `auto` is
+chosen by the chip profile: the format by its `kv_precision`, the placement and selection by
+its bandwidth class (those of the preset that is the class's default). Combinations that make
+no sense are refused with the reason (`refusal`). What does not live here: the presets and the
+resolution of "auto" by chip (`registry`), the mechanics of each axis (their modules).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
-from . import formats, placement, selection
-from .options import Option
-
-if TYPE_CHECKING:
-    from .base import KVStrategy
+from .axes import FORMATS, PLACEMENTS, SELECTIONS
+from .strategy import Recipe
 
 SEP = "+"
 AXES = ("format", "placement", "selection")
 Axes = tuple[str, str, str]
+_REGISTRIES = (FORMATS, PLACEMENTS, SELECTIONS)
+
+# A chip profile's kv_precision -> the format it picks.
+BY_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "int8",
+                "fp16+int4": "hybrid"}  # fmt: skip
 
 
 def name_of(axes: Axes) -> str:
@@ -48,10 +42,10 @@ def parse(name: str) -> Axes | None:
             f"strategy {name!r}: a composed strategy is FORMAT+PLACEMENT+SELECTION "
             "(e.g. hybrid+tiered+all)"
         )
-    for part, get in zip(parts, (formats.get, placement.get, selection.get), strict=True):
+    for part, registry in zip(parts, _REGISTRIES, strict=True):
         if part != "auto":
             try:
-                get(part)
+                registry.get(part)
             except ValueError as e:
                 raise ValueError(f"strategy {name!r}: {e}") from None
     return parts  # type: ignore[return-value]
@@ -60,9 +54,9 @@ def parse(name: str) -> Axes | None:
 def refusal(axes: Axes) -> str | None:
     """Why a combination makes no sense, or None when it is valid."""
     _, place, sel = axes
-    if place == "tiered" and sel == "pruned":
+    if PLACEMENTS.get(place).name == "tiered" and SELECTIONS.get(sel).evicts:
         return (
-            "tiered placement with pruned selection: pruning compacts a sequence's old blocks "
+            f"tiered placement with {sel} selection: pruning compacts a sequence's old blocks "
             "in place, and tiered placement has moved them off the device; prune to fit the "
             "device (resident) or tier without pruning (all)"
         )
@@ -73,15 +67,15 @@ def combinations() -> list[Axes]:
     """Every valid (format, placement, selection)."""
     return [
         (f, p, s)
-        for f in formats.FORMATS
-        for p in placement.PLACEMENTS
-        for s in selection.SELECTIONS
+        for f in FORMATS.names()
+        for p in PLACEMENTS.names()
+        for s in SELECTIONS.names()
         if refusal((f, p, s)) is None
     ]
 
 
-def get(name: str) -> type[KVStrategy]:
-    """The class of a composed strategy name (no "auto" axes)."""
+def get(name: str) -> Recipe:
+    """The recipe of a composed strategy name (no "auto" axes)."""
     axes = parse(name)
     if axes is None or "auto" in axes:
         raise ValueError(f"strategy {name!r}: not a composed strategy with every axis set")
@@ -89,48 +83,23 @@ def get(name: str) -> type[KVStrategy]:
 
 
 @functools.cache
-def compose(fmt: str, place: str, sel: str) -> type[KVStrategy]:
-    """The strategy class of a valid combination; a ValueError (one line) names a refused
-    one and why."""
+def compose(fmt: str, place: str, sel: str, name: str | None = None,
+            default_for: tuple[str, ...] = ()) -> Recipe:  # fmt: skip
+    """The recipe of a valid combination (named `name`, by default FORMAT+PLACEMENT+SELECTION);
+    a ValueError (one line) names a refused one and why."""
     axes = (fmt, place, sel)
     why = refusal(axes)
     if why is not None:
         raise ValueError(f"strategy {name_of(axes)!r} is refused: {why}")
-    f, p, s = formats.get(fmt), placement.get(place), selection.get(sel)
-    base = f.base
-    mixins = tuple(m for m in (s.mixin, p.mixin) if m is not None)
-    own = tuple(o for o in base.options if o.name not in f.fixed)
-    options = _merge(own, *(m.options for m in mixins))
-    declared = {o.name for o in options}
-    contract = {**base.contract_options}
-    for m in mixins:
-        contract |= m.contract_options
-    attrs = {
-        "__doc__": f"{f.help}; {p.help}; {s.help}.",
-        "__module__": __name__,
-        "name": name_of(axes),
-        "axes": axes,
-        "fixed": dict(f.fixed),
-        "options": options,
-        "tolerance": base.tolerance if f.tolerance is None else f.tolerance,
-        "lossless": (base.lossless if f.lossless is None else f.lossless) and s.mixin is None,
-        "evicts": s.mixin is not None and s.mixin.evicts,
-        "default_for": (),
-        # Tiered: 64-token blocks, so one SSD value per block and layer reads near bandwidth.
-        "default_block_size": max(base.default_block_size, 64 if p.mixin else 0),
-        # What a block holds depends on the format's options only (windows move blocks).
-        "content_options": tuple(o.name for o in base.options),
-        "contract_options": {k: v for k, v in contract.items() if k in declared},
-        "needs": base.needs if f.needs is None else f.needs,
-    }
-    title = "".join(x.capitalize() for x in axes)
-    return type(f"{title}Strategy", (*mixins, base), attrs)
+    return Recipe(name or name_of(axes), FORMATS.get(fmt), PLACEMENTS.get(place),
+                  SELECTIONS.get(sel), default_for)  # fmt: skip
 
 
-def _merge(*groups: tuple[Option, ...]) -> tuple[Option, ...]:
-    """Declarations in order, a name declared twice kept once (the first)."""
-    seen: dict[str, Option] = {}
-    for group in groups:
-        for o in group:
-            seen.setdefault(o.name, o)
-    return tuple(seen.values())
+def for_precision(precision: str) -> str:
+    """The format a chip profile's `kv_precision` picks."""
+    try:
+        return BY_PRECISION[precision]
+    except KeyError:
+        raise ValueError(
+            f"kv_precision {precision!r}: expected one of {', '.join(BY_PRECISION)}"
+        ) from None

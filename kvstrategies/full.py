@@ -1,10 +1,13 @@
-"""The `full` strategy: uncompressed K/V in pool blocks, paged attention over them.
+"""The dense formats: K/V stored as computed, in one dtype, attended as views of the arena.
 
 Arena layout: [layers, P, kv_heads, BLOCKS, block_size, head_dim] with P = 2 (K, V), or P = 1
 for a latent (MLA) cache, whose values are the keys' first channels and are not stored. With
 the block axis after the heads, one `index_select` over a sequence's token slots yields
 [P, heads, tokens, dim] ready for attention, and one `index_copy_` writes the new tokens of the
 whole batch.
+
+`dense` stores the `dtype` option (by default the model's compute dtype: the `full` preset);
+`fp32`, `bf16` and `fp16` are the same format with the dtype fixed.
 """
 
 from __future__ import annotations
@@ -17,20 +20,17 @@ from unikv.kernels.dtypes import DTYPES
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 
-from .base import KVSpec, KVStrategy
-from .kv import StepBatch, attention_runs
+from .axes import FORMATS, Format, Step
+from .kv import KVSpec, attention_runs
 from .options import Option
-from .registry import register
 
 
-@register
-class FullStrategy(KVStrategy):
-    """Keys and values stored as they are computed (dtype configurable), paged."""
+@FORMATS.register
+class DenseFormat(Format):
+    """Keys and values stored as they are computed (in the `dtype` option), paged."""
 
-    name = "full"
-    axes = ("fp32", "resident", "all")  # the dtype option: fp32, or the compute dtype
-    tolerance = 1e-5
-    lossless = True
+    name = "dense"
+    help = "K and V as computed, in the dtype option (default: the model's compute dtype)"
     options = (
         Option(
             "dtype", str, None, "dtype K and V are stored in", choices=tuple(DTYPES),
@@ -55,25 +55,26 @@ class FullStrategy(KVStrategy):
         )
         return BlockLayout(block_size, (ArenaSpec("kv", cls._dtype(spec, options), shape),))
 
-    def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
-        super().__init__(pool, spec, options)
+    def __init__(self, pool, spec: KVSpec, opts: dict[str, Any]) -> None:
+        super().__init__(pool, spec, opts)
         arena = pool.arena("kv")
-        self._layers = self._arena_layers(arena)
+        self._layers = self.arena_layers(arena)
         self._bytes_per_token = spec.elements_per_token * arena.dtype.itemsize
         self.scale = spec.scale
 
-    def _prepare(self, batch: StepBatch) -> None:
-        pool, bs = self.pool, self.pool.block_size
-        seqs = list(zip(batch.seq_ids, self._past, batch.query_lens, strict=True))
+    def prepare(self, step: Step) -> None:
+        self.step = step
+        pool, bs, batch = self.pool, self.pool.block_size, step.batch
+        seqs = list(zip(batch.seq_ids, step.past, batch.query_lens, strict=True))
         self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
-        if self._groups is None:
+        if step.groups is None:
             # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
             self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
             return
         # Tiered: per sequence its pieces in token order, (tier, runs) read in place or
         # ("staged", index) filled by the prefetcher.
         self._pieces = []
-        for (_, p, n), groups in zip(seqs, self._groups, strict=True):
+        for (_, p, n), groups in zip(seqs, step.groups, strict=True):
             total = p + n
             pieces = [g if g[0] == "staged" else (g[0], _runs(g[1], bs)) for g in groups]
             # The last block may be partly filled: trim the last run of the last piece.
@@ -86,7 +87,8 @@ class FullStrategy(KVStrategy):
     def _kv_pieces(self, layer: int, count: bool = True) -> list[list[torch.Tensor]]:
         """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views
         into the arenas (and, tiered, the prefetched staged tensors)."""
-        if self._groups is None:
+        step = self.step
+        if step.groups is None:
             a = self._layers[layer]
             out = []
             for runs in self._runs:
@@ -100,8 +102,8 @@ class FullStrategy(KVStrategy):
                     pieces = [pieces[0], torch.cat(pieces[1:], dim=2)]
                 out.append(pieces)
             return out
-        staged = self._staged(layer, count)
-        arenas = {tier: views[layer] for tier, views in self._tier_layers.items()}
+        staged = step.staged(layer, count)
+        arenas = {tier: views[layer] for tier, views in step.in_place.items()}
         out = []
         for i, pieces in enumerate(self._pieces):
             kv = []
@@ -122,12 +124,12 @@ class FullStrategy(KVStrategy):
             a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = self._empty_out(q)
+        out = q.new_empty(*q.shape[:2], self.spec.v_dim)
         for i, pieces in enumerate(self._kv_pieces(layer)):
             pieces = [self._cast(p, q.dtype) for p in pieces]
-            rows = self._batch.rows(i)
+            rows = self.step.batch.rows(i)
             out[rows] = attention_runs(
-                q[rows], [self._split(p) for p in pieces], self._past[i], self.scale
+                q[rows], [self._split(p) for p in pieces], self.step.past[i], self.scale
             )
         return out
 
@@ -139,29 +141,25 @@ class FullStrategy(KVStrategy):
             vs.append(v)
         return ks, vs
 
-    # ---- hooks of the tiered placement and the pruned selection ------------------------------
+    # ---- hooks of the placements and the selections --------------------------------------------
 
-    def _arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
+    def arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
         nl, parts, heads, nb, bs, d = arena.shape
         # Per layer: [P, heads, all token slots, dim] — a view, so writes land in the arena.
         return [arena[i].view(parts, heads, nb * bs, d) for i in range(nl)]
 
-    def _in_place(self, tier: str) -> bool:
-        # Host blocks are attended in place when the compute device reads host memory.
-        return tier == TierKind.DEVICE or (tier == TierKind.HOST and not self.stage_host)
-
     @staticmethod
-    def _stage(data: dict[str, torch.Tensor]) -> torch.Tensor:
+    def stage(data: dict[str, torch.Tensor]) -> torch.Tensor:
         """A staged group's "kv" slice as one run of tokens (runs on the prefetcher's thread)."""
         x = data["kv"]
         kv, h, nb, bs, d = x.shape
         return x.reshape(kv, h, nb * bs, d)  # [P, H, nb, bs, D] -> [P, H, nb * bs, D]
 
-    def _token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+    def token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
         slots = self.pool.slot_ids(seq_id, lo, hi)
         return torch.stack([a.index_select(2, slots) for a in self._layers])  # [L, P, H, T, D]
 
-    def _compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
+    def compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
         m = lo + rel.shape[-1]
         slots = self.pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
         for layer, a in enumerate(self._layers):  # [P, heads, slots, dim]: kept tokens move down
@@ -180,6 +178,25 @@ class FullStrategy(KVStrategy):
 
     def bytes_used(self) -> int:
         return self.pool.total_tokens() * self._bytes_per_token
+
+
+# The dense format with its dtype fixed. Rounded K and V on the contract's N(0, 1) data:
+# attention within 2^-6 (bfloat16) and 2^-8 (float16).
+@FORMATS.register
+class Fp32Format(DenseFormat):
+    name, help, fixed = "fp32", "K and V as float32", {"dtype": "float32"}
+
+
+@FORMATS.register
+class Bf16Format(DenseFormat):
+    name, help, fixed = "bf16", "K and V as bfloat16", {"dtype": "bfloat16"}
+    tolerance, lossless = 2**-6, False
+
+
+@FORMATS.register
+class Fp16Format(DenseFormat):
+    name, help, fixed = "fp16", "K and V as float16", {"dtype": "float16"}
+    tolerance, lossless = 2**-8, False
 
 
 def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:

@@ -26,8 +26,8 @@ except ImportError as e:  # optional: only the tests and benchmarks drive transf
         "(pip install 'unikv[hf]'); the unikv engine itself does not use it"
     ) from e
 
-from .base import KVStrategy
 from .kv import StepBatch
+from .strategy import KVStrategy
 
 
 class _StrategyLayer(CacheLayerMixin):

@@ -5,7 +5,7 @@ window starting at position 0 like a sequence) and returns them as a reader of t
 stored blocks gets them, with gradients passed straight through the rounding (the
 straight-through estimator). It calls the strategy's own `quant.quantize` with the strategy's
 own record layout and channel plan, so the values are the same numbers the strategy's
-attention reads (a test checks it against `HybridStrategy._records`):
+attention reads (a test checks it against `PackedCodec.dequantize`):
 
 - channels in the calibration's order: the first `kf` fp16, then the main width, then the low;
 - keys per channel over each complete block of `block` tokens, the first `sink_tokens` tokens
@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from .base import KVSpec
-from .hybrid import HybridStrategy, _classes
+from . import registry
+from .hybrid import PackedFormat
+from .kv import KVSpec
+from .packed import channel_classes, record
 from .quant import ChannelPlan, dequantize, quantize
 
 
@@ -36,9 +38,9 @@ class FakeQuant:
     """The stored-and-read-back values of `hybrid_fp16_int4` for one setting and channel plan."""
 
     def __init__(self, spec: KVSpec, options: dict[str, Any], plan: ChannelPlan,
-                 block: int = HybridStrategy.default_block_size, device=None) -> None:  # fmt: skip
-        opts = HybridStrategy.check_options(options)
-        self.rec = HybridStrategy._record(spec, block, opts)
+                 block: int = PackedFormat.default_block_size, device=None) -> None:  # fmt: skip
+        opts = registry.get("hybrid_fp16_int4").check_options(options)
+        self.rec = record(spec, block, opts)
         self.block, self.sinks = block, opts["sink_tokens"]
         self.k_order, self.v_order = plan.k_order.to(device), plan.v_order.to(device)
         self.k_inverse = self.k_order.argsort(-1)
@@ -71,7 +73,7 @@ class FakeQuant:
         blocks = kp.reshape(b, h, nb, self.block, d).transpose(0, 2)  # [NB, H, B, T, D]
         out = blocks.clone()
         out[..., : r.k[0]] = blocks[..., : r.k[0]].half().float()
-        for (lo, hi), bits in zip(_classes(r.k), (r.bits, r.low_bits), strict=True):
+        for (lo, hi), bits in zip(channel_classes(r.k), (r.bits, r.low_bits), strict=True):
             if hi == lo:
                 continue
             kc = blocks[..., lo:hi].transpose(-1, -2)  # [NB, H, B, C, T]: ranges along T
@@ -87,7 +89,7 @@ class FakeQuant:
         r = self.rec
         out = vp.clone()
         out[..., : r.v[0]] = vp[..., : r.v[0]].half().float()
-        for (lo, hi), bits in zip(_classes(r.v), (r.bits, r.low_bits), strict=True):
+        for (lo, hi), bits in zip(channel_classes(r.v), (r.bits, r.low_bits), strict=True):
             if hi > lo:
                 out[..., lo:hi] = dequantize(*quantize(vp[..., lo:hi], bits, -1, r.scales))
         return _sinks_fp16(out, vp, self.sinks)

@@ -1,19 +1,17 @@
-"""The `tiered` placement (`TieredPlacement`) and its preset `hierarchical_offload`: blocks by
-recency on the device, host and SSD tiers.
+"""The `tiered` placement (`TieredPlacement`): blocks by recency on the device, host and SSD
+tiers (the `hierarchical_offload` preset is it over the dense format).
 
-`TieredPlacement` is a mixin over any format's strategy class (`kvstrategies.composed` puts it
-before `full`'s or `hybrid`'s); the format says which leading blocks attention reads from the
-pool, which tiers it reads in place and what a staged group becomes (`_pool_blocks`,
-`_in_place`, `_stage`), and attends over the groups this placement fixes per step (`_groups`,
-`_staged`). A quantized format's blocks move, are staged and written through as their packed
-records. `hierarchical_offload` is the mixin over `full` (uncompressed K/V, the model's dtype):
-attention is exact and the strategy lossless. Where a sequence's blocks live:
+It works over any format: the format says which leading blocks attention reads from the pool
+and what a staged group becomes (`Format.pool_blocks`, `Format.stage`), and attends over the
+groups this placement puts in the step (`Step.groups`, `Step.staged`, `Step.in_place`). A
+quantized format's blocks move, are staged and written through as their packed records. Over
+the dense format attention is exact and the strategy lossless. Where a sequence's blocks live:
 
     oldest ................................................................ newest
     [ SSD tier (LMDB, one value per block and layer) | host tier | device tier ]
                                                        host_window  device_window
 
-Before each step (`begin_step`) every sequence of the batch is rebalanced: blocks that fell out
+Before each step (`before_step`) every sequence of the batch is rebalanced: blocks that fell out
 of the device window move to host, those out of the host window to the SSD tier; blocks inside
 a window that sit lower (an SSD prefix hit, a swapped-in sequence) are promoted. A full tier
 keeps the block one level up instead (nothing is lost; a full disk is logged, not fatal).
@@ -30,8 +28,9 @@ tier (the pool's `WriteThrough`) under their content hash (blake2b chain over mo
 layout and tokens). A later request, in this process or another, that starts with the same
 tokens attaches those blocks without reading them (`match_prefix`), when that beats recomputing
 (`min_disk_hit_tokens`). What a format keeps beside its blocks and an attaching sequence needs
-(hybrid's fp16 sinks, which block 0 leaves out) is written as a side value beside block 0, in
-the same transaction, and read back before a prefix is attached (`_load_side`).
+(hybrid's fp16 sinks, which block 0 leaves out: `Format.prefix`) is written as a side value
+beside block 0, in the same transaction, and read back before a prefix is attached
+(`_load_side`).
 
 Remote tier (`[tiers.remote] url`, with an SSD tier): the same blocks are also written through
 to the shared server in the background (`memory.remote.RemoteWriteThrough`), and a lookup walks
@@ -52,24 +51,23 @@ from unikv.memory.remote import RemoteTier, RemoteWriteThrough
 from unikv.memory.services import Prefetcher, WriteThrough
 from unikv.memory.tiers import StoreTier, TierKind
 
-from .base import KVSpec
-from .full import FullStrategy
-from .kv import StepBatch
+from .axes import PLACEMENTS, Placement, Step
+from .kv import KVSpec, StepBatch
 from .options import Option
-from .registry import register
 
 log = logging.getLogger(__name__)
 
 _HOST_ACCESS = ("auto", "stage")
 
 
-class TieredPlacement:
-    """The `tiered` placement: a format's blocks move device -> host -> SSD as they age.
+@PLACEMENTS.register
+class TieredPlacement(Placement):
+    """A format's blocks move device -> host -> SSD as they age: it places blocks, stages those
+    attention cannot read in place and writes prefixes through; the format attends over what
+    the step's groups say."""
 
-    A mixin before a format's strategy class (`full`'s, `hybrid`'s): it places blocks, stages
-    those attention cannot read in place (the format's `_in_place`, `_stage`) and writes
-    prefixes through; the format attends over what `_groups` and `_staged` say.
-    """
+    name = "tiered"
+    help = "device -> host -> SSD -> remote by recency, prefetched"
 
     options = (
         Option("device_window", int, 1024, "newest tokens kept on the device tier", low=1,
@@ -106,8 +104,8 @@ class TieredPlacement:
             options = {**options, "prefetch_depth": max(1, profile.tuned.l2_prefetch_depth)}
         return options
 
-    def __init__(self, pool, spec: KVSpec, options: dict | None = None) -> None:
-        super().__init__(pool, spec, options)
+    def __init__(self, pool, spec: KVSpec, opts: dict[str, Any], fmt, label: str) -> None:
+        super().__init__(pool, spec, opts, fmt, label)
         o = self.opts
         bs = pool.block_size
         self.device_blocks = max(1, math.ceil(o["device_window"] / bs))
@@ -117,28 +115,27 @@ class TieredPlacement:
         self.ssd = ssd if isinstance(ssd, StoreTier) else None
         if self.ssd is not None and self.ssd.slices != spec.num_layers:
             raise ValueError(
-                f"strategy {self.name!r}: the SSD tier must store one value per layer "
+                f"strategy {self.label!r}: the SSD tier must store one value per layer "
                 f"(slices = {spec.num_layers}), got slices = {self.ssd.slices}"
             )
-        # Host blocks are attended in place when the compute device reads host memory (and
-        # the format reads other arenas than the device's: `_in_place`).
+        # Host blocks are attended in place when the compute device reads host memory.
         self.stage_host = o["host_access"] == "stage" or pool.device.type != "cpu"
         self._tier_layers = {
-            tier: self._arena_layers(pool.arena("kv", tier))
+            tier: fmt.arena_layers(pool.arena("kv", tier))
             for tier in (TierKind.DEVICE, TierKind.HOST)
             if tier in pool.tiers and self._in_place(tier)
         }
         depth = o["prefetch_depth"] or 1
         self.prefetcher = Prefetcher(
             pool.tiers, spec.num_layers, depth, o["io_threads"], device=pool.device,
-            stage=self._stage,
+            stage=fmt.stage,
         )  # fmt: skip
         self.writer = WriteThrough(self.ssd) if self.ssd is not None else None
         # The remote tier is shared through the SSD tier: hits are promoted into it.
         remote = pool.tiers.get(TierKind.REMOTE)
         self.remote = remote if isinstance(remote, RemoteTier) and self.ssd is not None else None
         if isinstance(remote, RemoteTier) and self.ssd is None:
-            log.warning("%s: the remote tier needs an SSD tier to promote into; unused", self.name)
+            log.warning("%s: the remote tier needs an SSD tier to promote into; unused", self.label)
         self.remote_writer = RemoteWriteThrough(self.remote) if self.remote is not None else None
         self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
         self.disk_hits = {"requests": 0, "blocks": 0, "skipped_short": 0, "skipped_slow": 0}
@@ -153,7 +150,11 @@ class TieredPlacement:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def begin_step(self, batch: StepBatch) -> None:
+    def _in_place(self, tier: str) -> bool:
+        """Whether attention reads blocks of `tier` in place (else they are staged)."""
+        return tier == TierKind.DEVICE or (tier == TierKind.HOST and not self.stage_host)
+
+    def before_step(self, batch: StepBatch) -> None:
         self._step_t0 = time.perf_counter()
         for w in (self.writer, self.remote_writer):
             if w is not None:
@@ -161,16 +162,15 @@ class TieredPlacement:
         for sid in batch.seq_ids:
             if self.pool.table(sid) is not None:
                 self.rebalance(sid)
-        super().begin_step(batch)
 
-    def _prepare(self, batch: StepBatch) -> None:
-        pool = self.pool
+    def place(self, step: Step) -> None:
+        pool, batch = self.pool, step.batch
         # Per sequence: the blocks attention reads from the pool (the format's count), grouped
         # by tier in token order: (tier, ids) read in place or ("staged", index) filled by the
         # prefetcher; the plan lists what is to be staged.
-        self._groups, plan = [], []
-        for sid, p, n in zip(batch.seq_ids, self._past, batch.query_lens, strict=True):
-            refs = pool.table(sid).refs[: self._pool_blocks(p, n)]
+        step.groups, plan = [], []
+        for sid, p, n in zip(batch.seq_ids, step.past, batch.query_lens, strict=True):
+            refs = pool.table(sid).refs[: self.format.pool_blocks(p, n)]
             groups, staged = [], []
             for tier, ids in _segments(refs):
                 if self._in_place(tier):
@@ -178,28 +178,26 @@ class TieredPlacement:
                 else:
                     groups.append(("staged", len(staged)))
                     staged.append((tier, tuple(ids)))
-            self._groups.append(groups)
+            step.groups.append(groups)
             plan.append((sid, tuple(staged)))
         self._plan = tuple(plan) if any(staged for _, staged in plan) else None
         self.prefetcher.start_step(self._plan)
-        super()._prepare(batch)
+        step.staged, step.in_place = self._staged, self._tier_layers
 
     def _staged(self, layer: int, count: bool) -> list | None:
         return self.prefetcher.get(layer, count) if self._plan is not None else None
 
-    def end_step(self) -> None:
-        b = self._batch
+    def after_step(self, step: Step) -> None:
+        b = step.batch
         self._pending_persist = {
             sid for sid, n in zip(b.seq_ids, b.query_lens, strict=True) if n > 1
         }
         if b.num_tokens >= self.pool.block_size:  # a prefill chunk: what recomputing costs
             rate = (time.perf_counter() - self._step_t0) / b.num_tokens
             self.prefill_s_per_token = _ema(self.prefill_s_per_token, rate)
-        super().end_step()
 
-    def abort_step(self) -> None:
+    def abort(self) -> None:
         self.prefetcher.start_step(None)
-        super().abort_step()
 
     # ---- placement by recency ----------------------------------------------------------------
 
@@ -240,11 +238,11 @@ class TieredPlacement:
                     self._failing.add(tier)
                     log.warning("%s: blocks stay off the %s tier (reported once until a move "
                                 "succeeds; skipped blocks are counted): %s",
-                                self.name, tier, e)  # fmt: skip
+                                self.label, tier, e)  # fmt: skip
                 continue
             if tier in self._failing:
                 self._failing.discard(tier)
-                log.info("%s: the %s tier takes blocks again", self.name, tier)
+                log.info("%s: the %s tier takes blocks again", self.label, tier)
             if moved:
                 return
 
@@ -256,7 +254,8 @@ class TieredPlacement:
         persist = self.writer is not None and self.opts["persist_prefix"]
         if persist:
             self.writer.wait_writes()  # content written through by this process counts
-        if not self._can_attach(token_ids) and not (persist and self._load_side(ids, token_ids)):
+        prefix = self.format.prefix
+        if not prefix.can_attach(token_ids) and not (persist and self._load_side(ids, token_ids)):
             return 0
         refs = pool.match_prefix(ids)
         stored = []
@@ -276,7 +275,7 @@ class TieredPlacement:
             self.disk_hits["requests"] += 1
             self.disk_hits["blocks"] += len(stored)
         if n:
-            self._attached(seq_id, token_ids)
+            prefix.attached(seq_id, token_ids)
         return n
 
     def _load_side(self, ids: list[int], token_ids: list[int]) -> bool:
@@ -294,8 +293,8 @@ class TieredPlacement:
                 try:
                     self.ssd.write_content([], {}, [(first, data)])
                 except OSError as e:  # a full SSD: used for this request only
-                    log.warning("%s: prefix state not copied to the SSD tier: %s", self.name, e)
-        if data is None or not self._load_prefix_state(token_ids, data):
+                    log.warning("%s: prefix state not copied to the SSD tier: %s", self.label, e)
+        if data is None or not self.format.prefix.from_bytes(token_ids, data):
             return False
         self.disk_hits["side_loads"] = self.disk_hits.get("side_loads", 0) + 1
         return True
@@ -324,13 +323,13 @@ class TieredPlacement:
             return
         before = len(self.pool.content_hashes(seq_id))
         self.pool.publish(seq_id, token_ids)
-        self._published(seq_id, token_ids)
+        self.format.prefix.published(seq_id, token_ids)
         persist = self.writer is not None and self.opts["persist_prefix"]
         if persist and seq_id in self._pending_persist:
             # Blocks [before, published) go through to the SSD tier, by content; what the format
             # keeps beside block 0 (hybrid's sinks) goes in the same transaction as block 0.
             chain = self.pool.content_hashes(seq_id)
-            state = self._prefix_state(token_ids) if before == 0 and chain else None
+            state = self.format.prefix.to_bytes(token_ids) if before == 0 and chain else None
             sides = [(chain[0], state)] if state is not None else []
             jobs = self.pool.resident_chain(seq_id, before)
             if sides and not any(h == chain[0] for b in jobs.values() for _, h in b):
@@ -344,11 +343,10 @@ class TieredPlacement:
 
     # ---- memory management hooks -------------------------------------------------------------
 
-    def free(self, seq_id: int) -> None:
+    def forget(self, seq_id: int) -> None:
         for w in (self.writer, self.remote_writer):
             if w is not None:
                 w.wait_snapshots()
-        super().free(seq_id)
 
     def capacity_tokens(self) -> int | None:
         return sum(self.pool.capacity_tokens(t) for t in self.pool.tiers)
@@ -385,7 +383,7 @@ class TieredPlacement:
                 tier.close()
 
     def stats(self) -> dict:
-        return super().stats() | {
+        return {
             "tokens_by_tier": self.pool.tokens_by_tier(),
             "prefetch": self.prefetcher.stats(),
             "disk_prefix_hits": dict(self.disk_hits),
@@ -419,18 +417,3 @@ def _segments(refs) -> list[tuple[str, list[int]]]:
         else:
             out.append((r.tier, [r.block_id]))
     return out
-
-
-@register
-class HierarchicalOffloadStrategy(TieredPlacement, FullStrategy):
-    """Uncompressed K/V whose blocks move device -> host -> SSD as they age; exact attention."""
-
-    name = "hierarchical_offload"
-    axes = ("fp32", "tiered", "all")
-    tolerance = 1e-5
-    lossless = True
-    default_for = ("medium",)  # a medium-bandwidth chip spills to host and SSD
-    options = (*FullStrategy.options, *TieredPlacement.options)
-    # Options that change what a block holds; the others (windows, prefetch) only move blocks,
-    # so prefixes persisted under one setting are found under another.
-    content_options = ("dtype",)

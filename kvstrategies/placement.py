@@ -1,24 +1,18 @@
-"""The placement axis: where a strategy's blocks live.
+"""The `resident` placement: every block on the device tier.
 
-`resident`: every block on the device tier. `tiered`: by recency device -> host -> SSD ->
-remote, with the prefetcher and write-through (`offload.TieredPlacement`, a mixin over any
-format). What does not live here: the mechanics (offload.py), the formats, the composition.
+Prefixes are shared through the pool's prefix cache (device blocks, and host blocks the pool
+revives); swapping out moves a sequence's blocks to the host tier. All of it is `Placement`'s
+default behaviour. What does not live here: the `tiered` placement (offload.py).
 """
 
 from __future__ import annotations
 
-from .formats import AxisEntry, lookup
-
-PLACEMENTS: dict[str, AxisEntry] = {
-    p.name: p
-    for p in (
-        AxisEntry("resident", "every block on the device tier"),
-        AxisEntry("tiered", "device -> host -> SSD -> remote by recency, prefetched",
-                  "unikv.kvstrategies.offload:TieredPlacement"),
-    )
-}  # fmt: skip
+from .axes import PLACEMENTS, Placement
 
 
-def get(name: str) -> AxisEntry:
-    """The placement called `name`; a ValueError lists the placements."""
-    return lookup("placement", PLACEMENTS, name)
+@PLACEMENTS.register
+class ResidentPlacement(Placement):
+    """Every block on the device tier."""
+
+    name = "resident"
+    help = "every block on the device tier"

@@ -1,8 +1,8 @@
 """Token pruning: evict the tokens a scorer ranks lowest, and compact the cache (issue 6).
 
-The `pruned` selection (`PrunedSelection`, a mixin over any format's strategy class: the format
-reads tokens back for the head, `_token_kv`, and compacts its blocks, `_compact`) and its preset
-`learned_prune`: the eviction and compaction machinery over `full`'s layout, the
+The `pruned` selection (`PrunedSelection`, over any format: the format reads tokens back for
+the head, `Format.token_kv`, and compacts its blocks, `Format.compact`; the `learned_prune`
+preset is it over the dense format): the eviction and compaction machinery, the
 learned head's scorer (`prune_head.py`; trained by `unikv tune --kv_optimization=learned_prune`)
 and the in-house baseline scorers it is measured against under the same interface, at the same
 kept ratio.
@@ -56,10 +56,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .full import FullStrategy
+from .axes import SELECTIONS, Selection, Step
 from .kv import StepBatch
 from .options import Option
-from .registry import register
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +85,41 @@ def _check_head_file(strategy: str, head: Any) -> None:
         )
 
 
-class PrunedSelection:
-    """The `pruned` selection: a scorer ranks tokens, the lowest lose their KV, the cache is
-    compacted. A mixin before a format's strategy class: the format reads tokens back for the
-    head (`_token_kv`) and compacts its blocks (`_compact`)."""
+def _load_head(strategy: str, head, spec):
+    """The given head (an error if it does not fit the model), or the shipped one; None when
+    no head was given and the shipped one is for another model (a latent cache's always is):
+    then the surprisal rule ranks, with a warning."""
+    from .prune_head import HeadMismatch, PruneHead
 
+    if spec.latent and head is not None:
+        raise ValueError(
+            f"strategy {strategy!r}: option head: a pruning head reads each token's key "
+            "and value, a latent (MLA) cache stores one latent vector; leave head unset "
+            "(surprisal ranks) or choose another scorer"
+        )
+    if isinstance(head, PruneHead):
+        return head
+    shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    if head is not None:
+        return PruneHead.load(head, spec.identity, shape)
+    try:
+        return PruneHead.load(SHIPPED_HEAD, spec.identity, shape)
+    except HeadMismatch:
+        log.warning(
+            "learned_prune: the shipped pruning head is for the packaged SmolLM2, not this "
+            "model; ranking by surprisal instead (train a head with "
+            "`unikv tune --kv_optimization=learned_prune`)"
+        )
+        return None
+
+
+@SELECTIONS.register
+class PrunedSelection(Selection):
+    """A scorer ranks tokens, the lowest lose their KV, the cache is compacted: the format
+    reads tokens back for the head (`token_kv`) and compacts its blocks (`compact`)."""
+
+    name = "pruned"
+    help = "a scorer evicts the lowest ranked tokens; compacted"
     evicts = True
     options = (
         Option("scorer", str, "head", "what ranks tokens: the learned head, or a baseline",
@@ -129,9 +158,10 @@ class PrunedSelection:
     # Small budgets so the contract's short sequences are pruned; knorm differs per head.
     contract_options = {"scorer": "knorm", "sink_tokens": 2, "recent_window": 4}
 
-    def __init__(self, pool, spec, options: dict | None = None) -> None:
-        super().__init__(pool, spec, options)
+    def __init__(self, pool, spec, opts: dict[str, Any], fmt, label: str) -> None:
+        super().__init__(pool, spec, opts, fmt, label)
         o = self.opts
+        self._step: Step | None = None
         self.scorer = o["scorer"]
         self._scores: dict[int, torch.Tensor] = {}  # per sequence, one per stored token
         self._pos: dict[int, torch.Tensor] = {}  # the position of each stored token
@@ -140,12 +170,12 @@ class PrunedSelection:
         self.head = None
         self._scored: dict[int, int] = {}  # per sequence: stored tokens the head has scored
         if self.scorer == "head":
-            self.head = type(self)._load_head(o["head"], spec)
+            self.head = _load_head(label, o["head"], spec)
             if self.head is None:
                 self.scorer = "surprisal"
         slack = o["evict_slack"]
         self._slack = (
-            (REQUANTIZING_SLACK if self.compaction_requantizes else 0.0) if slack is None else slack
+            (REQUANTIZING_SLACK if fmt.compaction_requantizes else 0.0) if slack is None else slack
         )
         self.evicted = 0  # tokens evicted, and tokens fed, since the strategy was built
         self.seen_total = 0
@@ -160,42 +190,14 @@ class PrunedSelection:
         self._ends: list[int] = []  # this step: batch positions whose prompt's end is observed
         self._gain: dict[int, torch.Tensor] = {}  # per sequence: the observation's [L, Hkv, S]
 
-    @classmethod
-    def _load_head(cls, head, spec):
-        """The given head (an error if it does not fit the model), or the shipped one; None when
-        no head was given and the shipped one is for another model (a latent cache's always is):
-        then the surprisal rule ranks, with a warning."""
-        from .prune_head import HeadMismatch, PruneHead
-
-        if spec.latent and head is not None:
-            raise ValueError(
-                f"strategy {cls.name!r}: option head: a pruning head reads each token's key "
-                "and value, a latent (MLA) cache stores one latent vector; leave head unset "
-                "(surprisal ranks) or choose another scorer"
-            )
-        if isinstance(head, PruneHead):
-            return head
-        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        if head is not None:
-            return PruneHead.load(head, spec.identity, shape)
-        try:
-            return PruneHead.load(SHIPPED_HEAD, spec.identity, shape)
-        except HeadMismatch:
-            log.warning(
-                "learned_prune: the shipped pruning head is for the packaged SmolLM2, not this "
-                "model; ranking by surprisal instead (train a head with "
-                "`unikv tune --kv_optimization=learned_prune`)"
-            )
-            return None
-
     # ---- the step ----------------------------------------------------------------------------
     # Per sequence, `_scores` and `_pos` (each stored token's position) are [layers, kv_heads,
     # stored tokens]: after per-head eviction the same slot holds other tokens in other heads.
 
-    def _prepare(self, batch: StepBatch) -> None:
-        super()._prepare(batch)
+    def prepare(self, step: Step) -> None:
+        self._step, batch = step, step.batch
         shape = (self.spec.num_layers, self.spec.num_kv_heads)
-        for sid, past, n in zip(batch.seq_ids, self._past, batch.query_lens, strict=True):
+        for sid, past, n in zip(batch.seq_ids, step.past, batch.query_lens, strict=True):
             seen = self._seen.get(sid, 0)
             pos = torch.arange(seen, seen + n, dtype=torch.float32)
             if self.scorer == "streaming":  # its position in the sequence
@@ -211,21 +213,18 @@ class PrunedSelection:
             old_pos = self._pos.get(sid, torch.empty(*shape, 0))[..., :past]
             self._pos[sid] = torch.cat([old_pos, pos.expand(*shape, n)], dim=-1)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().append(layer, k, v)
+    def appended(self, layer: int, k: torch.Tensor) -> None:
         if self.scorer == "knorm":
             norms = -k.float().norm(dim=-1).T  # [Hkv, N]
-            b = self._batch
-            for i, (sid, past) in enumerate(zip(b.seq_ids, self._past, strict=True)):
+            b = self._step.batch
+            for i, (sid, past) in enumerate(zip(b.seq_ids, self._step.past, strict=True)):
                 self._scores[sid][layer, :, past:] = norms[:, b.rows(i)]
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = super().attend(layer, q)
+    def attended(self, layer: int, q: torch.Tensor) -> None:
         if self.scorer in ("h2o", "tova"):
-            self._observe(layer, q, range(len(self._batch.seq_ids)))
+            self._observe(layer, q, range(len(self._step.batch.seq_ids)))
         elif self._ends:
             self._observe(layer, q, self._ends)
-        return out
 
     def _observe(self, layer: int, q: torch.Tensor, which) -> None:
         """Add the attention each stored token receives from this step's queries, for the
@@ -236,12 +235,12 @@ class PrunedSelection:
         its neighbours rank next, the token itself first), kept as the
         token's gain, log(1 + S x attention) (0 for uniform attention over S tokens); snapkv
         ranks by it, the others keep `observe_share` of the middle by it (see `_evict`)."""
-        ks, _ = self.read(layer)
-        b = self._batch
+        ks, _ = self.format.read(layer)
+        b = self._step.batch
         hkv = self.spec.num_kv_heads
         g = q.shape[1] // hkv
         for i in which:
-            k, past = ks[i], self._past[i]
+            k, past = ks[i], self._step.past[i]
             qi = q[b.rows(i)]
             if self.scorer == "tova":
                 qi = qi[-1:]
@@ -249,7 +248,7 @@ class PrunedSelection:
                 qi = qi[-self.opts["observe_window"] :]
             t = qi.shape[0]
             kk = k.repeat_interleave(g, 0).float()  # [Hq, S, D]
-            scores = torch.einsum("thd,hsd->hts", qi.float(), kk) * self.scale
+            scores = torch.einsum("thd,hsd->hts", qi.float(), kk) * self.spec.scale
             s = kk.shape[1]
             first = past + b.query_lens[i] - t  # position of the first query row kept
             mask = torch.arange(s)[None, :] > (first + torch.arange(t))[:, None]
@@ -276,19 +275,18 @@ class PrunedSelection:
         n, done = self.pool.num_tokens(seq_id), self._scored.get(seq_id, 0)
         if n == done:
             return
-        kv = self._token_kv(seq_id, done, n)  # [L, 2, H, T, D]
+        kv = self.format.token_kv(seq_id, done, n)  # [L, 2, H, T, D]
         kv = torch.cat([kv[:, 0], kv[:, 1]], dim=-1).float()  # [L, H, T, 2D]
         layers = torch.arange(kv.shape[0]).view(-1, 1, 1).expand(kv.shape[:-1])
         with torch.no_grad():
             self._scores[seq_id][..., done:] += self.head(kv, layers)
         self._scored[seq_id] = n
 
-    def end_step(self) -> None:
-        b = self._batch
+    def after_step(self, step: Step) -> None:
+        b, self._step = step.batch, None
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
             self.seen_total += n
-        super().end_step()
         if self.scorer in OBSERVING and self.opts["observe_window"]:
             self._observed.update(
                 sid for sid, n, more in zip(b.seq_ids, b.query_lens, b.more_prompt, strict=True)
@@ -393,7 +391,7 @@ class PrunedSelection:
         order = torch.arange(n).expand_as(keep)
         kept = torch.where(keep, order, order + n).sort(-1).values[..., :m]
         kept = kept.expand(*scores.shape[:2], m)  # [L, Hkv, m]
-        self._compact(seq_id, lo, n, kept[..., lo:] - lo)  # the sinks stay where they are
+        self.format.compact(seq_id, lo, n, kept[..., lo:] - lo)  # the sinks stay where they are
         pool.truncate(seq_id, m)
         self._scores[seq_id] = scores.gather(-1, kept)
         self._pos[seq_id] = pos.gather(-1, kept)
@@ -404,7 +402,7 @@ class PrunedSelection:
 
     # ---- hooks -------------------------------------------------------------------------------
 
-    def begin_step(self, batch: StepBatch) -> None:
+    def before_step(self, batch: StepBatch) -> None:
         for sid in self._awaiting_lp:  # no log-probabilities came (a caller without a model head)
             if sid in self._seen:
                 self._evict(sid)
@@ -418,9 +416,8 @@ class PrunedSelection:
                                                      batch.more_prompt, strict=True))
             if n > 1 and not more and sid not in self._observed
         ] if self.scorer in OBSERVING and self.opts["observe_window"] else []  # fmt: skip
-        super().begin_step(batch)
 
-    def free(self, seq_id: int) -> None:
+    def forget(self, seq_id: int) -> None:
         self._scores.pop(seq_id, None)
         self._pos.pop(seq_id, None)
         self._last_lp.pop(seq_id, None)
@@ -428,31 +425,12 @@ class PrunedSelection:
         self._scored.pop(seq_id, None)
         self._observed.discard(seq_id)
         self._gain.pop(seq_id, None)
-        super().free(seq_id)
-
-    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        return 0  # compacted blocks do not hold the tokens their position says
-
-    def publish(self, seq_id: int, token_ids: list[int]) -> None:
-        return None
 
     def stats(self) -> dict:
         seen = sum(self._seen.values())
-        return super().stats() | {
+        return {
             "scorer": self.scorer,
             "tokens_evicted": self.evicted,
             "tokens_seen": self.seen_total,
             "kept_ratio": self.pool.total_tokens() / seen if seen else 1.0,  # live sequences
         }
-
-
-@register
-class PruneStrategy(PrunedSelection, FullStrategy):
-    """Uncompressed K/V of the tokens a scorer keeps; attention over exactly those."""
-
-    name = "learned_prune"
-    axes = ("fp32", "resident", "pruned")
-    tolerance = 1e-5  # over the kept tokens (see `read`)
-    lossless = False
-    default_for = ("low",)  # a low-bandwidth CPU wants fewer tokens in the cache
-    options = (*FullStrategy.options, *PrunedSelection.options)

@@ -1,5 +1,5 @@
-"""Name -> strategy class registry, construction of a strategy with its pool, and selection
-by bandwidth class."""
+"""The presets (named triples of the axes, in one table), construction of a strategy with its
+pool, and selection by bandwidth class."""
 
 from __future__ import annotations
 
@@ -13,41 +13,53 @@ from typing import TYPE_CHECKING
 import torch
 
 from unikv.memory.pool import UnifiedMemoryPool
-from unikv.registry import Registry
 from unikv.settings.config import PoolConfig, load_config
+
+from . import composed
+from .composed import Axes
+from .strategy import Recipe
 
 if TYPE_CHECKING:
     from unikv.settings.profiles import ChipProfile
 
-    from .base import KVSpec, KVStrategy
+    from .kv import KVSpec
+    from .strategy import KVStrategy
 
 log = logging.getLogger(__name__)
 
-# Modules that register strategies when imported; a new strategy is one file plus a line here.
-_strategies: Registry[KVStrategy] = Registry(
-    "strategy",
-    (
-        "unikv.kvstrategies.full",
-        "unikv.kvstrategies.hybrid",
-        "unikv.kvstrategies.offload",
-        "unikv.kvstrategies.prune",
-    ),
-)
-register = _strategies.register
-available = _strategies.available
+# The presets: name -> (format, placement, selection) and the bandwidth classes whose "auto"
+# choice it is (docs/configuration.md: a high-bandwidth chip wants a smaller cache, a medium
+# one spills to host and SSD, a low-bandwidth CPU wants fewer tokens in the cache).
+PRESETS: dict[str, tuple[Axes, tuple[str, ...]]] = {
+    "full": (("dense", "resident", "all"), ()),
+    "hybrid_fp16_int4": (("hybrid", "resident", "all"), ("high",)),
+    "hierarchical_offload": (("dense", "tiered", "all"), ("medium",)),
+    "learned_prune": (("dense", "resident", "pruned"), ("low",)),
+}
 
 
-def get(name: str) -> type[KVStrategy]:
-    """The strategy class called `name`: a preset, or a composed FORMAT+PLACEMENT+SELECTION
+def register(name: str, axes: Axes, default_for: tuple[str, ...] = ()) -> None:
+    """Add a preset: `name` for the combination `axes`."""
+    composed.compose(*axes)  # a refused or unknown combination says why
+    PRESETS[name] = (tuple(axes), default_for)  # type: ignore[assignment]
+
+
+def available() -> list[str]:
+    """The presets' names."""
+    return sorted(PRESETS)
+
+
+def get(name: str) -> Recipe:
+    """The recipe of strategy `name`: a preset, or a composed FORMAT+PLACEMENT+SELECTION
     (`kvstrategies.composed`); a ValueError lists the presets and the axes."""
-    from . import composed
-
     if composed.SEP in name:
         return composed.get(name)
-    try:
-        return _strategies.get(name)
-    except ValueError as e:
-        raise ValueError(f"{e}; or {_AXES_TEXT}") from None
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown strategy {name!r}; supported: {', '.join(available())}; or {_AXES_TEXT}"
+        )
+    axes, default_for = PRESETS[name]
+    return composed.compose(*axes, name=name, default_for=default_for)
 
 
 _AXES_TEXT = "FORMAT+PLACEMENT+SELECTION (e.g. hybrid+tiered+all)"
@@ -67,8 +79,6 @@ def resolve_axes(
     """A composed name's "auto" axes ("auto": all three) filled from the chip: the format by
     `precision` (the profile's kv_precision; None: the class default's format), placement and
     selection as the class default preset's. Returns the axes and what was picked, in words."""
-    from . import composed, formats
-
     axes = composed.parse(name) or ("auto", "auto", "auto")
     default = get(class_defaults()[bandwidth_class]).axes
     full, picked, by_class = [], [], []
@@ -76,7 +86,7 @@ def resolve_axes(
         if axis != "auto":
             full.append(axis)
         elif i == 0 and precision is not None:
-            full.append(formats.for_precision(precision))
+            full.append(composed.for_precision(precision))
             picked.append(f"format {full[-1]} (kv_precision {precision})")
         else:
             full.append(default[i])
@@ -127,8 +137,6 @@ def select(
     available.
     """
     from unikv.settings.profiles import CLASSES
-
-    from . import composed
 
     if bandwidth_class not in CLASSES:
         raise ValueError(
@@ -184,28 +192,27 @@ def create(
 ) -> KVStrategy:
     """Build strategy `name` and the pool it stores into; `stores` holds the store-backed tiers
     the config names (opened by `engine.assembly`)."""
-    cls = get(name)
-    if spec.latent and not cls.supports_latent:
+    recipe = get(name)
+    if spec.latent and not recipe.supports_latent:
         raise ValueError(f"strategy {name!r} cannot store latent (MLA) caches")
     config = config or load_config(None)
-    opts = cls.check_options(config.strategy_options if options is None else options)
-    block_size = config.block_size or cls.default_block_size
-    layout = cls.layout(spec, block_size, opts)
+    opts = recipe.check_options(config.strategy_options if options is None else options)
+    block_size = config.block_size or recipe.default_block_size
+    layout = recipe.layout(spec, block_size, opts)
     pool = UnifiedMemoryPool(
-        config, layout, device=device, identity=content_identity(cls, spec, opts, layout),
+        config, layout, device=device, identity=content_identity(recipe, spec, opts, layout),
         stores=stores,
     )  # fmt: skip
-    return cls(pool, spec, opts)
+    return recipe(pool, spec, opts)
 
 
-def content_identity(cls: type[KVStrategy], spec: KVSpec, opts: dict, layout) -> str:
+def content_identity(recipe: Recipe, spec: KVSpec, opts: dict, layout) -> str:
     """What the bytes of a block depend on besides its tokens: model (with its weights
     fingerprint), compute dtype, strategy, the options that change stored bytes, and the block
     layout. Prefix hashes include it, so blocks persisted by one setting never serve another."""
-    keys = sorted(opts) if cls.content_options is None else cls.content_options
     arenas = ";".join(f"{a.name}:{a.dtype}:{a.shape}" for a in layout.arenas)
-    shown = [(k, opts[k]) for k in keys]
-    return f"{spec.identity}|{spec.dtype}|{cls.name}|{shown}|bs{layout.block_size}|{arenas}"
+    shown = [(k, opts[k]) for k in recipe.content_options]
+    return f"{spec.identity}|{spec.dtype}|{recipe.name}|{shown}|bs{layout.block_size}|{arenas}"
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ __all__ = [
     "TensorTier",
     "Tier",
     "TierKind",
+    "Reservation",
     "UnifiedMemoryPool",
 ]
 
@@ -55,6 +56,24 @@ SeqId = Hashable
 # pool's `owner`, and with this on (`UNIKV_CHECK_OWNER=1`; the tests turn it on) a mutation
 # from any other thread raises instead of racing.
 CHECK_OWNER = os.environ.get("UNIKV_CHECK_OWNER") == "1"
+
+
+class Reservation:
+    """Room `reserve` made: `tokens` more tokens of a sequence fit in its device blocks,
+    `new_blocks` of them appended for it. The step that follows uses it (`covers`)."""
+
+    __slots__ = ("_table", "new_blocks", "seq", "tokens")
+
+    def __init__(self, table: BlockTable, tokens: int, new_blocks: tuple[int, ...]) -> None:
+        self._table, self.seq = table, table.seq_id
+        self.tokens, self.new_blocks = tokens, new_blocks
+
+    def covers(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` tokens still fit in what was reserved."""
+        return num_tokens <= self.tokens and num_tokens <= self._table.num_free_slots
+
+    def __repr__(self) -> str:
+        return f"Reservation(seq={self.seq!r}, tokens={self.tokens}, new_blocks={self.new_blocks})"
 
 
 class UnifiedMemoryPool:
@@ -179,22 +198,21 @@ class UnifiedMemoryPool:
 
     # ---- sequences ----------------------------------------------------------------------------
 
-    def reserve(self, seq: SeqId, num_tokens: int) -> bool:
-        """Make room on the device tier for `num_tokens` more tokens of `seq`.
-
-        Returns False, changing nothing, when the blocks are not there.
-        """
+    def reserve(self, seq: SeqId, num_tokens: int) -> Reservation | None:
+        """Make room on the device tier for `num_tokens` more tokens of `seq`: what was
+        reserved, or None, changing nothing, when the blocks are not there."""
         self._owned()
         table = self._tables.get(seq) or BlockTable(seq, self.block_size)
         self._check_on_device(table)
         need = table.slots_needed(num_tokens)
+        ids: list[int] = []
         if need:
             ids = self.placement.grow(seq, table, need)
             if ids is None:
-                return False
+                return None
             table.append_blocks(TierKind.DEVICE, ids)
         self._tables[seq] = table
-        return True
+        return Reservation(table, num_tokens, tuple(ids))
 
     def commit(self, seq: SeqId, num_tokens: int) -> None:
         """Record that `num_tokens` reserved slots of `seq` now hold data."""

@@ -43,8 +43,9 @@ def main(store: str, prompt_file: str, name: str, calibration: str | None) -> No
         return out.token_ids
 
     tokens = asyncio.run(run())
-    kv.writer.wait_writes()
-    print(f"persisted {kv.writer.blocks_written} {' '.join(map(str, tokens))}", flush=True)
+    writer = kv.placement.writer
+    writer.wait_writes()
+    print(f"persisted {writer.blocks_written} {' '.join(map(str, tokens))}", flush=True)
     signal.pause()  # wait for the SIGKILL the test sends (no timed sleep)
 
 

@@ -23,10 +23,10 @@ from unikv.settings.profiles import load_profile
 SPEC = kvstrategies.KVSpec(2, 2, 16, torch.float32, identity="composed")
 BS = 8
 PRESETS = {
-    "full": ("fp32", "resident", "all"),
+    "full": ("dense", "resident", "all"),
     "hybrid_fp16_int4": ("hybrid", "resident", "all"),
-    "hierarchical_offload": ("fp32", "tiered", "all"),
-    "learned_prune": ("fp32", "resident", "pruned"),
+    "hierarchical_offload": ("dense", "tiered", "all"),
+    "learned_prune": ("dense", "resident", "pruned"),
 }
 
 
@@ -34,10 +34,13 @@ def test_presets_are_combinations_of_the_axes():
     assert {n: kvstrategies.get(n).axes for n in kvstrategies.available()} == PRESETS
     for axes in PRESETS.values():
         assert axes in composed.combinations()
-    # Built from the same parts: a preset and its composition share their classes.
-    assert (
-        kvstrategies.get("hierarchical_offload").__mro__[1:]
-        == (kvstrategies.get("fp32+tiered+all").__mro__[1:])
+    # Built from the same parts: a preset and its composition are the same three classes.
+    preset = kvstrategies.get("hierarchical_offload")
+    same = kvstrategies.get("dense+tiered+all")
+    assert (preset.format, preset.placement, preset.selection) == (
+        same.format,
+        same.placement,
+        same.selection,
     )
 
 
@@ -45,7 +48,7 @@ def test_refused_and_unknown_combinations_say_why():
     with pytest.raises(ValueError, match=r"'hybrid\+tiered\+pruned' is refused: tiered placement "
                        "with pruned selection: pruning compacts"):  # fmt: skip
         kvstrategies.get("hybrid+tiered+pruned")
-    with pytest.raises(ValueError, match="unknown KV format 'int3'; formats: fp32, bf16"):
+    with pytest.raises(ValueError, match="unknown KV format 'int3'; formats: dense, fp32, bf16"):
         kvstrategies.get("int3+resident+all")
     with pytest.raises(ValueError, match="FORMAT\\+PLACEMENT\\+SELECTION"):
         kvstrategies.get("hybrid+tiered")
@@ -143,18 +146,18 @@ def test_a_packed_cache_compacts_seldom(tmp_path):
     calls = dict.fromkeys(made, 0)
     over = dict.fromkeys(made, 0)
     for name, s in made.items():
-        compact = s._compact
+        compact = s.format.compact
 
         def counted(*args, _name=name, _compact=compact):
             calls[_name] += 1
             return _compact(*args)
 
-        s._compact = counted
+        s.format.compact = counted
         for _ in range(40):  # 320 tokens in chunks of 8, each chunk scored (no more prompt)
             _drive(s, [([0], [8])])
-            excess = s.stored_tokens(0) - s.budget(0)
+            excess = s.stored_tokens(0) - s.selection.budget(0)
             if name == "packed":  # never over by the slack: it was evicted when it got there
-                assert excess < math.ceil(s.budget(0) / 16)
+                assert excess < math.ceil(s.selection.budget(0) / 16)
             over[name] = max(over[name], excess)
     assert calls["eager"] == calls["exact"] == 40  # every chunk overruns the budget
     assert 0 < calls["packed"] < calls["exact"] - 10
@@ -237,7 +240,7 @@ def test_prefetch_depth_reaches_the_prefetcher(tmp_path):
     for depth in (1, 3):
         built = kvstrategies.build(SPEC, "fp16+tiered+all", PoolConfig(),
                                    chip=chip(tmp_path, depth=depth))  # fmt: skip
-        assert built.strategy.prefetcher.depth == depth
+        assert built.strategy.placement.prefetcher.depth == depth
         built.strategy.close()
 
 
@@ -314,13 +317,13 @@ def test_packed_blocks_written_through_are_found_by_another_process(tmp_path, si
     a.free(0)
     expected = next_token(a)  # over its own published blocks and in-process sinks
     a.close()
-    assert a.writer.blocks_written == 5
-    assert a.side_values_written == (1 if a.S else 0)
+    assert a.placement.writer.blocks_written == 5
+    assert a.placement.side_values_written == (1 if a.format.S else 0)
     b = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
     got = next_token(b)
     hits = b.stats()["disk_prefix_hits"]
     assert (hits["requests"], hits["blocks"]) == (1, 5)
-    assert hits.get("side_loads", 0) == (1 if b.S else 0)
+    assert hits.get("side_loads", 0) == (1 if b.format.S else 0)
     for x, y in zip(got, expected, strict=True):
         assert torch.equal(x, y)
     # The same tokens computed by a resident cache: attention within rounding of the kernel's
@@ -354,12 +357,12 @@ def test_sinks_are_shared_through_the_remote_tier(tmp_path):
     _drive_one(a, 0, len(tokens), torch.Generator().manual_seed(0))
     a.publish(0, tokens)
     a.close()
-    assert a.remote_writer.blocks_written == 3
+    assert a.placement.remote_writer.blocks_written == 3
     b = make("ssd-b")
     assert b.match_prefix(1, tokens) == 3 * BS
     hits = b.stats()["disk_prefix_hits"]
     assert hits["remote_blocks"] == 3 and hits["side_loads"] == 1
-    assert b.ssd.read_side(b.pool.content_hashes(1)[0]) is not None  # now local
+    assert b.placement.ssd.read_side(b.pool.content_hashes(1)[0]) is not None  # now local
     b.close()
 
 

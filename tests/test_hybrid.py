@@ -13,6 +13,7 @@ from unikv.engine.recording import ensure_calibration
 from unikv.kernels import native as kernels
 from unikv.kvstrategies.calibration import CalibrationMismatch, ChannelStats
 from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.packed import channel_plan
 from unikv.kvstrategies.quant import channel_counts, dequantize, pack, quantize, unpack
 from unikv.settings.config import PoolConfig, TierConfig
 
@@ -73,7 +74,7 @@ def make(options=None, kernel=True, blocks=64, spec=SPEC):
     cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", blocks * layout.page_bytes),))
     s = kvstrategies.create(NAME, spec, cfg, options)
     if not kernel:
-        s._kernel = None
+        s.format.attention.kernel = None
     return s
 
 
@@ -107,11 +108,11 @@ def drive(s, seed=0):
             v = k[..., :dv] if spec.latent else torch.randn(n, h, DIM, generator=g)
             q = torch.randn(n, QHEADS, DIM, generator=g)
             s.append(layer, k, v)
-            ks, vs = s._reconstruct(layer)
+            ks, vs = s.read(layer)
             out = s.attend(layer, q)
             outs.append(out)
             for i, sid in enumerate(sids):
-                rows, past = b.rows(i), s._past[i]
+                rows, past = b.rows(i), s.format.step.past[i]
                 pk, pv = hist.get((sid, layer), (torch.empty(h, 0, DIM), torch.empty(h, 0, dv)))
                 pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
                 pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
@@ -147,7 +148,7 @@ def test_attends_exactly_over_its_own_reconstruction(options, spec):
     e_rec, _, torch_outs = drive(make(options, kernel=False, spec=spec))
     assert e_rec < 1e-5
     s = make(options, kernel=True, spec=spec)
-    if s._kernel is None:
+    if s.format.attention.kernel is None:
         pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
     e_rec_k, _, kernel_outs = drive(s)
     assert e_rec_k < 1e-5
@@ -162,7 +163,7 @@ def test_the_kernel_is_exact_under_every_instruction_set(options, isa):
     this CPU runs (AVX-512, AVX2 with AVX-512 hidden, baseline x86-64), it attends exactly."""
     _, _, torch_outs = drive(make(options, kernel=False))
     s = make(options, kernel=True)
-    if s._kernel is None:
+    if s.format.attention.kernel is None:
         pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
     assert isa in kernels.status()
     e_rec_k, _, kernel_outs = drive(s)
@@ -212,7 +213,7 @@ def test_latent_stores_keys_only():
     s.end_step()
     rec = DIM * BS // 2 + 2 * 2 * DIM  # key codes + key scale/low per channel
     dense = (2 + 3) * LAYERS * DIM * 2  # 2 sinks and 3 tail tokens, keys at fp16
-    assert s.rec.nbytes == rec and s.bytes_used() == 2 * LAYERS * rec + dense
+    assert s.format.rec.nbytes == rec and s.bytes_used() == 2 * LAYERS * rec + dense
     assert s.stats()["channels"]["values"] == "the keys' first 24 channels"
 
 
@@ -345,9 +346,7 @@ def test_latent_calibration_ranks_key_channels(tmp_path):
     assert stats.v_sq.abs().sum() == 0 and stats.wo_sq.abs().sum() == 0
     path = tmp_path / "mla.pt"
     stats.save(path)
-    plan = kvstrategies.get(NAME).channel_plan(
-        LATENT, kvstrategies.get(NAME).check_options({"calibration": str(path)})
-    )
+    plan = channel_plan(LATENT, kvstrategies.get(NAME).check_options({"calibration": str(path)}))
     assert (plan.k_order[:, 0, 0] == 3).all() and torch.equal(plan.v_order, plan.k_order)
     e_rec, _, _ = drive(make({"calibration": str(path)}, kernel=False, spec=LATENT))
     assert e_rec < 1e-5

@@ -81,11 +81,11 @@ def test_prefetch_depth_comes_from_the_chip_profile(tmp_path):
     spec = kvstrategies.KVSpec(2, 2, 16, identity="m")
     for chip, depth in (("hygon_dcu", 2), ("ascend910b", 4)):
         built = build_kv(spec, NAME, config(tmp_path / chip, host=False), chip=chip)
-        assert built.strategy.prefetcher.depth == depth
+        assert built.strategy.placement.prefetcher.depth == depth
         built.strategy.close()
     built = build_kv(spec, NAME, config(tmp_path / "x", host=False), chip="hygon_dcu",
                                options={"prefetch_depth": 3})  # fmt: skip
-    assert built.strategy.prefetcher.depth == 3
+    assert built.strategy.placement.prefetcher.depth == 3
     built.strategy.close()
 
 
@@ -130,10 +130,10 @@ def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path, caplog)
                 vs.append(v)
             out = s.attend(layer, q)
         s.end_step()
-    assert s.demotion_failures > 0
+    assert s.placement.demotion_failures > 0
     # Said once (not at every step), and the skipped blocks are counted for the report.
     assert caplog.text.count("blocks stay off the ssd tier") == 1
-    assert s.stats()["ssd_writes_skipped"] >= s.demotion_failures
+    assert s.stats()["ssd_writes_skipped"] >= s.placement.demotion_failures
     tiers = s.stats()["tokens_by_tier"]
     assert tiers["ssd"] < 200 and tiers["host"] > 16
     # Layer 0 of the last step attends exactly over everything written, wherever it lives.
@@ -176,7 +176,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
     s = strategy("model-a")
     _prefill(s, 0, tokens, torch.Generator().manual_seed(0))
     s.close()
-    assert s.writer.blocks_written == 5
+    assert s.placement.writer.blocks_written == 5
 
     again = strategy("model-a")
     assert again.match_prefix(1, tokens) == 5 * 16
@@ -192,10 +192,11 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
     short.close()
     # Where this process measured reading to be slower than recomputing, the hit is skipped.
     slow = strategy("model-a")
-    slow.prefill_s_per_token, slow.prefetcher.read_bytes_per_s = 1e-6, 1e3
+    slow.placement.prefill_s_per_token = 1e-6
+    slow.placement.prefetcher.read_bytes_per_s = 1e3
     assert slow.match_prefix(1, tokens) == 0
     assert slow.stats()["disk_prefix_hits"]["skipped_slow"] == 1
-    slow.prefill_s_per_token = 1.0
+    slow.placement.prefill_s_per_token = 1.0
     assert slow.match_prefix(2, tokens) == 5 * 16
     slow.close()
 
@@ -304,7 +305,7 @@ async def test_a_hybrid_prefix_from_another_process_is_attached_with_its_fp16_si
     out, report = await _generate(model, tokenizer, kv, prompt)
     hits = report["disk_prefix_hits"]
     assert hits["requests"] == 1 and hits["blocks"] == (len(prompt) - 1) // 16
-    assert hits["side_loads"] == (1 if kv.S else 0)
+    assert hits["side_loads"] == (1 if kv.format.S else 0)
     # In a pool that shares nothing: computing the prompt gives the child's tokens, and the
     # same prompt again (a prefix hit in this pool, over the same packed blocks and sinks)
     # gives the tokens of the attach from the other process's store.

@@ -10,7 +10,7 @@ import torch
 from unikv import kvstrategies
 from unikv.engine.evaluate import perplexity
 from unikv.kvstrategies.kv import StepBatch
-from unikv.kvstrategies.prune import SCORERS, SHIPPED_HEAD, PruneStrategy
+from unikv.kvstrategies.prune import SCORERS, SHIPPED_HEAD
 from unikv.settings.config import PoolConfig, TierConfig
 
 from .conftest import make_english
@@ -71,7 +71,7 @@ def test_evicts_to_the_budget_and_attends_exactly_over_what_it_keeps(scorer):
     assert s.stored_tokens(0) == 30 and s.pool.num_tokens(0) == 30
     for _ in range(40):
         step(s, 1, g, hist)
-        assert s.stored_tokens(0) <= math.ceil(0.5 * s._seen[0]) + BS
+        assert s.stored_tokens(0) <= math.ceil(0.5 * s.selection._seen[0]) + BS
     # Physically compacted: blocks held match the tokens kept; the bytes are real.
     assert s.pool.allocators["device"].num_used == math.ceil(s.stored_tokens(0) / BS)
     assert s.bytes_used() == s.stored_tokens(0) * SPEC.elements_per_token * 4
@@ -127,7 +127,7 @@ def test_the_prompts_question_keeps_the_tokens_it_attends_to(scorer):
         assert s.stored_tokens(0) == 16
         kept[name] = (kept_keys(s)[:, :, None] == k.transpose(0, 1)[:, None]).all(-1).any(1)
     assert kept["observing"][:, needle].all() and not kept["streaming"][:, needle].any()
-    assert s._observed == set()  # streaming observes nothing
+    assert s.selection._observed == set()  # streaming observes nothing
 
 
 def test_streaming_keeps_the_sinks_and_the_newest_tokens():
@@ -152,11 +152,11 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens():
 )
 def test_bad_options_name_the_option(options, match):
     with pytest.raises(ValueError, match=match):
-        PruneStrategy.check_options(options)
+        kvstrategies.get("learned_prune").check_options(options)
 
 
 def test_registered_and_the_low_bandwidth_default():
-    assert kvstrategies.get("learned_prune") is PruneStrategy
+    assert kvstrategies.get("learned_prune").axes == ("dense", "resident", "pruned")
     assert kvstrategies.select("low", PoolConfig())[0] == "learned_prune"
 
 
@@ -255,7 +255,7 @@ def test_tune_trains_a_head_that_loads_and_scores(tmp_path, capsys, model):
     s = kvstrategies.create(
         "learned_prune", spec, options={"scorer": "head", "head": str(out / "prune_head.pt")}
     )
-    assert s.head is not None and head.num_parameters == made["parameters"]
+    assert s.selection.head is not None and head.num_parameters == made["parameters"]
     with pytest.raises(HeadMismatch, match="was trained for .* this model is 'other'"):
         PruneHead.load(out / "prune_head.pt", "other", shape)
     with pytest.raises(ValueError, match="not found"):
@@ -288,7 +288,8 @@ def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model,
     s = kvstrategies.create(
         "learned_prune", spec, options={"scorer": "head"}
     )  # head None: the shipped file
-    assert s.head is not None and s.head.num_parameters < 140_000 and SHIPPED_HEAD.is_file()
+    head = s.selection.head
+    assert head is not None and head.num_parameters < 140_000 and SHIPPED_HEAD.is_file()
     other = kvstrategies.KVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                 identity="another-model")  # fmt: skip
     with pytest.raises(HeadMismatch, match="another-model"):  # a given head must fit
@@ -298,7 +299,7 @@ def test_the_shipped_head_loads_for_the_packaged_model_and_not_for_others(model,
     # No head given, the shipped one is for another model: the surprisal rule, with a warning.
     s = kvstrategies.create("learned_prune", other, options={"scorer": "head"})
     assert "the shipped pruning head is for the packaged SmolLM2" in caplog.text
-    assert s.head is None and s.scorer == "surprisal" and s.wants_token_logprobs
+    assert s.selection.head is None and s.selection.scorer == "surprisal" and s.wants_token_logprobs
 
 
 def test_config_errors_name_the_file_and_key(tmp_path):
@@ -310,7 +311,7 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(ValueError, match=rf"{cfg}: .*head = '.*no.pt': pruning head file not"):
         kvstrategies.build(SPEC, config=str(cfg))
     cfg.write_text('strategy = "learned_prune"\n[strategy_options]\nscorer = "streaming"\n')
-    assert kvstrategies.build(SPEC, config=str(cfg)).strategy.scorer == "streaming"
+    assert kvstrategies.build(SPEC, config=str(cfg)).strategy.selection.scorer == "streaming"
 
 
 def test_latent_cache_falls_back_to_surprisal_and_prunes(caplog):
@@ -322,7 +323,7 @@ def test_latent_cache_falls_back_to_surprisal_and_prunes(caplog):
     opts = {"sink_tokens": 2, "recent_window": 8}
     s = kvstrategies.create("learned_prune", spec, cfg, opts)
     assert "ranking by surprisal" in caplog.text
-    assert s.head is None and s.scorer == "surprisal" and s.wants_token_logprobs
+    assert s.selection.head is None and s.selection.scorer == "surprisal" and s.wants_token_logprobs
     assert s.pool.layout.page_bytes == BS * spec.elements_per_token * 4  # keys only
     g = torch.Generator().manual_seed(0)
     for n in (40, *[1] * 12):
@@ -343,7 +344,7 @@ def test_latent_cache_falls_back_to_surprisal_and_prunes(caplog):
         s.end_step()
         s.observe_logprobs(b, torch.randint(0, 50, (n,), generator=g),
                            torch.randn(n, 50, generator=g).log_softmax(-1))  # fmt: skip
-    assert s.stored_tokens(0) < 52 and s.evicted > 0
+    assert s.stored_tokens(0) < 52 and s.selection.evicted > 0
     assert s.bytes_used() == s.stored_tokens(0) * 2 * 24 * 4
     with pytest.raises(ValueError, match="latent .*leave head unset"):
         kvstrategies.create("learned_prune", spec, cfg, {"head": str(SHIPPED_HEAD)})

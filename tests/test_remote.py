@@ -140,10 +140,10 @@ def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
     srv = RedisServer(tmp_path / "redis", port)
     s = tiny(tmp_path / "ssd", srv.url)  # nothing listens yet: no error
     try:
-        remote = s.remote
+        remote = s.placement.remote
         assert "not reachable at start" in remote.problem()
         prefill(s, 0, TOKENS)
-        s.remote_writer.wait_writes()
+        s.placement.remote_writer.wait_writes()
         assert remote.breaker.state == "open"  # the writes were skipped, nothing failed
         srv.start()
         try:
@@ -152,7 +152,7 @@ def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
             remote.has_content(key)  # the trial reaches the server: closed again
             assert remote.breaker.state == "closed" and remote.problem() is None
             prefill(s, 1, TOKENS, seed=1)
-            s.remote_writer.wait_writes()
+            s.placement.remote_writer.wait_writes()
             assert int(srv.cli("DBSIZE").strip()) > 0  # writes land now
         finally:
             srv.stop()
@@ -190,10 +190,10 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
     """Pool A writes its prompt through; pool B (its own SSD directory) finds it on the
     server, promotes it into its SSD tier; a pool for other weights finds nothing."""
     a = tiny(tmp_path / "ssd-a", server.url)
-    assert a.remote is not None
+    assert a.placement.remote is not None
     prefill(a, 0, TOKENS)
-    a.remote_writer.wait_writes()
-    assert a.remote_writer.blocks_written == 5
+    a.placement.remote_writer.wait_writes()
+    assert a.placement.remote_writer.blocks_written == 5
     a.close()
 
     b = tiny(tmp_path / "ssd-b", server.url)
@@ -201,7 +201,7 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
     st = b.stats()
     assert st["disk_prefix_hits"]["remote_blocks"] == 5
     assert st["remote"]["promoted_blocks"] == 5 and st["remote"]["breaker"]["state"] == "closed"
-    assert b.ssd.has_content(b.pool.content_hashes(1)[0])  # promoted: now local
+    assert b.placement.ssd.has_content(b.pool.content_hashes(1)[0])  # promoted: now local
     b.close()
     other = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
     assert other.match_prefix(1, TOKENS) == 0
@@ -211,9 +211,9 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
 def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
     a = tiny(tmp_path / "ssd-a", server.url)
     prefill(a, 0, TOKENS)
-    a.remote_writer.wait_writes()
+    a.placement.remote_writer.wait_writes()
     third = a.pool.content_hashes(0)[2]
-    namespace = a.remote.store.namespace
+    namespace = a.placement.remote.store.namespace
     a.close()
     raw = redis.Redis.from_url(server.url)
     name = f"unikv:{namespace}:".encode() + third + (1).to_bytes(2, "little")  # layer 1
@@ -223,7 +223,7 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
     b = tiny(tmp_path / "ssd-b", server.url)
     assert b.match_prefix(1, TOKENS) == 2 * 16  # the blocks before the corrupt one
     assert raw.get(name) is None  # deleted, so the next reader does not meet it
-    assert b.remote.store.stats()["checksum_failures"] == 1
+    assert b.placement.remote.store.stats()["checksum_failures"] == 1
     b.close()
     raw.close()
 
@@ -232,27 +232,28 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
 def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_path):
     a = tiny(tmp_path / "ssd-a", server.url)
     prefill(a, 0, TOKENS)
-    a.remote_writer.wait_writes()
+    a.placement.remote_writer.wait_writes()
     server.stop()
     prefill(a, 1, [t + 1 for t in TOKENS], seed=1)  # the write-through fails in the background
-    a.remote_writer.wait_writes()  # (the failure is the writer thread's, never the step's)
-    assert a.remote.breaker.is_open
-    skipped = a.remote.breaker.skipped
+    a.placement.remote_writer.wait_writes()  # (the failure is the writer's, never the step's)
+    breaker = a.placement.remote.breaker
+    assert breaker.is_open
+    skipped = breaker.skipped
     assert a.match_prefix(2, [t + 2 for t in TOKENS]) == 0  # a miss, not an error
     assert a.match_prefix(3, [t + 3 for t in TOKENS]) == 0
-    assert a.remote.breaker.skipped >= skipped + 2  # refused while open: no server round trip
+    assert breaker.skipped >= skipped + 2  # refused while open: no server round trip
     problems = a.pool.snapshot()["health"]["signals"]["tier_problems"]
     assert problems and "remote tier unavailable" in problems[0]
     view = evaluate(HealthInputs(0.1, 0, 10, 0, 0, tier_problems=tuple(problems)))
     assert view.status == "yellow" and "remote tier unavailable" in " ".join(view.reasons)
     server.start()  # the same port, empty
-    time.sleep(a.remote.breaker.backoff_s + 0.1)
+    time.sleep(a.placement.remote.breaker.backoff_s + 0.1)
     assert a.match_prefix(4, [t + 4 for t in TOKENS]) == 0  # the trial: the server answers
-    assert not a.remote.breaker.is_open
+    assert not a.placement.remote.breaker.is_open
     assert a.pool.snapshot()["health"]["signals"]["tier_problems"] == []
     prefill(a, 5, TOKENS, seed=5)  # sharing works again
-    a.remote_writer.wait_writes()
-    assert a.remote_writer.blocks_written >= 5
+    a.placement.remote_writer.wait_writes()
+    assert a.placement.remote_writer.blocks_written >= 5
     a.close()
 
 
@@ -260,7 +261,7 @@ def test_the_filesystem_store_serves_as_the_remote_tier(tmp_path):
     url = f"file://{tmp_path}/shared"
     a = tiny(tmp_path / "ssd-a", url)
     prefill(a, 0, TOKENS)
-    a.remote_writer.wait_writes()
+    a.placement.remote_writer.wait_writes()
     a.close()
     b = tiny(tmp_path / "ssd-b", url)
     assert b.match_prefix(1, TOKENS) == 5 * 16
@@ -388,11 +389,11 @@ async def test_requests_complete_while_the_server_is_killed_and_restarted(
             asyncio.gather(*(e.generate(p, GREEDY) for p in (other, other[10:], prompt))), 120
         )
         assert outs[2].token_ids == reference  # its own SSD still serves the first prompt
-        assert kv.remote.breaker.is_open
+        assert kv.placement.remote.breaker.is_open
         server.start()
-        time.sleep(kv.remote.breaker.backoff_s + 0.1)
+        time.sleep(kv.placement.remote.breaker.backoff_s + 0.1)
         await e.generate(other[20:], GREEDY)
-        assert not kv.remote.breaker.is_open
+        assert not kv.placement.remote.breaker.is_open
     kv.close()
 
 
@@ -401,9 +402,9 @@ def test_the_deployment_secret_reaches_the_remote_tier(server, tmp_path, monkeyp
     and a value written without the secret under the same hash is not served."""
     monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
     a = tiny(tmp_path / "ssd-a", server.url)
-    assert a.remote._store._secret == b"deployment-secret-0123456789"
+    assert a.placement.remote._store._secret == b"deployment-secret-0123456789"
     prefill(a, 0, TOKENS)
-    a.remote_writer.wait_writes()
+    a.placement.remote_writer.wait_writes()
     a.close()
     b = tiny(tmp_path / "ssd-b", server.url)
     assert b.match_prefix(1, TOKENS) == 5 * 16  # signed, found
@@ -413,7 +414,7 @@ def test_the_deployment_secret_reaches_the_remote_tier(server, tmp_path, monkeyp
     # overwritten, so the planted values stay)
     c = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
     prefill(c, 0, TOKENS, seed=3)
-    c.remote_writer.wait_writes()
+    c.placement.remote_writer.wait_writes()
     c.close()
     monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
     d = tiny(tmp_path / "ssd-d", server.url, identity="model-b")

@@ -1,18 +1,20 @@
-"""The contract every registered KV strategy keeps, parametrized over the registry.
+"""The contract every KV strategy keeps: every preset and every valid FORMAT+PLACEMENT+SELECTION.
 
-A new strategy is covered by registering it: it must attend like exact attention within the
-tolerance it declares, handle batches of different lengths and chunked appends, reuse shared
-prefix blocks correctly, free every block, and account its bytes. A strategy that evicts tokens
-(`evicts`) attends exactly over the tokens it keeps (what `read` returns) and shares no prefix.
+A new format, placement or selection is covered by registering it: it must attend like exact
+attention within the tolerance it declares, handle batches of different lengths and chunked
+appends, reuse shared prefix blocks correctly, free every block, and account its bytes. A
+strategy that evicts tokens (`evicts`) attends exactly over the tokens it keeps (what `read`
+returns) and shares no prefix.
 
 Every test runs on a plain multi-head spec and on a latent (MLA) one: one KV head whose values
 are the keys' first channels (not stored), a softmax scale of its own, and outputs narrower than
-the queries. A strategy that declares `supports_latent = False` is skipped there, and `create`
+the queries. A format that declares `supports_latent = False` is skipped there, and `create`
 must refuse it.
 
-A strategy defined outside the registry's modules runs the same suite by being listed in
-`EXTRA` (`TinyStrategy` below: a new strategy is one class with its option declarations, plus
-the registry line that `register` stands for here); it is registered only while its tests run.
+An axis defined outside the package runs the same suite by being listed in `EXTRA`
+(`TinyFormat` below: a new format is one class with its option declarations, registered with
+`@FORMATS.register`, and a preset is one line of `registry.PRESETS`, which `register` stands
+for here); both are registered only while its tests run.
 """
 
 import math
@@ -25,7 +27,7 @@ import torch
 from unikv import kvstrategies
 from unikv.engine.assembly import create_kv
 from unikv.kvstrategies import composed
-from unikv.kvstrategies.full import FullStrategy
+from unikv.kvstrategies.full import DenseFormat
 from unikv.kvstrategies.kv import StepBatch
 from unikv.kvstrategies.options import Option
 from unikv.kvstrategies.tables import BEGIN, END, option_tables
@@ -121,7 +123,7 @@ class Driver:
                 pk = torch.cat([pk, k[rows].transpose(0, 1)], 1)
                 pv = torch.cat([pv, v[rows].transpose(0, 1)], 1)
                 past[layer] = (pk, pv)
-                if type(self.s).evicts:  # what it kept, the step's tokens at the end
+                if self.s.recipe.evicts:  # what it kept, the step's tokens at the end
                     ks, vs = self.s.read(layer)
                     pk, pv = ks[i].float(), vs[i].float()
                     # the step's tokens as stored (exact, or rounded to a 16-bit dtype)
@@ -135,12 +137,13 @@ class Driver:
         return max(errs)
 
 
-class TinyStrategy(FullStrategy):
-    """A new strategy as one file would add it: full's storage, one option of its own."""
+class TinyFormat(DenseFormat):
+    """A new format as one file would add it: dense storage, one option of its own."""
 
-    name = "contract_tiny"
+    name = "tiny"
+    help = "dense K/V with a window the stats report"
     options = (
-        *FullStrategy.options,
+        *DenseFormat.options,
         Option("tiny_window", int, 16, "tokens the stats call recent", low=1, high=4096),
     )
     contract_options = {"tiny_window": 4}
@@ -149,16 +152,17 @@ class TinyStrategy(FullStrategy):
         return {**super().stats(), "tiny_window": self.opts["tiny_window"]}
 
 
-# Strategies the contract runs on besides the registered ones.
-EXTRA = {cls.name: cls for cls in (TinyStrategy,)}
+# Strategies the contract runs on besides the shipped ones: a preset over a new format.
+EXTRA = {"contract_tiny": ("tiny", "resident", "all")}
 
 
-def register_for_the_test(monkeypatch, cls) -> None:
-    """`register(cls)` into a copy of the registry that the test's end throws away."""
-    reg = kvstrategies.registry._strategies
-    reg.available()  # the shipped strategies first, so the copy holds them
-    monkeypatch.setattr(reg, "_classes", dict(reg._classes))
-    kvstrategies.register(cls)
+def register_for_the_test(monkeypatch, name: str) -> None:
+    """The new format registered (`@FORMATS.register`) and a preset line for `name`, into
+    copies of the registries that the test's end throws away."""
+    monkeypatch.setattr(kvstrategies.FORMATS, "_classes", dict(kvstrategies.FORMATS._classes))
+    monkeypatch.setattr(kvstrategies.registry, "PRESETS", dict(kvstrategies.registry.PRESETS))
+    kvstrategies.FORMATS.register(TinyFormat)
+    kvstrategies.register(name, EXTRA[name])
 
 
 # Every valid combination of the three axes, composed (the presets are four of them, built
@@ -169,21 +173,21 @@ COMBINATIONS = [composed.name_of(axes) for axes in composed.combinations()]
 @pytest.fixture(params=[*kvstrategies.available(), *EXTRA, *COMBINATIONS])
 def name(request, monkeypatch):
     if request.param in EXTRA:
-        register_for_the_test(monkeypatch, EXTRA[request.param])
+        register_for_the_test(monkeypatch, request.param)
     return request.param
 
 
 def test_attends_like_exact_attention(name, make):
     s = make(name)
     d = Driver(s)
-    tol = type(s).tolerance
+    tol = s.recipe.tolerance
     assert d.step([0], [13]) <= tol  # prefill
     assert d.step([0, 1], [1, 21]) <= tol  # decode + another sequence's prefill
     for _ in range(10):
         assert d.step([1, 0], [1, 1]) <= tol  # interleaved decoding, block boundaries crossed
     assert d.step([0], [5]) <= tol  # a chunk on top of a cache
     assert s.stored_tokens(0) <= 13 + 1 + 10 + 5
-    if type(s).evicts:  # its contract options make it evict
+    if s.recipe.evicts:  # its contract options make it evict
         assert s.stored_tokens(0) < 13 + 1 + 10 + 5
 
 
@@ -196,7 +200,7 @@ def test_frees_every_block_and_accounts_bytes(name, make):
     per_token_fp32 = s.spec.elements_per_token * 4  # K only for a latent spec
     assert s.pool.layout.page_bytes <= BS * per_token_fp32  # a latent block holds no values
     assert used <= (9 + 17 + 3) * per_token_fp32
-    if type(s).lossless:
+    if s.recipe.lossless:
         assert used == (9 + 17 + 3) * per_token_fp32
     for sid in (0, 1, 2):
         s.free(sid)
@@ -212,15 +216,15 @@ def test_shared_prefix_attends_like_recomputed(name, make):
     d.step([0], [len(tokens)])
     s.publish(0, tokens)
     reused = s.match_prefix(5, tokens)
-    if type(s).evicts:
+    if s.recipe.evicts:
         assert reused == 0
         return
     assert reused == 3 * BS  # full blocks, and never the last token
     # Sequence 5's history is sequence 0's first 3 blocks.
     d.hist[5] = [(k[:, :reused], v[:, :reused]) for k, v in d.hist[0]]
-    assert d.step([5], [2]) <= type(s).tolerance
+    assert d.step([5], [2]) <= s.recipe.tolerance
     s.free(0)
-    assert d.step([5], [1]) <= type(s).tolerance  # the shared blocks outlive their first owner
+    assert d.step([5], [1]) <= s.recipe.tolerance  # the shared blocks outlive their first owner
     s.free(5)
     assert all(a.num_used == 0 for a in s.pool.allocators.values())
 
@@ -240,7 +244,7 @@ def test_unknown_option_lists_the_allowed(name):
 
 
 def test_create_refuses_a_latent_spec_for_a_strategy_without(monkeypatch):
-    monkeypatch.setattr(kvstrategies.get("full"), "supports_latent", False)
+    monkeypatch.setattr(kvstrategies.get("full").format, "supports_latent", False)
     with pytest.raises(ValueError, match="'full' cannot store latent"):
         kvstrategies.create("full", SPECS["latent"])
 
@@ -265,11 +269,11 @@ def test_options_are_declared_with_their_defaults(name):
                 cls.check_options({o.name: []})
 
 
-def test_a_new_strategy_is_one_class_plus_a_registry_line(monkeypatch, tmp_path, capsys):
+def test_a_new_format_is_one_class_and_a_preset_one_line(monkeypatch, tmp_path, capsys):
     from unikv.cli.args import kv_options
     from unikv.cli.main import build_parser, main
 
-    register_for_the_test(monkeypatch, TinyStrategy)
+    register_for_the_test(monkeypatch, "contract_tiny")
     assert "contract_tiny" in kvstrategies.available()
     cls = kvstrategies.get("contract_tiny")
     # Validation comes from the declaration.

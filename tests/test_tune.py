@@ -14,6 +14,7 @@ from unikv.engine.tune import CHECKPOINT, TunableLlama, TuneSettings, tune_hybri
 from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
 from unikv.kvstrategies.hybrid_qat import FakeQuant, read_mask
 from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.packed import channel_plan
 from unikv.kvstrategies.quant import ChannelPlan
 from unikv.settings.config import PoolConfig, TierConfig
 
@@ -48,8 +49,9 @@ def test_fake_quant_reads_what_the_strategy_stores(options):
     s = kvstrategies.create(HYBRID, SPEC, pool, options)
     g = torch.Generator().manual_seed(0)
     plan = random_plan(g)
-    s._k_order, s._v_order = plan.k_order, plan.v_order
-    s._k_inverse, s._v_inverse = plan.k_order.argsort(-1), plan.v_order.argsort(-1)
+    f = s.format
+    f._k_order, f._v_order = plan.k_order, plan.v_order
+    f._k_inverse, f._v_inverse = plan.k_order.argsort(-1), plan.v_order.argsort(-1)
     t = 4 * BS
     k = torch.randn(L, t, H, D, generator=g) * 2
     v = torch.randn(L, t, H, D, generator=g)
@@ -65,7 +67,7 @@ def test_fake_quant_reads_what_the_strategy_stores(options):
     s.begin_step(StepBatch([0], [1]))
     for layer in range(L):
         s.append(layer, torch.randn(1, H, D), torch.randn(1, H, D))
-        ks, vs = s._reconstruct(layer)  # what this step attends: the 4 blocks are packed
+        ks, vs = s.read(layer)  # what this step attends: the 4 blocks are packed
         kq, vq, err = fq(layer, k[layer].transpose(0, 1)[None], v[layer].transpose(0, 1)[None])
         assert torch.allclose(ks[0][:, :t], kq[0], atol=1e-6)
         assert torch.allclose(vs[0][:, :t], vq[0], atol=1e-6)
@@ -130,9 +132,7 @@ def test_tuning_forward_matches_the_engine(tunable, model, tokenizer, english_te
 
     with torch.no_grad():
         ours_full, err0 = tunable(toks[None], base=True)
-        plan = kvstrategies.get(HYBRID).channel_plan(
-            spec, kvstrategies.get(HYBRID).check_options(opts)
-        )
+        plan = channel_plan(spec, kvstrategies.get(HYBRID).check_options(opts))
         ours_q, err = tunable(toks[None], FakeQuant(spec, opts, plan))
     full, hybrid = engine_logits("full"), engine_logits(HYBRID, opts)
     assert err0.item() == 0 and err.item() > 0
@@ -255,7 +255,7 @@ def test_tuning_lowers_the_gap_it_trains_on(loaded, tunable, tokenizer, english_
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, identity=cfg.identity
     )
     opts = kvstrategies.get(HYBRID).check_options({**TIGHT, "calibration": str(calibration)})
-    quant = FakeQuant(spec, opts, kvstrategies.get(HYBRID).channel_plan(spec, opts))
+    quant = FakeQuant(spec, opts, channel_plan(spec, opts))
 
     def gap(net):
         toks = torch.tensor([tokenizer.encode(text)[:128]])

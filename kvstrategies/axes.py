@@ -1,0 +1,336 @@
+"""The three axes a KV strategy is made of, as small interfaces, and their registries.
+
+- A `Format` says how a block's K/V bytes are laid out: it writes the step's keys and values
+  (`append`) and attends over the blocks the step reads (`attend`), reads tokens back and
+  compacts them when a selection evicts. `full.py` (dense, in one dtype) and `hybrid.py`
+  (packed fp16 + integer channels) define them.
+- A `Placement` says where blocks live: which tier each block is in before a step, which of
+  the step's blocks are read in place and which are staged, how prefixes are found and
+  persisted. `placement.py` (resident) and `offload.py` (tiered) define them.
+- A `Selection` says which tokens are kept or read, with its own state per sequence.
+  `selection.py` (all) and `prune.py` (pruned) define them.
+
+One `KVStrategy` (`strategy.py`) owns one object of each axis and implements the engine's
+`KVCache` and `KVMemory` over the pool by delegating to them; the objects see each other only
+through the hooks declared here and the `Step` they share. An axis is registered by importing
+its module (each class carries `@FORMATS.register`, ...; the package imports them all), never
+found by a string. What does not live here: the adapter (`strategy.py`), the table of presets
+and the choice by chip (`registry.py`), the composition rules (`composed.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
+
+from .kv import KVSpec, StepBatch
+from .options import Option
+
+T = TypeVar("T")
+
+
+class AxisRegistry(Generic[T]):
+    """The classes of one axis by name, in the order their modules registered them."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._classes: dict[str, type[T]] = {}
+
+    def register(self, cls: type[T]) -> type[T]:
+        """Class decorator: `cls` becomes this axis's entry `cls.name`."""
+        name = cls.name  # type: ignore[attr-defined]
+        if self._classes.get(name, cls) is not cls:
+            raise RuntimeError(f"two KV {self.kind}s are named {name!r}")
+        self._classes[name] = cls
+        return cls
+
+    def unregister(self, name: str) -> None:
+        """Remove an entry (tests that register one of their own)."""
+        self._classes.pop(name, None)
+
+    def names(self) -> list[str]:
+        """Registered names, in registration order."""
+        return list(self._classes)
+
+    def get(self, name: str) -> type[T]:
+        """The class called `name`; a ValueError names the axis and lists its entries."""
+        try:
+            return self._classes[name]
+        except KeyError:
+            listed = ", ".join(self._classes)
+            raise ValueError(f"unknown KV {self.kind} {name!r}; {self.kind}s: {listed}") from None
+
+
+def _no_staging(layer: int, count: bool) -> list | None:
+    return None
+
+
+@dataclass(slots=True)
+class Step:
+    """One forward step as the three axes share it, built by `KVStrategy.begin_step`."""
+
+    batch: StepBatch
+    past: list[int]  # stored tokens of each batch sequence before this step
+    # Set by a placement that moves blocks (None: every block on the device): per batch
+    # sequence, the blocks attention reads from the pool as groups in token order, (tier, block
+    # ids) read in place or ("staged", index) filled by `staged(layer, count)`; `in_place` holds
+    # per tier the format's per-layer views of the arenas read in place.
+    groups: list[list[tuple[str, Any]]] | None = None
+    staged: Callable[[int, bool], list | None] = _no_staging
+    in_place: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class PrefixState:
+    """What a format keeps beside its published blocks that a sequence attaching them needs
+    (hybrid's fp16 sinks, which its block 0 leaves out). This default keeps nothing."""
+
+    def can_attach(self, token_ids: list[int]) -> bool:
+        """Whether a sequence starting with `token_ids` can be attended from shared blocks."""
+        return True
+
+    def attached(self, seq_id: int, token_ids: list[int]) -> None:
+        """`seq_id` was attached to shared blocks of `token_ids`."""
+
+    def published(self, seq_id: int, token_ids: list[int]) -> None:
+        """`seq_id`'s blocks of `token_ids` were published for sharing."""
+
+    def to_bytes(self, token_ids: list[int]) -> bytes | None:
+        """The state of `token_ids` as bytes, persisted beside block 0; None: nothing kept."""
+        return None
+
+    def from_bytes(self, token_ids: list[int], data: bytes) -> bool:
+        """Take `to_bytes` of `token_ids` read back (another process's); then `can_attach`
+        holds. False when they do not fit this format."""
+        return False
+
+
+class Format(ABC):
+    """How a block's K/V bytes are laid out, written and attended.
+
+    Subclasses set `name`, `help` and `options` (their `Option` declarations), implement
+    `layout`, `prepare`, `append`, `attend` and `bytes_used`, and register with
+    `@FORMATS.register`. A variant of a format fixes some of its options (`fixed`).
+    """
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    options: ClassVar[tuple[Option, ...]] = ()
+    fixed: ClassVar[dict[str, Any]] = {}  # options this variant sets (never user-set)
+    tolerance: ClassVar[float] = 1e-5  # |attend - exact| the contract tests accept
+    lossless: ClassVar[bool] = True
+    # Whether `compact` quantizes the kept tokens again (each pass adds rounding error), so a
+    # pruned cache of this format should compact seldom (`evict_slack`).
+    compaction_requantizes: ClassVar[bool] = False
+    default_block_size: ClassVar[int] = 16  # tokens per pool block when the config sets none
+    contract_options: ClassVar[dict[str, Any]] = {}  # what the contract tests run with
+    # Whether it stores latent (MLA) caches (`KVSpec.latent`): only the keys, attention values
+    # read from their first channels.
+    supports_latent: ClassVar[bool] = True
+    # What it needs recorded from the model before it is built ("channel_stats": a calibration
+    # file, named by option `calibration`); the engine records it and completes the options.
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any]) -> None:
+        self.pool, self.spec, self.opts = pool, spec, opts
+        self.prefix = PrefixState()
+        self.step: Step | None = None
+
+    @classmethod  # noqa: B027
+    def check_combination(cls, strategy: str, opts: dict[str, Any]) -> None:
+        """Checks between options that are each valid alone, for errors naming `strategy`;
+        may complete an unset option from another. Default: none."""
+
+    @classmethod
+    @abstractmethod
+    def layout(cls, spec: KVSpec, block_size: int, options: dict[str, Any]) -> BlockLayout:
+        """What one pool block holds (options already checked)."""
+
+    @abstractmethod
+    def prepare(self, step: Step) -> None:
+        """Per-step precomputation shared by all layers (slots, which blocks are read)."""
+
+    @abstractmethod
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new keys/values of `layer` (k, v: [N, Hkv, D] packed)."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the step's queries q [N, Hq, D] over what is stored."""
+
+    def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys [Hkv, S, D] and values [Hkv, S, Dv] per batch sequence, as attention sees them
+        (a lossy format's reconstruction), for `layer`, inside a step after `append`."""
+        raise NotImplementedError(f"format {self.name!r} cannot read back its KV")
+
+    def finish(self) -> None:
+        """The step's layers are done, before its tokens are committed."""
+        self.step = None
+
+    def abort(self) -> None:
+        """Forget the step after a failure."""
+        self.step = None
+
+    def forget(self, seq_id: int) -> None:  # noqa: B027
+        """Drop what the format keeps for `seq_id` beside the pool's blocks."""
+
+    @abstractmethod
+    def bytes_used(self) -> int:
+        """Bytes of KV stored (all sequences, all layers)."""
+
+    def side_bytes(self) -> int:
+        """Bytes held beside the pool's blocks (side buffers)."""
+        return 0
+
+    def stats(self) -> dict:
+        """What the memory report shows of this format."""
+        return {}
+
+    # ---- what a placement asks -----------------------------------------------------------------
+
+    @abstractmethod
+    def arena_layers(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer views of a tier's arena, as this format indexes them."""
+
+    def pool_blocks(self, past: int, new: int) -> int:
+        """Leading blocks of a sequence that attention reads from the pool's arenas."""
+        return -(-(past + new) // self.pool.block_size)
+
+    @staticmethod
+    def stage(data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A staged group's arena slices as attention reads them (the prefetcher's thread)."""
+        return data["kv"]
+
+    # ---- what a selection asks -----------------------------------------------------------------
+
+    def token_kv(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+        """Stored tokens [lo, hi) of `seq_id` as K and V: [L, 2, Hkv, hi - lo, D]."""
+        raise NotImplementedError(f"format {self.name!r} cannot read tokens back")
+
+    def compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
+        """Keep, in each (layer, KV head), tokens lo + rel[layer, head] of [lo, n), moved down
+        to [lo, lo + rel.shape[-1]) (the caller truncates the pool's table)."""
+        raise NotImplementedError(f"format {self.name!r} cannot compact its tokens")
+
+
+class _Axis:
+    """What placements and selections share: declarations, and the objects they work with."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    options: ClassVar[tuple[Option, ...]] = ()
+    contract_options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any],
+                 fmt: Format, label: str) -> None:  # fmt: skip
+        # `label`: the strategy's name, for log messages.
+        self.pool, self.spec, self.opts, self.format, self.label = pool, spec, opts, fmt, label
+
+    def stats(self) -> dict:
+        """What the memory report shows of this axis."""
+        return {}
+
+
+class Placement(_Axis):
+    """Where a strategy's blocks live, and the prefix sharing that follows from it."""
+
+    default_block_size: ClassVar[int] = 0  # at least this many tokens per block
+
+    @classmethod
+    def from_profile(cls, profile, options: dict[str, Any]) -> dict[str, Any]:
+        """Options completed from the chip profile (e.g. a prefetch depth); default: as given."""
+        return options
+
+    @classmethod
+    def store_slices(cls, spec: KVSpec) -> int:
+        """Values per block in a store tier: 1, or one per layer to read layers apart."""
+        return 1
+
+    def before_step(self, batch: StepBatch) -> None:
+        """Put the batch's blocks where the step needs them, before room is reserved."""
+
+    def place(self, step: Step) -> None:
+        """Say where the step's blocks are read (`Step.groups`); none: all on the device."""
+
+    def after_step(self, step: Step) -> None:
+        """The step's layers are done (before its tokens are committed)."""
+
+    def abort(self) -> None:
+        """Forget the step after a failure."""
+
+    def forget(self, seq_id: int) -> None:
+        """`seq_id` is about to be freed."""
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Attach cached blocks of a prefix of `token_ids` to `seq_id`; their tokens."""
+        prefix = self.format.prefix
+        if not prefix.can_attach(token_ids):
+            return 0
+        # Keep at least one token to compute, so the request gets logits for its next token.
+        refs = self.pool.match_prefix(token_ids[:-1])
+        n = self.pool.attach_prefix(seq_id, refs) if refs else 0
+        if n:
+            prefix.attached(seq_id, token_ids)
+        return n
+
+    def publish(self, seq_id: int, token_ids: list[int]) -> None:
+        """Offer `seq_id`'s blocks of `token_ids` for sharing."""
+        if self.pool.table(seq_id) is not None:
+            self.pool.publish(seq_id, token_ids)
+            self.format.prefix.published(seq_id, token_ids)
+
+    def capacity_tokens(self) -> int | None:
+        return self.pool.capacity_tokens("device")
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.pool.can_admit(num_tokens)
+
+    def swap_out(self, seq_id: int) -> bool:
+        # A sequence without blocks has nothing to swap: the caller drops it to recompute.
+        has_blocks = self.pool.table(seq_id) is not None
+        return has_blocks and "host" in self.pool.tiers and self.pool.swap_out(seq_id, "host")
+
+    def swap_in(self, seq_id: int) -> bool:
+        return self.pool.swap_in(seq_id)
+
+    def close(self) -> None:
+        """Release threads and stores; idempotent."""
+
+
+class Selection(_Axis):
+    """Which of a sequence's tokens keep their KV (or are read), with its own state."""
+
+    evicts: ClassVar[bool] = False  # drops tokens: no prefix sharing, not lossless
+    wants_token_logprobs: bool = False  # see `KVCache.wants_token_logprobs`
+
+    def before_step(self, batch: StepBatch) -> None:
+        """Before the step's placement and reservation."""
+
+    def prepare(self, step: Step) -> None:
+        """After the format prepared the step."""
+
+    def appended(self, layer: int, k: torch.Tensor) -> None:
+        """The format stored the step's keys `k` [N, Hkv, D] of `layer`."""
+
+    def attended(self, layer: int, q: torch.Tensor) -> None:
+        """The format attended the step's queries `q` [N, Hq, D] of `layer`."""
+
+    def after_step(self, step: Step) -> None:
+        """The step's tokens are committed."""
+
+    def observe_logprobs(self, batch: StepBatch, tokens: torch.Tensor,
+                         logprobs: torch.Tensor) -> None:  # fmt: skip
+        """See `KVCache.observe_logprobs`."""
+
+    def forget(self, seq_id: int) -> None:
+        """`seq_id` is about to be freed."""
+
+
+FORMATS: AxisRegistry[Format] = AxisRegistry("format")
+PLACEMENTS: AxisRegistry[Placement] = AxisRegistry("placement")
+SELECTIONS: AxisRegistry[Selection] = AxisRegistry("selection")

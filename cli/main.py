@@ -352,7 +352,7 @@ def _memory_lines(mem: dict) -> str:
         px = pool["prefix"]
         lines.append(
             f"[prefix cache: {px['hits']}/{px['queries']} block hits; preemptions "
-            f"{pool['preemptions']}; health {pool['health']['state']}]"
+            f"{pool['preemptions']}; health {pool['health']['status']}]"
         )
     if mem.get("tokens_seen"):  # a pruning strategy
         ev, seen = mem["tokens_evicted"], mem["tokens_seen"]

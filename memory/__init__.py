@@ -6,15 +6,9 @@ pool's settings (config files, chip profiles) live a floor below, in `unikv.sett
 """
 
 from unikv.memory.allocator import SHARED, Block, BlockTable, FreeBlockQueue, TierAllocator
+from unikv.memory.health import HealthInputs, HealthView, evaluate
 from unikv.memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
-from unikv.memory.stats import (
-    Health,
-    HealthMonitor,
-    HealthReport,
-    OomPredictor,
-    OomWarning,
-    PoolStats,
-)
+from unikv.memory.stats import HealthMonitor, OomPredictor, OomWarning, PoolStats
 
 __all__ = [
     "SHARED",
@@ -22,9 +16,9 @@ __all__ = [
     "BlockRef",
     "BlockTable",
     "FreeBlockQueue",
-    "Health",
+    "HealthInputs",
     "HealthMonitor",
-    "HealthReport",
+    "HealthView",
     "OomPredictor",
     "OomWarning",
     "PoolStats",
@@ -32,4 +26,5 @@ __all__ = [
     "TierAllocator",
     "block_hash",
     "chain_hashes",
+    "evaluate",
 ]

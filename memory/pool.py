@@ -29,11 +29,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 import torch
 
 from unikv.memory.allocator import BlockTable, TierAllocator
+from unikv.memory.health import HealthView, evaluate
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.placement import Placement
 from unikv.memory.prefix import BlockRef
 from unikv.memory.prefix_index import PrefixIndex
-from unikv.memory.stats import HealthMonitor, HealthReport, PoolStats
+from unikv.memory.stats import HealthMonitor, PoolStats
 from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
 from unikv.settings.config import PoolConfig
 
@@ -423,19 +424,28 @@ class UnifiedMemoryPool:
             self._last_sample = now
             self.health_monitor.predictor.record(self.usage(TierKind.DEVICE), now)
 
-    def health(self) -> HealthReport:
-        """Green / yellow / red from device usage and recent events (see memory.stats)."""
-        self._owned()
-        return self.health_monitor.observe(self.usage(TierKind.DEVICE))
+    def health(self) -> HealthView:
+        """Green / yellow / red by the one health rule (`memory.health`) over what the pool
+        measures: device usage, recent preemptions, checksum failures, OOM warnings and the
+        problems a store tier reports (the remote tier's open circuit breaker)."""
+        return evaluate(self._health_inputs())
+
+    def _health_inputs(self):
+        problems = tuple(p for t in self.tiers.values() if (p := _problem(t)))
+        return self.health_monitor.inputs(self.usage(TierKind.DEVICE), problems)
 
     def snapshot(self) -> dict:
-        """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health."""
+        """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health (with
+        the readings it was coloured from, `signals`, which the server's view adds to)."""
         snap = self.stats.snapshot()
-        snap["health"] = self.health().as_dict()
-        # A tier that fails soft (the remote tier's open circuit breaker) says so here; the
-        # server's health view turns yellow with the sentence (serving/health.py).
-        problems = [p for t in self.tiers.values() if (p := _problem(t))]
-        snap["health"].setdefault("signals", {})["tier_problems"] = problems
+        inputs = self._health_inputs()
+        snap["health"] = evaluate(inputs).as_dict()
+        snap["health"]["signals"] = {
+            "preemptions_recent": inputs.preemptions_recent,
+            "oom_recent": inputs.oom_firing,
+            "checksum_recent": inputs.checksum_failure,
+            "tier_problems": list(inputs.tier_problems),
+        }
         for name, t in self.tiers.items():
             if callable(getattr(t, "problem", None)):
                 snap.setdefault("tier_services", {})[name] = t.stats()

@@ -1,19 +1,13 @@
-"""Pool statistics, the out-of-memory predictor and the pool's health state.
+"""Pool statistics, the out-of-memory predictor and what the pool feeds the health rule.
 
 What lives here: `PoolStats` (usage per tier, prefix hit rate, allocations, frees, evictions,
 preemptions, moves between tiers, checksum failures; `snapshot()` is JSON-serializable),
 `OomPredictor` (warns when the device tier is nearly full and still filling fast) and
-`HealthMonitor` (green / yellow / red).
+`HealthMonitor` (the pool's recent events, as `HealthInputs` for the one health rule).
 
-What does not: exporting metrics (a later Prometheus exporter reads `snapshot()`), and any
-decision taken on a warning (preempting, offloading: the scheduler and the strategies).
-
-Health thresholds (module constants below; "recent" means within `RECENT_S` = 60 s):
-
-- red: device usage > `RED_USAGE` (95%), or an OOM warning recently, or a checksum failure
-  reported recently;
-- yellow: device usage >= `GREEN_MAX_USAGE` (85%), or a preemption recently;
-- green: otherwise (device usage < 85% and nothing of the above recently).
+What does not: the health rule itself (`memory.health`: the pool and the server both colour
+through it), exporting metrics (`serving.metrics`), and any decision taken on a warning
+(preempting, offloading: the scheduler and the strategies).
 
 OOM prediction: each `record(usage)` adds a (time, usage) sample and keeps the samples of the
 last `OOM_WINDOW_S` (60 s). A warning fires when usage > `OOM_USAGE` (95%) AND the least-squares
@@ -31,17 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from unikv.memory.allocator import TierAllocator
+from unikv.memory.health import RECENT_S, HealthInputs, HealthView, RecentEvents, evaluate
 from unikv.memory.prefix import PrefixCache
 
 logger = logging.getLogger(__name__)
 
-GREEN_MAX_USAGE = 0.85  # device usage at or above this is at least yellow
-RED_USAGE = 0.95  # device usage above this is red
-RECENT_S = 60.0  # how long a preemption / OOM warning / checksum failure colours the health
 
 OOM_USAGE = 0.95  # predictor: usage must exceed this ...
 OOM_SLOPE_PP_PER_MIN = 5.0  # ... and rise faster than this (percentage points per minute)
@@ -215,33 +206,8 @@ class OomPredictor:
         return warning
 
 
-class Health(StrEnum):
-    """Traffic-light health of the pool (thresholds in the module docstring)."""
-
-    GREEN = "green"
-    YELLOW = "yellow"
-    RED = "red"
-
-
-@dataclass(frozen=True, slots=True)
-class HealthReport:
-    """The health state and why."""
-
-    state: Health
-    device_usage: float
-    reasons: tuple[str, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-serializable form."""
-        return {
-            "state": str(self.state),
-            "device_usage": self.device_usage,
-            "reasons": list(self.reasons),
-        }
-
-
 class HealthMonitor:
-    """Derives green / yellow / red from device usage and recent events."""
+    """The pool's recent events and its OOM predictor, read as the health rule's inputs."""
 
     def __init__(
         self,
@@ -253,43 +219,29 @@ class HealthMonitor:
         self.clock = clock
         self.predictor = predictor if predictor is not None else OomPredictor(clock=clock)
         self.recent_s = recent_s
-        self.last_preemption: float | None = None
-        self.last_checksum_failure: float | None = None
+        self.preemptions = RecentEvents(clock, recent_s)
+        self.checksum_failures = RecentEvents(clock, recent_s)
 
     def record_preemption(self) -> None:
-        """Note a preemption now (yellow for `recent_s`)."""
-        self.last_preemption = self.clock()
+        """Note a preemption now (an indicator near its limit for `recent_s`)."""
+        self.preemptions.add()
 
     def record_checksum_failure(self) -> None:
-        """Note a checksum failure now (red for `recent_s`)."""
-        self.last_checksum_failure = self.clock()
+        """Note a checksum failure now (the integrity indicator abnormal for `recent_s`)."""
+        self.checksum_failures.add()
 
-    def observe(self, device_usage: float) -> HealthReport:
-        """Feed a device usage sample to the OOM predictor, then evaluate the health."""
-        self.predictor.record(device_usage, self.clock())
-        return self.evaluate(device_usage)
-
-    def _recent(self, t: float | None, now: float) -> bool:
-        return t is not None and now - t <= self.recent_s
-
-    def evaluate(self, device_usage: float) -> HealthReport:
-        """The health state for `device_usage` and the events of the last `recent_s`."""
+    def inputs(self, device_usage: float, tier_problems: tuple[str, ...] = ()) -> HealthInputs:
+        """The pool's readings now, as the health rule takes them."""
         usage = _check_usage(device_usage)
-        now = self.clock()
-        red: list[str] = []
-        yellow: list[str] = []
-        if usage > RED_USAGE:
-            red.append(f"device usage {usage:.1%} > {RED_USAGE:.0%}")
-        elif usage >= GREEN_MAX_USAGE:
-            yellow.append(f"device usage {usage:.1%} >= {GREEN_MAX_USAGE:.0%}")
-        if self._recent(self.predictor.last_warning_time, now):
-            red.append(f"OOM predicted in the last {self.recent_s:g} s")
-        if self._recent(self.last_checksum_failure, now):
-            red.append(f"checksum failure in the last {self.recent_s:g} s")
-        if self._recent(self.last_preemption, now):
-            yellow.append(f"preemption in the last {self.recent_s:g} s")
-        if red:
-            return HealthReport(Health.RED, usage, tuple(red + yellow))
-        if yellow:
-            return HealthReport(Health.YELLOW, usage, tuple(yellow))
-        return HealthReport(Health.GREEN, usage, ())
+        last = self.predictor.last_warning_time
+        return HealthInputs(
+            device_usage=usage,
+            preemptions_recent=self.preemptions.count(),
+            oom_firing=last is not None and self.clock() - last <= self.recent_s,
+            checksum_failure=self.checksum_failures.count() > 0,
+            tier_problems=tuple(tier_problems),
+        )
+
+    def evaluate(self, device_usage: float, tier_problems: tuple[str, ...] = ()) -> HealthView:
+        """The pool's health: the one rule (`memory.health`) over the pool's readings."""
+        return evaluate(self.inputs(device_usage, tier_problems))

@@ -88,10 +88,6 @@ class Server:
         self.metrics = ServerMetrics(self.memory_report, lambda: self.health().as_dict())
         self.in_flight = 0
         self.failures = RecentEvents()
-        self._preemptions = RecentEvents()
-        self._seen_preemptions = 0
-        self._seen_checksum = 0
-        self._checksum = RecentEvents()
         # (bucket start, output tokens, [TTFTs]) for the dashboard's series
         self._series: deque[list] = deque(maxlen=SERIES_POINTS)
 
@@ -115,25 +111,17 @@ class Server:
         mem = self.memory_report()
         pool = mem.get("pool") or {}
         tiers = pool.get("tiers") or {}
-        usage = tiers.get("device", {}).get("usage", 0.0)
-        pre = mem.get("preemptions", 0)
-        if pre > self._seen_preemptions:
-            self._preemptions.add(pre - self._seen_preemptions)
-            self._seen_preemptions = pre
-        bad = pool.get("checksum_failures", 0)
-        if bad > self._seen_checksum:
-            self._checksum.add(bad - self._seen_checksum)
-            self._seen_checksum = bad
+        # The pool's readings as it coloured itself (memory.health), plus the server's own.
         signals = (pool.get("health") or {}).get("signals", {})
         return evaluate(
             HealthInputs(
-                device_usage=usage,
+                device_usage=tiers.get("device", {}).get("usage", 0.0),
                 waiting=mem.get("requests_waiting", 0),
                 max_waiting=self.settings.max_waiting,
-                preemptions_recent=self._preemptions.count(),
+                preemptions_recent=signals.get("preemptions_recent", 0),
                 failures_recent=self.failures.count(),
                 oom_firing=bool(signals.get("oom_recent")),
-                checksum_failure=self._checksum.count() > 0,
+                checksum_failure=bool(signals.get("checksum_recent")),
                 tier_problems=tuple(signals.get("tier_problems", ())),
                 operator_fallbacks=tuple(mem.get("operator_fallbacks", ())),
             )

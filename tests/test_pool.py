@@ -179,15 +179,15 @@ def test_oom_predictor_fed_by_usage_samples_turns_health_red():
     now = [0.0]
     tiers = (TierConfig("device", 40 * PAGE),)
     pool = UnifiedMemoryPool(PoolConfig(block_size=BS, tiers=tiers), LAYOUT, clock=lambda: now[0])
-    assert pool.health().state == "green"
+    assert pool.health().status == "green"
     for i in range(39):  # fill the tier over ~20 s: far faster than 5 points per minute
         now[0] += 0.5
         pool.reserve(i, BS)
         pool.sample_usage()
         pool.sample_usage()  # rate-limited: a second call at the same time adds nothing
-    assert len(pool.health_monitor.predictor.samples) == 1 + 39  # health() sampled at t=0 too
+    assert len(pool.health_monitor.predictor.samples) == 39  # health() only reads
     report = pool.health()
-    assert report.state == "red" and any("OOM" in r for r in report.reasons)
+    assert report.status == "red" and any("OOM" in r for r in report.reasons)
     assert pool.health_monitor.predictor.events
 
 
@@ -308,7 +308,9 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
     assert store.contains(hashes[2] + b"\0\0")  # intact blocks after it are kept
     snap = pool.snapshot()
     assert snap["checksum_failures"] == 3  # recorded where detected: stats and health see it
-    assert snap["health"]["state"] == "red" and "checksum failure" in snap["health"]["reasons"][0]
+    health = snap["health"]  # detected and recomputed, never served: one indicator, yellow
+    assert health["status"] == "yellow" and "failed its checksum" in health["reasons"][0]
+    assert health["signals"]["checksum_recent"]
     assert pool.attach_stored("c", hashes[:1]) == BS
     c = [r.block_id for r in pool.table("c")]
     assert all(torch.equal(ssd.read_slice(c, s)["kv"], torch.ones(1, BS, 3)) for s in (0, 1))

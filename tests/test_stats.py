@@ -1,4 +1,5 @@
-"""Tests of memory.stats: counters, the OOM predictor (injected clock) and health states."""
+"""Tests of memory.stats and memory.health: counters, the OOM predictor (injected clock), the
+pool's health readings and the one health rule."""
 
 import json
 import logging
@@ -6,16 +7,9 @@ import logging
 import pytest
 
 from unikv.memory.allocator import TierAllocator
+from unikv.memory.health import KV_ABNORMAL, KV_NEAR, HealthInputs, evaluate
 from unikv.memory.prefix import PrefixCache
-from unikv.memory.stats import (
-    GREEN_MAX_USAGE,
-    RED_USAGE,
-    Health,
-    HealthMonitor,
-    OomPredictor,
-    OomWarning,
-    PoolStats,
-)
+from unikv.memory.stats import HealthMonitor, OomPredictor, OomWarning, PoolStats
 
 
 class FakeClock:
@@ -121,25 +115,48 @@ def test_oom_predictor_cooldown_and_bad_input() -> None:
 
 
 def test_health_transitions() -> None:
+    """The pool's readings through the one rule: usage near or at its limit, a preemption or
+    a checksum failure in the last minute are each one indicator off (yellow); three at once,
+    red."""
     clock = FakeClock()
     h = HealthMonitor(clock=clock)
-    assert h.observe(0.50).state is Health.GREEN
-    assert h.evaluate(GREEN_MAX_USAGE).state is Health.YELLOW
-    r = h.evaluate(0.96)
-    assert r.state is Health.RED and "device usage 96.0% > 95%" in r.reasons[0]
-    assert h.evaluate(RED_USAGE).state is Health.YELLOW  # exactly 95% is not above it
+    assert h.evaluate(0.50).status == "green"
+    assert h.evaluate(KV_NEAR).status == "yellow"
+    v = h.evaluate(0.96)
+    assert v.status == "yellow" and "KV memory full: 96% of the device tier" in v.reasons[0]
+    assert v.load_share == 0.8
 
     h.record_preemption()
-    assert h.evaluate(0.10).state is Health.YELLOW
+    assert h.evaluate(0.10).status == "yellow"
     clock.t += 61
-    assert h.evaluate(0.10).state is Health.GREEN
+    assert h.evaluate(0.10).status == "green"
 
     h.record_checksum_failure()
-    r = h.evaluate(0.10)
-    assert r.state is Health.RED and "checksum" in r.reasons[0]
-    assert r.as_dict()["state"] == "red"
+    v = h.evaluate(0.10)
+    assert v.status == "yellow" and "failed its checksum" in v.reasons[0]
+    assert v.as_dict()["indicators"]["integrity"] == "abnormal"
+    h.record_preemption()  # three indicators off: red
+    v = h.evaluate(KV_ABNORMAL)
+    assert v.status == "red" and len(v.reasons) == 3 and v.load_share == 0.3
     clock.t += 61
-    assert h.evaluate(0.10).state is Health.GREEN
+    assert h.evaluate(0.10).status == "green"
+
+
+def test_the_pool_and_the_server_colour_the_same_readings_alike() -> None:
+    """One rule: the server's view is the pool's inputs plus its own; with nothing of its own
+    to add, it is the pool's view exactly."""
+    clock = FakeClock()
+    h = HealthMonitor(clock=clock)
+    h.record_checksum_failure()
+    h.record_preemption()
+    pool_view = h.evaluate(0.90, ("remote tier unavailable",))
+    inputs = h.inputs(0.90, ("remote tier unavailable",))
+    assert evaluate(inputs) == pool_view and pool_view.status == "red"  # 4 indicators off
+    server = HealthInputs(inputs.device_usage, waiting=0, max_waiting=64,
+                          preemptions_recent=inputs.preemptions_recent, failures_recent=0,
+                          oom_firing=inputs.oom_firing, checksum_failure=inputs.checksum_failure,
+                          tier_problems=inputs.tier_problems)  # fmt: skip
+    assert evaluate(server) == pool_view
 
 
 def test_health_red_after_oom_warning_then_recovers() -> None:
@@ -147,10 +164,10 @@ def test_health_red_after_oom_warning_then_recovers() -> None:
     h = HealthMonitor(clock=clock)
     for i in range(7):
         clock.t = 1000.0 + 10 * i
-        h.observe(0.90 + 0.01 * i)
+        h.predictor.record(0.90 + 0.01 * i, clock.t)
     assert h.predictor.events
     clock.t += 5
     r = h.evaluate(0.80)  # usage dropped, but the warning was within the last minute
-    assert r.state is Health.RED and "OOM predicted" in r.reasons[0]
+    assert r.status == "red" and "OOM predictor expects" in r.reasons[0]  # red on its own
     clock.t += 60
-    assert h.evaluate(0.80).state is Health.GREEN
+    assert h.evaluate(0.80).status == "green"

@@ -272,8 +272,8 @@ class Placement(_Axis):
         if not prefix.can_attach(token_ids):
             return 0
         # Keep at least one token to compute, so the request gets logits for its next token.
-        refs = self.pool.match_prefix(token_ids[:-1])
-        n = self.pool.attach_prefix(seq_id, refs) if refs else 0
+        refs = self.pool.sharing.match(token_ids[:-1])
+        n = self.pool.sharing.attach(seq_id, refs) if refs else 0
         if n:
             prefix.attached(seq_id, token_ids)
         return n
@@ -281,7 +281,7 @@ class Placement(_Axis):
     def publish(self, seq_id: int, token_ids: list[int]) -> None:
         """Offer `seq_id`'s blocks of `token_ids` for sharing."""
         if self.pool.table(seq_id) is not None:
-            self.pool.publish(seq_id, token_ids)
+            self.pool.sharing.publish(seq_id, token_ids)
             self.format.prefix.published(seq_id, token_ids)
 
     def capacity_tokens(self) -> int | None:

@@ -257,10 +257,10 @@ class TieredPlacement(Placement):
         prefix = self.format.prefix
         if not prefix.can_attach(token_ids) and not (persist and self._load_side(ids, token_ids)):
             return 0
-        refs = pool.match_prefix(ids)
+        refs = pool.sharing.match(ids)
         stored = []
         if persist:
-            stored = pool.stored_prefix(ids, refs)
+            stored = pool.sharing.stored(ids, refs)
             if self.remote is not None:
                 stored += self._remote_hits(ids, len(refs) + len(stored))
             if stored and len(stored) * pool.block_size < self.opts["min_disk_hit_tokens"]:
@@ -269,9 +269,9 @@ class TieredPlacement(Placement):
             elif stored and not self._disk_beats_compute(len(stored)):
                 self.disk_hits["skipped_slow"] += 1
                 stored = []
-        n = pool.attach_prefix(seq_id, refs) if refs else 0
+        n = pool.sharing.attach(seq_id, refs) if refs else 0
         if stored:
-            n = pool.attach_stored(seq_id, stored)
+            n = pool.sharing.attach_stored(seq_id, stored)
             self.disk_hits["requests"] += 1
             self.disk_hits["blocks"] += len(stored)
         if n:
@@ -321,17 +321,17 @@ class TieredPlacement(Placement):
         table = self.pool.table(seq_id)
         if table is None:
             return
-        before = len(self.pool.content_hashes(seq_id))
-        self.pool.publish(seq_id, token_ids)
+        before = len(self.pool.sharing.chain(seq_id))
+        self.pool.sharing.publish(seq_id, token_ids)
         self.format.prefix.published(seq_id, token_ids)
         persist = self.writer is not None and self.opts["persist_prefix"]
         if persist and seq_id in self._pending_persist:
             # Blocks [before, published) go through to the SSD tier, by content; what the format
             # keeps beside block 0 (hybrid's sinks) goes in the same transaction as block 0.
-            chain = self.pool.content_hashes(seq_id)
+            chain = self.pool.sharing.chain(seq_id)
             state = self.format.prefix.to_bytes(token_ids) if before == 0 and chain else None
             sides = [(chain[0], state)] if state is not None else []
-            jobs = self.pool.resident_chain(seq_id, before)
+            jobs = self.pool.sharing.resident_chain(seq_id, before)
             if sides and not any(h == chain[0] for b in jobs.values() for _, h in b):
                 jobs = {TierKind.DEVICE: [], **jobs}  # block 0 is not in a tensor tier
             for tier, blocks in jobs.items():

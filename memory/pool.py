@@ -100,13 +100,15 @@ class UnifiedMemoryPool:
         self.tiers: dict[str, Tier] = {}
         self.allocators: dict[str, TierAllocator] = {}
         self.prefixes = PrefixIndex(self.allocators, self.tiers, self.block_size, identity)
-        self._build_tiers(dict(stores or {}))
-        self.placement = Placement(self.allocators)
         self.stats = PoolStats(self.allocators, self.prefixes.cache)
-        self.health_monitor = HealthMonitor(clock=clock)
+        self.health_monitor = HealthMonitor(clock=clock, stats=self.stats)
+        _build_tiers(self, dict(stores or {}))
+        self.placement = Placement(self.allocators)
         self._clock = clock
         self._last_sample = float("-inf")
         self._tables: dict[SeqId, BlockTable] = {}
+        self.sharing = PrefixSharing(self.prefixes, self._tables, self.tiers, self.block_size,
+                                     self._owned)  # fmt: skip
         self.owner: int | None = None  # the thread that alone may mutate the pool (None: any)
 
     def _owned(self) -> None:
@@ -115,40 +117,6 @@ class UnifiedMemoryPool:
                 f"the pool was mutated from thread {threading.current_thread().name!r}; only "
                 "its owner (the engine's compute thread) may: hand it the work instead"
             )
-
-    def _build_tiers(self, stores: dict[str, Tier]) -> None:
-        config, layout = self.config, self.layout
-        for tc in config.tiers:
-            num_blocks = tc.capacity_bytes // layout.page_bytes
-            if num_blocks < 1:
-                raise ValueError(
-                    f"{config.source}: [tiers.{tc.name}] capacity = {tc.capacity_bytes} bytes "
-                    f"holds no block of {layout.page_bytes} bytes; give at least that much"
-                )
-            if tc.name in stores:
-                tier = stores.pop(tc.name)
-                num_blocks = tier.num_blocks
-            elif tc.name in (TierKind.DEVICE, TierKind.HOST):
-                dev = self.device if tc.name == TierKind.DEVICE else torch.device("cpu")
-                tier = TensorTier(tc.name, layout, num_blocks, dev)
-            else:
-                raise ValueError(
-                    f"{config.source}: [tiers.{tc.name}] needs a block store (pass "
-                    f"stores={{'{tc.name}': ...}}: engine.assembly.build_kv opens it)"
-                )
-            self.tiers[tc.name] = tier
-            if isinstance(tier, StoreTier):  # corrupt values it finds count here (health)
-                tier.on_corrupt = self.record_checksum_failure
-            self.allocators[tc.name] = TierAllocator(
-                tc.name,
-                num_blocks,
-                self.block_size,
-                low_watermark=tc.low_watermark,
-                # Device and host blocks can be found by content; a store tier is its own index.
-                prefix_cache=self.prefixes.cache if isinstance(tier, TensorTier) else None,
-            )
-        if stores:
-            raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -189,13 +157,9 @@ class UnifiedMemoryPool:
         """Used fraction of a tier."""
         return self.allocators[tier].usage
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
-
     def can_admit(self, num_tokens: int, tier: str = TierKind.DEVICE) -> bool:
         """Whether a new sequence of `num_tokens` fits and leaves the tier's watermark free."""
-        return self.allocators[tier].can_admit(self.blocks_for(num_tokens))
+        return self.allocators[tier].can_admit(-(-num_tokens // self.block_size))
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -204,7 +168,7 @@ class UnifiedMemoryPool:
         reserved, or None, changing nothing, when the blocks are not there."""
         self._owned()
         table = self._tables.get(seq) or BlockTable(seq, self.block_size)
-        self._check_on_device(table)
+        _check_on_device(table)
         need = table.slots_needed(num_tokens)
         ids: list[int] = []
         if need:
@@ -271,69 +235,6 @@ class UnifiedMemoryPool:
                 runs.append([start, start + bs])
         runs[-1][1] -= -(-end // bs) * bs - end  # the last block may be partly filled
         return [(s, e) for s, e in runs]
-
-    def check(self, seq: SeqId) -> None:
-        """Raise RuntimeError if the table of `seq` points at freed or foreign blocks."""
-        self._require(seq).check(self.allocators)
-
-    # ---- prefix sharing -----------------------------------------------------------------------
-
-    def match_prefix(self, token_ids: Sequence[int]) -> list[BlockRef]:
-        """The cached device blocks that start `token_ids` (longest verified chain)."""
-        return self.prefixes.match(token_ids)
-
-    def attach_prefix(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
-        """Start the new sequence `seq` on shared cached blocks; return the tokens they hold."""
-        self._owned()
-        if seq in self._tables:
-            raise RuntimeError(f"sequence {seq!r} already has blocks; attach a prefix first")
-        table = BlockTable(seq, self.block_size)
-        self.prefixes.attach(table, refs)
-        self._tables[seq] = table
-        return table.num_tokens
-
-    def stored_prefix(
-        self, token_ids: Sequence[int], after: Sequence[BlockRef] = (), tier: str = TierKind.SSD
-    ) -> list[bytes]:
-        """Content hashes of the blocks of `token_ids` that follow the blocks `after` (a
-        `match_prefix` result) and are held by the store tier `tier` (stored by an earlier
-        process, or written through by this one): the longest such chain."""
-        return self.prefixes.stored(token_ids, after, tier)
-
-    def attach_stored(self, seq: SeqId, hashes: Sequence[bytes], tier: str = TierKind.SSD) -> int:
-        """Append to `seq` (new, or just attached) blocks of the store tier `tier` that hold
-        the stored content `hashes`, without reading them; return the tokens of `seq`.
-        Nothing changes (0 is returned) when the tier has no room for them."""
-        self._owned()
-        table = self._tables.get(seq) or BlockTable(seq, self.block_size)
-        if not self.prefixes.attach_stored(table, hashes, tier):
-            return table.num_tokens if seq in self._tables else 0
-        self._tables[seq] = table
-        return table.num_tokens
-
-    def content_hashes(self, seq: SeqId) -> list[bytes]:
-        """The published chain of `seq`: one content hash per full block, in order."""
-        return self.prefixes.chain(seq)
-
-    def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
-        """Offer the full blocks of `seq` (holding `token_ids`) to the prefix cache.
-
-        Returns how many blocks of `seq` are now part of its published chain. Cached blocks
-        become read-only; a sequence only ever writes into its last, partial block.
-        """
-        self._owned()
-        return self.prefixes.publish(self._require(seq), token_ids)
-
-    def resident_chain(self, seq: SeqId, start: int = 0) -> dict[str, list[tuple[int, bytes]]]:
-        """Published blocks [start, ...) of `seq` held in tensor tiers, per tier: (block id,
-        content hash) in table order (what a write-through copies to a store tier)."""
-        hashes = self.prefixes.chain(seq)
-        refs = self._require(seq).refs
-        by_tier: dict[str, list[tuple[int, bytes]]] = {}
-        for i in range(start, len(hashes)):
-            if isinstance(self.tiers[refs[i].tier], TensorTier):
-                by_tier.setdefault(refs[i].tier, []).append((refs[i].block_id, hashes[i]))
-        return by_tier
 
     # ---- moves between tiers ------------------------------------------------------------------
 
@@ -406,13 +307,7 @@ class UnifiedMemoryPool:
     def record_preemption(self) -> None:
         """Count a preempted sequence (swapped out or dropped for recompute)."""
         self._owned()
-        self.stats.record_preemption()
         self.health_monitor.record_preemption()
-
-    def record_checksum_failure(self, n: int = 1) -> None:
-        """Count `n` stored values that failed their checksum (detected, deleted, never served)."""
-        self.stats.record_checksum_failure(n)
-        self.health_monitor.record_checksum_failure()
 
     SAMPLE_EVERY_S = 0.25  # usage samples for the OOM predictor: 240 per one-minute window
 
@@ -428,17 +323,13 @@ class UnifiedMemoryPool:
         """Green / yellow / red by the one health rule (`memory.health`) over what the pool
         measures: device usage, recent preemptions, checksum failures, OOM warnings and the
         problems a store tier reports (the remote tier's open circuit breaker)."""
-        return evaluate(self._health_inputs())
-
-    def _health_inputs(self):
-        problems = tuple(p for t in self.tiers.values() if (p := _problem(t)))
-        return self.health_monitor.inputs(self.usage(TierKind.DEVICE), problems)
+        return evaluate(_health_inputs(self))
 
     def snapshot(self) -> dict:
         """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health (with
         the readings it was coloured from, `signals`, which the server's view adds to)."""
         snap = self.stats.snapshot()
-        inputs = self._health_inputs()
+        inputs = _health_inputs(self)
         snap["health"] = evaluate(inputs).as_dict()
         snap["health"]["signals"] = {
             "preemptions_recent": inputs.preemptions_recent,
@@ -468,16 +359,132 @@ class UnifiedMemoryPool:
             raise RuntimeError(f"sequence {seq!r} has no blocks in the pool")
         return table
 
-    @staticmethod
-    def _check_on_device(table: BlockTable) -> None:
-        # Only the last block is ever written into, and only while it has free slots.
-        if len(table) and table.num_free_slots and table[len(table) - 1].tier != TierKind.DEVICE:
-            raise RuntimeError(
-                f"sequence {table.seq_id!r} is swapped out; swap it in before appending"
+
+def _health_inputs(pool: UnifiedMemoryPool):
+    """The pool's readings for the health rule: device usage, its recent events, and the
+    problems its store tiers report (the remote tier's open circuit breaker)."""
+    problems = tuple(p for t in pool.tiers.values() if (p := _problem(t)))
+    return pool.health_monitor.inputs(pool.usage(TierKind.DEVICE), problems)
+
+
+def _build_tiers(pool: UnifiedMemoryPool, stores: dict[str, Tier]) -> None:
+    """The tiers and their allocators of `pool`'s config (store tiers from `stores`)."""
+    config, layout = pool.config, pool.layout
+    for tc in config.tiers:
+        num_blocks = tc.capacity_bytes // layout.page_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"{config.source}: [tiers.{tc.name}] capacity = {tc.capacity_bytes} bytes "
+                f"holds no block of {layout.page_bytes} bytes; give at least that much"
             )
+        if tc.name in stores:
+            tier = stores.pop(tc.name)
+            num_blocks = tier.num_blocks
+        elif tc.name in (TierKind.DEVICE, TierKind.HOST):
+            dev = pool.device if tc.name == TierKind.DEVICE else torch.device("cpu")
+            tier = TensorTier(tc.name, layout, num_blocks, dev)
+        else:
+            raise ValueError(
+                f"{config.source}: [tiers.{tc.name}] needs a block store (pass "
+                f"stores={{'{tc.name}': ...}}: engine.assembly.build_kv opens it)"
+            )
+        pool.tiers[tc.name] = tier
+        if isinstance(tier, StoreTier):  # corrupt values it finds count here (health)
+            tier.on_corrupt = pool.health_monitor.record_checksum_failure
+        pool.allocators[tc.name] = TierAllocator(
+            tc.name,
+            num_blocks,
+            pool.block_size,
+            low_watermark=tc.low_watermark,
+            # Device and host blocks can be found by content; a store tier is its own index.
+            prefix_cache=pool.prefixes.cache if isinstance(tier, TensorTier) else None,
+        )
+    if stores:
+        raise ValueError(f"stores given for tiers not in the config: {', '.join(stores)}")
+
+
+def _check_on_device(table: BlockTable) -> None:
+    # Only the last block is ever written into, and only while it has free slots.
+    if len(table) and table.num_free_slots and table[len(table) - 1].tier != TierKind.DEVICE:
+        raise RuntimeError(f"sequence {table.seq_id!r} is swapped out; swap it in before appending")
 
 
 def _problem(tier: Tier) -> str | None:
     """What a tier reports as wrong now (only tiers that fail soft have `problem`)."""
     problem = getattr(tier, "problem", None)
     return problem() if callable(problem) else None
+
+
+class PrefixSharing:
+    """A pool's prefix sharing by sequence (`pool.sharing`): find cached blocks that start a
+    prompt, attach them (from a tensor tier, or content a store tier holds), publish a
+    sequence's full blocks, and list what a write-through copies. It works on the pool's
+    tables (handed in) through its `PrefixIndex`; every mutation is the pool owner's."""
+
+    def __init__(self, index: PrefixIndex, tables: dict, tiers: Mapping[str, Tier],
+                 block_size: int, owned: Callable[[], None]) -> None:  # fmt: skip
+        self.index, self._tables, self._tiers = index, tables, tiers
+        self.block_size, self._owned = block_size, owned
+
+    def _require(self, seq: SeqId) -> BlockTable:
+        table = self._tables.get(seq)
+        if table is None:
+            raise RuntimeError(f"sequence {seq!r} has no blocks in the pool")
+        return table
+
+    def match(self, token_ids: Sequence[int]) -> list[BlockRef]:
+        """The cached device blocks that start `token_ids` (longest verified chain)."""
+        return self.index.match(token_ids)
+
+    def attach(self, seq: SeqId, refs: Sequence[BlockRef]) -> int:
+        """Start the new sequence `seq` on shared cached blocks; return the tokens they hold."""
+        self._owned()
+        if seq in self._tables:
+            raise RuntimeError(f"sequence {seq!r} already has blocks; attach a prefix first")
+        table = BlockTable(seq, self.block_size)
+        self.index.attach(table, refs)
+        self._tables[seq] = table
+        return table.num_tokens
+
+    def stored(
+        self, token_ids: Sequence[int], after: Sequence[BlockRef] = (), tier: str = TierKind.SSD
+    ) -> list[bytes]:
+        """Content hashes of the blocks of `token_ids` that follow the blocks `after` (a
+        `match` result) and are held by the store tier `tier` (stored by an earlier
+        process, or written through by this one): the longest such chain."""
+        return self.index.stored(token_ids, after, tier)
+
+    def attach_stored(self, seq: SeqId, hashes: Sequence[bytes], tier: str = TierKind.SSD) -> int:
+        """Append to `seq` (new, or just attached) blocks of the store tier `tier` that hold
+        the stored content `hashes`, without reading them; return the tokens of `seq`.
+        Nothing changes (0 is returned) when the tier has no room for them."""
+        self._owned()
+        table = self._tables.get(seq) or BlockTable(seq, self.block_size)
+        if not self.index.attach_stored(table, hashes, tier):
+            return table.num_tokens if seq in self._tables else 0
+        self._tables[seq] = table
+        return table.num_tokens
+
+    def chain(self, seq: SeqId) -> list[bytes]:
+        """The published chain of `seq`: one content hash per full block, in order."""
+        return self.index.chain(seq)
+
+    def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
+        """Offer the full blocks of `seq` (holding `token_ids`) to the prefix cache.
+
+        Returns how many blocks of `seq` are now part of its published chain. Cached blocks
+        become read-only; a sequence only ever writes into its last, partial block.
+        """
+        self._owned()
+        return self.index.publish(self._require(seq), token_ids)
+
+    def resident_chain(self, seq: SeqId, start: int = 0) -> dict[str, list[tuple[int, bytes]]]:
+        """Published blocks [start, ...) of `seq` held in tensor tiers, per tier: (block id,
+        content hash) in table order (what a write-through copies to a store tier)."""
+        hashes = self.index.chain(seq)
+        refs = self._require(seq).refs
+        by_tier: dict[str, list[tuple[int, bytes]]] = {}
+        for i in range(start, len(hashes)):
+            if isinstance(self._tiers[refs[i].tier], TensorTier):
+                by_tier.setdefault(refs[i].tier, []).append((refs[i].block_id, hashes[i]))
+        return by_tier

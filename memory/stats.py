@@ -215,19 +215,26 @@ class HealthMonitor:
         clock: Clock = time.monotonic,
         predictor: OomPredictor | None = None,
         recent_s: float = RECENT_S,
+        stats: PoolStats | None = None,
     ) -> None:
         self.clock = clock
         self.predictor = predictor if predictor is not None else OomPredictor(clock=clock)
         self.recent_s = recent_s
+        self.stats = stats  # the pool's counters, counted with the events (None: not kept)
         self.preemptions = RecentEvents(clock, recent_s)
         self.checksum_failures = RecentEvents(clock, recent_s)
 
     def record_preemption(self) -> None:
         """Note a preemption now (an indicator near its limit for `recent_s`)."""
+        if self.stats is not None:
+            self.stats.record_preemption()
         self.preemptions.add()
 
-    def record_checksum_failure(self) -> None:
-        """Note a checksum failure now (the integrity indicator abnormal for `recent_s`)."""
+    def record_checksum_failure(self, n: int = 1) -> None:
+        """Note `n` stored values that failed their checksum now (detected, deleted, never
+        served: the integrity indicator abnormal for `recent_s`)."""
+        if self.stats is not None:
+            self.stats.record_checksum_failure(n)
         self.checksum_failures.add()
 
     def inputs(self, device_usage: float, tier_problems: tuple[str, ...] = ()) -> HealthInputs:

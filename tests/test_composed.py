@@ -362,7 +362,7 @@ def test_sinks_are_shared_through_the_remote_tier(tmp_path):
     assert b.match_prefix(1, tokens) == 3 * BS
     hits = b.stats()["disk_prefix_hits"]
     assert hits["remote_blocks"] == 3 and hits["side_loads"] == 1
-    assert b.placement.ssd.read_side(b.pool.content_hashes(1)[0]) is not None  # now local
+    assert b.placement.ssd.read_side(b.pool.sharing.chain(1)[0]) is not None  # now local
     b.close()
 
 

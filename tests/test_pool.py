@@ -121,12 +121,12 @@ def test_prefix_publish_attach_and_collision_safety():
     tokens = list(range(100, 110))
     pool.reserve("a", 10)
     fill(pool, "a", 0, 10, 7.0)
-    assert pool.publish("a", tokens) == 2  # two full blocks of 4; the partial one is not cached
-    refs = pool.match_prefix(tokens)
+    assert pool.sharing.publish("a", tokens) == 2  # two full blocks of 4; the partial one isn't
+    refs = pool.sharing.match(tokens)
     assert [r.block_id for r in refs] == pool.table("a").block_ids()[:2]
-    assert pool.match_prefix([100, 101, 102, 999, 104]) == []  # differs inside the first block
-    assert pool.attach_prefix("b", refs) == 8
-    pool.check("b")
+    assert pool.sharing.match([100, 101, 102, 999, 104]) == []  # differs inside the first block
+    assert pool.sharing.attach("b", refs) == 8
+    pool.table("b").check(pool.allocators)
     assert pool.allocators["device"].ref_count(refs[0].block_id) == 2
     pool.reserve("b", 3)  # b grows in its own block, never into the shared ones
     fill(pool, "b", 8, 3, 9.0)
@@ -135,7 +135,7 @@ def test_prefix_publish_attach_and_collision_safety():
     pool.free("a")
     pool.free("b")
     # Freed cached blocks stay revivable until reused.
-    assert len(pool.match_prefix(tokens)) == 2
+    assert len(pool.sharing.match(tokens)) == 2
     snap = pool.snapshot()
     assert snap["prefix"]["hits"] >= 4 and snap["tiers"]["device"]["num_used"] == 0
 
@@ -147,7 +147,7 @@ def test_table_pointing_at_foreign_block_is_named():
     stolen = pool.table("a")[0]
     pool.table("b").append_blocks("device", [stolen.block_id])
     with pytest.raises(RuntimeError, match=f"block {stolen.block_id}.*owned by sequence 'a'"):
-        pool.check("b")
+        pool.table("b").check(pool.allocators)
 
 
 def test_double_free_of_a_block_is_named():
@@ -286,23 +286,23 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
     tokens = list(range(6 * BS))
     pool.reserve("a", len(tokens))
     fill(pool, "a", 0, len(tokens), 1.0)
-    pool.publish("a", tokens)
+    pool.sharing.publish("a", tokens)
     assert pool.move("a", list(range(6)), "ssd")
-    hashes = pool.content_hashes("a")
+    hashes = pool.sharing.chain("a")
     pool.free("a")
-    assert pool.stored_prefix([*tokens, 0]) == hashes  # the whole chain is stored
+    assert pool.sharing.stored([*tokens, 0]) == hashes  # the whole chain is stored
     store.close()
     for h, s in [(hashes[1], 1), (hashes[3], 0), (hashes[4], 1)]:
         _lmdb_corrupt({"path": path}, h + s.to_bytes(2, "little"))
     ssd._store = store = create_store("lmdb", path=path, map_size=1 << 20)
 
-    assert pool.attach_stored("b", hashes) == len(tokens)
+    assert pool.sharing.attach_stored("b", hashes) == len(tokens)
     ids = [r.block_id for r in pool.table("b")]
     with pytest.raises(BlockLostError, match="3 corrupt stored values deleted") as lost:
         ssd.read_slice(ids, 0)  # slice 0 meets only hashes[3]; all three are found
     assert lost.value.corrupt == 3
     pool.free("b")
-    assert pool.stored_prefix([*tokens, 0]) == hashes[:1]  # a miss from the first corrupt one
+    assert pool.sharing.stored([*tokens, 0]) == hashes[:1]  # a miss from the first corrupt one
     assert not any(store.contains(h + s.to_bytes(2, "little")) for h in
                    (hashes[1], hashes[3], hashes[4]) for s in (0, 1))  # fmt: skip
     assert store.contains(hashes[2] + b"\0\0")  # intact blocks after it are kept
@@ -311,7 +311,7 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
     health = snap["health"]  # detected and recomputed, never served: one indicator, yellow
     assert health["status"] == "yellow" and "failed its checksum" in health["reasons"][0]
     assert health["signals"]["checksum_recent"]
-    assert pool.attach_stored("c", hashes[:1]) == BS
+    assert pool.sharing.attach_stored("c", hashes[:1]) == BS
     c = [r.block_id for r in pool.table("c")]
     assert all(torch.equal(ssd.read_slice(c, s)["kv"], torch.ones(1, BS, 3)) for s in (0, 1))
     store.close()

@@ -148,7 +148,7 @@ def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
         srv.start()
         try:
             remote.breaker.retry_at = 0.0  # the backoff is over (no waiting in a test)
-            key = next(iter(s.pool.content_hashes(0)))
+            key = next(iter(s.pool.sharing.chain(0)))
             remote.has_content(key)  # the trial reaches the server: closed again
             assert remote.breaker.state == "closed" and remote.problem() is None
             prefill(s, 1, TOKENS, seed=1)
@@ -201,7 +201,7 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
     st = b.stats()
     assert st["disk_prefix_hits"]["remote_blocks"] == 5
     assert st["remote"]["promoted_blocks"] == 5 and st["remote"]["breaker"]["state"] == "closed"
-    assert b.placement.ssd.has_content(b.pool.content_hashes(1)[0])  # promoted: now local
+    assert b.placement.ssd.has_content(b.pool.sharing.chain(1)[0])  # promoted: now local
     b.close()
     other = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
     assert other.match_prefix(1, TOKENS) == 0
@@ -212,7 +212,7 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
     a = tiny(tmp_path / "ssd-a", server.url)
     prefill(a, 0, TOKENS)
     a.placement.remote_writer.wait_writes()
-    third = a.pool.content_hashes(0)[2]
+    third = a.pool.sharing.chain(0)[2]
     namespace = a.placement.remote.store.namespace
     a.close()
     raw = redis.Redis.from_url(server.url)

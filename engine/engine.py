@@ -29,22 +29,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
-from unikv.kvstrategies.kv import KVCache, StepBatch
+from unikv.kvstrategies.kv import KVCache
 from unikv.kvstrategies.registry import Built
 from unikv.memory.pool import BlockLostError
 from unikv.settings.config import PoolConfig
 
-from . import compute
+from . import compute, requests
 from .assembly import Assembly, assemble, assemble_for
 from .loading import load_model
 from .model import LlamaModel
-from .sampling import SamplingParams, TokenLogprob, check_priority, logprobs_of, sample
-from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
+from .requests import Completion, Piece, Request, advance, prompt_ids
+from .sampling import SamplingParams, check_priority
+from .scheduler import PriorityOrder, Scheduler, SchedulerConfig
+from .stepping import StepRunner
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -54,81 +53,6 @@ PUBLISH_S = 0.05  # the memory report readers on other threads see is at most th
 # it), and under load every TRIM_S.
 IDLE_TRIM_S = 1.0
 TRIM_S = 30.0
-
-
-@dataclass(slots=True)
-class Completion:
-    """The result of one request."""
-
-    text: str
-    token_ids: list[int]  # generated, with the EOS or stop token that ended it (as vLLM counts)
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # With `SamplingParams.logprobs`: one per generated token; with `prompt_logprobs`: one per
-    # prompt token (None for the first, which nothing predicts).
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @property
-    def completion_tokens(self) -> int:
-        """Number of generated tokens."""
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class Piece:
-    """A piece of a request's stream: new text, the log-probabilities of the tokens generated
-    since the last piece (with `SamplingParams.logprobs`; the pieces' lists add up to the
-    completion's) and, on the first piece only, the prompt's (with `prompt_logprobs`)."""
-
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    decoder: IncrementalDecoder
-    gen: torch.Generator | None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    priority: int = 0  # lower runs first (vLLM's convention)
-    arrival: float = 0.0  # time.monotonic() at submission
-    num_computed: int = 0  # tokens fed through the model (their KV is in the cache)
-    output_ids: list[int] = field(default_factory=list)
-    prefix_hit: int = 0  # prompt tokens whose KV came from the prefix cache
-    emitted: int = 0  # characters of decoded text already streamed
-    finish_reason: str | None = None
-    cancelled: bool = False
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    stop_token: int | None = None  # the EOS or stop token that ended it (never fed)
-    logprobs_sent: int = 0  # of `logprobs`, how many went out with pieces
-    prompt_sent: bool = False  # whether the prompt's log-probabilities went out
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def wants_prompt_logits(self) -> bool:
-        """Whether every prompt token's logits are wanted (so none comes from the cache)."""
-        return self.params.prompt_logprobs is not None
-
-    @property
-    def generated(self) -> list[int]:
-        """The generated token ids as a client counts them: the outputs, then the EOS or stop
-        token that ended the request (vLLM's convention; its text is never in the answer)."""
-        return self.output_ids + ([] if self.stop_token is None else [self.stop_token])
-
-    @property
-    def tokens(self) -> list[int]:
-        """Everything to feed: the prompt, then the outputs (a stop token is never one)."""
-        return self.prompt_ids + self.output_ids
 
 
 class Engine:
@@ -151,7 +75,7 @@ class Engine:
             max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0,
             step_target_ms / 1000.0,
         )  # fmt: skip
-        order: PriorityOrder[_Request] = PriorityOrder(max_batch, priority_aging_s)
+        order: PriorityOrder[Request] = PriorityOrder(max_batch, priority_aging_s)
         self.model, self.tokenizer = model, tokenizer
         # A cache the caller gives stays the caller's to close; one built here is the engine's.
         self._assembly: Assembly | None = None
@@ -159,14 +83,18 @@ class Engine:
             self._assembly = assemble_for(model, strategy="full")
             kv = self._assembly.kv.strategy
         self.kv = kv
-        self.kv_choice = "full (default)" if self._assembly else type(kv).__name__
-        self.scheduler: Scheduler[_Request] = Scheduler(self.kv, plan_config, order)
+        self._runner = StepRunner(model, kv, tokenizer)
+        given = getattr(kv, "name", type(kv).__name__)
+        self.kv_choice = "full (default)" if self._assembly else given
+        # How the KV store was chosen and built (config, chip profile), when the engine built
+        # it; None for a store the caller gave.
+        self.built: Built | None = self._assembly.kv if self._assembly is not None else None
+        self.scheduler: Scheduler[Request] = Scheduler(self.kv, plan_config, order)
         self.peak_kv_bytes = 0
         self._ids = itertools.count()
-        self._inbox: deque[_Request] = deque()  # submitted, not yet given to the scheduler
-        self._cancels: deque[_Request] = deque()  # cancelled, not yet finished
-        self._outbox: list[tuple[_Request, tuple]] = []  # what a turn delivers to the queues
-        self._step_lps: dict[int, dict] = {}  # id(work) -> the log-probabilities it computed
+        self._inbox: deque[Request] = deque()  # submitted, not yet given to the scheduler
+        self._cancels: deque[Request] = deque()  # cancelled, not yet finished
+        self._outbox: list[tuple[Request, tuple]] = []  # what a turn delivers to the queues
         self._closed = self._cancel_all = False
         self._wakeup = asyncio.Event()
         self._published = self._report_now()  # nothing runs yet: read here, once
@@ -230,7 +158,7 @@ class Engine:
         except BaseException:
             parts.close()
             raise
-        engine._assembly = parts
+        engine._assembly, engine.built = parts, parts.kv
         engine.kv_choice = f"{parts.choice}; {sched.why}"
         return engine
 
@@ -303,12 +231,6 @@ class Engine:
         """The most requests that run in one step."""
         return self.scheduler.config.max_batch
 
-    @property
-    def built(self) -> Built | None:
-        """How the KV store was chosen and built (config, chip profile), when the engine built
-        it; None for a store the caller gave."""
-        return self._assembly.kv if self._assembly is not None else None
-
     def limit_batch(self, limit: int | None) -> None:
         """Admit at most `limit` requests into the running batch from now on (None: back to
         `max_batch`). Requests running beyond it finish; none is preempted for it. A replica in
@@ -343,13 +265,13 @@ class Engine:
 
     def _submit(
         self, prompt: str | Sequence[int], params: SamplingParams, chat: bool, priority: int
-    ) -> _Request:
+    ) -> Request:
         if self._closed:
             raise RuntimeError("the engine is closed")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         check_priority(priority)
-        ids = self._prompt_ids(prompt, chat)
+        ids = prompt_ids(self.tokenizer, self.model.cfg.vocab_size, prompt, chat)
         ctx = self.model.cfg.context_length
         if len(ids) >= ctx:
             raise ValueError(
@@ -357,7 +279,7 @@ class Engine:
                 f"(at most {ctx - 1} for the prompt)"
             )
         self.scheduler.check_fits(len(ids))
-        req = _Request(
+        req = Request(
             rid=next(self._ids),
             prompt_ids=ids,
             params=params,
@@ -370,25 +292,7 @@ class Engine:
         self._wakeup.set()
         return req
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("prompt is empty")
-            if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        if chat:
-            raise ValueError("chat=True needs a text prompt, not token ids")
-        return ids
-
-    def _cancel(self, req: _Request) -> None:
+    def _cancel(self, req: Request) -> None:
         """Cancel a request: the next turn of the loop (at once, or right after the step in
         flight) finishes it and frees its KV on the compute thread."""
         if req.finished or req.cancelled:
@@ -397,7 +301,7 @@ class Engine:
         self._cancels.append(req)
         self._wakeup.set()
 
-    def _finish(self, req: _Request, reason: str, error: BaseException | None = None) -> None:
+    def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         """Finish `req` (on the compute thread: frees its KV); its last text and completion go
         out through `_outbox`."""
         req.finish_reason = reason
@@ -409,9 +313,9 @@ class Engine:
             self._outbox.append((req, ("error", error)))
             return
         if reason != "cancelled":
-            piece = self._piece(req, req.text[req.emitted :])
-            if piece.text or piece.logprobs or piece.prompt_logprobs is not None:
-                self._outbox.append((req, ("text", piece)))
+            last = requests.piece(req, req.text[req.emitted :])
+            if last.text or last.logprobs or last.prompt_logprobs is not None:
+                self._outbox.append((req, ("text", last)))
             req.emitted = len(req.text)
         p = req.params
         ids = req.generated
@@ -422,17 +326,6 @@ class Engine:
             [None, *req.prompt_logprobs] if p.prompt_logprobs is not None else None,
         )  # fmt: skip
         self._outbox.append((req, ("done", done)))
-
-    @staticmethod
-    def _piece(req: _Request, text: str) -> Piece:
-        """The next piece of `req`'s stream: `text` and the log-probabilities not yet sent."""
-        p, piece = req.params, Piece(text)
-        if p.logprobs is not None:
-            n = len(req.generated)
-            piece.logprobs, req.logprobs_sent = req.logprobs[req.logprobs_sent : n], n
-        if p.prompt_logprobs is not None and not req.prompt_sent:
-            piece.prompt_logprobs, req.prompt_sent = [None, *req.prompt_logprobs], True
-        return piece
 
     def _flush(self) -> None:
         """Deliver what the last turn collected (on the event loop: asyncio queues)."""
@@ -450,7 +343,8 @@ class Engine:
         while True:
             if self._idle():
                 if self._closed:
-                    await compute.run(self._release)
+                    # The loop ends: the pool has no owner thread any more (a caller may use it).
+                    await compute.run(_own_pool, self.kv, None)
                     return
                 self._wakeup.clear()
                 if self._ran_since_trim:
@@ -478,7 +372,14 @@ class Engine:
                     continue
             except Exception as e:  # a scheduler bug must not hang every caller
                 log.exception("scheduler step failed")
-                await compute.run(self._fail_all, e)
+
+                def fail_all(e: Exception = e) -> None:
+                    for req in [*self.scheduler.drain(), *self._inbox]:
+                        if not req.finished:
+                            self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
+                    self._published = self._report_now()
+
+                await compute.run(fail_all)
                 self._flush()
             # Give consumers a chance to run (and cancel) between steps.
             await asyncio.sleep(0)
@@ -491,18 +392,6 @@ class Engine:
             why = "cancelled" if task.cancelled() else task.exception() or "the engine was closed"
             raise RuntimeError(f"the engine loop stopped: {why}")
 
-    def _fail_all(self, e: Exception) -> None:
-        for req in [*self.scheduler.drain(), *self._inbox]:
-            if not req.finished:
-                self._finish(req, "error", RuntimeError(f"scheduler failure: {e}"))
-        self._published = self._report_now()
-
-    def _release(self) -> None:
-        """The loop ends: the pool has no owner thread any more (a caller may use it)."""
-        pool = getattr(self.kv, "pool", None)
-        if pool is not None:
-            pool.owner = None
-
     async def _step(self) -> bool:
         """One turn on the compute thread (`_turn`), then its deliveries on the event loop;
         False when nothing ran."""
@@ -514,11 +403,9 @@ class Engine:
     def _turn(self, now: float) -> bool:
         """Admit, reap cancellations, plan, run the forward pass and book its results; publish
         the memory report. On the compute thread (the pool's owner)."""
-        pool = getattr(self.kv, "pool", None)
-        if pool is not None:
-            pool.owner = threading.get_ident()
+        _own_pool(self.kv, threading.get_ident())
         try:
-            return self._turn_inner(now)
+            return self._turn_body(now)
         finally:
             # The report costs about 0.5 ms (2% of a decode step): published when a request
             # ended or the engine goes idle (what callers wait for), else at most every
@@ -535,7 +422,7 @@ class Engine:
         compute.trim_heap()
         self._trimmed_at, self._ran_since_trim = time.monotonic(), False
 
-    def _turn_inner(self, now: float) -> bool:
+    def _turn_body(self, now: float) -> bool:
         while self._inbox:
             self.scheduler.add(self._inbox.popleft())
         if self._cancel_all:
@@ -554,7 +441,7 @@ class Engine:
             return False  # preempted this round, or held by the window; admission brings it
         t0 = time.perf_counter()
         self._ran_since_trim = True
-        results = self._execute_isolated(plan.work)
+        results = self._runner.run(plan.work)
         self.scheduler.timed(sum(len(w.tokens) for w in plan.work), time.perf_counter() - t0)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
         for work, outcome in results:
@@ -570,133 +457,22 @@ class Engine:
             elif isinstance(outcome, BaseException):
                 self._finish(req, "error", outcome)
             else:
-                lps = self._step_lps.get(id(work), {})
+                lps = self._runner.logprobs.get(id(work), {})
                 req.prompt_logprobs.extend(lps.get("prompt", ()))
                 if "token" in lps:
                     req.logprobs.append(lps["token"])
                 self.scheduler.computed(work)
                 if outcome is not None:
-                    self._emit(req, outcome)
+                    eos, ctx = self.tokenizer.eos_id, self.model.cfg.context_length
+                    text, reason = advance(req, outcome, eos, ctx)
+                    if text:
+                        self._outbox.append((req, ("text", requests.piece(req, text))))
+                    if reason is not None:
+                        self._finish(req, reason)
                 elif work.needs_logits and req.params.max_new_tokens == 0:
                     self._finish(req, "length")  # the prompt alone was asked for
-        self._step_lps.clear()
+        self._runner.logprobs.clear()
         return True
-
-    def _execute_isolated(self, plan: list[Work[_Request]]) -> list[tuple[Work[_Request], object]]:
-        """Run the batch; if it fails, rerun each request alone so one failure stays its own.
-
-        NOTE: a forward pass that raises has rolled its KV back (`kv.abort_step`, before the
-        commit), so running the requests again appends nothing twice; what follows the commit
-        (sampling) fails per request inside `_execute` and never reaches this retry."""
-        try:
-            return list(zip(plan, self._execute(plan), strict=True))
-        except Exception as batch_error:
-            if len(plan) == 1:
-                return [(plan[0], batch_error)]
-            log.warning("batched step failed (%s); retrying requests one by one", batch_error)
-            out = []
-            for work in plan:
-                try:
-                    out.append((work, self._execute([work])[0]))
-                except Exception as e:
-                    out.append((work, e))
-            return out
-
-    def _execute(self, plan: list[Work[_Request]]) -> list[int | BaseException | None]:
-        """One forward pass over the plan; returns per work item the sampled token, None (a
-        prompt chunk), or the exception its own sampling raised: after the step's KV is
-        committed nothing fails for the batch."""
-        tokens, positions, rows = [], [], []
-        spans = []  # per item: its rows in the logits (prompt logprobs: all, else the last)
-        for w in plan:
-            start = w.req.num_computed
-            first = len(tokens)
-            tokens.extend(w.tokens)
-            positions.extend(range(start, start + len(w.tokens)))
-            if w.req.wants_prompt_logits and start < len(w.req.prompt_ids):
-                span = range(len(rows), len(rows) + len(w.tokens))
-                rows.extend(range(first, len(tokens)))
-            elif w.needs_logits:
-                span = range(len(rows), len(rows) + 1)
-                rows.append(len(tokens) - 1)
-            else:
-                span = range(0)
-            spans.append(span)
-        batch = StepBatch(
-            [w.req.rid for w in plan],
-            [len(w.tokens) for w in plan],
-            [not w.needs_logits for w in plan],  # a prompt chunk that more of the prompt follows
-        )
-        dev = self.model.device
-        logits = self.model.forward(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv,
-            batch,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        )
-        out: list[int | BaseException | None] = []
-        for w, span in zip(plan, spans, strict=True):
-            try:  # this request's values: a failure here is its own
-                out.append(self._book(w, logits[span.start : span.stop]))
-            except Exception as e:
-                out.append(e)
-        return out
-
-    def _book(self, w: Work[_Request], logits: torch.Tensor) -> int | None:
-        """The token sampled for `w` from its rows of logits (None: a prompt chunk, or a
-        prompt-only request); the log-probabilities it asked for go to `self._step_lps`."""
-        req, p = w.req, w.req.params
-        lps: dict[str, object] = {}
-        if req.wants_prompt_logits and req.num_computed < len(req.prompt_ids) - 1:
-            # row i (position start + i) predicts the prompt token at start + i + 1
-            start, n = req.num_computed, len(req.prompt_ids)
-            nxt = req.prompt_ids[start + 1 : min(start + len(w.tokens), n - 1) + 1]
-            lps["prompt"] = logprobs_of(logits[: len(nxt)], nxt, p.prompt_logprobs)
-        token = None
-        if w.needs_logits and p.max_new_tokens > 0:
-            row = logits[-1]
-            banned = ()
-            if len(req.output_ids) < p.min_tokens:
-                eos = self.tokenizer.eos_id
-                banned = (*p.stop_token_ids, *(() if eos is None or p.ignore_eos else (eos,)))
-            seen = req.tokens if p.repetition_penalty != 1.0 else ()
-            token = sample(row, p, req.gen, seen, banned)
-            if p.logprobs is not None:
-                lps["token"] = logprobs_of(row.unsqueeze(0), [token], p.logprobs)[0]
-        self._step_lps[id(w)] = lps
-        return token
-
-    def _emit(self, req: _Request, token: int) -> None:
-        """Record a sampled token, stream new text, and finish the request when it should stop."""
-        p = req.params
-        eos = self.tokenizer.eos_id
-        if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
-            req.stop_token = token
-            self._finish(req, "stop")
-            return
-        req.output_ids.append(token)
-        req.decoder.push(token)
-        text = req.decoder.text
-        hold = 0
-        if p.stop:
-            # Search only where a stop string could newly end.
-            longest = max(map(len, p.stop))
-            tail_from = max(0, len(req.text) - longest)
-            hits = [i for s in p.stop if (i := text.find(s, tail_from)) >= 0]
-            if hits:
-                req.text = text[: min(hits)]
-                self._finish(req, "stop")
-                return
-            hold = longest - 1  # a stop string may be starting at the end of the text
-        req.text = text
-        safe = max(req.emitted, len(text) - hold)
-        if safe > req.emitted:
-            self._outbox.append((req, ("text", self._piece(req, text[req.emitted : safe]))))
-            req.emitted = safe
-        ctx = self.model.cfg.context_length
-        if len(req.output_ids) >= p.max_new_tokens or req.num_computed + 1 >= ctx:
-            self._finish(req, "length")
 
 
 @runtime_checkable
@@ -723,7 +499,7 @@ class ServedEngine(Protocol):
 class RequestHandle:
     """One submitted request: iterate it for text pieces, or await `result()`."""
 
-    def __init__(self, engine: Engine, req: _Request) -> None:
+    def __init__(self, engine: Engine, req: Request) -> None:
         self._engine, self._req = engine, req
         self.completion: Completion | None = None
 
@@ -762,3 +538,10 @@ class RequestHandle:
     def cancel(self) -> None:
         """Cancel the request (no-op once it has finished); its KV memory is released."""
         self._engine._cancel(self._req)
+
+
+def _own_pool(kv: KVCache, ident: int | None) -> None:
+    """Make thread `ident` the only one that may mutate `kv`'s pool (None: any thread)."""
+    pool = getattr(kv, "pool", None)
+    if pool is not None:
+        pool.owner = ident

@@ -323,7 +323,7 @@ async def test_a_failing_sample_fails_its_request_alone_and_appends_nothing_twic
     the engine re-run the whole batch one by one on top of the committed KV (every co-batched
     sequence's cache grew by the step twice). Now sampling fails per request: the others'
     tokens equal their solo runs and every cache holds exactly its request's tokens."""
-    import unikv.engine.engine as eng
+    import unikv.engine.stepping as eng  # where the step samples
 
     real = eng.sample
 
@@ -376,13 +376,13 @@ async def test_only_the_compute_thread_touches_the_pool(model, tokenizer):
     engine = Engine(model, tokenizer, max_batch=8)
     pool = engine.kv.pool
     seen: set[int] = set()
-    health = pool.health
+    snapshot = pool.snapshot
 
     def spy():
         seen.add(threading.get_ident())
-        return health()
+        return snapshot()
 
-    pool.health = spy
+    pool.snapshot = spy
     try:
         long = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
         other = engine.submit(PROMPTS[0], GREEDY_16)
@@ -393,7 +393,7 @@ async def test_only_the_compute_thread_touches_the_pool(model, tokenizer):
         long.cancel()
         await until(lambda: long._req.finish_reason is not None)
         assert (await other.result()).finish_reason == "length"
-        assert seen == {compute.thread_id()}  # the report's health sample: compute thread only
+        assert seen == {compute.thread_id()}  # the report's pool snapshot: compute thread only
         assert pool.owner == compute.thread_id()
         with pytest.raises(RuntimeError, match="only its owner"):
             pool.free(long._req.rid)  # a mutation from the event loop's thread

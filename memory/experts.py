@@ -130,18 +130,7 @@ class ExpertCache:
         first, so every layer gets its share. `rebalance_every` observations (None: never)
         trigger `rebalance`, which multiplies the counts by `decay` afterwards.
         """
-        keys = list(weights.keys())
-        if not keys:
-            raise ValueError("weights holds no routed expert")
-        for k in keys:
-            if not (
-                isinstance(k, tuple)
-                and len(k) == 2
-                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in k)
-            ):
-                raise ValueError(
-                    f"expert keys must be (layer, expert) pairs of ints >= 0, got {k!r}"
-                )
+        keys = _checked_keys(weights)
         num = len(keys)
         device_capacity = _count("device_capacity", device_capacity, low=1)
         if host_capacity is None:
@@ -168,19 +157,8 @@ class ExpertCache:
         self._lru = device_capacity < num  # False: everything is resident, get is a lookup
 
         # Routing counts per layer: float64 (they decay), numpy views for scalar reads.
-        per_layer: dict[int, int] = {}
-        for layer, e in keys:
-            per_layer[layer] = max(per_layer.get(layer, 0), e + 1)
-        self._counts = {
-            layer: torch.zeros(n, dtype=torch.float64) for layer, n in per_layer.items()
-        }
+        self._counts = _routing_counts(keys, frequencies or {})
         self._counts_np = {layer: c.numpy() for layer, c in self._counts.items()}
-        for k, f in (frequencies or {}).items():
-            if k not in weights:
-                raise ValueError(f"frequencies names {k!r}, which is not a routed expert here")
-            if isinstance(f, bool) or not isinstance(f, int | float) or not f >= 0:
-                raise ValueError(f"frequency of {k!r} must be a number >= 0, got {f!r}")
-            self._counts_np[k[0]][k[1]] = f
 
         self._n = _Counters()
         self._device: OrderedDict[Key, Weights] = OrderedDict()  # LRU order: oldest first
@@ -201,37 +179,40 @@ class ExpertCache:
         # Hottest first; ties by expert index, then layer: every layer gets its low experts.
         order = sorted(keys, key=lambda k: (-self._freq(k), k[1], k[0]))
         try:
-            if on_ssd:
-                assert ssd_path is not None
-                _remove_stale(Path(ssd_path))
-                self.ssd_dir = Path(ssd_path) / f"experts-{os.getpid()}-{secrets.token_hex(4)}"
-                self.ssd_dir.mkdir(parents=True)
-                self._scratch.directory = self.ssd_dir
-                # The map starts at 1 GiB of address space and doubles as the store fills.
-                self.store = create_store(
-                    "lmdb", path=self.ssd_dir, max_map_size=1 << 44, sync=False
-                )
-                self._scratch.store = self.store
-            # The device's LRU order starts coldest first, so the coldest leaves first.
-            for k in reversed(order[:n_dev]):
-                self._device[k] = self._adopt(k, weights[k], self.device)
-            for k in order[n_dev : n_dev + n_host]:
-                self._host[k] = self._adopt(k, weights[k], None)
-            batch: dict[Key, Weights] = {}
-            size = 0
-            for k in order[n_dev + n_host :]:
-                batch[k] = self._adopt(k, weights[k], torch.device("cpu"))
-                size += self._nbytes[k]
-                if size >= _WRITE_BATCH_BYTES:
-                    self._write(batch)
-                    batch, size = {}, 0
-            self._write(batch)
+            self._place(weights, order, n_dev, n_host, ssd_path)
         except BaseException:
             self.close()
             raise
         self._ssd = set(order[n_dev + n_host :])
         self._n.ssd_writes = self._n.ssd_bytes_written = 0  # the initial placement is no traffic
         self._cold = sorted(self._host, key=self._freq, reverse=True)
+
+    def _place(self, weights, order: list[Key], n_dev: int, n_host: int, ssd_path) -> None:
+        """The initial placement: `order`'s first `n_dev` on the device, the next `n_host` on
+        host, the rest written to a fresh SSD store under `ssd_path`."""
+        if len(order) > n_dev + n_host:
+            assert ssd_path is not None
+            _remove_stale(Path(ssd_path))
+            self.ssd_dir = Path(ssd_path) / f"experts-{os.getpid()}-{secrets.token_hex(4)}"
+            self.ssd_dir.mkdir(parents=True)
+            self._scratch.directory = self.ssd_dir
+            # The map starts at 1 GiB of address space and doubles as the store fills.
+            self.store = create_store("lmdb", path=self.ssd_dir, max_map_size=1 << 44, sync=False)
+            self._scratch.store = self.store
+        # The device's LRU order starts coldest first, so the coldest leaves first.
+        for k in reversed(order[:n_dev]):
+            self._device[k] = self._adopt(k, weights[k], self.device)
+        for k in order[n_dev : n_dev + n_host]:
+            self._host[k] = self._adopt(k, weights[k], None)
+        batch: dict[Key, Weights] = {}
+        size = 0
+        for k in order[n_dev + n_host :]:
+            batch[k] = self._adopt(k, weights[k], torch.device("cpu"))
+            size += self._nbytes[k]
+            if size >= _WRITE_BATCH_BYTES:
+                self._write(batch)
+                batch, size = {}, 0
+        self._write(batch)
 
     @classmethod
     def from_fractions(
@@ -320,7 +301,7 @@ class ExpertCache:
     def rebalance(self) -> int:
         """Re-rank host vs SSD residents by routing count (hottest on host), then decay the
         counts; return how many experts changed tier."""
-        self._check_open()
+        _check_open(self)
         self._since_rebalance = 0
         moved, lost = 0, []
         if self._ssd and self.host_capacity:
@@ -351,7 +332,7 @@ class ExpertCache:
                 c.mul_(self.decay)
         self._n.rebalances += 1
         if lost:
-            raise ExpertLoadError(lost, self._store_file())
+            raise ExpertLoadError(lost, self.ssd_dir / "data.mdb")
         return moved
 
     def tier_of(self, layer: int, expert: int) -> str:
@@ -430,10 +411,6 @@ class ExpertCache:
     def _freq(self, key: Key) -> float:
         return float(self._counts_np[key[0]][key[1]])
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("the expert cache is closed")
-
     def _adopt(
         self, key: Key, tensors: Sequence[torch.Tensor], device: torch.device | None
     ) -> Weights:
@@ -462,13 +439,13 @@ class ExpertCache:
 
     def _load(self, keys: list[Key]) -> dict[Key, Weights]:
         """Promote `keys` (none on the device) to the device, reading the SSD ones in one batch."""
-        self._check_open()
+        _check_open(self)
         for k in keys:
             if k not in self._host and k not in self._ssd:
                 raise ValueError(f"no routed expert (layer {k[0]}, expert {k[1]}) in this cache")
         staged, lost = self._read([k for k in keys if k in self._ssd])
         if lost:
-            raise ExpertLoadError(lost, self._store_file())
+            raise ExpertLoadError(lost, self.ssd_dir / "data.mdb")
         out: dict[Key, Weights] = {}
         pending = set(keys)  # not pushed from host to SSD while they wait for their turn
         for k in keys:
@@ -579,10 +556,6 @@ class ExpertCache:
             del out[k]
         return out, lost
 
-    def _store_file(self) -> Path:
-        assert self.ssd_dir is not None
-        return self.ssd_dir / "data.mdb"
-
 
 def _store_key(key: Key) -> bytes:
     return b"x" + key[0].to_bytes(4, "little") + key[1].to_bytes(4, "little")
@@ -601,6 +574,42 @@ class _Scratch:
             self.store.close()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _check_open(cache: ExpertCache) -> None:
+    if cache._closed:
+        raise ValueError("the expert cache is closed")
+
+
+def _checked_keys(weights: Mapping[Key, object]) -> list[Key]:
+    """The (layer, expert) keys of `weights`; a ValueError for none or a malformed one."""
+    keys = list(weights.keys())
+    if not keys:
+        raise ValueError("weights holds no routed expert")
+    for k in keys:
+        if not (
+            isinstance(k, tuple)
+            and len(k) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in k)
+        ):
+            raise ValueError(f"expert keys must be (layer, expert) pairs of ints >= 0, got {k!r}")
+    return keys
+
+
+def _routing_counts(keys: list[Key], frequencies: Mapping[Key, float]) -> dict[int, torch.Tensor]:
+    """Per layer, float64 routing counts of its experts, from the initial `frequencies`."""
+    per_layer: dict[int, int] = {}
+    for layer, e in keys:
+        per_layer[layer] = max(per_layer.get(layer, 0), e + 1)
+    counts = {layer: torch.zeros(n, dtype=torch.float64) for layer, n in per_layer.items()}
+    known = set(keys)
+    for k, f in frequencies.items():
+        if k not in known:
+            raise ValueError(f"frequencies names {k!r}, which is not a routed expert here")
+        if isinstance(f, bool) or not isinstance(f, int | float) or not f >= 0:
+            raise ValueError(f"frequency of {k!r} must be a number >= 0, got {f!r}")
+        counts[k[0]][k[1]] = f
+    return counts
 
 
 def _remove_stale(root: Path) -> None:

@@ -191,6 +191,15 @@ def create_app(server: Server) -> FastAPI:
     # streamed responses short): the API key on /v1/*, and the body size by Content-Length.
     app.add_middleware(_Guard, settings=settings)
 
+    _add_error_handlers(app)
+    _add_api_routes(app, server)
+    _add_operator_routes(app, server)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's error shape."""
+
     @app.exception_handler(p.APIError)
     async def api_error(request: Request, exc: p.APIError):
         return _error(exc)
@@ -207,6 +216,11 @@ def create_app(server: Server) -> FastAPI:
     async def internal(request: Request, exc: Exception):
         log.exception("request failed")
         return _error(p.APIError(500, "internal server error", type="server_error"))
+
+
+def _add_api_routes(app: FastAPI, server: Server) -> None:
+    """The OpenAI-compatible API and vLLM's token routes."""
+    settings = server.settings
 
     @app.get("/v1/models")
     async def models():
@@ -277,6 +291,10 @@ def create_app(server: Server) -> FastAPI:
                              param="tokens")  # fmt: skip
         return _with(body, {"prompt": server.engine.tokenizer.decode(body.tokens)})
 
+
+def _add_operator_routes(app: FastAPI, server: Server) -> None:
+    """What operators and probes read: health, readiness, metrics, the dashboard."""
+
     def view() -> tuple[dict, bool]:
         v = server.health()
         body = v.as_dict()
@@ -321,8 +339,6 @@ def create_app(server: Server) -> FastAPI:
             "in_flight": server.in_flight,
             "series": server.series(),
         }
-
-    return app
 
 
 # Paths behind the API key when one is set: the API, and (unless `public_metrics`) what shows
@@ -669,40 +685,7 @@ async def _stream(
     come (each chunk names its `index`), with the log-probabilities of the tokens each piece
     completes and, with `echo`, the prompt first. The requests are cancelled if the client
     leaves (Starlette cancels this generator, and `finally` cancels them)."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    created, model = p.now(), server.settings.model_name
-    tok = server.engine.tokenizer
-    wanted = body.token_logprobs() is not None
-    echo = getattr(body, "echo", False)
-    offsets = [0] * len(handles)  # completions' text_offset, per choice
-
-    def decode(token_id: int) -> str:
-        return tok.decode([token_id], skip_special=False)
-
-    def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
-              lps: list | None = None, tokens: list[str] | None = None) -> str:  # fmt: skip
-        if chat:
-            delta: dict = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            lp = p.chat_logprobs(lps, decode) if wanted and lps else None
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            lp = None
-            if wanted and lps:
-                tokens = tokens or [decode(x.token_id) for x in lps]
-                lp = p.completion_logprobs(tokens, lps, offsets[i], decode)
-                offsets[i] += sum(map(len, tokens))
-            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-        if body.include_usage:
-            data["usage"] = None
-        return f"data: {json.dumps(data)}\n\n"
-
-    def echoed(i: int, prompt_lps: list | None) -> str:
-        prompt_tokens = [decode(t) for t in ids]
-        return chunk(i, tok.decode(ids, skip_special=False), lps=prompt_lps, tokens=prompt_tokens)
-
+    out = _Chunks(server, body, rid, chat, ids)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
@@ -715,11 +698,11 @@ async def _stream(
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     lats = [_Latency(server, t0) for _ in handles]
-    unechoed = set(range(len(handles))) if echo and not chat else set()
+    unechoed = set(range(len(handles))) if getattr(body, "echo", False) and not chat else set()
     try:
         if chat:
             for i in range(len(handles)):
-                yield chunk(i, "", role=True)
+                yield out.chunk(i, "", role=True)
         running = len(handles)
         while running:
             i, item = await queue.get()
@@ -727,32 +710,19 @@ async def _stream(
                 raise item
             if i in unechoed:
                 unechoed.discard(i)
-                yield echoed(i, item.prompt_logprobs if item is not None else None)
+                yield out.echoed(i, item.prompt_logprobs if item is not None else None)
             if item is None:
                 done = handles[i].completion
-                yield chunk(i, None if chat else "", p.finish_reason(done.finish_reason))
+                yield out.chunk(i, None if chat else "", p.finish_reason(done.finish_reason))
                 lats[i].finished(handles[i])
                 running -= 1
                 continue
             if item.text or item.logprobs:
                 if item.text:
                     lats[i].piece()
-                yield chunk(i, item.text, lps=item.logprobs)
+                yield out.chunk(i, item.text, lps=item.logprobs)
         if body.include_usage:
-            first = handles[0].completion
-            u = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": p.usage(
-                    first.prompt_tokens,
-                    sum(h.completion.completion_tokens for h in handles),
-                    first.cached_tokens,
-                ),  # fmt: skip
-            }
-            yield f"data: {json.dumps(u)}\n\n"
+            yield out.usage(handles)
         yield "data: [DONE]\n\n"
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
         if service_fault(e):
@@ -767,6 +737,62 @@ async def _stream(
         for h in handles:
             h.cancel()  # no-op once finished; frees the KV of a request whose client left
         server.in_flight -= 1
+
+
+class _Chunks:
+    """One stream's server-sent events in OpenAI's chunk format: a choice's text and the
+    log-probabilities of the tokens it completes (completions keep each choice's text offset),
+    the echoed prompt, the usage chunk."""
+
+    def __init__(self, server: Server, body: p._Sampling, rid: str, chat: bool,
+                 ids: list[int]) -> None:  # fmt: skip
+        self.body, self.rid, self.chat, self.ids = body, rid, chat, ids
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.created, self.model = p.now(), server.settings.model_name
+        self.tok = server.engine.tokenizer
+        self.wanted = body.token_logprobs() is not None
+        self.offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+    def decode(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special=False)
+
+    def _event(self, data: dict) -> str:
+        head = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model}
+        return f"data: {json.dumps(head | data)}\n\n"
+
+    def chunk(self, i: int, text: str | None, finish: str | None = None, role: bool = False,
+              lps: list | None = None, tokens: list[str] | None = None) -> str:  # fmt: skip
+        if self.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            lp = p.chat_logprobs(lps, self.decode) if self.wanted and lps else None
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            lp = None
+            if self.wanted and lps:
+                tokens = tokens or [self.decode(x.token_id) for x in lps]
+                at = self.offsets.get(i, 0)
+                lp = p.completion_logprobs(tokens, lps, at, self.decode)
+                self.offsets[i] = at + sum(map(len, tokens))
+            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        data: dict = {"choices": [choice]}
+        if self.body.include_usage:
+            data["usage"] = None
+        return self._event(data)
+
+    def echoed(self, i: int, prompt_lps: list | None) -> str:
+        """The prompt as choice `i`'s first text, with its log-probabilities."""
+        prompt_tokens = [self.decode(t) for t in self.ids]
+        text = self.tok.decode(self.ids, skip_special=False)
+        return self.chunk(i, text, lps=prompt_lps, tokens=prompt_tokens)
+
+    def usage(self, handles: list[RequestHandle]) -> str:
+        """The last chunk of a stream with `include_usage`: no choices, the usage."""
+        first = handles[0].completion
+        completion = sum(h.completion.completion_tokens for h in handles)
+        usage = p.usage(first.prompt_tokens, completion, first.cached_tokens)
+        return self._event({"choices": [], "usage": usage})
 
 
 def _too_large(limit: int) -> p.APIError:

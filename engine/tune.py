@@ -240,11 +240,9 @@ def tune_hybrid(
 
     `on_step(step)` is called after each step's checkpoint decision (tests interrupt there)."""
     from unikv import kvstrategies
-    from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
     from unikv.kvstrategies.hybrid_qat import FakeQuant
     from unikv.kvstrategies.packed import channel_plan
 
-    from .hf_loader import checkpoint_config, save_hf
     from .loading import load_weights
     from .model import LlamaModel
     from .recording import ensure_calibration
@@ -256,24 +254,13 @@ def tune_hybrid(
     if settings.seq_len % block:
         raise ValueError(f"--seq-len must be a multiple of the block size {block}")
     out = Path(out)
-    ckpt_path = out / CHECKPOINT
-    if resume and not ckpt_path.exists():
-        raise ValueError(f"nothing to resume: {ckpt_path} does not exist")
-    if not resume and out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; pass --resume to continue a run there")
+    ckpt_path = _checkpoint_path(out, resume)
     opts = hybrid.check_options(options)
     cfg, tensors, tokenizer, source = load_weights(model, progress=progress)
     check_tunable(cfg, "hybrid_fp16_int4")
     ids = tokenizer.encode(text)
     need = settings.batch * settings.seq_len
-    if len(ids) < need:
-        raise ValueError(
-            f"the text has {len(ids)} tokens; one batch needs --batch x --seq-len = {need}"
-        )
-    if settings.seq_len > cfg.context_length:
-        raise ValueError(
-            f"--seq-len {settings.seq_len} exceeds the context of {cfg.context_length}"
-        )
+    _check_text(len(ids), need, settings.seq_len, cfg.context_length)
     # The channel plan the tuning targets: the base model's calibration (computed if missing).
     base = LlamaModel(cfg, tensors)
     base.source = source  # a tuned model keeps its own plan
@@ -293,19 +280,7 @@ def tune_hybrid(
            "options": {k: opts[k] for k in _QUANT_KEYS}}  # fmt: skip
     step, history = 0, []
     if resume:
-        ck = torch.load(ckpt_path, map_location=device, weights_only=True)
-        if ck.get("format") != FORMAT:
-            raise ValueError(f"{ckpt_path}: not a unikv tuning checkpoint of format {FORMAT}")
-        for key, value in run.items():
-            if ck["run"].get(key) != value:
-                raise ValueError(
-                    f"--resume: {key} differs from the checkpoint's ({ck['run'].get(key)!r} "
-                    f"there, {value!r} now); resume with the same arguments"
-                )
-        net.load_state_dict(ck["params"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step, history = ck["step"], ck["history"]
+        step, history = _resume(ckpt_path, device, run, net, opt, sched)
     out.mkdir(parents=True, exist_ok=True)
 
     def checkpoint() -> None:
@@ -320,20 +295,7 @@ def tune_hybrid(
         while step < settings.steps:
             starts = batch_windows(len(ids), settings, step)
             toks = torch.tensor([ids[s : s + settings.seq_len] for s in starts], device=device)
-            with torch.no_grad():
-                target = F.log_softmax(net(toks, base=True)[0], -1)
-            opt.zero_grad(set_to_none=True)
-            # One graph at a time: the two passes' gradients add up.
-            kl_full = torch.zeros(())
-            if settings.anchor:
-                kl_full = _kl(target, net(toks)[0])
-                (settings.anchor * kl_full).backward()
-            logits, qerr = net(toks, quant)
-            kl = _kl(target, logits)
-            (kl + settings.lam * qerr).backward()
-            del logits
-            torch.nn.utils.clip_grad_norm_(params, settings.clip)
-            opt.step()
+            kl, kl_full, qerr = _train_step(net, quant, opt, params, toks, settings)
             sched.step()
             step += 1
             history.append((kl.item(), kl_full.item(), qerr.item()))
@@ -354,12 +316,90 @@ def tune_hybrid(
     bar.close()
     seconds = time.perf_counter() - t0
 
-    # The tuned model: an HF checkpoint directory, then the calibration under its identity.
-    save_hf(cfg, net.merged(tensors), tokenizer, out)
+    tuned_cfg = _save_tuned(out, cfg, net.merged(tensors), tokenizer, cal)
+    return _result(out, cfg, tuned_cfg, run, history, step, first, seconds, need)
+
+
+def _save_tuned(out: Path, cfg, tensors, tokenizer, calibration: Path):
+    """The tuned model as an HF checkpoint directory, then the base model's calibration under
+    the tuned model's identity; the tuned model's config."""
+    from unikv.kvstrategies.calibration import TUNED_FILE, ChannelStats
+
+    from .hf_loader import checkpoint_config, save_hf
+
+    save_hf(cfg, tensors, tokenizer, out)
     tuned_cfg, _ = checkpoint_config(out)
-    stats = ChannelStats.load(cal, cfg.identity, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    stats = ChannelStats.load(calibration, cfg.identity, shape)
     stats.identity = tuned_cfg.identity
     stats.save(out / TUNED_FILE)
+    return tuned_cfg
+
+
+def _checkpoint_path(out: Path, resume: bool) -> Path:
+    """Where the run's checkpoint lives; a ValueError for a resume with none, or a new run
+    into a directory that holds something."""
+    ckpt_path = out / CHECKPOINT
+    if resume and not ckpt_path.exists():
+        raise ValueError(f"nothing to resume: {ckpt_path} does not exist")
+    if not resume and out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; pass --resume to continue a run there")
+    return ckpt_path
+
+
+def _check_text(n_ids: int, need: int, seq_len: int, context: int) -> None:
+    """A ValueError when the text cannot fill one batch or a window exceeds the context."""
+    if n_ids < need:
+        raise ValueError(
+            f"the text has {n_ids} tokens; one batch needs --batch x --seq-len = {need}"
+        )
+    if seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} exceeds the context of {context}")
+
+
+def _resume(ckpt_path: Path, device, run: dict, net, opt, sched) -> tuple[int, list]:
+    """Load a tuning checkpoint into the network, optimizer and schedule: (step, history). A
+    checkpoint of another run (model, text, settings, options) is refused, naming what
+    differs."""
+    ck = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if ck.get("format") != FORMAT:
+        raise ValueError(f"{ckpt_path}: not a unikv tuning checkpoint of format {FORMAT}")
+    for key, value in run.items():
+        if ck["run"].get(key) != value:
+            raise ValueError(
+                f"--resume: {key} differs from the checkpoint's ({ck['run'].get(key)!r} "
+                f"there, {value!r} now); resume with the same arguments"
+            )
+    net.load_state_dict(ck["params"])
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    return ck["step"], ck["history"]
+
+
+def _train_step(net, quant, opt, params, toks, settings: TuneSettings):
+    """One optimizer step on the windows `toks`: KL of the quantized-KV model to the base
+    model, plus `anchor` x the unquantized model's KL and `lam` x the quantization error.
+    Returns (kl, kl_full, q_err) as tensors."""
+    with torch.no_grad():
+        target = F.log_softmax(net(toks, base=True)[0], -1)
+    opt.zero_grad(set_to_none=True)
+    # One graph at a time: the two passes' gradients add up.
+    kl_full = torch.zeros(())
+    if settings.anchor:
+        kl_full = _kl(target, net(toks)[0])
+        (settings.anchor * kl_full).backward()
+    logits, qerr = net(toks, quant)
+    kl = _kl(target, logits)
+    (kl + settings.lam * qerr).backward()
+    del logits
+    torch.nn.utils.clip_grad_norm_(params, settings.clip)
+    opt.step()
+    return kl, kl_full, qerr
+
+
+def _result(out: Path, cfg, tuned_cfg, run: dict, history: list, step: int, first: int,
+            seconds: float, need: int) -> TuneResult:  # fmt: skip
+    """The run's result, its record written to `out/unikv_tune.json`."""
     tail = history[-max(1, len(history) // 10) :]
     res = TuneResult(out, step, seconds, (step - first) * need / max(seconds, 1e-9),
                      *(sum(h[i] for h in tail) / len(tail) for i in range(3)),

@@ -242,6 +242,33 @@ def model_rows(args: argparse.Namespace, cases: dict, root: Path) -> list[dict]:
     return rows
 
 
+def synthetic_rows(decoders: dict, before: dict, times: dict, timed_tokens: int) -> list[dict]:
+    """One row per case: time per token against the resident case, hit rate and traffic."""
+    base = statistics.median(times["resident"])
+    rows = []
+    for name, d in decoders.items():
+        after, b = counters(d.cache), before[name]
+        diff = {k: after[k] - b[k] for k in after}
+        st = d.cache.stats()
+        ms = statistics.median(times[name])
+        rows.append(
+            {
+                "case": name,
+                "dev/host/ssd": "/".join(str(v) for v in st["residents"].values()),
+                "ms_per_token": ms * 1e3,
+                "vs_resident": ms / base,
+                "hit_rate": diff["hits"] / max(1, diff["hits"] + diff["misses"]),
+                "host_promo_per_tok": diff["host"] / timed_tokens,
+                "ssd_promo_per_tok": diff["ssd"] / timed_tokens,
+                "MB_moved_per_tok": diff["bytes"] / timed_tokens / 1e6,
+                "ssd_MB_read_per_tok": diff["ssd_read"] / timed_tokens / 1e6,
+                "ssd_MB_written_per_tok": diff["ssd_written"] / timed_tokens / 1e6,
+                "rebalances": st["rebalances"],
+            }
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4, help="MoE layers")
@@ -300,30 +327,7 @@ def main() -> None:
             chunk = trace[args.warmup + r * args.tokens : args.warmup + (r + 1) * args.tokens]
             for name, d in decoders.items():
                 times[name].append(d.run(chunk) / len(chunk))
-        timed_tokens = args.tokens * args.repeats
-        base = statistics.median(times["resident"])
-        rows = []
-        for name, d in decoders.items():
-            fc, fh, _ = cases[name]
-            after, b = counters(d.cache), before[name]
-            diff = {k: after[k] - b[k] for k in after}
-            st = d.cache.stats()
-            ms = statistics.median(times[name])
-            rows.append(
-                {
-                    "case": name,
-                    "dev/host/ssd": "/".join(str(v) for v in st["residents"].values()),
-                    "ms_per_token": ms * 1e3,
-                    "vs_resident": ms / base,
-                    "hit_rate": diff["hits"] / max(1, diff["hits"] + diff["misses"]),
-                    "host_promo_per_tok": diff["host"] / timed_tokens,
-                    "ssd_promo_per_tok": diff["ssd"] / timed_tokens,
-                    "MB_moved_per_tok": diff["bytes"] / timed_tokens / 1e6,
-                    "ssd_MB_read_per_tok": diff["ssd_read"] / timed_tokens / 1e6,
-                    "ssd_MB_written_per_tok": diff["ssd_written"] / timed_tokens / 1e6,
-                    "rebalances": st["rebalances"],
-                }
-            )
+        rows = synthetic_rows(decoders, before, times, args.tokens * args.repeats)
     finally:
         for d in decoders.values():
             d.cache.close()

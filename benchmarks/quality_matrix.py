@@ -272,6 +272,21 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def _bars(ax, i: int, row: dict, texts: list, colours: dict, height: float, lo: float,
+          hi: float) -> None:  # fmt: skip
+    """Method `i`'s bars, one per text; a bar beyond the axis is cut, its value written."""
+    for j, t in enumerate(texts):
+        v = row["change"].get(t)
+        if v is None:
+            continue
+        y = i - 0.4 + height * (j + 0.5)
+        shown = min(max(v, lo), hi)
+        ax.barh(y, shown, height=height * 0.92, color=colours[t], label=t if i == 0 else None)
+        if shown != v:  # clipped: the true value at the bar's end
+            ax.text(shown, y, f"{v:+.1f}% ", ha="right" if v > 0 else "left", va="center",
+                    fontsize=6.5, color="white", fontweight="bold")  # fmt: skip
+
+
 def plot(results: dict, path: Path, clip: float = 12.0) -> None:
     """Horizontal grouped bars: one group per method (bits and passkey in its label), one bar
     per text, a linear PPL-change axis around zero; bars beyond `clip` % are cut at the axis
@@ -308,26 +323,7 @@ def plot(results: dict, path: Path, clip: float = 12.0) -> None:
     }
     for ax, (figure, rows) in zip(axes[:, 0], panels, strict=True):
         for i, row in enumerate(rows):
-            for j, t in enumerate(texts):
-                v = row["change"].get(t)
-                if v is None:
-                    continue
-                y = i - 0.4 + height * (j + 0.5)
-                shown = min(max(v, lo), hi)
-                ax.barh(
-                    y, shown, height=height * 0.92, color=colours[t], label=t if i == 0 else None
-                )
-                if shown != v:  # clipped: the true value at the bar's end
-                    ax.text(
-                        shown,
-                        y,
-                        f"{v:+.1f}% ",
-                        ha="right" if v > 0 else "left",
-                        va="center",
-                        fontsize=6.5,
-                        color="white",
-                        fontweight="bold",
-                    )
+            _bars(ax, i, row, texts, colours, height, lo, hi)
             ax.plot(
                 [min(max(row["mean"], lo), hi)],
                 [i],

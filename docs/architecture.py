@@ -27,7 +27,7 @@ LAYERS = [
         "engine/",
         "engine.py    public async API, request lifecycle\n"
         "scheduler.py admission, planning, reservation,\n"
-        "             preemption\n"
+        "             preemption; stepping.py runs a step\n"
         "assembly.py  builds model + strategy + pool + stores\n"
         "             + expert cache from a config; closes\n"
         "             them in reverse order\n"
@@ -41,32 +41,33 @@ LAYERS = [
         "kv.py  the seam: StepBatch, KVSpec,\n"
         "       KVCache (append / attend)  <- model\n"
         "       KVMemory (reserve / free / prefix / swap)\n"
-        "full, hybrid_fp16_int4, hierarchical_offload,\n"
-        "learned_prune; options, registry, bandwidth class",
+        "strategy.py  one adapter over three objects:\n"
+        "  format (dense, hybrid, int8) · placement (resident,\n"
+        "  tiered) · selection (all, pruned); presets = triples",
         "#e3f1dc",
-        16,
+        18,
     ),
     (
         "memory/  |  kernels/",
         "memory: UnifiedMemoryPool over tiers, blocks, block\n"
-        "  tables, prefix index, budgets, stats + health,\n"
+        "  tables, prefix sharing, budgets, stats, one health rule,\n"
         "  write-through and prefetch, experts\n"
         "kernels: operator registry + breaker, C kernels\n"
         "  per ISA (hybrid attention, GGUF gemv), dtypes",
         "#fbecd5",
-        17,
+        16,
     ),
     (
         "storage/",
         "BlockStore: LMDB, Redis, shared dir (CRC, recovery)",
         "#f3dfe8",
-        9,
+        8.5,
     ),
     (
         "settings/",
         "config files + env, chip profiles + probes, logs",
         "#f0f0f0",
-        8,
+        7,
     ),
 ]
 
@@ -104,7 +105,7 @@ def arrow(ax, a, b, both=False, color="#222222", ls="-"):
 
 
 def main() -> None:
-    fig = plt.figure(figsize=(15, 10.5), dpi=110)
+    fig = plt.figure(figsize=(15, 11), dpi=110)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, 100)
     ax.set_ylim(0, 100)
@@ -120,6 +121,16 @@ def main() -> None:
         va="center",
     )
 
+    bands = _bands(ax)
+    fwd = _flow_engine(ax, bands)
+    _flow_kv(ax, bands, fwd)
+    fig.savefig(OUT)
+    print(f"wrote {OUT}")
+
+
+def _bands(ax) -> dict[str, tuple[float, float]]:
+    """One band per layer with what it owns, and the arrow that says imports point down;
+    each band's (bottom, top) by its first word."""
     bands = {}
     y = TOP
     for name, owns, colour, h in LAYERS:
@@ -158,7 +169,11 @@ def main() -> None:
         size=9.5,
         color="#555555",
     )
+    return bands
 
+
+def _flow_engine(ax, bands) -> tuple[float, float]:
+    """The request from HTTP through the engine to the model's forward pass (its box)."""
     w = FLOW_X1 - FLOW_X0
     mid = FLOW_X0 + w / 2
 
@@ -205,30 +220,27 @@ def main() -> None:
     arrow(ax, (http[0], s0 + 1.6), (api[0], e1 - 2.8))
     arrow(ax, (api[0], e1 - 8.8), (sched[0], e1 - 11.4))
     arrow(ax, (sched[0], e1 - 17.4), (fwd[0], e0 + 7.4))
+    return fwd
 
-    # kvstrategies: append / attend
+
+def _flow_kv(ax, bands, fwd) -> None:
+    """The step through the strategy's objects, the pool and its tiers."""
+    w = FLOW_X1 - FLOW_X0
     k0, k1 = bands["kvstrategies/"]
     strat = box(
         ax,
         FLOW_X0 + 2,
-        k0 + 5.5,
+        k0 + 1.6,
         w - 4,
-        k1 - k0 - 10,
-        "strategy.append(layer, k, v): write K/V in the strategy's format\n"
-        "strategy.attend(layer, q): attention over what it stored",
-        size=10,
+        k1 - k0 - 4.4,
+        "KVStrategy (one adapter), per step:\n"
+        "reserve -> Reservation; selection.before_step;\n"
+        "placement.place: which blocks are read where;\n"
+        "format.append / format.attend per layer;\n"
+        "commit; selection.after_step (evicts)",
+        size=9.8,
     )
-    arrow(ax, (fwd[0], e0 + 1.4), (strat[0], k1 - 4.3))
-    ax.text(
-        mid,
-        k0 + 2.5,
-        "format · placement · selection",
-        ha="center",
-        va="center",
-        size=9.5,
-        style="italic",
-        color="#444444",
-    )
+    arrow(ax, (fwd[0], e0_of(bands) + 1.4), (strat[0], k1 - 2.8))
 
     # memory: pool, device and host tiers
     m0, m1 = bands["memory/"]
@@ -241,7 +253,7 @@ def main() -> None:
         "UnifiedMemoryPool: blocks in tiers,\na block table per sequence, shared prefixes",
         weight="bold",
     )
-    arrow(ax, (strat[0], k0 + 5.3), (pool[0], m1 - 2.8))
+    arrow(ax, (strat[0], k0 + 1.8), (pool[0], m1 - 2.8))
     tw = 12.0
     dev = box(ax, FLOW_X0 + 5, m0 + 1.8, tw, 4.4, "device tier", fc="#fff7e6")
     host = box(ax, FLOW_X1 - 5 - tw, m0 + 1.8, tw, 4.4, "host tier", fc="#fff7e6")
@@ -271,8 +283,10 @@ def main() -> None:
         color="#444444",
     )
 
-    fig.savefig(OUT)
-    print(f"wrote {OUT}")
+
+def e0_of(bands) -> float:
+    """The bottom of the engine's band (where the forward pass's box sits)."""
+    return bands["engine/"][0]
 
 
 if __name__ == "__main__":

@@ -114,13 +114,10 @@ class PackedCodec:
         bsz, h, t, _ = k.shape
         parts = {"kfp": k[..., : r.k[0]].transpose(-1, -2).half()}  # [B, H, kf, T]
         parts["vfp"] = v[..., : r.v[0]].transpose(-1, -2).half()  # [B, H, vf, T]
+        empty = k.new_zeros(bsz, h, 0, dtype=torch.uint8)
+        parts |= {"km": empty, "kl": empty, "vm": empty, "vl": empty}  # classes without channels
         k_sc = []
-        for (lo, hi), bits, name in zip(
-            channel_classes(r.k), (r.bits, r.low_bits), "ml", strict=True
-        ):
-            if hi == lo:
-                parts["k" + name] = k.new_zeros(bsz, h, 0, dtype=torch.uint8)
-                continue
+        for lo, hi, bits, name in _present_classes(r.k, r):
             # Keys: per channel over the block's tokens, sinks left out of the range.
             kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
             codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0, again=again)
@@ -131,17 +128,11 @@ class PackedCodec:
         hb = ksc.shape[-1] // 2
         parts["ksc"] = ksc.view(bsz, h, -1, 2, hb).transpose(2, 3).reshape(bsz, h, 2, -1)
         v_sc = []
-        for (lo, hi), bits, name in zip(
-            channel_classes(r.v), (r.bits, r.low_bits), "ml", strict=True
-        ):
-            if hi == lo:
-                parts["v" + name] = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
-                continue
+        for lo, hi, bits, name in _present_classes(r.v, r):
             # Values: per token over the class's channels.
             codes, scale, low = quantize(v[..., lo:hi], bits, -1, r.scales, again=again)
             v_sc += [_bytes1(scale), _bytes1(low)]  # rows of [B, H, 2 * classes, T * hb]
             parts["v" + name] = pack(codes.transpose(-1, -2), bits)  # [B, H, C, T * bits / 8]
-        empty = v.new_zeros(bsz, h, 0, dtype=torch.uint8)
         parts["vsc"] = torch.stack([x.reshape(bsz, h, -1) for x in v_sc], -2) if v_sc else empty
         return torch.cat([_bytes(parts[name], bsz, h) for name, _ in r.fields], -1)
 
@@ -202,6 +193,13 @@ def channel_classes(counts: tuple[int, int, int]) -> list[tuple[int, int]]:
     """Channel ranges [lo, hi) of the main and the low class after the fp16 channels."""
     nf, nm, nl = counts
     return [(nf, nf + nm), (nf + nm, nf + nm + nl)]
+
+
+def _present_classes(counts: tuple[int, int, int], rec: Record) -> list[tuple[int, int, int, str]]:
+    """(lo, hi, bits, name) of the main ("m") and low ("l") channel classes that have channels."""
+    widths = (rec.bits, rec.low_bits)
+    classes = zip(channel_classes(counts), widths, "ml", strict=True)
+    return [(lo, hi, bits, name) for (lo, hi), bits, name in classes if hi > lo]
 
 
 def _bytes1(x: torch.Tensor) -> torch.Tensor:

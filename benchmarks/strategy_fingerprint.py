@@ -51,6 +51,7 @@ def methods() -> dict[str, tuple[str, dict]]:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
+    from unikv import kvstrategies
     from unikv.engine.assembly import assemble_for
     from unikv.engine.evaluate import perplexity, read_text
     from unikv.engine.loading import load_model
@@ -70,8 +71,9 @@ def run(args: argparse.Namespace) -> dict:
             ids = tok.encode(read_text(str(path)))[: args.tokens]
             with tempfile.TemporaryDirectory() as tmp:
                 mb = 1 << 20
-                tiers = (TierConfig("device", 256 * mb), TierConfig("host", 256 * mb),
-                         TierConfig("ssd", 512 * mb, path=tmp))  # fmt: skip
+                tiers = (TierConfig("device", 256 * mb), TierConfig("host", 256 * mb))
+                if not kvstrategies.get(strategy).evicts:  # a pruned cache refuses a store tier
+                    tiers += (TierConfig("ssd", 512 * mb, path=tmp),)
                 cfg = PoolConfig(tiers=tiers)
                 t0 = time.perf_counter()
                 with assemble_for(model, tok, strategy, cfg, None, options) as parts:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
+from unikv.memory.tiers import StoreTier
 
 from .kv import KVSpec, StepBatch
 from .options import Option
@@ -236,10 +237,37 @@ class _Axis:
         return {}
 
 
-class Placement(_Axis):
-    """Where a strategy's blocks live, and the prefix sharing that follows from it."""
+# Prefix persistence options, which every placement declares (the pool's SSD tier writes
+# prompt blocks through and finds them again whatever the placement).
+PERSIST_OPTIONS = (
+    Option("persist_prefix", bool, True, "write prompt blocks through to the SSD tier (and the "
+           "remote tier) by content, and look prefixes up there"),
+    # Below it, reading costs more than computing (benchmarks/prefix_ttft.py measures the
+    # break-even).
+    Option("min_disk_hit_tokens", int, 64, "shortest prefix hit read from disk (shorter ones "
+           "are recomputed)", low=0),
+)  # fmt: skip
 
+
+class Placement(_Axis):
+    """Where a strategy's blocks live, and the prefix sharing that follows from it: in memory
+    through the pool's prefix cache, and across processes through the pool's persistence
+    service (`pool.persistence`, with an SSD tier): a prefill's blocks are written through,
+    and a later prompt's stored blocks attached (`_attach_stored` says how they are read)."""
+
+    options: ClassVar[tuple[Option, ...]] = PERSIST_OPTIONS
+    contract_options: ClassVar[dict[str, Any]] = {"min_disk_hit_tokens": 0}  # short prompts
     default_block_size: ClassVar[int] = 0  # at least this many tokens per block
+    # Whether it moves blocks to the host and SSD tiers by itself (else an SSD tier serves
+    # only prefix persistence, and is refused where that is off).
+    offloads: ClassVar[bool] = False
+
+    def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any],
+                 fmt: Format, label: str) -> None:  # fmt: skip
+        super().__init__(pool, spec, opts, fmt, label)
+        store = getattr(pool, "persistence", None)
+        self.persistence = store if store is not None and opts.get("persist_prefix") else None
+        self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
 
     @classmethod
     def from_profile(cls, profile, options: dict[str, Any]) -> dict[str, Any]:
@@ -253,36 +281,80 @@ class Placement(_Axis):
 
     def before_step(self, batch: StepBatch) -> None:
         """Put the batch's blocks where the step needs them, before room is reserved."""
+        if self.persistence is not None:
+            self.persistence.wait_snapshots()  # blocks being persisted must not be reused
 
     def place(self, step: Step) -> None:
         """Say where the step's blocks are read (`Step.groups`); none: all on the device."""
 
     def after_step(self, step: Step) -> None:
         """The step's layers are done (before its tokens are committed)."""
+        b = step.batch
+        self._pending_persist = {
+            sid for sid, n in zip(b.seq_ids, b.query_lens, strict=True) if n > 1
+        }
 
     def abort(self) -> None:
         """Forget the step after a failure."""
 
     def forget(self, seq_id: int) -> None:
         """`seq_id` is about to be freed."""
+        if self.persistence is not None:
+            self.persistence.wait_snapshots()
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        """Attach cached blocks of a prefix of `token_ids` to `seq_id`; their tokens."""
-        prefix = self.format.prefix
-        if not prefix.can_attach(token_ids):
-            return 0
+        """Attach cached blocks of a prefix of `token_ids` to `seq_id`: the pool's in-memory
+        hits, then what the SSD and remote tiers hold; their tokens."""
+        pool, store = self.pool, self.persistence
         # Keep at least one token to compute, so the request gets logits for its next token.
-        refs = self.pool.sharing.match(token_ids[:-1])
-        n = self.pool.sharing.attach(seq_id, refs) if refs else 0
+        ids = token_ids[:-1]
+        prefix = self.format.prefix
+        if not prefix.can_attach(token_ids) and not (store and self._load_side(ids, token_ids)):
+            return 0
+        refs = pool.sharing.match(ids)
+        stored = store.find(ids, refs) if store is not None else []
+        if stored and len(stored) * pool.block_size < self.opts["min_disk_hit_tokens"]:
+            store.hits["skipped_short"] += 1
+            stored = []
+        elif stored and not self._reading_pays(len(stored)):
+            store.hits["skipped_slow"] += 1
+            stored = []
+        n = pool.sharing.attach(seq_id, refs) if refs else 0
+        if stored:
+            n = self._attach_stored(seq_id, len(refs), stored)
         if n:
             prefix.attached(seq_id, token_ids)
         return n
 
+    def _load_side(self, ids: list[int], token_ids: list[int]) -> bool:
+        """The format's state beside block 0 of `ids` (hybrid's fp16 sinks) from the stores,
+        given to the format; False when they do not hold it (the prefix is recomputed)."""
+        data = self.persistence.read_side(ids)
+        return data is not None and self.format.prefix.from_bytes(token_ids, data)
+
+    def _reading_pays(self, blocks: int) -> bool:
+        """Whether reading `blocks` stored blocks is expected to beat computing them again."""
+        return True
+
+    def _attach_stored(self, seq_id: int, first: int, hashes: list[bytes]) -> int:
+        """Attach the stored blocks `hashes` after `seq_id`'s first `first` blocks; its
+        tokens then. This default reads them in place (a placement that reads store tiers)."""
+        n = self.pool.sharing.attach_stored(seq_id, hashes)
+        self.persistence.hits["requests"] += 1
+        self.persistence.hits["blocks"] += len(hashes)
+        return n
+
     def publish(self, seq_id: int, token_ids: list[int]) -> None:
-        """Offer `seq_id`'s blocks of `token_ids` for sharing."""
-        if self.pool.table(seq_id) is not None:
-            self.pool.sharing.publish(seq_id, token_ids)
-            self.format.prefix.published(seq_id, token_ids)
+        """Offer `seq_id`'s blocks of `token_ids` for sharing; a prefill's new blocks go
+        through to the SSD (and remote) tier with what the format keeps beside block 0."""
+        if self.pool.table(seq_id) is None:
+            return
+        before = len(self.pool.sharing.chain(seq_id))
+        self.pool.sharing.publish(seq_id, token_ids)
+        self.format.prefix.published(seq_id, token_ids)
+        if self.persistence is not None and seq_id in self._pending_persist:
+            side = self.format.prefix.to_bytes(token_ids) if before == 0 else None
+            self.persistence.write_through(seq_id, before, side)
 
     def capacity_tokens(self) -> int | None:
         return self.pool.capacity_tokens("device")
@@ -298,8 +370,18 @@ class Placement(_Axis):
     def swap_in(self, seq_id: int) -> bool:
         return self.pool.swap_in(seq_id)
 
+    def stats(self) -> dict:
+        store = getattr(self.pool, "persistence", None)
+        return store.stats() if store is not None else {}
+
     def close(self) -> None:
-        """Release threads and stores; idempotent."""
+        """Finish pending writes and close the pool's store tiers; idempotent."""
+        store = getattr(self.pool, "persistence", None)
+        if store is not None:
+            store.close()
+        for tier in self.pool.tiers.values():
+            if isinstance(tier, StoreTier):
+                tier.close()
 
 
 class Selection(_Axis):

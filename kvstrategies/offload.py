@@ -23,20 +23,13 @@ fetched into staging tensors by the pool's `Prefetcher` (memory.services) a few 
 so reading layer L+depth overlaps the compute of layer L; the last layers of a step start the
 next step's first ones.
 
-Persistent prefix cache: full blocks written by a prefill step are written through to the SSD
-tier (the pool's `WriteThrough`) under their content hash (blake2b chain over model identity,
-layout and tokens). A later request, in this process or another, that starts with the same
-tokens attaches those blocks without reading them (`match_prefix`), when that beats recomputing
-(`min_disk_hit_tokens`). What a format keeps beside its blocks and an attaching sequence needs
-(hybrid's fp16 sinks, which block 0 leaves out: `Format.prefix`) is written as a side value
-beside block 0, in the same transaction, and read back before a prefix is attached
-(`_load_side`).
-
-Remote tier (`[tiers.remote] url`, with an SSD tier): the same blocks are also written through
-to the shared server in the background (`memory.remote.RemoteWriteThrough`), and a lookup walks
-device -> host -> SSD -> remote: blocks the server holds after the local hits are copied into
-the SSD tier (promoted) and attached from there, so the step never reads the network. A slow or
-vanished server is a miss (the tier's circuit breaker), never an error.
+Persistent prefix cache: the pool's service for every placement (`memory.persistence`, used
+by `Placement`'s `match_prefix` and `publish`): a prefill's full blocks go through to the SSD
+tier (and the remote tier) by content hash, and a later request, in this process or another,
+that starts with the same tokens attaches them. This placement attaches them *without reading
+them*: they stay in the SSD tier until their window promotes them, and attention reads them
+through the prefetcher; a hit is taken when reading beats recomputing by the rates this
+process measured (`_reading_pays`) and it is at least `min_disk_hit_tokens` long.
 """
 
 from __future__ import annotations
@@ -46,12 +39,10 @@ import math
 import time
 from typing import Any
 
-from unikv.memory.prefix import chain_hashes
-from unikv.memory.remote import RemoteTier, RemoteWriteThrough
-from unikv.memory.services import Prefetcher, WriteThrough
+from unikv.memory.services import Prefetcher
 from unikv.memory.tiers import StoreTier, TierKind
 
-from .axes import PLACEMENTS, Placement, Step
+from .axes import PERSIST_OPTIONS, PLACEMENTS, Placement, Step
 from .kv import KVSpec, StepBatch
 from .options import Option
 
@@ -68,6 +59,7 @@ class TieredPlacement(Placement):
 
     name = "tiered"
     help = "device -> host -> SSD -> remote by recency, prefetched"
+    offloads = True
 
     options = (
         Option("device_window", int, 1024, "newest tokens kept on the device tier", low=1,
@@ -78,12 +70,7 @@ class TieredPlacement(Placement):
                none="the chip profile's"),
         Option("host_access", str, "auto", "auto: attend host blocks in place where the device "
                "can read host memory; stage: always copy them first", choices=_HOST_ACCESS),
-        Option("persist_prefix", bool, True, "write prompt blocks through to the SSD tier by "
-               "content, and look prefixes up there"),
-        # Below it, reading costs more than computing (benchmarks/prefix_ttft.py measures the
-        # break-even).
-        Option("min_disk_hit_tokens", int, 64, "shortest prefix hit read from disk (shorter "
-               "ones are recomputed)", low=0),
+        *PERSIST_OPTIONS,
         Option("io_threads", int, 2, "threads reading the SSD tier (each runs one layer's "
                "fetch)", low=1),
     )  # fmt: skip
@@ -130,21 +117,11 @@ class TieredPlacement(Placement):
             pool.tiers, spec.num_layers, depth, o["io_threads"], device=pool.device,
             stage=fmt.stage,
         )  # fmt: skip
-        self.writer = WriteThrough(self.ssd) if self.ssd is not None else None
-        # The remote tier is shared through the SSD tier: hits are promoted into it.
-        remote = pool.tiers.get(TierKind.REMOTE)
-        self.remote = remote if isinstance(remote, RemoteTier) and self.ssd is not None else None
-        if isinstance(remote, RemoteTier) and self.ssd is None:
-            log.warning("%s: the remote tier needs an SSD tier to promote into; unused", self.label)
-        self.remote_writer = RemoteWriteThrough(self.remote) if self.remote is not None else None
-        self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
-        self.disk_hits = {"requests": 0, "blocks": 0, "skipped_short": 0, "skipped_slow": 0}
         # Measured rate for the disk-hit decision (EMA): prefill seconds per token, None until
         # first seen; the prefetcher measures the SSD tier's read rate.
         self.prefill_s_per_token: float | None = None
         self._step_t0 = 0.0
         self.demotion_failures = 0
-        self.side_values_written = 0  # format state persisted beside block 0 (hybrid's sinks)
         self.ssd_moves_skipped = 0  # blocks a failing SSD tier could not take
         self._failing: set[str] = set()  # tiers whose last move failed (logged on a change)
 
@@ -156,9 +133,7 @@ class TieredPlacement(Placement):
 
     def before_step(self, batch: StepBatch) -> None:
         self._step_t0 = time.perf_counter()
-        for w in (self.writer, self.remote_writer):
-            if w is not None:
-                w.wait_snapshots()  # blocks being persisted must not be reused before
+        super().before_step(batch)
         for sid in batch.seq_ids:
             if self.pool.table(sid) is not None:
                 self.rebalance(sid)
@@ -188,10 +163,8 @@ class TieredPlacement(Placement):
         return self.prefetcher.get(layer, count) if self._plan is not None else None
 
     def after_step(self, step: Step) -> None:
+        super().after_step(step)
         b = step.batch
-        self._pending_persist = {
-            sid for sid, n in zip(b.seq_ids, b.query_lens, strict=True) if n > 1
-        }
         if b.num_tokens >= self.pool.block_size:  # a prefill chunk: what recomputing costs
             rate = (time.perf_counter() - self._step_t0) / b.num_tokens
             self.prefill_s_per_token = _ema(self.prefill_s_per_token, rate)
@@ -246,69 +219,9 @@ class TieredPlacement(Placement):
             if moved:
                 return
 
-    # ---- prefix sharing, in memory and on disk -----------------------------------------------
+    # ---- prefix sharing: the base's, with disk hits read in place (prefetched) -------------
 
-    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        pool = self.pool
-        ids = token_ids[:-1]  # at least one token is computed, for the next token's logits
-        persist = self.writer is not None and self.opts["persist_prefix"]
-        if persist:
-            self.writer.wait_writes()  # content written through by this process counts
-        prefix = self.format.prefix
-        if not prefix.can_attach(token_ids) and not (persist and self._load_side(ids, token_ids)):
-            return 0
-        refs = pool.sharing.match(ids)
-        stored = []
-        if persist:
-            stored = pool.sharing.stored(ids, refs)
-            if self.remote is not None:
-                stored += self._remote_hits(ids, len(refs) + len(stored))
-            if stored and len(stored) * pool.block_size < self.opts["min_disk_hit_tokens"]:
-                self.disk_hits["skipped_short"] += 1
-                stored = []
-            elif stored and not self._disk_beats_compute(len(stored)):
-                self.disk_hits["skipped_slow"] += 1
-                stored = []
-        n = pool.sharing.attach(seq_id, refs) if refs else 0
-        if stored:
-            n = pool.sharing.attach_stored(seq_id, stored)
-            self.disk_hits["requests"] += 1
-            self.disk_hits["blocks"] += len(stored)
-        if n:
-            prefix.attached(seq_id, token_ids)
-        return n
-
-    def _load_side(self, ids: list[int], token_ids: list[int]) -> bool:
-        """The format's state beside block 0 of `ids` (hybrid's fp16 sinks), read from the SSD
-        tier, else from the remote tier (then copied into the SSD tier), and given to the
-        format; False when neither holds it (the prefix is then recomputed)."""
-        bs = self.pool.block_size
-        if len(ids) < bs:
-            return False
-        first = next(chain_hashes(ids[:bs], bs, self.pool.identity))
-        data = self.ssd.read_side(first)
-        if data is None and self.remote is not None:
-            data = self.remote.read_side(first)
-            if data is not None:
-                try:
-                    self.ssd.write_content([], {}, [(first, data)])
-                except OSError as e:  # a full SSD: used for this request only
-                    log.warning("%s: prefix state not copied to the SSD tier: %s", self.label, e)
-        if data is None or not self.format.prefix.from_bytes(token_ids, data):
-            return False
-        self.disk_hits["side_loads"] = self.disk_hits.get("side_loads", 0) + 1
-        return True
-
-    def _remote_hits(self, ids: list[int], start: int) -> list[bytes]:
-        """Content hashes of the blocks [start, ...) of `ids` the remote tier holds, copied
-        into the SSD tier (bounded by the store's timeouts; none while its breaker is open)."""
-        hashes = list(chain_hashes(ids, self.pool.block_size, self.pool.identity))[start:]
-        found = self.remote.promote(hashes, self.ssd) if hashes else []
-        if found:
-            self.disk_hits["remote_blocks"] = self.disk_hits.get("remote_blocks", 0) + len(found)
-        return found
-
-    def _disk_beats_compute(self, blocks: int) -> bool:
+    def _reading_pays(self, blocks: int) -> bool:
         """Whether reading `blocks` from the SSD tier is expected to be quicker than computing
         them again, by the rates measured in this process (True until both are known)."""
         read_rate = self.prefetcher.read_bytes_per_s
@@ -317,36 +230,7 @@ class TieredPlacement(Placement):
         read_s = blocks * self.pool.layout.page_bytes / read_rate
         return read_s < blocks * self.pool.block_size * self.prefill_s_per_token
 
-    def publish(self, seq_id: int, token_ids: list[int]) -> None:
-        table = self.pool.table(seq_id)
-        if table is None:
-            return
-        before = len(self.pool.sharing.chain(seq_id))
-        self.pool.sharing.publish(seq_id, token_ids)
-        self.format.prefix.published(seq_id, token_ids)
-        persist = self.writer is not None and self.opts["persist_prefix"]
-        if persist and seq_id in self._pending_persist:
-            # Blocks [before, published) go through to the SSD tier, by content; what the format
-            # keeps beside block 0 (hybrid's sinks) goes in the same transaction as block 0.
-            chain = self.pool.sharing.chain(seq_id)
-            state = self.format.prefix.to_bytes(token_ids) if before == 0 and chain else None
-            sides = [(chain[0], state)] if state is not None else []
-            jobs = self.pool.sharing.resident_chain(seq_id, before)
-            if sides and not any(h == chain[0] for b in jobs.values() for _, h in b):
-                jobs = {TierKind.DEVICE: [], **jobs}  # block 0 is not in a tensor tier
-            for tier, blocks in jobs.items():
-                mine = sides if any(h == chain[0] for _, h in blocks) or not blocks else []
-                self.writer.submit(self.pool.tiers[tier], blocks, mine)
-                if self.remote_writer is not None:
-                    self.remote_writer.submit(self.pool.tiers[tier], blocks, mine)
-                self.side_values_written += len(mine)
-
     # ---- memory management hooks -------------------------------------------------------------
-
-    def forget(self, seq_id: int) -> None:
-        for w in (self.writer, self.remote_writer):
-            if w is not None:
-                w.wait_snapshots()
 
     def capacity_tokens(self) -> int | None:
         return sum(self.pool.capacity_tokens(t) for t in self.pool.tiers)
@@ -373,34 +257,20 @@ class TieredPlacement(Placement):
         return not table.num_free_slots or table[len(table) - 1].tier == TierKind.DEVICE
 
     def close(self) -> None:
-        """Finish pending writes, stop the I/O threads and close the SSD tier's store."""
+        """Stop the I/O threads; finish pending writes and close the store tiers (the base)."""
         self.prefetcher.close()
-        for w in (self.writer, self.remote_writer):
-            if w is not None:
-                w.close()
-        for tier in (self.ssd, self.remote):
-            if tier is not None:
-                tier.close()
+        super().close()
 
     def stats(self) -> dict:
-        return {
+        out = {"disk_prefix_hits": {}, "blocks_written_through": 0, "side_values_written": 0,
+               "remote": None, "ssd_writes_skipped": 0} | super().stats()  # fmt: skip
+        # Blocks the SSD tier could not take (a full disk): not written through, or kept in
+        # host memory instead of moving down. /metrics: unikv_ssd_writes_skipped_total.
+        out["ssd_writes_skipped"] += self.ssd_moves_skipped
+        return out | {
             "tokens_by_tier": self.pool.tokens_by_tier(),
             "prefetch": self.prefetcher.stats(),
-            "disk_prefix_hits": dict(self.disk_hits),
-            "blocks_written_through": self.writer.blocks_written if self.writer else 0,
-            "side_values_written": self.side_values_written,
-            "remote": None
-            if self.remote is None
-            else {
-                **self.remote.stats(),
-                "blocks_written": self.remote_writer.blocks_written,
-                "blocks_dropped": self.remote_writer.blocks_dropped,
-            },
             "demotion_failures": self.demotion_failures,
-            # Blocks the SSD tier could not take (a full disk): not written through, or kept
-            # in host memory instead of moving down. /metrics: unikv_ssd_writes_skipped_total.
-            "ssd_writes_skipped": self.ssd_moves_skipped
-            + (self.writer.writes_skipped if self.writer else 0),
         }
 
 

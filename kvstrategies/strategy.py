@@ -29,7 +29,7 @@ import torch
 
 from unikv.memory.pool import BlockLayout, Reservation, UnifiedMemoryPool
 
-from .axes import Format, Placement, Selection, Step
+from .axes import PERSIST_OPTIONS, Format, Placement, Selection, Step
 from .kv import KVCache, KVMemory, KVSpec, StepBatch
 from .options import Option, validate
 
@@ -58,9 +58,11 @@ class Recipe:
         `sink_tokens` of a pruned hybrid cache is both its fp16 sinks and the never-pruned
         ones); the options the format fixes are not among them."""
         seen: dict[str, Option] = {}
+        # A selection that evicts shares and persists nothing: no persistence options.
+        skip = {o.name for o in PERSIST_OPTIONS} if self.selection.evicts else set()
         for group in (self.format.options, self.selection.options, self.placement.options):
             for o in group:
-                if o.name not in self.format.fixed:
+                if o.name not in self.format.fixed and o.name not in skip:
                     seen.setdefault(o.name, o)
         return tuple(seen.values())
 
@@ -140,6 +142,7 @@ class KVStrategy(KVCache, KVMemory):
                  options: dict | None = None) -> None:  # fmt: skip
         self.recipe, self.name, self.pool, self.spec = recipe, recipe.name, pool, spec
         self.opts = recipe.check_options(options)
+        _check_tiers(recipe, pool, self.opts)
         self.format = recipe.format(pool, spec, self.opts)
         self.placement = recipe.placement(pool, spec, self.opts, self.format, self.name)
         self.selection = recipe.selection(pool, spec, self.opts, self.format, self.name)
@@ -271,3 +274,26 @@ class KVStrategy(KVCache, KVMemory):
         for part in (self.format, self.placement, self.selection):
             out |= part.stats()
         return out
+
+
+def _check_tiers(recipe: Recipe, pool: UnifiedMemoryPool, opts: dict) -> None:
+    """Refuse, with the reason, a store tier this strategy could not use (never ignore it)."""
+    tiers, name = pool.tiers, recipe.name
+    if "remote" in tiers and "ssd" not in tiers:
+        raise ValueError(
+            f"strategy {name!r}: [tiers.remote] needs an [tiers.ssd] tier: remote hits are "
+            "copied into the SSD tier before a step reads them; add one"
+        )
+    stores = [t for t in ("ssd", "remote") if t in tiers]
+    if stores and recipe.selection.evicts:
+        raise ValueError(
+            f"strategy {name!r} evicts tokens ({recipe.selection.name} selection): its blocks "
+            f"are never shared or persisted, so {', '.join(f'[tiers.{t}]' for t in stores)} "
+            "would be unused; remove the table, or choose selection all"
+        )
+    if stores and not recipe.placement.offloads and not opts.get("persist_prefix"):
+        raise ValueError(
+            f"strategy {name!r}: with persist_prefix = false the {recipe.placement.name} "
+            f"placement leaves {', '.join(f'[tiers.{t}]' for t in stores)} unused; remove the "
+            "table, set persist_prefix = true, or choose placement tiered"
+        )

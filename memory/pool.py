@@ -31,6 +31,7 @@ import torch
 from unikv.memory.allocator import BlockTable, TierAllocator
 from unikv.memory.health import HealthView, evaluate
 from unikv.memory.layout import BLOCKS, ArenaSpec, BlockLayout
+from unikv.memory.persistence import PrefixPersistence
 from unikv.memory.placement import Placement
 from unikv.memory.prefix import BlockRef
 from unikv.memory.prefix_index import PrefixIndex
@@ -109,6 +110,10 @@ class UnifiedMemoryPool:
         self._tables: dict[SeqId, BlockTable] = {}
         self.sharing = PrefixSharing(self.prefixes, self._tables, self.tiers, self.block_size,
                                      self._owned)  # fmt: skip
+        # Prompt blocks written through to the SSD (and remote) tier by content, and found
+        # there again: a service for every strategy (None without an SSD tier).
+        ssd = self.tiers.get(TierKind.SSD)
+        self.persistence = PrefixPersistence(self, ssd) if isinstance(ssd, StoreTier) else None
         self.owner: int | None = None  # the thread that alone may mutate the pool (None: any)
 
     def _owned(self) -> None:

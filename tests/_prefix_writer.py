@@ -43,7 +43,7 @@ def main(store: str, prompt_file: str, name: str, calibration: str | None) -> No
         return out.token_ids
 
     tokens = asyncio.run(run())
-    writer = kv.placement.writer
+    writer = kv.pool.persistence.writer
     writer.wait_writes()
     print(f"persisted {writer.blocks_written} {' '.join(map(str, tokens))}", flush=True)
     signal.pause()  # wait for the SIGKILL the test sends (no timed sleep)

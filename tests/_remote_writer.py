@@ -39,9 +39,9 @@ def main(url: str, ssd: str, prompt_file: str) -> None:
         await engine.generate(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
 
     asyncio.run(run())
-    kv.placement.writer.wait_writes()
-    kv.placement.remote_writer.wait_writes()
-    print(f"shared {kv.placement.remote_writer.blocks_written}", flush=True)
+    kv.pool.persistence.writer.wait_writes()
+    kv.pool.persistence.remote_writer.wait_writes()
+    print(f"shared {kv.pool.persistence.remote_writer.blocks_written}", flush=True)
     time.sleep(600)
 
 

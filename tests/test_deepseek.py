@@ -94,7 +94,7 @@ def pool_strategy(model, name="full", blocks=64, tmp_path=None, **options):
     opts = cls.check_options(options)
     page = cls.layout(spec, 16, opts).page_bytes
     tiers = [TierConfig("device", blocks * page), TierConfig("host", 64 * page)]
-    if tmp_path is not None:
+    if tmp_path is not None and not cls.evicts:  # a pruned cache refuses a store tier
         tiers.append(TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd-{name}")))
     return create_kv(name, spec, PoolConfig(block_size=16, tiers=tuple(tiers)), opts)
 

@@ -176,7 +176,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
     s = strategy("model-a")
     _prefill(s, 0, tokens, torch.Generator().manual_seed(0))
     s.close()
-    assert s.placement.writer.blocks_written == 5
+    assert s.pool.persistence.writer.blocks_written == 5
 
     again = strategy("model-a")
     assert again.match_prefix(1, tokens) == 5 * 16

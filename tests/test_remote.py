@@ -140,10 +140,10 @@ def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
     srv = RedisServer(tmp_path / "redis", port)
     s = tiny(tmp_path / "ssd", srv.url)  # nothing listens yet: no error
     try:
-        remote = s.placement.remote
+        remote = s.pool.persistence.remote
         assert "not reachable at start" in remote.problem()
         prefill(s, 0, TOKENS)
-        s.placement.remote_writer.wait_writes()
+        s.pool.persistence.remote_writer.wait_writes()
         assert remote.breaker.state == "open"  # the writes were skipped, nothing failed
         srv.start()
         try:
@@ -152,7 +152,7 @@ def test_a_server_not_up_at_start_is_picked_up_when_it_answers(tmp_path):
             remote.has_content(key)  # the trial reaches the server: closed again
             assert remote.breaker.state == "closed" and remote.problem() is None
             prefill(s, 1, TOKENS, seed=1)
-            s.placement.remote_writer.wait_writes()
+            s.pool.persistence.remote_writer.wait_writes()
             assert int(srv.cli("DBSIZE").strip()) > 0  # writes land now
         finally:
             srv.stop()
@@ -186,14 +186,50 @@ def test_ttl_expires_values(server):
 # ---- the tier in the pool -------------------------------------------------------------------
 
 
+def test_a_resident_full_cache_shares_prefixes_through_the_server(server, tmp_path):
+    """Issue 32: prefix persistence is the pool's service, not the tiered placement's. A
+    user's first config, `strategy = "full"` with SSD and remote tables, writes its prompt
+    through; another pool (its own SSD directory, as another process) finds it on the server
+    and loads it straight into device blocks, which hold exactly what the first pool
+    computed."""
+    spec = kvstrategies.KVSpec(2, 2, 16, identity="model-a")
+    a = create_kv("full", spec, config(tmp_path / "ssd-a", server.url), {"min_disk_hit_tokens": 0})
+    prefill(a, 0, TOKENS)
+    a.pool.persistence.remote_writer.wait_writes()
+    assert a.pool.persistence.remote_writer.blocks_written == 5
+    kv_a = [a.pool.arena("kv")[:, :, :, i].clone() for i in a.pool.table(0).block_ids()[:5]]
+    a.close()
+
+    b = create_kv("full", spec, config(tmp_path / "ssd-b", server.url), {"min_disk_hit_tokens": 0})
+    assert b.match_prefix(1, TOKENS) == 5 * 16
+    st = b.stats()
+    assert st["disk_prefix_hits"]["remote_blocks"] == 5 and st["disk_prefix_hits"]["blocks"] == 5
+    table = b.pool.table(1)
+    assert all(r.tier == "device" for r in table.refs)  # resident: loaded, not read in place
+    kv_b = [b.pool.arena("kv")[:, :, :, i] for i in table.block_ids()]
+    assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b, strict=True))
+    b.close()
+
+
+def test_a_store_tier_a_strategy_cannot_use_is_refused_at_start(server, tmp_path):
+    spec = kvstrategies.KVSpec(2, 2, 16, identity="model-a")
+    tiers = (TierConfig("device", 1 << 28), TierConfig("remote", 1 << 30, path=server.url))
+    with pytest.raises(ValueError, match=r"\[tiers.remote\] needs an \[tiers.ssd\] tier"):
+        create_kv("full", spec, PoolConfig(block_size=16, tiers=tiers))
+    with pytest.raises(ValueError, match=r"'learned_prune' evicts tokens .* would be unused"):
+        create_kv("learned_prune", spec, config(tmp_path / "ssd", server.url))
+    with pytest.raises(ValueError, match=r"persist_prefix = false the resident placement leaves"):
+        create_kv("full", spec, config(tmp_path / "ssd", server.url), {"persist_prefix": False})
+
+
 def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
     """Pool A writes its prompt through; pool B (its own SSD directory) finds it on the
     server, promotes it into its SSD tier; a pool for other weights finds nothing."""
     a = tiny(tmp_path / "ssd-a", server.url)
-    assert a.placement.remote is not None
+    assert a.pool.persistence.remote is not None
     prefill(a, 0, TOKENS)
-    a.placement.remote_writer.wait_writes()
-    assert a.placement.remote_writer.blocks_written == 5
+    a.pool.persistence.remote_writer.wait_writes()
+    assert a.pool.persistence.remote_writer.blocks_written == 5
     a.close()
 
     b = tiny(tmp_path / "ssd-b", server.url)
@@ -201,7 +237,7 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
     st = b.stats()
     assert st["disk_prefix_hits"]["remote_blocks"] == 5
     assert st["remote"]["promoted_blocks"] == 5 and st["remote"]["breaker"]["state"] == "closed"
-    assert b.placement.ssd.has_content(b.pool.sharing.chain(1)[0])  # promoted: now local
+    assert b.pool.persistence.ssd.has_content(b.pool.sharing.chain(1)[0])  # promoted: now local
     b.close()
     other = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
     assert other.match_prefix(1, TOKENS) == 0
@@ -211,9 +247,9 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
 def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
     a = tiny(tmp_path / "ssd-a", server.url)
     prefill(a, 0, TOKENS)
-    a.placement.remote_writer.wait_writes()
+    a.pool.persistence.remote_writer.wait_writes()
     third = a.pool.sharing.chain(0)[2]
-    namespace = a.placement.remote.store.namespace
+    namespace = a.pool.persistence.remote.store.namespace
     a.close()
     raw = redis.Redis.from_url(server.url)
     name = f"unikv:{namespace}:".encode() + third + (1).to_bytes(2, "little")  # layer 1
@@ -223,7 +259,7 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
     b = tiny(tmp_path / "ssd-b", server.url)
     assert b.match_prefix(1, TOKENS) == 2 * 16  # the blocks before the corrupt one
     assert raw.get(name) is None  # deleted, so the next reader does not meet it
-    assert b.placement.remote.store.stats()["checksum_failures"] == 1
+    assert b.pool.persistence.remote.store.stats()["checksum_failures"] == 1
     b.close()
     raw.close()
 
@@ -232,11 +268,11 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_deleted(server, tmp_path):
 def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_path):
     a = tiny(tmp_path / "ssd-a", server.url)
     prefill(a, 0, TOKENS)
-    a.placement.remote_writer.wait_writes()
+    a.pool.persistence.remote_writer.wait_writes()
     server.stop()
     prefill(a, 1, [t + 1 for t in TOKENS], seed=1)  # the write-through fails in the background
-    a.placement.remote_writer.wait_writes()  # (the failure is the writer's, never the step's)
-    breaker = a.placement.remote.breaker
+    a.pool.persistence.remote_writer.wait_writes()  # (a failure is the writer's, not the step's)
+    breaker = a.pool.persistence.remote.breaker
     assert breaker.is_open
     skipped = breaker.skipped
     assert a.match_prefix(2, [t + 2 for t in TOKENS]) == 0  # a miss, not an error
@@ -247,13 +283,13 @@ def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_p
     view = evaluate(HealthInputs(0.1, 0, 10, 0, 0, tier_problems=tuple(problems)))
     assert view.status == "yellow" and "remote tier unavailable" in " ".join(view.reasons)
     server.start()  # the same port, empty
-    time.sleep(a.placement.remote.breaker.backoff_s + 0.1)
+    time.sleep(a.pool.persistence.remote.breaker.backoff_s + 0.1)
     assert a.match_prefix(4, [t + 4 for t in TOKENS]) == 0  # the trial: the server answers
-    assert not a.placement.remote.breaker.is_open
+    assert not a.pool.persistence.remote.breaker.is_open
     assert a.pool.snapshot()["health"]["signals"]["tier_problems"] == []
     prefill(a, 5, TOKENS, seed=5)  # sharing works again
-    a.placement.remote_writer.wait_writes()
-    assert a.placement.remote_writer.blocks_written >= 5
+    a.pool.persistence.remote_writer.wait_writes()
+    assert a.pool.persistence.remote_writer.blocks_written >= 5
     a.close()
 
 
@@ -261,7 +297,7 @@ def test_the_filesystem_store_serves_as_the_remote_tier(tmp_path):
     url = f"file://{tmp_path}/shared"
     a = tiny(tmp_path / "ssd-a", url)
     prefill(a, 0, TOKENS)
-    a.placement.remote_writer.wait_writes()
+    a.pool.persistence.remote_writer.wait_writes()
     a.close()
     b = tiny(tmp_path / "ssd-b", url)
     assert b.match_prefix(1, TOKENS) == 5 * 16
@@ -389,11 +425,11 @@ async def test_requests_complete_while_the_server_is_killed_and_restarted(
             asyncio.gather(*(e.generate(p, GREEDY) for p in (other, other[10:], prompt))), 120
         )
         assert outs[2].token_ids == reference  # its own SSD still serves the first prompt
-        assert kv.placement.remote.breaker.is_open
+        assert kv.pool.persistence.remote.breaker.is_open
         server.start()
-        time.sleep(kv.placement.remote.breaker.backoff_s + 0.1)
+        time.sleep(kv.pool.persistence.remote.breaker.backoff_s + 0.1)
         await e.generate(other[20:], GREEDY)
-        assert not kv.placement.remote.breaker.is_open
+        assert not kv.pool.persistence.remote.breaker.is_open
     kv.close()
 
 
@@ -402,9 +438,9 @@ def test_the_deployment_secret_reaches_the_remote_tier(server, tmp_path, monkeyp
     and a value written without the secret under the same hash is not served."""
     monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
     a = tiny(tmp_path / "ssd-a", server.url)
-    assert a.placement.remote._store._secret == b"deployment-secret-0123456789"
+    assert a.pool.persistence.remote._store._secret == b"deployment-secret-0123456789"
     prefill(a, 0, TOKENS)
-    a.placement.remote_writer.wait_writes()
+    a.pool.persistence.remote_writer.wait_writes()
     a.close()
     b = tiny(tmp_path / "ssd-b", server.url)
     assert b.match_prefix(1, TOKENS) == 5 * 16  # signed, found
@@ -414,7 +450,7 @@ def test_the_deployment_secret_reaches_the_remote_tier(server, tmp_path, monkeyp
     # overwritten, so the planted values stay)
     c = tiny(tmp_path / "ssd-c", server.url, identity="model-b")
     prefill(c, 0, TOKENS, seed=3)
-    c.placement.remote_writer.wait_writes()
+    c.pool.persistence.remote_writer.wait_writes()
     c.close()
     monkeypatch.setenv("UNIKV_STORE_SECRET", "deployment-secret-0123456789")
     d = tiny(tmp_path / "ssd-d", server.url, identity="model-b")

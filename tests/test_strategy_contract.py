@@ -62,11 +62,12 @@ def reference(spec, q, k, v, num_past):
 
 @pytest.fixture
 def make(tmp_path, spec):
-    """make(name, blocks): the strategy over a pool of `blocks` device blocks, with host and SSD
-    tiers too (a strategy that offloads uses them at its `contract_options` sizes)."""
+    """make(name, blocks, ssd): the strategy over a pool of `blocks` device blocks, with host
+    and SSD tiers too (a strategy that offloads uses them at its `contract_options` sizes, every
+    one that shares prefixes persists them there; `ssd`: the store's directory, to share it)."""
     built = []
 
-    def make(name, blocks=64):
+    def make(name, blocks=64, ssd=None):
         cls = kvstrategies.get(name)
         if spec.latent and not cls.supports_latent:
             with pytest.raises(ValueError, match="latent"):
@@ -77,8 +78,9 @@ def make(tmp_path, spec):
         tiers = (
             TierConfig("device", blocks * page),
             TierConfig("host", 64 * page),
-            TierConfig("ssd", 64 * page, path=str(tmp_path / f"ssd{len(built)}")),
         )
+        if not cls.evicts:  # an evicting strategy refuses a store tier it could not use
+            tiers += (TierConfig("ssd", 64 * page, path=str(ssd or tmp_path / f"ssd{len(built)}")),)
         cfg = PoolConfig(block_size=BS, tiers=tiers)
         s = create_kv(name, spec, cfg, opts)
         built.append(s)
@@ -229,6 +231,29 @@ def test_shared_prefix_attends_like_recomputed(name, make):
     assert all(a.num_used == 0 for a in s.pool.allocators.values())
 
 
+def test_a_persisted_prefix_is_found_by_another_pool(name, make, tmp_path):
+    """Prefix persistence is the pool's service under every placement: a prefill's blocks go
+    through to the SSD tier, and a fresh strategy over the same store (nothing else shared, as
+    another process) attaches them and attends over exactly that KV."""
+    if kvstrategies.get(name).evicts:
+        pytest.skip("an evicting strategy shares and persists nothing (refuses the SSD tier)")
+    store = tmp_path / "shared-ssd"
+    a = make(name, ssd=store)
+    d = Driver(a, seed=5)
+    tokens = list(range(2000, 2000 + 3 * BS + 2))
+    d.step([0], [len(tokens)])
+    a.publish(0, tokens)
+    a.pool.persistence.writer.wait_writes()
+    assert a.stats()["blocks_written_through"] == 3
+    a.close()  # the writes are finished and the store closed, as at a process's end
+    b = make(name, ssd=store)
+    assert b.match_prefix(7, tokens) == 3 * BS  # from the store: this pool computed nothing
+    assert b.stats()["disk_prefix_hits"]["blocks"] == 3
+    d.s = b
+    d.hist[7] = [(k[:, : 3 * BS], v[:, : 3 * BS]) for k, v in d.hist[0]]
+    assert d.step([7], [2]) <= b.recipe.tolerance
+
+
 def test_reserve_reports_a_full_pool(name, make):
     s = make(name, blocks=4)
     assert s.reserve(0, 4 * BS)
@@ -281,7 +306,10 @@ def test_a_new_format_is_one_class_and_a_preset_one_line(monkeypatch, tmp_path, 
     with pytest.raises(ValueError, match=r"'contract_tiny': option tiny_window = 0; expected an "
                        r"integer in \[1, 4096\]"):  # fmt: skip
         cls.check_options({"tiny_window": 0})
-    with pytest.raises(ValueError, match="unknown option.*allowed: dtype, tiny_window"):
+    with pytest.raises(
+        ValueError,
+        match="unknown option.*allowed: dtype, min_disk_hit_tokens, persist_prefix, tiny_window",
+    ):
         cls.check_options({"window": 3})
     # So do its flag, its help and the parsed option; inherited flags are shared.
     argv = ["run", "--prompt", "hi", "--strategy", "contract_tiny", "--tiny-window", "7"]

@@ -1,0 +1,120 @@
+"""Prefix persistence, a service of the pool for every strategy: a prompt's full blocks written
+through to the SSD tier (and, with a remote tier, to the shared server) by content, and found
+there again by a later request, in this process or another.
+
+What lives here: `PrefixPersistence` (`pool.persistence`, present when the pool has an SSD
+tier): `find` (the stored chain of blocks that follows a prompt's in-memory hits: the SSD
+tier's, then the remote tier's, copied into the SSD tier so a step never reads the network),
+`read_side` / `write_through` (what a format keeps beside block 0, e.g. hybrid's fp16 sinks,
+goes in the same transaction as block 0), the hit counters, and closing the writers. What does
+not: whether a hit is worth reading, and where an attached block is read from (the strategy's
+placement: a tiered one reads SSD blocks where they are, a resident one loads them into device
+blocks), the writers themselves (`memory.services`, `memory.remote`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from unikv.memory.prefix import BlockRef, chain_hashes
+from unikv.memory.remote import RemoteTier, RemoteWriteThrough
+from unikv.memory.services import WriteThrough
+from unikv.memory.tiers import StoreTier, TierKind
+
+log = logging.getLogger(__name__)
+
+
+class PrefixPersistence:
+    """Write-through and lookup of prompt blocks by content in the SSD and remote tiers."""
+
+    def __init__(self, pool: Any, ssd: StoreTier) -> None:
+        # `pool`: the UnifiedMemoryPool this serves (its tiers, prefix sharing, identity).
+        self.pool, self.ssd = pool, ssd
+        remote = pool.tiers.get(TierKind.REMOTE)
+        self.remote = remote if isinstance(remote, RemoteTier) else None
+        self.writer = WriteThrough(ssd)
+        self.remote_writer = RemoteWriteThrough(self.remote) if self.remote is not None else None
+        self.hits: dict[str, int] = {"requests": 0, "blocks": 0, "skipped_short": 0,
+                                     "skipped_slow": 0}  # fmt: skip
+        self.side_values_written = 0
+
+    def _writers(self) -> list[WriteThrough]:
+        return [w for w in (self.writer, self.remote_writer) if w is not None]
+
+    def wait_snapshots(self) -> None:
+        """Wait until blocks being persisted are copied (before they may be reused)."""
+        for w in self._writers():
+            w.wait_snapshots()
+
+    def find(self, ids: Sequence[int], refs: Sequence[BlockRef]) -> list[bytes]:
+        """Content hashes of the blocks of `ids` after the in-memory hits `refs` that the SSD
+        tier holds, then the remote tier (copied into the SSD tier; bounded by the store's
+        timeouts, none while its breaker is open): the longest chain."""
+        self.writer.wait_writes()  # content written through by this process counts
+        stored = self.pool.sharing.stored(ids, refs)
+        if self.remote is not None:
+            start = len(refs) + len(stored)
+            bs = self.pool.block_size
+            hashes = list(chain_hashes(ids, bs, self.pool.identity))[start:]
+            found = self.remote.promote(hashes, self.ssd) if hashes else []
+            if found:
+                self.hits["remote_blocks"] = self.hits.get("remote_blocks", 0) + len(found)
+            stored += found
+        return stored
+
+    def read_side(self, ids: Sequence[int]) -> bytes | None:
+        """What a format persisted beside block 0 of `ids`: from the SSD tier, else from the
+        remote tier (then copied into the SSD tier); None when neither holds it."""
+        bs = self.pool.block_size
+        if len(ids) < bs:
+            return None
+        first = next(chain_hashes(list(ids[:bs]), bs, self.pool.identity))
+        data = self.ssd.read_side(first)
+        if data is None and self.remote is not None:
+            data = self.remote.read_side(first)
+            if data is not None:
+                try:
+                    self.ssd.write_content([], {}, [(first, data)])
+                except OSError as e:  # a full SSD: used for this request only
+                    log.warning("prefix state not copied to the SSD tier: %s", e)
+        if data is not None:
+            self.hits["side_loads"] = self.hits.get("side_loads", 0) + 1
+        return data
+
+    def write_through(self, seq: object, before: int, side: bytes | None) -> None:
+        """Blocks [before, published) of `seq` go through to the SSD tier (and the remote
+        tier), by content; `side` (what the format keeps beside block 0) goes in the same
+        transaction as block 0."""
+        chain = self.pool.sharing.chain(seq)
+        sides = [(chain[0], side)] if side is not None and before == 0 and chain else []
+        jobs = self.pool.sharing.resident_chain(seq, before)
+        if sides and not any(h == chain[0] for b in jobs.values() for _, h in b):
+            jobs = {TierKind.DEVICE: [], **jobs}  # block 0 is not in a tensor tier
+        for tier, blocks in jobs.items():
+            mine = sides if any(h == chain[0] for _, h in blocks) or not blocks else []
+            for w in self._writers():
+                w.submit(self.pool.tiers[tier], blocks, mine)
+            self.side_values_written += len(mine)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "disk_prefix_hits": dict(self.hits),
+            "blocks_written_through": self.writer.blocks_written,
+            "side_values_written": self.side_values_written,
+            "remote": None
+            if self.remote is None
+            else {
+                **self.remote.stats(),
+                "blocks_written": self.remote_writer.blocks_written,
+                "blocks_dropped": self.remote_writer.blocks_dropped,
+            },
+            "ssd_writes_skipped": self.writer.writes_skipped,
+        }
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writers' threads (the tiers are the pool's to
+        close); idempotent."""
+        for w in self._writers():
+            w.close()

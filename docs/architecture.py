@@ -240,7 +240,7 @@ def _flow_kv(ax, bands, fwd) -> None:
         "commit; selection.after_step (evicts)",
         size=9.8,
     )
-    arrow(ax, (fwd[0], e0_of(bands) + 1.4), (strat[0], k1 - 2.8))
+    arrow(ax, (fwd[0], bands["engine/"][0] + 1.4), (strat[0], k1 - 2.8))
 
     # memory: pool, device and host tiers
     m0, m1 = bands["memory/"]
@@ -282,11 +282,6 @@ def _flow_kv(ax, bands, fwd) -> None:
         style="italic",
         color="#444444",
     )
-
-
-def e0_of(bands) -> float:
-    """The bottom of the engine's band (where the forward pass's box sits)."""
-    return bands["engine/"][0]
 
 
 if __name__ == "__main__":

@@ -265,8 +265,8 @@ class Placement(_Axis):
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any],
                  fmt: Format, label: str) -> None:  # fmt: skip
         super().__init__(pool, spec, opts, fmt, label)
-        store = getattr(pool, "persistence", None)
-        self.persistence = store if store is not None and opts.get("persist_prefix") else None
+        # The pool's service (None without an SSD tier), unless this strategy turned it off.
+        self.persistence = pool.persistence if opts.get("persist_prefix") else None
         self._pending_persist: set[int] = set()  # sequences whose last step was a prefill
 
     @classmethod
@@ -371,14 +371,13 @@ class Placement(_Axis):
         return self.pool.swap_in(seq_id)
 
     def stats(self) -> dict:
-        store = getattr(self.pool, "persistence", None)
+        store = self.pool.persistence
         return store.stats() if store is not None else {}
 
     def close(self) -> None:
         """Finish pending writes and close the pool's store tiers; idempotent."""
-        store = getattr(self.pool, "persistence", None)
-        if store is not None:
-            store.close()
+        if self.pool.persistence is not None:
+            self.pool.persistence.close()
         for tier in self.pool.tiers.values():
             if isinstance(tier, StoreTier):
                 tier.close()

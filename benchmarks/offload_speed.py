@@ -146,7 +146,7 @@ def run_context(model, tok, n: int, args, root: Path) -> list[dict]:
     step = {run: statistics.median(s) for run, s in samples.items()}
     rows = []
     for (name, case), kv in caches.items():
-        stats = kv.stats()
+        stats = kv.stats().placement
         pf = stats["prefetch"]
         row = {
             "context": n,

@@ -68,14 +68,14 @@ async def measure(model, tok, prompt: list[int], root: Path, rnd: int) -> dict[s
     async with Engine(model, tok, kv=kv) as e:
         out["recompute"] = await ttft(e, prompt)
         out["host_hit"] = await ttft(e, prompt)
-        hits = kv.stats()["pool"]["prefix"]["hits"]
+        hits = kv.stats().pool.prefix.hits
     kv.close()
     assert hits >= (len(prompt) - 1) // kv.pool.block_size, "host_hit did not hit"
     kv = strategy(model, store)
     kv.ssd.store.drop_page_cache()
     async with Engine(model, tok, kv=kv) as e:
         out["ssd_hit"] = await ttft(e, prompt)
-    disk = kv.stats()["disk_prefix_hits"]
+    disk = kv.stats().placement["disk_prefix_hits"]
     kv.close()
     assert disk["blocks"] == (len(prompt) - 1) // kv.pool.block_size, disk
     shutil.rmtree(store, ignore_errors=True)

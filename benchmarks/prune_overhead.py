@@ -55,7 +55,7 @@ def main() -> None:
     step = {n: statistics.median(s) for n, s in samples.items()}
     rows = [
         {"scorer": n, "step_ms": step[n] * 1000, "vs_streaming": step[n] / step["streaming"],
-         "kept": round(cases[n][0].stats()["kept_ratio"], 3)}
+         "kept": round(cases[n][0].stats().selection["kept_ratio"], 3)}
         for n in cases
     ]  # fmt: skip
     report("prune_overhead", rows, ["scorer", "step_ms", "vs_streaming", "kept"],

@@ -104,7 +104,7 @@ def ttft_round(model, tok, prompt, root: Path, urls: dict[str, str], rnd: int) -
         a.close()
         b = strategy(model, root / f"b-{case}-{len(prompt)}-{rnd}", url)
         out[case] = asyncio.run(ttft(model, tok, b, prompt))
-        hits = b.stats()["disk_prefix_hits"].get("remote_blocks", 0)
+        hits = b.stats().placement["disk_prefix_hits"].get("remote_blocks", 0)
         b.close()
         assert hits == (len(prompt) - 1) // b.pool.block_size, (case, rnd, len(prompt), hits, wrote)
     fresh = strategy(model, root / f"r-{len(prompt)}-{rnd}", None)

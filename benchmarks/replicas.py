@@ -101,8 +101,8 @@ async def episode(client, sensors: Path, ps: list[list[int]], rate: float, secon
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t_start
     after = client.memory_report()
-    q = after["prefix_queries"] - before["prefix_queries"]
-    hits = after["prefix_hits"] - before["prefix_hits"]
+    q = after.prefix.queries - before.prefix.queries
+    hits = after.prefix.hits - before.prefix.hits
     lat.sort()
     return {
         "requests": i,

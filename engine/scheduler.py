@@ -25,6 +25,17 @@ if TYPE_CHECKING:  # for annotations only: importing kvstrategies.kv would impor
     from unikv.kvstrategies.kv import KVMemory
 
 
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """The scheduler's queues now, its preemptions so far, and this step's token budget."""
+
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    preemptions: int = 0
+    step_tokens: int = 0
+
+
 class Schedulable(Protocol):
     """What the scheduler reads and writes on a request."""
 
@@ -313,15 +324,10 @@ class Scheduler(Generic[R]):
         self.swapped.clear()
         return reqs
 
-    def report(self) -> dict:
+    def report(self) -> RequestCounts:
         """Request counts for memory reports."""
-        return {
-            "requests_running": len(self.running),
-            "requests_waiting": len(self.waiting),
-            "requests_swapped": len(self.swapped),
-            "preemptions": self.preemptions,
-            "step_tokens": self.step_tokens,
-        }
+        return RequestCounts(len(self.running), len(self.waiting), len(self.swapped),
+                             self.preemptions, self.step_tokens)  # fmt: skip
 
     # ---- one step -----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from . import selection, prune  # noqa: F401
 
 # isort: on
 from .axes import FORMATS, PLACEMENTS, SELECTIONS, Format, Placement, Selection, Step
-from .kv import KVCache, KVMemory, KVSpec, StepBatch
+from .kv import KVCache, KVMemory, KVReport, KVSpec, StepBatch
 from .registry import Built, Plan, available, build, choose, create, get, plan, register, select
 from .strategy import KVStrategy, Recipe
 
@@ -26,6 +26,7 @@ __all__ = [
     "Format",
     "KVCache",
     "KVMemory",
+    "KVReport",
     "KVSpec",
     "KVStrategy",
     "Placement",

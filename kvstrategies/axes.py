@@ -339,7 +339,7 @@ class Placement(_Axis):
     def _attach_stored(self, seq_id: int, first: int, hashes: list[bytes]) -> int:
         """Attach the stored blocks `hashes` after `seq_id`'s first `first` blocks; its
         tokens then. This default reads them in place (a placement that reads store tiers)."""
-        n = self.pool.sharing.attach_stored(seq_id, hashes)
+        n = self.pool.sharing.attach_stored(seq_id, hashes, self.persistence.tier)
         self.persistence.hits["requests"] += 1
         self.persistence.hits["blocks"] += len(hashes)
         return n

@@ -22,10 +22,14 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if TYPE_CHECKING:
+    from unikv.memory.stats import PoolReport
 
 
 @dataclass(slots=True)
@@ -206,9 +210,39 @@ class KVMemory(ABC):
         """Release what the store holds besides memory (threads, files); idempotent."""
         return None
 
-    def stats(self) -> dict:
-        """Memory statistics for reports (JSON-ready)."""
-        return {"kv_bytes_used": self.bytes_used(), "kv_bytes_reserved": self.bytes_reserved()}
+    def stats(self) -> KVReport:
+        """Memory statistics for reports."""
+        return KVReport(type(self).__name__, self.bytes_used(), self.bytes_reserved())
+
+
+@dataclass(frozen=True)
+class KVReport:
+    """`KVMemory.stats()`: what a KV store holds, read by attribute (`as_dict()` for JSON).
+
+    `format`, `placement` and `selection` are each axis's own readings (a pruning selection's
+    evictions, a tiered placement's prefetch, a packed format's channel split and kernels), as
+    the axis reports them; a store without axes leaves them empty.
+    """
+
+    strategy: str
+    kv_bytes_used: int
+    kv_bytes_reserved: int
+    pool: PoolReport | None = None
+    format: dict[str, Any] = field(default_factory=dict)
+    placement: dict[str, Any] = field(default_factory=dict)
+    selection: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-serializable form."""
+        return {
+            "strategy": self.strategy,
+            "kv_bytes_used": self.kv_bytes_used,
+            "kv_bytes_reserved": self.kv_bytes_reserved,
+            "pool": self.pool.as_dict() if self.pool is not None else None,
+            "format": self.format,
+            "placement": self.placement,
+            "selection": self.selection,
+        }
 
 
 log = logging.getLogger(__name__)

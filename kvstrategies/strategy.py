@@ -30,7 +30,7 @@ import torch
 from unikv.memory.pool import BlockLayout, Reservation, UnifiedMemoryPool
 
 from .axes import PERSIST_OPTIONS, Format, Placement, Selection, Step
-from .kv import KVCache, KVMemory, KVSpec, StepBatch
+from .kv import KVCache, KVMemory, KVReport, KVSpec, StepBatch
 from .options import Option, validate
 
 
@@ -264,25 +264,26 @@ class KVStrategy(KVCache, KVMemory):
         used = sum(a.num_used for a in self.pool.allocators.values())
         return used * self.pool.layout.page_bytes + self.format.side_bytes()
 
-    def stats(self) -> dict:
-        out = {
-            "strategy": self.name,
-            "kv_bytes_used": self.bytes_used(),
-            "kv_bytes_reserved": self.bytes_reserved(),
-            "pool": self.pool.snapshot(),
-        }
-        for part in (self.format, self.placement, self.selection):
-            out |= part.stats()
-        return out
+    def stats(self) -> KVReport:
+        return KVReport(
+            strategy=self.name,
+            kv_bytes_used=self.bytes_used(),
+            kv_bytes_reserved=self.bytes_reserved(),
+            pool=self.pool.snapshot(),
+            format=self.format.stats(),
+            placement=self.placement.stats(),
+            selection=self.selection.stats(),
+        )
 
 
 def _check_tiers(recipe: Recipe, pool: UnifiedMemoryPool, opts: dict) -> None:
     """Refuse, with the reason, a store tier this strategy could not use (never ignore it)."""
     tiers, name = pool.tiers, recipe.name
-    if "remote" in tiers and "ssd" not in tiers:
+    if "remote" in tiers and "ssd" not in tiers and recipe.placement.offloads:
         raise ValueError(
-            f"strategy {name!r}: [tiers.remote] needs an [tiers.ssd] tier: remote hits are "
-            "copied into the SSD tier before a step reads them; add one"
+            f"strategy {name!r}: [tiers.remote] needs an [tiers.ssd] tier under the "
+            f"{recipe.placement.name} placement, which reads stored blocks where they are: remote "
+            "hits are copied into the SSD tier first; add one (or choose placement resident)"
         )
     stores = [t for t in ("ssd", "remote") if t in tiers]
     if stores and recipe.selection.evicts:

@@ -8,7 +8,16 @@ pool's settings (config files, chip profiles) live a floor below, in `unikv.sett
 from unikv.memory.allocator import SHARED, Block, BlockTable, FreeBlockQueue, TierAllocator
 from unikv.memory.health import HealthInputs, HealthView, evaluate
 from unikv.memory.prefix import BlockRef, PrefixCache, block_hash, chain_hashes
-from unikv.memory.stats import HealthMonitor, OomPredictor, OomWarning, PoolStats
+from unikv.memory.stats import (
+    HealthMonitor,
+    OomPredictor,
+    OomWarning,
+    PoolCounters,
+    PoolReport,
+    PoolStats,
+    PrefixCounts,
+    TierUsage,
+)
 
 __all__ = [
     "SHARED",
@@ -21,9 +30,13 @@ __all__ = [
     "HealthView",
     "OomPredictor",
     "OomWarning",
+    "PoolCounters",
+    "PoolReport",
     "PoolStats",
     "PrefixCache",
+    "PrefixCounts",
     "TierAllocator",
+    "TierUsage",
     "block_hash",
     "chain_hashes",
     "evaluate",

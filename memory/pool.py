@@ -35,7 +35,8 @@ from unikv.memory.persistence import PrefixPersistence
 from unikv.memory.placement import Placement
 from unikv.memory.prefix import BlockRef
 from unikv.memory.prefix_index import PrefixIndex
-from unikv.memory.stats import HealthMonitor, PoolStats
+from unikv.memory.remote import RemoteTier
+from unikv.memory.stats import HealthMonitor, PoolReport, PoolStats
 from unikv.memory.tiers import BlockLostError, StoreTier, TensorTier, Tier, TierKind
 from unikv.settings.config import PoolConfig
 
@@ -110,10 +111,13 @@ class UnifiedMemoryPool:
         self._tables: dict[SeqId, BlockTable] = {}
         self.sharing = PrefixSharing(self.prefixes, self._tables, self.tiers, self.block_size,
                                      self._owned)  # fmt: skip
-        # Prompt blocks written through to the SSD (and remote) tier by content, and found
-        # there again: a service for every strategy (None without an SSD tier).
-        ssd = self.tiers.get(TierKind.SSD)
-        self.persistence = PrefixPersistence(self, ssd) if isinstance(ssd, StoreTier) else None
+        # Prompt blocks written through to the SSD and remote tiers by content, and found
+        # there again: a service for every strategy (None without either tier).
+        ssd, remote = self.tiers.get(TierKind.SSD), self.tiers.get(TierKind.REMOTE)
+        ssd = ssd if isinstance(ssd, StoreTier) else None
+        remote = remote if isinstance(remote, RemoteTier) else None
+        has_store = ssd is not None or remote is not None
+        self.persistence = PrefixPersistence(self, ssd, remote) if has_store else None
         self.owner: int | None = None  # the thread that alone may mutate the pool (None: any)
 
     def _owned(self) -> None:
@@ -330,25 +334,24 @@ class UnifiedMemoryPool:
         problems a store tier reports (the remote tier's open circuit breaker)."""
         return evaluate(_health_inputs(self))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> PoolReport:
         """Usage per tier, prefix hit rate, allocations, evictions, preemptions, health (with
-        the readings it was coloured from, `signals`, which the server's view adds to)."""
-        snap = self.stats.snapshot()
+        the readings it was coloured from, which the server's view adds to); `as_dict()` for
+        JSON."""
         inputs = _health_inputs(self)
-        snap["health"] = evaluate(inputs).as_dict()
-        snap["health"]["signals"] = {
-            "preemptions_recent": inputs.preemptions_recent,
-            "oom_recent": inputs.oom_firing,
-            "checksum_recent": inputs.checksum_failure,
-            "tier_problems": list(inputs.tier_problems),
-        }
-        for name, t in self.tiers.items():
-            if callable(getattr(t, "problem", None)):
-                snap.setdefault("tier_services", {})[name] = t.stats()
-        snap["block_size"] = self.block_size
-        snap["page_bytes"] = self.layout.page_bytes
-        snap["sequences"] = len(self._tables)
-        return snap
+        return PoolReport(
+            counters=self.stats.snapshot(),
+            health=evaluate(inputs),
+            readings=inputs,
+            tier_services={
+                name: t.stats()
+                for name, t in self.tiers.items()
+                if callable(getattr(t, "problem", None))
+            },
+            block_size=self.block_size,
+            page_bytes=self.layout.page_bytes,
+            sequences=len(self._tables),
+        )
 
     # ---- internals ----------------------------------------------------------------------------
 

@@ -247,8 +247,9 @@ class RemoteTier(StoreTier):
         return self._guarded("read", lambda: StoreTier.read_side(self, content_key), None)
 
     def read(self, block_ids):
-        # Not reached through the pool (hits are promoted, never attached here); a failure
-        # would be a lost block, so it is one, not a hang.
+        # Hits attached here (a pool without an SSD tier) are read once, when a resident
+        # placement loads them into device blocks; a failure is a lost block (the prefix is
+        # recomputed), never a hang.
         return self._guarded_read(lambda: super(RemoteTier, self).read(block_ids))
 
     def read_slice(self, block_ids, index):

@@ -1,7 +1,9 @@
 """Pool statistics, the out-of-memory predictor and what the pool feeds the health rule.
 
 What lives here: `PoolStats` (usage per tier, prefix hit rate, allocations, frees, evictions,
-preemptions, moves between tiers, checksum failures; `snapshot()` is JSON-serializable),
+preemptions, moves between tiers, checksum failures; `snapshot()` gives them as
+`PoolCounters`, and the pool adds its health and layout in a `PoolReport`: dataclasses read by
+attribute, `as_dict()` for JSON),
 `OomPredictor` (warns when the device tier is nearly full and still filling fast) and
 `HealthMonitor` (the pool's recent events, as `HealthInputs` for the one health rule).
 
@@ -75,36 +77,110 @@ class PoolStats:
         allocator = self.allocators.get(tier)
         return allocator.usage if allocator is not None else 0.0
 
-    def snapshot(self) -> dict[str, Any]:
-        """All counters as a JSON-serializable dict."""
-        tiers = {
-            name: {
-                "num_blocks": a.num_blocks,
-                "num_used": a.num_used,
-                "num_free": a.num_free,
-                "num_cached": a.num_cached,
-                "usage": a.usage,
-            }
-            for name, a in self.allocators.items()
-        }
+    def snapshot(self) -> PoolCounters:
+        """All counters now (`as_dict()` for JSON)."""
         p = self.prefix
-        return {
-            "tiers": tiers,
-            "allocations": sum(a.num_allocations for a in self.allocators.values()),
-            "frees": sum(a.num_frees for a in self.allocators.values()),
-            "evictions": sum(a.num_evictions for a in self.allocators.values()),
-            "prefix_revived": sum(a.num_revived for a in self.allocators.values()),
-            "preemptions": self.preemptions,
-            "moves": {f"{s}->{d}": n for (s, d), n in sorted(self.moves.items())},
-            "checksum_failures": self.checksum_failures,
-            "prefix": {
-                "queries": p.queries if p is not None else 0,
-                "hits": p.hits if p is not None else 0,
-                "misses": p.misses if p is not None else 0,
-                "hit_rate": p.hit_rate if p is not None else 0.0,
-                "cached_blocks": len(p) if p is not None else 0,
+        return PoolCounters(
+            tiers={
+                name: TierUsage(a.num_blocks, a.num_used, a.num_free, a.num_cached, a.usage)
+                for name, a in self.allocators.items()
             },
-        }
+            allocations=sum(a.num_allocations for a in self.allocators.values()),
+            frees=sum(a.num_frees for a in self.allocators.values()),
+            evictions=sum(a.num_evictions for a in self.allocators.values()),
+            prefix_revived=sum(a.num_revived for a in self.allocators.values()),
+            preemptions=self.preemptions,
+            moves={f"{s}->{d}": n for (s, d), n in sorted(self.moves.items())},
+            checksum_failures=self.checksum_failures,
+            prefix=PrefixCounts(p.queries, p.hits, p.misses, p.hit_rate, len(p))
+            if p is not None
+            else PrefixCounts(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One tier's blocks: all, in use, free, free but holding a cached prefix; used share."""
+
+    num_blocks: int
+    num_used: int
+    num_free: int
+    num_cached: int
+    usage: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCounts:
+    """Prefix-cache block lookups: queries, hits, misses, hit rate; blocks it holds now."""
+
+    queries: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """`PoolStats.snapshot()`: usage per tier and the pool's counters."""
+
+    tiers: dict[str, TierUsage]
+    allocations: int
+    frees: int
+    evictions: int
+    prefix_revived: int
+    preemptions: int
+    moves: dict[str, int]  # "src->dst": blocks moved
+    checksum_failures: int
+    prefix: PrefixCounts
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-serializable form."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReport:
+    """`UnifiedMemoryPool.snapshot()`: the counters, the health view and the readings it was
+    coloured from (`readings`, which the server's view adds its own to), the store tiers'
+    service statistics (`tier_services`: the remote tier's circuit breaker) and the layout."""
+
+    counters: PoolCounters
+    health: HealthView
+    readings: HealthInputs
+    tier_services: dict[str, dict[str, Any]]
+    block_size: int
+    page_bytes: int
+    sequences: int
+
+    @property
+    def tiers(self) -> dict[str, TierUsage]:
+        return self.counters.tiers
+
+    @property
+    def prefix(self) -> PrefixCounts:
+        return self.counters.prefix
+
+    def usage(self, tier: str) -> float:
+        """Used share of `tier` (0.0 when the pool has none)."""
+        t = self.counters.tiers.get(tier)
+        return t.usage if t is not None else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-serializable form: the counters at the top level, then the rest."""
+        r = self.readings
+        return self.counters.as_dict() | {
+            "health": self.health.as_dict() | {"signals": {
+                "preemptions_recent": r.preemptions_recent,
+                "oom_recent": r.oom_firing,
+                "checksum_recent": r.checksum_failure,
+                "tier_problems": list(r.tier_problems),
+            }},
+            "tier_services": self.tier_services,
+            "block_size": self.block_size,
+            "page_bytes": self.page_bytes,
+            "sequences": self.sequences,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import TypeVar
@@ -39,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv import version as engine_version
 from unikv.engine.engine import RequestHandle, ServedEngine
+from unikv.engine.report import ServedReport
+from unikv.engine.scheduler import RequestCounts
 
 from . import protocol as p
 from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate, service_fault
@@ -93,9 +95,9 @@ class Server:
 
     # ---- readings ------------------------------------------------------------------------------
 
-    def memory_report(self) -> dict:
-        """The engine's memory report (empty before the engine is up)."""
-        return self.engine.memory_report() if self.engine is not None else {}
+    def memory_report(self) -> ServedReport | None:
+        """The engine's memory report (None before the engine is up)."""
+        return self.engine.memory_report() if self.engine is not None else None
 
     def capacity(self) -> int:
         """Requests the server holds at full load: the running batch plus the waiting queue."""
@@ -109,21 +111,16 @@ class Server:
         if own_view is not None:
             return own_view()
         mem = self.memory_report()
-        pool = mem.get("pool") or {}
-        tiers = pool.get("tiers") or {}
         # The pool's readings as it coloured itself (memory.health), plus the server's own.
-        signals = (pool.get("health") or {}).get("signals", {})
+        pool = mem.pool if mem is not None else None
+        readings = pool.readings if pool is not None else HealthInputs(device_usage=0.0)
         return evaluate(
-            HealthInputs(
-                device_usage=tiers.get("device", {}).get("usage", 0.0),
-                waiting=mem.get("requests_waiting", 0),
+            replace(
+                readings,
+                waiting=mem.requests.waiting if mem is not None else 0,
                 max_waiting=self.settings.max_waiting,
-                preemptions_recent=signals.get("preemptions_recent", 0),
                 failures_recent=self.failures.count(),
-                oom_firing=bool(signals.get("oom_recent")),
-                checksum_failure=bool(signals.get("checksum_recent")),
-                tier_problems=tuple(signals.get("tier_problems", ())),
-                operator_fallbacks=tuple(mem.get("operator_fallbacks", ())),
+                operator_fallbacks=mem.operator_fallbacks if mem is not None else (),
             )
         )
 
@@ -149,7 +146,7 @@ class Server:
     def admit(self) -> None:
         """Refuse (429) when the queue is full or the load share is reached."""
         mem = self.memory_report()
-        if mem.get("requests_waiting", 0) >= self.settings.max_waiting:
+        if mem is not None and mem.requests.waiting >= self.settings.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()
             raise p.APIError(
                 429,
@@ -298,9 +295,9 @@ def _add_operator_routes(app: FastAPI, server: Server) -> None:
     def view() -> tuple[dict, bool]:
         v = server.health()
         body = v.as_dict()
-        replicas = server.memory_report().get("replicas")
-        if replicas is not None:
-            body["replicas"] = replicas
+        mem = server.memory_report()
+        if mem is not None and mem.replicas is not None:
+            body["replicas"] = mem.replicas
         return body, v.status == "red"
 
     @app.get("/health")
@@ -326,16 +323,17 @@ def _add_operator_routes(app: FastAPI, server: Server) -> None:
     @app.get("/dashboard/data")
     async def dashboard_data():
         mem = server.memory_report()
-        pool = mem.get("pool") or {}
+        pool = mem.pool if mem is not None else None
         tiers = {
-            name: {"usage": t["usage"], "used": t["num_used"], "blocks": t["num_blocks"]}
-            for name, t in (pool.get("tiers") or {}).items()
+            name: {"usage": t.usage, "used": t.num_used, "blocks": t.num_blocks}
+            for name, t in (pool.tiers if pool is not None else {}).items()
         }
+        counts = mem.requests if mem is not None else RequestCounts()
         return {
             "health": server.health().as_dict(),
             "tiers": tiers,
-            "running": mem.get("requests_running", 0),
-            "waiting": mem.get("requests_waiting", 0),
+            "running": counts.running,
+            "waiting": counts.waiting,
             "in_flight": server.in_flight,
             "series": server.series(),
         }

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from unikv.engine.report import ServedReport
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATUS_VALUE = {"green": 0, "yellow": 1, "red": 2}
 # Latency buckets from 5 ms to 2 minutes (CPU decode steps are tens of milliseconds).
@@ -24,7 +26,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class _EngineCollector:
     """Gauges and pool counters read from the engine's memory report at scrape time."""
 
-    def __init__(self, report: Callable[[], dict], health: Callable[[], dict]) -> None:
+    def __init__(self, report: Callable[[], ServedReport | None],
+                 health: Callable[[], dict]) -> None:  # fmt: skip
         self.report, self.health = report, health
 
     def describe(self) -> list[Metric]:
@@ -32,47 +35,8 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         mem = self.report()
-        for name, key, doc in (
-            ("unikv_requests_running", "requests_running", "Requests in the running batch."),
-            ("unikv_requests_waiting", "requests_waiting", "Requests waiting for admission."),
-            ("unikv_requests_swapped", "requests_swapped", "Requests swapped out to host."),
-        ):
-            yield GaugeMetricFamily(name, doc, value=mem.get(key, 0))
-        used = GaugeMetricFamily("unikv_kv_bytes", "KV bytes held per tier.", labels=["tier"])
-        usage = GaugeMetricFamily(
-            "unikv_kv_usage_ratio", "Share of each tier's blocks in use.", labels=["tier"]
-        )
-        pool = mem.get("pool") or {}
-        page = pool.get("page_bytes", 0)
-        for tier, t in (pool.get("tiers") or {}).items():
-            used.add_metric([tier], t["num_used"] * page)
-            usage.add_metric([tier], t["usage"])
-        yield used
-        yield usage
-        yield GaugeMetricFamily(
-            "unikv_kv_stored_bytes",
-            "KV bytes stored for live sequences (all tiers).",
-            value=mem.get("kv_bytes_used", 0),
-        )
-        prefix = pool.get("prefix") or {}
-        yield CounterMetricFamily(
-            "unikv_prefix_cache_queries",
-            "Prefix-cache block lookups.",
-            value=prefix.get("queries", 0),
-        )
-        yield CounterMetricFamily(
-            "unikv_prefix_cache_hits", "Prefix-cache block hits.", value=prefix.get("hits", 0)
-        )
-        yield CounterMetricFamily(
-            "unikv_preemptions",
-            "Requests preempted for memory (swapped or recomputed).",
-            value=mem.get("preemptions", 0),
-        )
-        yield CounterMetricFamily(
-            "unikv_ssd_writes_skipped",
-            "KV blocks a full or failing SSD tier could not take (they miss later).",
-            value=mem.get("ssd_writes_skipped", 0),
-        )
+        if mem is not None:  # (None until the engine is up)
+            yield from _report_metrics(mem)
         view = self.health()
         yield GaugeMetricFamily(
             "unikv_health_status",
@@ -84,8 +48,50 @@ class _EngineCollector:
             "Share of full load the health colour admits.",
             value=view["load_share"],
         )
-        if "replicas" in mem:
-            yield from _replica_metrics(mem["replicas"], mem.get("router") or {})
+        if mem is not None and mem.replicas is not None:
+            yield from _replica_metrics(mem.replicas, mem.router or {})
+
+
+def _report_metrics(mem: ServedReport) -> Iterator[Metric]:
+    """Queues, KV bytes and usage per tier, the prefix cache and preemptions of a report."""
+    counts = mem.requests
+    for name, value, doc in (
+        ("unikv_requests_running", counts.running, "Requests in the running batch."),
+        ("unikv_requests_waiting", counts.waiting, "Requests waiting for admission."),
+        ("unikv_requests_swapped", counts.swapped, "Requests swapped out to host."),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+    used = GaugeMetricFamily("unikv_kv_bytes", "KV bytes held per tier.", labels=["tier"])
+    usage = GaugeMetricFamily(
+        "unikv_kv_usage_ratio", "Share of each tier's blocks in use.", labels=["tier"]
+    )
+    if mem.pool is not None:
+        for tier, t in mem.pool.tiers.items():
+            used.add_metric([tier], t.num_used * mem.pool.page_bytes)
+            usage.add_metric([tier], t.usage)
+    yield used
+    yield usage
+    yield GaugeMetricFamily(
+        "unikv_kv_stored_bytes",
+        "KV bytes stored for live sequences (all tiers).",
+        value=mem.kv_bytes_used,
+    )
+    yield CounterMetricFamily(
+        "unikv_prefix_cache_queries", "Prefix-cache block lookups.", value=mem.prefix.queries
+    )
+    yield CounterMetricFamily(
+        "unikv_prefix_cache_hits", "Prefix-cache block hits.", value=mem.prefix.hits
+    )
+    yield CounterMetricFamily(
+        "unikv_preemptions",
+        "Requests preempted for memory (swapped or recomputed).",
+        value=counts.preemptions,
+    )
+    yield CounterMetricFamily(
+        "unikv_ssd_writes_skipped",
+        "KV blocks a full or failing SSD tier could not take (they miss later).",
+        value=mem.ssd_writes_skipped,
+    )
 
 
 def _replica_metrics(replicas: dict, router: dict) -> Iterator[Metric]:
@@ -151,7 +157,8 @@ def _replica_metrics(replicas: dict, router: dict) -> Iterator[Metric]:
 class ServerMetrics:
     """The server's metrics in a registry of their own (one per app, so tests can run many)."""
 
-    def __init__(self, report: Callable[[], dict], health: Callable[[], dict]) -> None:
+    def __init__(self, report: Callable[[], ServedReport | None],
+                 health: Callable[[], dict]) -> None:  # fmt: skip
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter(
             "unikv_prompt_tokens", "Prompt tokens of finished requests.", registry=r

@@ -34,7 +34,9 @@ from types import SimpleNamespace
 from unikv.engine.engine import Completion, Piece, RequestHandle
 from unikv.engine.gguf_loader import check_weights
 from unikv.engine.sampling import SamplingParams
+from unikv.engine.scheduler import RequestCounts
 from unikv.memory.prefix import chain_hashes
+from unikv.memory.stats import PrefixCounts
 
 from . import routing
 from .health import SHARES, HealthView, Indicator, service_fault
@@ -193,7 +195,6 @@ class EngineReplica:
         forced = getattr(self.sensor, "health", None)
         mem = self.engine.memory_report()
         digest = self.engine.prefix_digest(REPORTED_HASHES)
-        prefix = (mem.get("pool") or {}).get("prefix") or {}
         return {
             "seq": self._seq,
             "name": self.name,
@@ -207,13 +208,14 @@ class EngineReplica:
             "cooling_left": self.cooling.transitions["leave"],
             "batch_limit": self.engine.batch_limit,
             "max_batch": self.engine.max_batch,
-            "queue": mem.get("requests_running", 0) + mem.get("requests_waiting", 0),
-            "requests_running": mem.get("requests_running", 0),
-            "requests_waiting": mem.get("requests_waiting", 0),
-            "preemptions": mem.get("preemptions", 0),
-            "kv_bytes_used": mem.get("kv_bytes_used", 0),
-            "prefix_queries": prefix.get("queries", 0),
-            "prefix_hits": prefix.get("hits", 0),
+            "queue": mem.requests.running + mem.requests.waiting,
+            "requests_running": mem.requests.running,
+            "requests_waiting": mem.requests.waiting,
+            "preemptions": mem.requests.preemptions,
+            "kv_bytes_used": mem.kv_bytes_used,
+            "ssd_writes_skipped": mem.ssd_writes_skipped,
+            "prefix_queries": mem.prefix.queries,
+            "prefix_hits": mem.prefix.hits,
             "hashes": [h[:HASH_BYTES].hex() for h in digest[2]] if digest else [],
         }
 
@@ -264,25 +266,32 @@ class ReplicaClient:
             return self._batch * self.num_replicas
         return sum(int(r.get("batch_limit", self._batch)) for r in reps.values())
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> ReplicasReport:
         """Totals over the replicas, each replica's report, and the router's decisions."""
         reps = self.replicas()
-        total = {k: sum(int(r.get(k, 0)) for r in reps.values())
-                 for k in ("requests_running", "requests_waiting", "preemptions", "kv_bytes_used",
-                           "prefix_queries", "prefix_hits")}  # fmt: skip
+
+        def total(key: str) -> int:
+            return sum(int(r.get(key, 0)) for r in reps.values())
+
         router = routing.current()
         policy = getattr(router, "policy", None)
-        decisions = dict(policy.decisions) if policy is not None else {}
-        return {
-            **total,
-            "kv_choice": self.kv_choice,
-            "replicas": {r.get("name", uid): _public(r) for uid, r in reps.items()},
-            "router": {
-                "decisions": decisions,
+        return ReplicasReport(
+            requests=RequestCounts(
+                running=total("requests_running"),
+                waiting=total("requests_waiting"),
+                preemptions=total("preemptions"),
+            ),  # fmt: skip
+            kv_bytes_used=total("kv_bytes_used"),
+            prefix=PrefixCounts(queries=total("prefix_queries"), hits=total("prefix_hits")),
+            ssd_writes_skipped=total("ssd_writes_skipped"),
+            kv_choice=self.kv_choice,
+            replicas={r.get("name", uid): _public(r) for uid, r in reps.items()},
+            router={
+                "decisions": dict(policy.decisions) if policy is not None else {},
                 "retried": self.retried,
                 "lost_streams": self.lost_streams,
-            },  # fmt: skip
-        }
+            },
+        )
 
     def health_view(self) -> HealthView:
         """Green when every replica is green; red when none can take a request; else yellow.
@@ -383,6 +392,27 @@ class RemoteHandle(RequestHandle):
         """Cancel the request on its replica (no-op once finished)."""
         if self._gen is not None and self.completion is None:
             self._gen.cancel()
+
+
+@dataclass(frozen=True)
+class ReplicasReport:
+    """`ReplicaClient.memory_report()`: the replicas' totals, each replica's last report (the
+    dict it gave the router) and the router's decisions; read by the server as any engine's
+    report (`engine.report.ServedReport`)."""
+
+    requests: RequestCounts
+    kv_bytes_used: int
+    prefix: PrefixCounts
+    ssd_writes_skipped: int
+    kv_choice: str
+    replicas: dict[str, dict]
+    router: dict
+    pool = None  # each replica has its own pool: no one report of it here
+    operator_fallbacks: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        """JSON-serializable form."""
+        return asdict(self)
 
 
 def _public(report: dict) -> dict:

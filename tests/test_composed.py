@@ -107,7 +107,8 @@ def test_tiered_quantized_blocks_move_packed_and_attend_as_resident(tmp_path, fm
         full_page = kvstrategies.get("fp32+tiered+all").layout(SPEC, BS, {"dtype": "float32"})
         assert ssd.layout.page_bytes == tiered.pool.layout.page_bytes
         assert ssd.layout.page_bytes * 2 < full_page.page_bytes
-        assert tiered.stats()["prefetch"]["layers_fetched"] > 0  # staged through the prefetcher
+        # staged through the prefetcher
+        assert tiered.stats().placement["prefetch"]["layers_fetched"] > 0
         assert tiered.bytes_used() == resident.bytes_used()
     finally:
         tiered.close()
@@ -122,7 +123,7 @@ def test_a_pruned_hybrid_cache_compacts_packed_blocks(tmp_path, scorer):
     _drive(pruned, steps)
     _drive(fp32, steps)
     assert pruned.stored_tokens(0) == fp32.stored_tokens(0) < 60
-    assert pruned.stats()["tokens_evicted"] > 0
+    assert pruned.stats().selection["tokens_evicted"] > 0
     # Packed and pruned: far fewer bytes than pruned fp32, and the freed blocks went back.
     assert pruned.bytes_used() * 3 < fp32.bytes_used()
     used = sum(a.num_used for a in pruned.pool.allocators.values())
@@ -319,7 +320,7 @@ def test_packed_blocks_written_through_are_found_by_another_process(tmp_path, si
     assert a.pool.persistence.side_values_written == (1 if a.format.S else 0)
     b = _make("hybrid+tiered+all", tmp_path, "shared", **opts)
     got = next_token(b)
-    hits = b.stats()["disk_prefix_hits"]
+    hits = b.stats().placement["disk_prefix_hits"]
     assert (hits["requests"], hits["blocks"]) == (1, 5)
     assert hits.get("side_loads", 0) == (1 if b.format.S else 0)
     for x, y in zip(got, expected, strict=True):
@@ -358,7 +359,7 @@ def test_sinks_are_shared_through_the_remote_tier(tmp_path):
     assert a.pool.persistence.remote_writer.blocks_written == 3
     b = make("ssd-b")
     assert b.match_prefix(1, tokens) == 3 * BS
-    hits = b.stats()["disk_prefix_hits"]
+    hits = b.stats().placement["disk_prefix_hits"]
     assert hits["remote_blocks"] == 3 and hits["side_loads"] == 1
     assert b.pool.persistence.ssd.read_side(b.pool.sharing.chain(1)[0]) is not None  # now local
     b.close()

@@ -54,7 +54,7 @@ def test_the_ring_follows_health_and_the_numbers_move_under_load(browser, model,
                    for _ in range(2)]  # fmt: skip
         for c in clients:
             c.start()
-        wait_until(lambda: server.memory_report().get("requests_waiting") == 1, "a waiting one")
+        wait_until(lambda: server.memory_report().requests.waiting == 1, "a waiting one")
         health = httpx.get(url + "/health", timeout=30).json()
         assert health["status"] == "yellow" and health["load_share"] == 0.8
         wait_until(lambda: ring(browser) == "yellow", "the ring to turn yellow")

@@ -367,8 +367,8 @@ def test_config_places_experts_in_tiers_and_picks_the_topk(checkpoints, tmp_path
                      for s in range(0, 40, 8)])  # fmt: skip
     assert (got - want).abs().max().item() < 1e-4
     report = model.memory_report()
-    assert report["routing"] == {"topk": "blockwise", "block": 4}
-    ex = report["experts"]
+    assert report.routing == {"topk": "blockwise", "block": 4}
+    ex = report.experts
     # each step looks up its distinct experts once: >= top-k of them, in 2 MoE layers, 5 steps
     assert ex["misses"] > 0 and ex["hits"] + ex["misses"] >= 5 * 2 * 2
     assert ex["promotions"]["ssd"] > 0

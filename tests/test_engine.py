@@ -8,6 +8,7 @@ import torch
 
 from unikv.engine.engine import Engine
 from unikv.engine.sampling import SamplingParams
+from unikv.engine.scheduler import RequestCounts
 from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -146,7 +147,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_request(engine):
     # The KV is freed at the next turn (the report other threads read is published when the
     # request ends, so it may lag the pool by that turn: wait on the pool itself).
     await until(lambda: engine.kv.bytes_used() == 0)
-    await until(lambda: engine.memory_report()["requests_running"] == 0)
+    await until(lambda: engine.memory_report().requests.running == 0)
 
 
 async def test_the_scheduler_settings_and_counts_reach_the_engine(engine):
@@ -154,14 +155,9 @@ async def test_the_scheduler_settings_and_counts_reach_the_engine(engine):
     assert engine.scheduler.config.max_step_tokens == 64
     c = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
     report = engine.memory_report()
-    assert report["kv_bytes_peak"] > 0
-    assert {k: report[k] for k in engine.scheduler.report()} == {
-        "requests_running": 0,
-        "requests_waiting": 0,
-        "requests_swapped": 0,
-        "preemptions": 0,
-        "step_tokens": 64,  # no step target here: the budget alone
-    }
+    assert report.kv_bytes_peak > 0
+    # no step target here: the budget alone
+    assert report.requests == RequestCounts(0, 0, 0, 0, step_tokens=64)
     assert len(c.token_ids) == 2
 
 
@@ -388,7 +384,7 @@ async def test_only_the_compute_thread_touches_the_pool(model, tokenizer):
         other = engine.submit(PROMPTS[0], GREEDY_16)
         await until(lambda: len(long._req.output_ids) >= 3)
         for _ in range(20):  # what /health and /metrics do, while steps run
-            assert engine.memory_report()["requests_running"] >= 1
+            assert engine.memory_report().requests.running >= 1
             await asyncio.sleep(0.001)
         long.cancel()
         await until(lambda: long._req.finish_reason is not None)

@@ -57,8 +57,8 @@ async def test_preemption_changes_no_output(model, tokenizer, prompts, unconstra
         outs = await asyncio.gather(*(e.generate(p, GREEDY) for p in prompts))
         report = e.memory_report()
     assert [c.token_ids for c in outs] == unconstrained
-    assert report["preemptions"] > 0 and report["pool"]["preemptions"] > 0
-    moves = report["pool"]["moves"]
+    assert report.requests.preemptions > 0 and report.pool.counters.preemptions > 0
+    moves = report.pool.counters.moves
     assert bool(moves) == bool(host_blocks)  # swapping moved blocks; recompute did not
     assert kv.pool.allocators["device"].num_used == 0
 
@@ -87,7 +87,7 @@ async def test_shared_prefix_skips_prefill_and_changes_nothing(model, tokenizer,
     assert second._req.prefix_hit == (len(prompt) - 1) // 16 * 16
     assert other._req.prefix_hit == 96  # the 6 full blocks the two prompts share
     assert a.token_ids == b.token_ids
-    assert kv.pool.snapshot()["prefix"]["hits"] >= 8 + 6
+    assert kv.pool.snapshot().prefix.hits >= 8 + 6
 
 
 def test_transformers_cache_adapter_matches_dynamic_cache(hf_model, tokenizer, prompts):

@@ -159,7 +159,7 @@ def test_fuzzed_requests_never_5xx_and_the_canary_never_changes(fuzz_server):
 
     def idle() -> bool:
         mem = engine.memory_report()
-        return mem["requests_running"] == 0 and mem["requests_waiting"] == 0
+        return mem.requests.running == 0 and mem.requests.waiting == 0
 
     import time
 

@@ -262,7 +262,7 @@ def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
         logits[weights] = model.forward(torch.arange(8), torch.arange(8), kv, StepBatch([0], [8]))
         report = model.memory_report()
-        assert report.get("dequantized") == (["Q6_K"] if weights == "native" else None)
+        assert report.dequantized == (("Q6_K",) if weights == "native" else ())
     assert logits["native"].shape == (8, tinygguf.VOCAB)
     assert torch.isfinite(logits["native"]).all()
     assert torch.equal(logits["native"], logits["float32"])
@@ -270,7 +270,9 @@ def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
 
 def test_the_run_report_names_the_types_dequantized_at_load():
     from unikv.cli.main import _memory_lines
+    from unikv.engine.report import MemoryReport, ModelReport
+    from unikv.kvstrategies.kv import KVReport
 
-    mem = {"kv_bytes_peak": 0, "kv_bytes_used": 0, "dequantized": ["Q5_K", "Q6_K"]}
+    mem = MemoryReport(KVReport("full", 0, 0), ModelReport(dequantized=("Q5_K", "Q6_K")))
     assert "[dequantized at load (no native kernel): Q5_K, Q6_K]" in _memory_lines(mem)
-    assert "dequantized" not in _memory_lines({"kv_bytes_peak": 0, "kv_bytes_used": 0})
+    assert "dequantized" not in _memory_lines(MemoryReport(KVReport("full", 0, 0)))

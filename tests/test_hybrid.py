@@ -214,7 +214,7 @@ def test_latent_stores_keys_only():
     rec = DIM * BS // 2 + 2 * 2 * DIM  # key codes + key scale/low per channel
     dense = (2 + 3) * LAYERS * DIM * 2  # 2 sinks and 3 tail tokens, keys at fp16
     assert s.format.rec.nbytes == rec and s.bytes_used() == 2 * LAYERS * rec + dense
-    assert s.stats()["channels"]["values"] == "the keys' first 24 channels"
+    assert s.stats().format["channels"]["values"] == "the keys' first 24 channels"
 
 
 @pytest.mark.parametrize(
@@ -445,5 +445,5 @@ async def test_preemption_by_swap_changes_no_output(model, tokenizer, calibratio
 
     roomy, _ = await serve(64)
     tight, report = await serve(8, host_blocks=32)  # 4 requests need 12 blocks at the end
-    assert report["pool"]["preemptions"] > 0 and report["pool"]["moves"]
+    assert report.pool.counters.preemptions > 0 and report.pool.counters.moves
     assert tight == roomy

@@ -7,7 +7,9 @@ import os
 import pytest
 
 from unikv.cli.main import _kernel_status, _memory_lines
+from unikv.engine.report import MemoryReport
 from unikv.kernels import native as kernels
+from unikv.kvstrategies.kv import KVReport
 
 
 @pytest.fixture
@@ -63,9 +65,11 @@ def test_disabled_and_warned_once(fresh, monkeypatch, caplog):
 
 
 def test_the_memory_report_names_the_attention_path():
-    assert _kernel_status({"kernel": "torch (no C compiler (cc/gcc) on PATH)"}) == (
+    def report(**fmt) -> MemoryReport:
+        return MemoryReport(KVReport("hybrid_fp16_int4", 0, 0, format=fmt))
+
+    assert _kernel_status(report(kernel="torch (no C compiler (cc/gcc) on PATH)")) == (
         "PyTorch fallback (no C compiler (cc/gcc) on PATH)"
     )
-    assert _kernel_status({}) == "PyTorch (this strategy has no C kernel)"
-    mem = {"kv_bytes_peak": 1, "kv_bytes_used": 0, "attention_kernel": "PyTorch fallback (x)"}
-    assert "[attention kernel: PyTorch fallback (x)]" in _memory_lines(mem)
+    assert _kernel_status(report()) == "PyTorch (this strategy has no C kernel)"
+    assert "[attention kernel: PyTorch fallback (x)]" in _memory_lines(report(kernel="torch (x)"))

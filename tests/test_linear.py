@@ -98,7 +98,7 @@ def _logits(m, ids):
 
 @pytest.mark.slow
 def test_native_model_keeps_weights_packed(native):
-    fmts = native.memory_report()["weights"]
+    fmts = native.memory_report().weights
     assert set(fmts) == {"Q4_1", "Q8_0"}  # every layer packed, the tied head Q8_0
     from unikv.kernels import gemv
 

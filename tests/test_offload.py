@@ -133,8 +133,8 @@ def test_a_full_store_keeps_blocks_on_host_and_attention_exact(tmp_path, caplog)
     assert s.placement.demotion_failures > 0
     # Said once (not at every step), and the skipped blocks are counted for the report.
     assert caplog.text.count("blocks stay off the ssd tier") == 1
-    assert s.stats()["ssd_writes_skipped"] >= s.placement.demotion_failures
-    tiers = s.stats()["tokens_by_tier"]
+    assert s.stats().placement["ssd_writes_skipped"] >= s.placement.demotion_failures
+    tiers = s.stats().placement["tokens_by_tier"]
     assert tiers["ssd"] < 200 and tiers["host"] > 16
     # Layer 0 of the last step attends exactly over everything written, wherever it lives.
     k_all, v_all = torch.cat(ks).transpose(0, 1), torch.cat(vs).transpose(0, 1)
@@ -180,7 +180,7 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
 
     again = strategy("model-a")
     assert again.match_prefix(1, tokens) == 5 * 16
-    hits = again.stats()["disk_prefix_hits"]
+    hits = again.stats().placement["disk_prefix_hits"]
     assert (hits["requests"], hits["blocks"], hits["skipped_short"]) == (1, 5, 0)
     again.close()
     other = strategy("model-b")
@@ -188,14 +188,14 @@ def test_written_through_prefixes_hit_by_identity_and_length(tmp_path):
     other.close()
     short = strategy("model-a", min_disk_hit_tokens=6 * 16)
     assert short.match_prefix(1, tokens) == 0
-    assert short.stats()["disk_prefix_hits"]["skipped_short"] == 1
+    assert short.stats().placement["disk_prefix_hits"]["skipped_short"] == 1
     short.close()
     # Where this process measured reading to be slower than recomputing, the hit is skipped.
     slow = strategy("model-a")
     slow.placement.prefill_s_per_token = 1e-6
     slow.placement.prefetcher.read_bytes_per_s = 1e3
     assert slow.match_prefix(1, tokens) == 0
-    assert slow.stats()["disk_prefix_hits"]["skipped_slow"] == 1
+    assert slow.stats().placement["disk_prefix_hits"]["skipped_slow"] == 1
     slow.placement.prefill_s_per_token = 1.0
     assert slow.match_prefix(2, tokens) == 5 * 16
     slow.close()
@@ -218,11 +218,12 @@ def test_perplexity_through_every_tier_equals_full(model, tokenizer, tmp_path, h
     assert got.ppl == pytest.approx(ref.ppl, rel=1e-6)
     assert max((a - b).abs().max().item() for a, b in zip(ref_logits, logits, strict=True)) < 1e-3
     # Every tier was used, and the prefetcher staged the SSD blocks of every layer and step.
-    pf = stats["prefetch"]
+    pf = stats.placement["prefetch"]
     steps = 1 + (512 - 256) // 16
     assert pf["layers_fetched"] >= (steps - 2) * model.cfg.num_layers
     assert 0.5 < pf["hit_ratio"] <= 1.0
-    assert stats["pool"]["moves"]["device->host"] > 0 and stats["pool"]["moves"]["host->ssd"] > 0
+    moves = stats.pool.counters.moves
+    assert moves["device->host"] > 0 and moves["host->ssd"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +282,8 @@ async def test_prefix_persisted_by_a_killed_process_is_loaded_not_recomputed(
     kv = offload(model, tmp_path / "store")
     out, report = await _generate(model, tokenizer, kv, prompt)
     assert out == reference
-    assert report["disk_prefix_hits"]["requests"] == 1
-    assert report["disk_prefix_hits"]["blocks"] == (len(prompt) - 1) // 16
+    assert report.kv.placement["disk_prefix_hits"]["requests"] == 1
+    assert report.kv.placement["disk_prefix_hits"]["blocks"] == (len(prompt) - 1) // 16
 
 
 @pytest.mark.slow
@@ -303,7 +304,7 @@ async def test_a_hybrid_prefix_from_another_process_is_attached_with_its_fp16_si
     cfg = config(tmp_path / "store")
     kv = create_kv(name, spec, cfg, opts)
     out, report = await _generate(model, tokenizer, kv, prompt)
-    hits = report["disk_prefix_hits"]
+    hits = report.kv.placement["disk_prefix_hits"]
     assert hits["requests"] == 1 and hits["blocks"] == (len(prompt) - 1) // 16
     assert hits["side_loads"] == (1 if kv.format.S else 0)
     # In a pool that shares nothing: computing the prompt gives the child's tokens, and the
@@ -347,8 +348,9 @@ async def test_a_corrupt_stored_block_is_a_miss_and_the_request_recomputes(
     out, report = await _generate(model, tokenizer, kv, prompt)
     assert out == reference  # never wrong KV: the request was recomputed
     # One recompute, not one per corrupt block; every corrupt value found was counted.
-    assert report["disk_prefix_hits"]["requests"] == 1 and report["preemptions"] == 1
-    assert report["pool"]["checksum_failures"] == len(items)
+    assert report.kv.placement["disk_prefix_hits"]["requests"] == 1
+    assert report.requests.preemptions == 1
+    assert report.pool.counters.checksum_failures == len(items)
     with create_store("lmdb", path=store) as s:
         # The corrupt block was removed, and the recompute wrote the right one through again.
         assert s.get(key) is not None and s.verify().ok

@@ -1,5 +1,7 @@
 """The torch side of the unified memory pool: arenas, tables, moves, swapping, prefixes."""
 
+import json
+
 import pytest
 import torch
 
@@ -106,7 +108,8 @@ def test_move_to_host_and_back_keeps_data():
     assert pool.swap_in("a")
     assert torch.equal(read(pool, "a"), data)
     snap = pool.snapshot()
-    assert snap["moves"] == {"device->host": 2, "host->device": 2} and snap["preemptions"] == 1
+    assert snap.counters.moves == {"device->host": 2, "host->device": 2}
+    assert snap.counters.preemptions == 1
 
 
 def test_move_without_room_returns_false():
@@ -137,7 +140,7 @@ def test_prefix_publish_attach_and_collision_safety():
     # Freed cached blocks stay revivable until reused.
     assert len(pool.sharing.match(tokens)) == 2
     snap = pool.snapshot()
-    assert snap["prefix"]["hits"] >= 4 and snap["tiers"]["device"]["num_used"] == 0
+    assert snap.prefix.hits >= 4 and snap.tiers["device"].num_used == 0
 
 
 def test_table_pointing_at_foreign_block_is_named():
@@ -307,10 +310,11 @@ def test_a_corrupt_stored_chain_costs_one_recompute(tmp_path):
                    (hashes[1], hashes[3], hashes[4]) for s in (0, 1))  # fmt: skip
     assert store.contains(hashes[2] + b"\0\0")  # intact blocks after it are kept
     snap = pool.snapshot()
-    assert snap["checksum_failures"] == 3  # recorded where detected: stats and health see it
-    health = snap["health"]  # detected and recomputed, never served: one indicator, yellow
-    assert health["status"] == "yellow" and "failed its checksum" in health["reasons"][0]
-    assert health["signals"]["checksum_recent"]
+    assert snap.counters.checksum_failures == 3  # recorded where detected: stats, health
+    health = snap.health  # detected and recomputed, never served: one indicator, yellow
+    assert health.status == "yellow" and "failed its checksum" in health.reasons[0]
+    assert snap.readings.checksum_failure
+    assert json.loads(json.dumps(snap.as_dict()))["health"]["signals"]["checksum_recent"]
     assert pool.sharing.attach_stored("c", hashes[:1]) == BS
     c = [r.block_id for r in pool.table("c")]
     assert all(torch.equal(ssd.read_slice(c, s)["kv"], torch.ones(1, BS, 3)) for s in (0, 1))

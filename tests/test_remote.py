@@ -202,7 +202,7 @@ def test_a_resident_full_cache_shares_prefixes_through_the_server(server, tmp_pa
 
     b = create_kv("full", spec, config(tmp_path / "ssd-b", server.url), {"min_disk_hit_tokens": 0})
     assert b.match_prefix(1, TOKENS) == 5 * 16
-    st = b.stats()
+    st = b.stats().placement
     assert st["disk_prefix_hits"]["remote_blocks"] == 5 and st["disk_prefix_hits"]["blocks"] == 5
     table = b.pool.table(1)
     assert all(r.tier == "device" for r in table.refs)  # resident: loaded, not read in place
@@ -211,11 +211,42 @@ def test_a_resident_full_cache_shares_prefixes_through_the_server(server, tmp_pa
     b.close()
 
 
-def test_a_store_tier_a_strategy_cannot_use_is_refused_at_start(server, tmp_path):
+def test_a_resident_cache_without_an_ssd_tier_loads_remote_hits_into_device_blocks(
+    server, tmp_path
+):
+    """Issue 32: `full` + `[tiers.remote]` alone (no SSD tier): pool A writes its prompt through
+    to the server; pool B finds it there and reads it straight into device blocks, which hold
+    exactly what A computed; nothing is left attached in the remote tier."""
     spec = kvstrategies.KVSpec(2, 2, 16, identity="model-a")
     tiers = (TierConfig("device", 1 << 28), TierConfig("remote", 1 << 30, path=server.url))
-    with pytest.raises(ValueError, match=r"\[tiers.remote\] needs an \[tiers.ssd\] tier"):
-        create_kv("full", spec, PoolConfig(block_size=16, tiers=tiers))
+    cfg = PoolConfig(block_size=16, tiers=tiers)
+    a = create_kv("full", spec, cfg, {"min_disk_hit_tokens": 0})
+    assert a.pool.persistence.ssd is None and a.pool.persistence.tier == "remote"
+    prefill(a, 0, TOKENS, seed=7)
+    a.pool.persistence.remote_writer.wait_writes()
+    assert a.pool.persistence.remote_writer.blocks_written == 5
+    kv_a = [a.pool.arena("kv")[:, :, :, i].clone() for i in a.pool.table(0).block_ids()[:5]]
+    a.close()
+
+    b = create_kv("full", spec, cfg, {"min_disk_hit_tokens": 0})
+    assert b.match_prefix(1, TOKENS) == 5 * 16
+    hits = b.stats().placement["disk_prefix_hits"]
+    assert hits["remote_blocks"] == 5 and hits["blocks"] == 5
+    table = b.pool.table(1)
+    assert all(r.tier == "device" for r in table.refs)
+    assert b.pool.allocators["remote"].num_used == 0  # read once, released
+    kv_b = [b.pool.arena("kv")[:, :, :, i] for i in table.block_ids()]
+    assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b, strict=True))
+    b.close()
+
+
+def test_a_store_tier_a_strategy_cannot_use_is_refused_at_start(server, tmp_path):
+    spec = kvstrategies.KVSpec(2, 2, 16, identity="model-a")
+    tiers = (TierConfig("device", 1 << 28), TierConfig("host", 1 << 28),
+             TierConfig("remote", 1 << 30, path=server.url))  # fmt: skip
+    with pytest.raises(ValueError, match=r"\[tiers.remote\] needs an \[tiers.ssd\] tier under "
+                       "the tiered placement"):  # fmt: skip
+        create_kv("hierarchical_offload", spec, PoolConfig(block_size=16, tiers=tiers))
     with pytest.raises(ValueError, match=r"'learned_prune' evicts tokens .* would be unused"):
         create_kv("learned_prune", spec, config(tmp_path / "ssd", server.url))
     with pytest.raises(ValueError, match=r"persist_prefix = false the resident placement leaves"):
@@ -234,7 +265,7 @@ def test_published_prefixes_are_shared_through_the_server(server, tmp_path):
 
     b = tiny(tmp_path / "ssd-b", server.url)
     assert b.match_prefix(1, TOKENS) == 5 * 16
-    st = b.stats()
+    st = b.stats().placement
     assert st["disk_prefix_hits"]["remote_blocks"] == 5
     assert st["remote"]["promoted_blocks"] == 5 and st["remote"]["breaker"]["state"] == "closed"
     assert b.pool.persistence.ssd.has_content(b.pool.sharing.chain(1)[0])  # promoted: now local
@@ -278,7 +309,7 @@ def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_p
     assert a.match_prefix(2, [t + 2 for t in TOKENS]) == 0  # a miss, not an error
     assert a.match_prefix(3, [t + 3 for t in TOKENS]) == 0
     assert breaker.skipped >= skipped + 2  # refused while open: no server round trip
-    problems = a.pool.snapshot()["health"]["signals"]["tier_problems"]
+    problems = a.pool.snapshot().readings.tier_problems
     assert problems and "remote tier unavailable" in problems[0]
     view = evaluate(HealthInputs(0.1, 0, 10, 0, 0, tier_problems=tuple(problems)))
     assert view.status == "yellow" and "remote tier unavailable" in " ".join(view.reasons)
@@ -286,7 +317,7 @@ def test_a_killed_server_opens_the_breaker_and_a_restart_closes_it(server, tmp_p
     time.sleep(a.pool.persistence.remote.breaker.backoff_s + 0.1)
     assert a.match_prefix(4, [t + 4 for t in TOKENS]) == 0  # the trial: the server answers
     assert not a.pool.persistence.remote.breaker.is_open
-    assert a.pool.snapshot()["health"]["signals"]["tier_problems"] == []
+    assert a.pool.snapshot().readings.tier_problems == ()
     prefill(a, 5, TOKENS, seed=5)  # sharing works again
     a.pool.persistence.remote_writer.wait_writes()
     assert a.pool.persistence.remote_writer.blocks_written >= 5
@@ -408,7 +439,7 @@ async def test_a_second_engine_process_hits_the_first_ones_prompt(
         report = e.memory_report()
     kv.close()
     assert out.token_ids == reference  # equal to recomputing
-    assert report["disk_prefix_hits"]["remote_blocks"] == (len(prompt) - 1) // 16
+    assert report.kv.placement["disk_prefix_hits"]["remote_blocks"] == (len(prompt) - 1) // 16
 
 
 @pytest.mark.slow

@@ -390,7 +390,7 @@ def test_full_queue_answers_429_with_retry_after(model, tokenizer):
                 )
             )
             second.start()
-            wait_until(lambda: server.memory_report()["requests_waiting"] == 1, "a waiting one")
+            wait_until(lambda: server.memory_report().requests.waiting == 1, "a waiting one")
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 429
             assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
@@ -413,7 +413,7 @@ def test_client_leaving_mid_stream_frees_its_kv(srv):
         assert any(line.startswith("data: ") for line in got)
         assert server.engine.kv.bytes_used() > 0
     # The stream was closed after a few chunks of 300: the request is cancelled, KV freed.
-    wait_until(lambda: server.memory_report()["requests_running"] == 0, "the cancel")
+    wait_until(lambda: server.memory_report().requests.running == 0, "the cancel")
     assert server.engine.kv.bytes_used() == 0
     assert server.in_flight == 0
 

@@ -57,9 +57,11 @@ def test_a_full_disk_warns_once_and_counts_what_it_skipped(caplog):
 
 def test_skipped_writes_reach_the_memory_report_and_metrics():
     from unikv.cli.main import _memory_lines
+    from unikv.engine.report import MemoryReport
+    from unikv.kvstrategies.kv import KVReport
     from unikv.serving.metrics import ServerMetrics
 
-    mem = {"kv_bytes_peak": 1, "kv_bytes_used": 0, "ssd_writes_skipped": 7}
+    mem = MemoryReport(KVReport("hierarchical_offload", 0, 0, placement={"ssd_writes_skipped": 7}))
     assert "[SSD tier full: 7 block writes skipped" in _memory_lines(mem)
     metrics = ServerMetrics(lambda: mem, lambda: {"status": "green", "load_share": 1.0})
     text = metrics.exposition().decode()

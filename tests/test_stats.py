@@ -9,7 +9,7 @@ import pytest
 from unikv.memory.allocator import TierAllocator
 from unikv.memory.health import KV_ABNORMAL, KV_NEAR, HealthInputs, evaluate
 from unikv.memory.prefix import PrefixCache
-from unikv.memory.stats import HealthMonitor, OomPredictor, OomWarning, PoolStats
+from unikv.memory.stats import HealthMonitor, OomPredictor, OomWarning, PoolStats, TierUsage
 
 
 class FakeClock:
@@ -34,18 +34,20 @@ def test_snapshot_is_json_and_counts() -> None:
     stats.record_move("device", "host", 3)
     stats.record_checksum_failure()
     snap = stats.snapshot()
-    assert json.loads(json.dumps(snap)) == snap
-    assert snap["tiers"]["device"] == {
+    as_json = snap.as_dict()
+    assert json.loads(json.dumps(as_json)) == as_json
+    assert as_json["tiers"]["device"] == {
         "num_blocks": 4,
         "num_used": 4,
         "num_free": 0,
         "num_cached": 0,
         "usage": 1.0,
     }
-    assert (snap["allocations"], snap["frees"], snap["evictions"]) == (6, 2, 1)
-    assert snap["moves"] == {"device->host": 3}
-    assert snap["preemptions"] == 1 and snap["checksum_failures"] == 1
-    assert snap["prefix"]["queries"] == 1 and snap["prefix"]["hit_rate"] == 0.0
+    assert snap.tiers["device"] == TierUsage(4, 4, 0, 0, 1.0)
+    assert (snap.allocations, snap.frees, snap.evictions) == (6, 2, 1)
+    assert snap.moves == {"device->host": 3}
+    assert snap.preemptions == 1 and snap.checksum_failures == 1
+    assert snap.prefix.queries == 1 and snap.prefix.hit_rate == 0.0
     assert stats.usage("device") == 1.0 and stats.usage("ssd") == 0.0
 
 

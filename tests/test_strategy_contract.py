@@ -28,7 +28,7 @@ from unikv import kvstrategies
 from unikv.engine.assembly import create_kv
 from unikv.kvstrategies import composed
 from unikv.kvstrategies.full import DenseFormat
-from unikv.kvstrategies.kv import StepBatch
+from unikv.kvstrategies.kv import StepBatch, take_tokens
 from unikv.kvstrategies.options import Option
 from unikv.kvstrategies.tables import BEGIN, END, option_tables
 from unikv.settings.config import PoolConfig, TierConfig
@@ -98,6 +98,7 @@ class Driver:
         self.s, self.spec = strategy, strategy.spec
         self.g = torch.Generator().manual_seed(seed)
         self.hist: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.selected = 0  # (layer, sequence) attends that read a selection of the tokens
 
     def step(self, seq_ids, lens):
         b = StepBatch(seq_ids, lens)
@@ -133,6 +134,13 @@ class Driver:
                     assert torch.allclose(pk[:, -lens[i] :], expect, rtol=2**-7, atol=0)
                     if spec.latent:
                         assert torch.equal(pv, pk[..., :dv])
+                # A selection that reads some tokens (sparse) attends exactly over them.
+                chosen = getattr(self.s.selection, "last_read", None)
+                idx = chosen[layer][i] if chosen and chosen[layer] else None
+                if idx is not None:
+                    self.selected += 1
+                    pk = take_tokens(pk, idx)
+                    pv = pk[..., :dv] if spec.latent else take_tokens(pv, idx)
                 ref = reference(spec, q[rows], pk, pv, pk.shape[1] - lens[i])
                 errs.append((out[rows] - ref).abs().max().item())
         self.s.end_step()
@@ -191,6 +199,8 @@ def test_attends_like_exact_attention(name, make):
     assert s.stored_tokens(0) <= 13 + 1 + 10 + 5
     if s.recipe.evicts:  # its contract options make it evict
         assert s.stored_tokens(0) < 13 + 1 + 10 + 5
+    if s.selection.name == "sparse":  # its contract options make it select, and keep all
+        assert d.selected > 0 and s.stored_tokens(0) == 13 + 1 + 10 + 5
 
 
 def test_frees_every_block_and_accounts_bytes(name, make):
@@ -244,11 +254,11 @@ def test_a_persisted_prefix_is_found_by_another_pool(name, make, tmp_path):
     d.step([0], [len(tokens)])
     a.publish(0, tokens)
     a.pool.persistence.writer.wait_writes()
-    assert a.stats()["blocks_written_through"] == 3
+    assert a.stats().placement["blocks_written_through"] == 3
     a.close()  # the writes are finished and the store closed, as at a process's end
     b = make(name, ssd=store)
     assert b.match_prefix(7, tokens) == 3 * BS  # from the store: this pool computed nothing
-    assert b.stats()["disk_prefix_hits"]["blocks"] == 3
+    assert b.stats().placement["disk_prefix_hits"]["blocks"] == 3
     d.s = b
     d.hist[7] = [(k[:, : 3 * BS], v[:, : 3 * BS]) for k, v in d.hist[0]]
     assert d.step([7], [2]) <= b.recipe.tolerance
@@ -327,7 +337,8 @@ def test_a_new_format_is_one_class_and_a_preset_one_line(monkeypatch, tmp_path, 
     cfg.write_text('strategy = "contract_tiny"\n[strategy_options]\ntiny_window = 0\n')
     with pytest.raises(ValueError, match=rf"{cfg}: \[strategy_options\] .*tiny_window = 0"):
         kvstrategies.build(SPECS["mha"], None, cfg)
-    assert kvstrategies.build(SPECS["mha"], "contract_tiny").strategy.stats()["tiny_window"] == 16
+    built = kvstrategies.build(SPECS["mha"], "contract_tiny").strategy
+    assert built.stats().format["tiny_window"] == 16
     # And its table in the generated option tables.
     assert "**`contract_tiny`**" in option_tables()
     assert "| `tiny_window` / `--tiny-window` | int | `16` | an integer in [1, 4096] |" in (

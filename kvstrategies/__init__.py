@@ -10,7 +10,7 @@ module plus its import below.
 # isort: off
 from . import full, hybrid  # noqa: F401
 from . import placement, offload  # noqa: F401
-from . import selection, prune  # noqa: F401
+from . import selection, prune, sparse  # noqa: F401
 
 # isort: on
 from .axes import FORMATS, PLACEMENTS, SELECTIONS, Format, Placement, Selection, Step

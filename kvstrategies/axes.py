@@ -30,7 +30,7 @@ import torch
 from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
 from unikv.memory.tiers import StoreTier
 
-from .kv import KVSpec, StepBatch
+from .kv import KVSpec, StepBatch, attention_one, block_tokens, take_tokens
 from .options import Option
 
 T = TypeVar("T")
@@ -191,6 +191,26 @@ class Format(ABC):
     def stats(self) -> dict:
         """What the memory report shows of this format."""
         return {}
+
+    def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
+                      chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+        """`attend` over the blocks a selection chose (`Selection.reads`): per batch sequence
+        the block indices per KV head, [Hkv, B], or None for all. This default takes their
+        tokens from what `read` gives (every stored token, decoded); a format that can gather
+        only the chosen blocks overrides it."""
+        ks, vs = self.read(layer)
+        out = q.new_empty(*q.shape[:2], self.spec.v_dim)
+        for i, blocks in enumerate(chosen):
+            rows = step.batch.rows(i)
+            k, v = ks[i], vs[i]
+            if blocks is not None:
+                idx = block_tokens(blocks, self.pool.block_size, k.shape[1])
+                k = take_tokens(k, idx)
+                v = k[..., : self.spec.v_dim] if self.spec.latent else take_tokens(v, idx)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            n = step.batch.query_lens[i]
+            out[rows] = attention_one(q[rows], k, v, k.shape[1] - n, self.spec.scale)
+        return out
 
     # ---- what a placement asks -----------------------------------------------------------------
 
@@ -397,6 +417,13 @@ class Selection(_Axis):
 
     def appended(self, layer: int, k: torch.Tensor) -> None:
         """The format stored the step's keys `k` [N, Hkv, D] of `layer`."""
+
+    def reads(self, layer: int, q: torch.Tensor) -> list[torch.Tensor | None] | None:
+        """Which blocks the step's queries `q` [N, Hq, D] of `layer` attend: per batch sequence
+        the block indices (in the sequence's order) per KV head, [Hkv, B], in any order but
+        its last block (with the step's own tokens) last; or None for all of them. None: every
+        sequence reads everything (this default)."""
+        return None
 
     def attended(self, layer: int, q: torch.Tensor) -> None:
         """The format attended the step's queries `q` [N, Hq, D] of `layer`."""

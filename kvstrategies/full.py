@@ -21,7 +21,7 @@ from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 
 from .axes import FORMATS, Format, Step
-from .kv import KVSpec, attention_runs
+from .kv import KVSpec, attention_one, attention_runs
 from .options import Option
 
 
@@ -64,6 +64,7 @@ class DenseFormat(Format):
 
     def prepare(self, step: Step) -> None:
         self.step = step
+        self._blocks: dict[int, torch.Tensor] = {}  # batch index -> its block ids (attend_tokens)
         pool, bs, batch = self.pool, self.pool.block_size, step.batch
         seqs = list(zip(batch.seq_ids, step.past, batch.query_lens, strict=True))
         self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
@@ -132,6 +133,40 @@ class DenseFormat(Format):
                 q[rows], [self._split(p) for p in pieces], self.step.past[i], self.scale
             )
         return out
+
+    def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
+                      chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+        """Resident: the chosen tokens gathered from the arena, per KV head in one index (the
+        whole cache is never read); tiered: from the pieces `read` gives."""
+        if step.groups is not None:
+            return super().attend_tokens(layer, q, step, chosen)
+        a, bs = self._layers[layer], self.pool.block_size  # [P, H, slots, D]
+        p, h, ns, d = a.shape
+        nb = ns // bs
+        flat = a.view(p * h * nb, bs * d)  # one row per (part, head, block): one index_select
+        base = (torch.arange(p * h, device=a.device) * nb).view(p, h, 1)
+        out = q.new_empty(*q.shape[:2], self.spec.v_dim)
+        for i, (blocks, pieces) in enumerate(zip(chosen, self._kv_pieces(layer), strict=True)):
+            rows, n = step.batch.rows(i), step.batch.query_lens[i]
+            if blocks is None:
+                pieces = [self._cast(p, q.dtype) for p in pieces]
+                out[rows] = attention_runs(q[rows], [self._split(p) for p in pieces],
+                                           step.past[i], self.scale)  # fmt: skip
+                continue
+            where = (self._block_ids(i)[blocks] + base).view(-1)
+            kv = flat.index_select(0, where).view(p, h, -1, d)  # whole blocks, in order
+            total = step.past[i] + n  # the last block may be partly filled
+            kv = self._cast(kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)], q.dtype)
+            k, v = self._split(kv)
+            out[rows] = attention_one(q[rows], k, v, k.shape[1] - n, self.scale)
+        return out
+
+    def _block_ids(self, i: int) -> torch.Tensor:
+        """The device block ids of batch sequence `i`'s blocks this step (once per step)."""
+        if i not in self._blocks:
+            table = self.pool.table(self.step.batch.seq_ids[i])
+            self._blocks[i] = torch.tensor(table.block_ids(), device=self._layers[0].device)
+        return self._blocks[i]
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ks, vs = [], []

@@ -313,6 +313,19 @@ def attention_one(
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)
 
 
+def block_tokens(blocks: torch.Tensor, block_size: int, total: int) -> torch.Tensor:
+    """Token positions [H, S] of the block indices `blocks` [H, B] of a sequence of `total`
+    tokens, its last block (which may be partly filled) last."""
+    offs = torch.arange(block_size, device=blocks.device)
+    pos = (blocks.unsqueeze(-1) * block_size + offs).flatten(1)
+    return pos[:, : pos.shape[1] - (-(-total // block_size) * block_size - total)]
+
+
+def take_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Tokens `idx` [H, S'] of `x` [H, S, D], per head: [H, S', D]."""
+    return x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 def attention_runs(
     q: torch.Tensor,
     runs: list[tuple[torch.Tensor, torch.Tensor]],

@@ -14,7 +14,8 @@ One decode step, in order:
                                Step(batch, past), placement.place (which blocks are read where),
                                format.prepare, selection.prepare
     append(layer, k, v)        format.append, selection.appended
-    attend(layer, q)           format.attend, selection.attended
+    attend(layer, q)           selection.reads, format.attend (or attend_tokens: the tokens
+                               the selection chose), selection.attended
     end_step()                 format.finish, placement.after_step, pool.commit,
                                selection.after_step (evicts)
 """
@@ -177,7 +178,11 @@ class KVStrategy(KVCache, KVMemory):
         self.selection.appended(layer, k)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = self.format.attend(layer, q)
+        chosen = self.selection.reads(layer, q)
+        if chosen is None:
+            out = self.format.attend(layer, q)
+        else:
+            out = self.format.attend_tokens(layer, q, self._step, chosen)
         self.selection.attended(layer, q)
         return out
 

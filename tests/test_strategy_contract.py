@@ -28,7 +28,7 @@ from unikv import kvstrategies
 from unikv.engine.assembly import create_kv
 from unikv.kvstrategies import composed
 from unikv.kvstrategies.full import DenseFormat
-from unikv.kvstrategies.kv import StepBatch, take_tokens
+from unikv.kvstrategies.kv import StepBatch, block_tokens, take_tokens
 from unikv.kvstrategies.options import Option
 from unikv.kvstrategies.tables import BEGIN, END, option_tables
 from unikv.settings.config import PoolConfig, TierConfig
@@ -136,9 +136,10 @@ class Driver:
                         assert torch.equal(pv, pk[..., :dv])
                 # A selection that reads some tokens (sparse) attends exactly over them.
                 chosen = getattr(self.s.selection, "last_read", None)
-                idx = chosen[layer][i] if chosen and chosen[layer] else None
-                if idx is not None:
+                blocks = chosen[layer][i] if chosen and chosen[layer] else None
+                if blocks is not None:
                     self.selected += 1
+                    idx = block_tokens(blocks, BS, pk.shape[1])
                     pk = take_tokens(pk, idx)
                     pv = pk[..., :dv] if spec.latent else take_tokens(pv, idx)
                 ref = reference(spec, q[rows], pk, pv, pk.shape[1] - lens[i])

@@ -1,0 +1,240 @@
+"""Dynamic sparse attention (the `sparse` selection) against `full`, same model, same process:
+perplexity at a long context, passkey with every development text as haystack, decode speed.
+
+Perplexity: each development text's first `--tokens` tokens (the protocol of docs/protocol.md:
+prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
+through `full`, `sparse` at each `--shares` budget, and, at the same number of tokens attended,
+`learned_prune` (kept ratio = share) and the `streaming` scorer. A text shorter than
+`--tokens` is measured at its own length (said in the table). Passkey: each text as the
+haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), `full` against
+`sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens prefilled, then
+`--decode-steps` decode steps per case, cases interleaved, medians: the whole step, the
+attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's own share
+(scoring and top-k). `--chart PNG` draws PPL change against the share of tokens attended.
+
+    python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
+        [--skip ppl passkey decode] [--chart docs/sparse.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import report  # noqa: E402
+from unikv import kvstrategies  # noqa: E402
+from unikv.engine.evaluate import perplexity  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.engine.passkey import passkey  # noqa: E402
+from unikv.kvstrategies.kv import StepBatch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = sorted(p for p in (ROOT / "benchmarks" / "texts").iterdir() if p.name != "README.md")
+
+
+def methods(share: float, context: int) -> dict[str, tuple[str, dict]]:
+    """The caches compared at `share` of the context attended: name -> (strategy, options).
+    The sparse budget is `share` of the context in tokens (Quest's token budget: positions
+    before it read everything); the pruned caches keep `share` of the tokens seen."""
+    return {
+        f"sparse@{share:g}": ("dense+resident+sparse", {"budget_tokens": int(share * context)}),
+        f"learned_prune@{share:g}": ("learned_prune", {"kept_ratio": share}),
+        f"streaming@{share:g}": ("learned_prune", {"kept_ratio": share, "scorer": "streaming"}),
+    }
+
+
+def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float]) -> list[dict]:
+    spec = model.kv_spec()
+    rows = []
+    for path in texts:
+        ids = tok.encode(path.read_text(encoding="utf-8"))[:tokens]
+        n = len(ids) - (len(ids) - 256) % 16 if len(ids) > 272 else len(ids)
+        ids = ids[:n]
+        base = perplexity(model, ids, kvstrategies.create("full", spec)).ppl
+        rows.append({"text": path.name, "tokens": n, "method": "full", "share": 1.0,
+                     "ppl": base, "change_%": 0.0})  # fmt: skip
+        for share in shares:
+            for label, (name, opts) in methods(share, n).items():
+                kv = kvstrategies.create(name, spec, options=opts)
+                got = perplexity(model, ids, kv)
+                read = kv.selection.stats().get("blocks_read_share")
+                rows.append({"text": path.name, "tokens": n, "method": label.split("@")[0],
+                             "share": share, "ppl": got.ppl,
+                             "change_%": 100 * (got.ppl / base - 1),
+                             "blocks_read": read})  # fmt: skip
+                kv.close()
+                print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def passkey_rows(model, tok, texts: list[Path], lengths: list[int], share: float) -> list[dict]:
+    spec = model.kv_spec()
+    rows = []
+    for path in texts:
+        filler = path.read_text(encoding="utf-8")
+        for length in lengths:
+            row = {"text": path.name, "length": length}
+            for label, name, opts in (("full", "full", {}),
+                                      ("sparse", "dense+resident+sparse",
+                                       {"budget_tokens": int(share * length)})):  # fmt: skip
+                kv = kvstrategies.create(name, spec, options=opts)
+                r = passkey(model, tok, kv, length, samples=3, filler=filler)
+                row[label] = r.accuracy
+                row[f"{label}_depths"] = " ".join(f"{d}:{a:.0%}" for d, a in r.by_depth.items())
+                kv.close()
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+    return rows
+
+
+class _Timed:
+    """Seconds spent in a strategy's attend (and its selection's `reads`) during a step."""
+
+    def __init__(self, kv) -> None:
+        self.attend = self.select = 0.0
+        attend, reads = kv.attend, kv.selection.reads
+
+        def timed_attend(layer, q):
+            t0 = time.perf_counter()
+            out = attend(layer, q)
+            self.attend += time.perf_counter() - t0
+            return out
+
+        def timed_reads(layer, q):
+            t0 = time.perf_counter()
+            out = reads(layer, q)
+            self.select += time.perf_counter() - t0
+            return out
+
+        kv.attend, kv.selection.reads = timed_attend, timed_reads
+
+
+def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int) -> list[dict]:
+    spec = model.kv_spec()
+    context = min(context, model.cfg.context_length - steps * rounds - 1)  # room to decode
+    ids = tok.encode(TEXTS[0].read_text(encoding="utf-8") * 4)[:context]
+    budget = {"budget_tokens": int(share * context)}
+    cases = {"full": ("full", {}), f"sparse@{share:g}": ("dense+resident+sparse", budget)}
+    kvs, timers, pos = {}, {}, {}
+    for label, (name, opts) in cases.items():
+        kv = kvstrategies.create(name, spec, options=opts)
+        for start in range(0, len(ids), 512):  # the prompt's prefill (dense in both)
+            part = ids[start : start + 512]
+            model.forward(torch.tensor(part), torch.arange(start, start + len(part)), kv,
+                          StepBatch([0], [len(part)], [start + 512 < len(ids)]),
+                          torch.tensor([len(part) - 1]))  # fmt: skip
+        kvs[label], timers[label], pos[label] = kv, _Timed(kv), len(ids)
+    samples = {label: {"step": [], "attend": [], "select": []} for label in cases}
+    for _ in range(rounds):
+        for label, kv in kvs.items():
+            t = timers[label]
+            for _ in range(steps):
+                t.attend = t.select = 0.0
+                t0 = time.perf_counter()
+                model.forward(torch.tensor([ids[pos[label] % len(ids)]]),
+                              torch.tensor([pos[label]]), kv, StepBatch([0], [1]))  # fmt: skip
+                samples[label]["step"].append(time.perf_counter() - t0)
+                samples[label]["attend"].append(t.attend)
+                samples[label]["select"].append(t.select)
+                pos[label] += 1
+    med = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
+    rows = []
+    for label in cases:
+        m, f = med[label], med["full"]
+        rows.append({
+            "method": label, "context": context, "step_ms": m["step"] * 1000,
+            "attend_ms": m["attend"] * 1000, "select_ms": m["select"] * 1000,
+            "step_speedup": f["step"] / m["step"], "attend_speedup": f["attend"] / m["attend"],
+            "select_share_of_step": m["select"] / m["step"],
+            "blocks_read": kvs[label].selection.stats().get("blocks_read_share"),
+            "stability": kvs[label].selection.stats().get("selection_stability"),
+        })  # fmt: skip
+    for kv in kvs.values():
+        kv.close()
+    return rows
+
+
+def chart(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for method, style in (("sparse", "o-"), ("learned_prune", "s--"), ("streaming", "^:")):
+        shares = sorted({r["share"] for r in rows if r["method"] == method})
+        worst = [max(r["change_%"] for r in rows if r["method"] == method and r["share"] == s)
+                 for s in shares]  # fmt: skip
+        ax.plot(shares, worst, style, label=f"{method} (worst text)")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set(
+        xlabel="share of the stored tokens attended",
+        ylabel="PPL change vs full (%)",
+        title="PPL change against budget, worst development text",
+        yscale="symlog",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.125, 0.25])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8184])
+    ap.add_argument("--passkey-share", type=float, default=0.125)
+    ap.add_argument("--decode-context", type=int, default=8192)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--texts", nargs="+", help="text files (default: the development texts)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
+    ap.add_argument("--chart", help="PNG of PPL change against the share attended")
+    args = ap.parse_args()
+    texts = [Path(t) for t in args.texts] if args.texts else TEXTS
+    model, tok = load_model(args.model, "float32", "cpu", False)
+    extra = {"cpu": _cpu()}
+    if "decode" not in args.skip:
+        rows = decode_rows(model, tok, args.decode_context, args.decode_steps,
+                           args.passkey_share, args.rounds)  # fmt: skip
+        report("sparse_decode", rows, ["method", "context", "step_ms", "attend_ms", "select_ms",
+                                       "step_speedup", "attend_speedup", "select_share_of_step",
+                                       "blocks_read", "stability"], extra)  # fmt: skip
+    if "passkey" not in args.skip:
+        rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share)
+        report("sparse_passkey", rows, ["text", "length", "full", "sparse", "full_depths",
+                                        "sparse_depths"], extra)  # fmt: skip
+    if "ppl" not in args.skip:
+        rows = ppl_rows(model, tok, texts, args.tokens, args.shares)
+        report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",
+                                    "blocks_read"], extra)  # fmt: skip
+        worst = {}
+        for r in rows:
+            key = (r["method"], r["share"])
+            worst[key] = max(worst.get(key, -math.inf), r["change_%"])
+        print("worst text per method:", {f"{m}@{s:g}": round(w, 3) for (m, s), w in worst.items()})
+        if args.chart:
+            chart(rows, args.chart)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Dynamic sparse attention: every token keeps its KV; each step reads only the blocks its
+queries need (the `sparse` selection, issue 35).
+
+Quest's rule (Tang et al., ICML 2024), for any model, without training: per block, layer and
+KV head the selection keeps the per-channel minimum and maximum of its keys. For a query q the
+largest q.k any key of the block can give is sum_d max(q_d min_d, q_d max_d) = q.c + |q|.r,
+with c the channels' centre and r their half-range: two small matmuls score every block. Per
+step, layer and KV head, the group's query heads (and, for a chunk of several tokens, all its
+queries) choose together: a block scores its largest bound over them.
+
+What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
+the recent window (the last `recent_window` stored tokens, from a block boundary, and the
+step's own tokens), and the best-scoring blocks between them up to the budget (`budget_tokens`
+stored tokens, or `budget_share` of them). Attention over exactly those tokens is the format's
+(`Format.attend_tokens`: a dense format gathers them from the arena, others from what they
+read). A sequence whose stored tokens fit the budget reads them all, and so does a prompt's prefill:
+a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chunk that more of
+the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
+scores (a chunk's queries choose together, as a small decode batch does).
+
+The summaries are kept here per sequence (float32, on the device: [layers, KV heads, blocks,
+head dim] twice), computed after each step from the step's keys as they were appended (for a
+packed format: before packing), and, for blocks a sequence did not write (a shared or
+persisted prefix), once from the format's stored keys. They follow the sequence, not its
+blocks, so moves between tiers and swapping leave them valid.
+
+Measured by `benchmarks/sparse.py` (BENCHMARKS.md). Limits: a format other than the dense ones,
+or a tiered placement, reads the whole cache and attends the chosen tokens (the same numbers,
+not the speed); DeepSeek's latent cache is scored the same way (its keys are the latent and
+rope parts the absorbed queries dot with, so the bound holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .axes import SELECTIONS, Selection, Step
+from .kv import StepBatch
+from .options import Option
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one sequence reads at one step besides the blocks its queries choose: the sink
+    blocks (`head`) and the window to its end (`tail`), [Hkv, *] block indices each; the
+    candidates [lo, hi), of which `room` are chosen."""
+
+    lo: int
+    hi: int
+    room: int
+    head: torch.Tensor
+    tail: torch.Tensor
+    stored_blocks: int
+    read_blocks: int
+
+
+@SELECTIONS.register
+class SparseSelection(Selection):
+    """Every token keeps its KV; each step reads the sinks, the recent window and the blocks
+    whose key bounds score highest for its queries, up to a budget."""
+
+    name = "sparse"
+    help = "keep all KV; each step reads the blocks its queries need (Quest), up to a budget"
+    options = (
+        Option("budget_share", float, 0.125, "share of a sequence's stored tokens a step reads "
+               "(sinks and recent window included)", low=0, low_open=True, high=1),
+        Option("budget_tokens", int, None, "stored tokens a step reads (sinks and window "
+               "included)", low=1, none="budget_share of the stored tokens"),
+        Option("sink_tokens", int, 16, "first tokens always read (whole blocks)", low=0),
+        Option("recent_window", int, 16, "newest stored tokens always read", low=0),
+        Option("dense_layers", int, 2, "first layers that read everything (their attention is "
+               "the least sparse; Quest: 2)", low=0),
+        Option("prefill_tokens", int, 64, "a step of more new tokens than this for a sequence, "
+               "or a prompt chunk that more of the prompt follows, reads everything (prefill)",
+               low=0),
+    )  # fmt: skip
+    contract_options = {"budget_tokens": 20, "sink_tokens": 1, "recent_window": 1,
+                        "dense_layers": 0}  # fmt: skip
+
+    def __init__(self, pool, spec, opts: dict[str, Any], fmt, label: str) -> None:
+        super().__init__(pool, spec, opts, fmt, label)
+        self.bs = pool.block_size
+        self._mins: dict[int, torch.Tensor] = {}  # seq -> [L, Hkv, blocks, D] float32
+        self._maxs: dict[int, torch.Tensor] = {}
+        # seq -> [L, Hkv, blocks, 2D]: the channels' centre, then their half-range (scoring
+        # is then one matmul of [q, |q|] with it)
+        self._bounds: dict[int, torch.Tensor] = {}
+        self._known: dict[int, int] = {}  # seq -> tokens summarized
+        self._keys: list[torch.Tensor | None] = [None] * spec.num_layers  # the step's keys
+        self._unseen: dict[int, int] = {}  # batch index -> first stored token not summarized
+        self._step: Step | None = None
+        self._plans: list[_Plan | None] = []  # per batch sequence, this step
+        self._last: dict[int, torch.Tensor] = {}  # seq -> blocks chosen at the middle layer
+        self.last_read: list[list[torch.Tensor | None]] = []  # per layer, per batch sequence
+        self.counts = {"steps": 0, "sparse_reads": 0, "blocks_read": 0, "blocks_stored": 0,
+                       "repeat_blocks": 0, "chosen_blocks": 0}  # fmt: skip
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def prepare(self, step: Step) -> None:
+        self._step = step
+        self.last_read = [[] for _ in range(self.spec.num_layers)]
+        self._plans = [self._plan(step, i) for i in range(len(step.batch.seq_ids))]
+        # Stored tokens this selection did not see written (an attached prefix): summarized
+        # from the format's keys, layer by layer, as the step reads them.
+        self._unseen = {
+            i: self._known.get(sid, 0)
+            for i, (sid, past) in enumerate(zip(step.batch.seq_ids, step.past, strict=True))
+            if self._known.get(sid, 0) < past
+        }
+
+    def appended(self, layer: int, k: torch.Tensor) -> None:
+        self._keys[layer] = k  # summarized once the step commits (`after_step`)
+
+    def reads(self, layer: int, q: torch.Tensor) -> list[torch.Tensor | None] | None:
+        """Per batch sequence, the blocks each KV head reads this step, [Hkv, B] (the
+        sequence's last block, with the step's own tokens, last); None: it reads everything."""
+        step = self._step
+        if self._unseen:
+            self._summarize_stored(layer)
+        if layer < self.opts["dense_layers"]:
+            return None
+        out: list[torch.Tensor | None] = []
+        for i, plan in enumerate(self._plans):
+            if plan is None:
+                out.append(None)
+                continue
+            sid = step.batch.seq_ids[i]
+            chosen = self._top_blocks(sid, layer, q[step.batch.rows(i)], plan)
+            self._count(sid, layer, chosen, plan)
+            out.append(torch.cat([plan.head, chosen, plan.tail], dim=1))
+        self.last_read[layer] = out
+        return out if any(x is not None for x in out) else None
+
+    def after_step(self, step: Step) -> None:
+        keys = self._keys
+        self._keys = [None] * self.spec.num_layers
+        for i in self._unseen:  # every layer summarized its stored tokens in `reads`
+            self._known[step.batch.seq_ids[i]] = step.past[i]
+        self._unseen = {}
+        if any(k is None for k in keys):
+            return
+        k = torch.stack(keys).float()  # [L, N, Hkv, D]
+        for i, (sid, past) in enumerate(zip(step.batch.seq_ids, step.past, strict=True)):
+            if self._known.get(sid, 0) != past:  # not summarized up to here: from storage
+                continue
+            self._add(sid, k[:, step.batch.rows(i)], past)
+        self.counts["steps"] += 1
+
+    def forget(self, seq_id: int) -> None:
+        for d in (self._mins, self._maxs, self._bounds, self._known, self._last):
+            d.pop(seq_id, None)
+
+    def before_step(self, batch: StepBatch) -> None:
+        self._keys = [None] * self.spec.num_layers
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {
+            "budget": self.opts["budget_tokens"] or f"{self.opts['budget_share']:.3g} of stored",
+            # blocks read per (layer, KV head, sequence) step where it selected, against stored
+            "blocks_read_share": c["blocks_read"] / c["blocks_stored"]
+            if c["blocks_stored"]
+            else 1.0,
+            "sparse_reads": c["sparse_reads"],
+            # of the blocks chosen at a step, the share chosen at the step before too
+            "selection_stability": c["repeat_blocks"] / c["chosen_blocks"]
+            if c["chosen_blocks"] else None,
+            "summary_bytes": sum(m.nbytes * 4 for m in self._mins.values()),
+        }  # fmt: skip
+
+    # ---- choosing ----------------------------------------------------------------------------
+
+    def _budget(self, stored: int) -> int:
+        fixed = self.opts["budget_tokens"]
+        return fixed if fixed is not None else int(self.opts["budget_share"] * stored)
+
+    def _plan(self, step: Step, i: int) -> _Plan | None:
+        """What batch sequence `i` reads this step, but for the blocks its queries choose;
+        None when it reads everything (a prefill, or all it stores fits the budget)."""
+        past, n = step.past[i], step.batch.query_lens[i]
+        if step.batch.more_prompt[i] or n > self.opts["prefill_tokens"]:
+            return None  # a prompt's prefill reads everything
+        bs, h, dev = self.bs, self.spec.num_kv_heads, self.pool.device
+        sinks = -(-self.opts["sink_tokens"] // bs)  # blocks
+        window = max(0, past - self.opts["recent_window"]) // bs  # first block of the window
+        room = (self._budget(past) - sinks * bs - (past - window * bs)) // bs
+        lo, hi = min(sinks, window), window  # the candidate blocks [lo, hi)
+        if room >= hi - lo or hi <= lo:
+            return None  # everything fits the budget
+        room = max(room, 0)
+        return _Plan(
+            lo, hi, room,
+            head=torch.arange(lo, device=dev).expand(h, -1),
+            tail=torch.arange(window, -(-(past + n) // bs), device=dev).expand(h, -1),
+            stored_blocks=-(-past // bs),
+            read_blocks=lo + room + (-(-past // bs) - window),
+        )  # fmt: skip
+
+    def _top_blocks(self, sid: int, layer: int, q: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """The `plan.room` candidate blocks with the largest key bound for any of `q`'s rows,
+        per KV head: [Hkv, room] block indices (in no particular order)."""
+        h = self.spec.num_kv_heads
+        t, hq, d = q.shape
+        qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+        qq = torch.cat([qg, qg.abs()], dim=-1)  # [Hkv, R, 2D]
+        bound = qq @ self._bounds[sid][layer, :, plan.lo : plan.hi].transpose(1, 2)
+        return bound.amax(1).topk(plan.room, dim=-1, sorted=False).indices.add_(plan.lo)
+
+    def _count(self, sid: int, layer: int, chosen: torch.Tensor, plan: _Plan) -> None:
+        """Blocks read against blocks stored, and how many of the chosen blocks the step
+        before chose too (how stable selections are: what a prefetch can count on)."""
+        c = self.counts
+        c["sparse_reads"] += 1
+        c["blocks_read"] += plan.read_blocks
+        c["blocks_stored"] += plan.stored_blocks
+        if layer != self.spec.num_layers // 2:  # stability is sampled at the middle layer
+            return
+        prev = self._last.get(sid)
+        if prev is not None and prev.shape == chosen.shape:
+            same = (chosen.unsqueeze(-1) == prev.unsqueeze(-2)).any(-1)  # per KV head (any order)
+            c["repeat_blocks"] += int(same.sum()) // chosen.shape[0]
+            c["chosen_blocks"] += chosen.shape[1]
+        self._last[sid] = chosen
+
+    # ---- summaries ---------------------------------------------------------------------------
+
+    def _grow(self, sid: int, blocks: int, device: torch.device) -> None:
+        have = self._mins.get(sid)
+        if have is not None and have.shape[2] >= blocks:
+            return
+        cap = max(blocks, 2 * (have.shape[2] if have is not None else 4))
+        shape = (self.spec.num_layers, self.spec.num_kv_heads, cap, self.spec.head_dim)
+        mins = torch.full(shape, float("inf"), device=device)
+        maxs = torch.full(shape, float("-inf"), device=device)
+        bounds = torch.zeros(*shape[:3], 2 * shape[3], device=device)
+        if have is not None:
+            n = have.shape[2]
+            mins[:, :, :n], maxs[:, :, :n] = have, self._maxs[sid]
+            bounds[:, :, :n] = self._bounds[sid]
+        self._mins[sid], self._maxs[sid], self._bounds[sid] = mins, maxs, bounds
+
+    def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
+        """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the block summaries (of
+        every layer, or of `layer` alone with k [1, n, Hkv, D])."""
+        n = k.shape[1]
+        if not n:
+            return
+        bs = self.bs
+        self._grow(sid, -(-(start + n) // bs), k.device)
+        mins, maxs, bounds = self._mins[sid], self._maxs[sid], self._bounds[sid]
+        if layer is not None:
+            mins, maxs = mins[layer : layer + 1], maxs[layer : layer + 1]
+            bounds = bounds[layer : layer + 1]
+        first, last = start // bs, (start + n - 1) // bs
+        if first == last:  # one block (every decode step): one reduction
+            mins[:, :, first] = torch.minimum(mins[:, :, first], k.amin(1))
+            maxs[:, :, first] = torch.maximum(maxs[:, :, first], k.amax(1))
+        else:
+            idx = (torch.arange(start, start + n, device=k.device) // bs).view(1, 1, n, 1)
+            idx = idx.expand(k.shape[0], k.shape[2], n, k.shape[3])
+            kt = k.transpose(1, 2)  # [L, Hkv, n, D]
+            mins.scatter_reduce_(2, idx, kt, "amin")
+            maxs.scatter_reduce_(2, idx, kt, "amax")
+        lo, hi, d = first, last + 1, mins.shape[-1]
+        torch.add(maxs[:, :, lo:hi], mins[:, :, lo:hi], alpha=1, out=bounds[:, :, lo:hi, :d])
+        torch.sub(maxs[:, :, lo:hi], mins[:, :, lo:hi], out=bounds[:, :, lo:hi, d:])
+        bounds[:, :, lo:hi].mul_(0.5)
+        if layer is None:
+            self._known[sid] = start + n
+
+    def _summarize_stored(self, layer: int) -> None:
+        """Summaries of `layer`'s stored tokens this selection did not see written (an
+        attached prefix), from the keys the format reads (wherever the blocks live)."""
+        step = self._step
+        ks, _ = self.format.read(layer)
+        for i, have in self._unseen.items():
+            sid, past = step.batch.seq_ids[i], step.past[i]
+            k = ks[i][:, have:past].float().transpose(0, 1).unsqueeze(0)  # [1, T, Hkv, D]
+            self._add(sid, k, have, layer)

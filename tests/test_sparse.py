@@ -1,0 +1,128 @@
+"""The `sparse` selection (dynamic sparse attention): every token keeps its KV, and each step reads
+the sink blocks, the recent window and the blocks whose key bounds (Quest's per-channel min and
+max) score highest for its queries. The contract suite checks that attention is exact over the
+blocks chosen, for every format and placement; here: that the chosen blocks are the ones a query
+needs, that the bounds are bounds, and what the options and the report say."""
+
+import pytest
+import torch
+
+from unikv import kvstrategies
+from unikv.kvstrategies.kv import KVSpec, StepBatch
+from unikv.settings.config import PoolConfig, TierConfig
+
+BS, LAYERS, HEADS, DIM, GROUP = 16, 3, 2, 32, 2
+SPEC = KVSpec(LAYERS, HEADS, DIM, query_group=GROUP)
+
+
+def build(name="dense+resident+sparse", **opts):
+    cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", 64 << 20),))
+    return kvstrategies.create(name, SPEC, cfg, {"dense_layers": 0, **opts})
+
+
+def step(s, seq, k, q, more_prompt=False):
+    """One step of `k` [L, n, H, D] keys (values: the keys) and queries `q` [L, n, Hq, D]."""
+    n = k.shape[1]
+    assert s.reserve(seq, n)
+    s.begin_step(StepBatch([seq], [n], [more_prompt]))
+    outs = []
+    for layer in range(LAYERS):
+        s.append(layer, k[layer], k[layer])
+        outs.append(s.attend(layer, q[layer]))
+    s.end_step()
+    return outs
+
+
+def haystack(n: int, needle_at: int, direction: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Keys [L, n, H, D]: small noise, and 4 needle tokens at `needle_at` along `direction`
+    (what a query looking for them dots with: q.k of 12 against about 1 for the noise)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 0.1 * torch.randn(LAYERS, n, HEADS, DIM, generator=g)
+    k[:, needle_at : needle_at + 4] = 4.0 * direction
+    return k
+
+
+@pytest.mark.parametrize("share", [0.125, 0.25])
+@pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth):
+    n = 1024
+    direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM), dim=-1)
+    at = int(depth * n) // BS * BS + 3  # across a block boundary: two blocks hold it
+    s = build(budget_tokens=int(share * n))
+    step(s, 0, haystack(n, at, direction), torch.randn(LAYERS, n, HEADS * GROUP, DIM),
+         more_prompt=True)  # fmt: skip
+    q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
+    step(s, 0, 0.1 * torch.randn(LAYERS, 1, HEADS, DIM), q)
+    needle = {at // BS, (at + 3) // BS}
+    for layer in range(LAYERS):
+        blocks = s.selection.last_read[layer][0]
+        assert blocks is not None, "the step read everything: nothing was selected"
+        read = blocks.shape[1] * BS
+        assert read <= int(share * n) + BS + 1  # the budget (the last block partly filled)
+        for h in range(HEADS):
+            assert needle <= set(blocks[h].tolist()), (layer, h, sorted(blocks[h].tolist()))
+    assert s.stored_tokens(0) == n + 1  # nothing evicted
+    assert s.stats().selection["blocks_read_share"] < share + 0.05
+    s.close()
+
+
+def test_the_bound_is_never_below_a_blocks_true_largest_score():
+    s = build(budget_tokens=64)
+    k = torch.randn(LAYERS, 300, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, 300, HEADS * GROUP, DIM), more_prompt=True)
+    sel = s.selection
+    q = torch.randn(HEADS, DIM)
+    for layer in range(LAYERS):
+        bounds = sel._bounds[0][layer, :, : 300 // BS]  # full blocks: [H, B, 2D]
+        ub = (torch.cat([q, q.abs()], -1).unsqueeze(1) * bounds).sum(-1)  # [H, B]
+        true = torch.einsum("hd,bthd->hbt", q, k[layer, : 300 // BS * BS].view(-1, BS, HEADS, DIM))
+        assert (ub >= true.amax(-1) - 1e-4).all()
+    s.close()
+
+
+def test_an_attached_prefix_is_summarized_from_the_stored_keys():
+    """A second sequence attached to a shared prefix gets the summaries the first one built
+    while writing it (computed from the stored keys), and so chooses the same blocks."""
+    s = build(budget_tokens=64)
+    ids = list(range(1000, 1000 + 320))
+    k = torch.randn(LAYERS, 320, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, 320, HEADS * GROUP, DIM), more_prompt=True)
+    s.publish(0, ids)
+    assert s.match_prefix(1, ids + [7]) == 320
+    q = torch.randn(LAYERS, 1, HEADS * GROUP, DIM)
+    new = torch.randn(LAYERS, 1, HEADS, DIM)
+    out0 = step(s, 0, new, q)
+    first = [s.selection.last_read[layer][0].sort(-1).values for layer in range(LAYERS)]
+    out1 = step(s, 1, new, q)
+    for layer in range(LAYERS):
+        assert torch.equal(s.selection.last_read[layer][0].sort(-1).values, first[layer])
+        assert torch.allclose(out0[layer], out1[layer], atol=1e-6)
+    blocks = 320 // BS
+    assert torch.allclose(s.selection._mins[1][:, :, :blocks], s.selection._mins[0][:, :, :blocks])
+    s.close()
+
+
+def test_a_prefill_and_a_short_sequence_read_everything():
+    s = build(budget_tokens=64, prefill_tokens=32)
+    k = torch.randn(LAYERS, 200, HEADS, DIM)
+    step(s, 0, k[:, :100], torch.randn(LAYERS, 100, HEADS * GROUP, DIM))  # > prefill_tokens
+    assert all(x == [None] for x in s.selection.last_read)
+    step(s, 0, k[:, 100:116], torch.randn(LAYERS, 16, HEADS * GROUP, DIM))  # a scored chunk
+    assert all(x[0] is not None for x in s.selection.last_read)
+    short = build(budget_tokens=4096)
+    step(short, 0, k, torch.randn(LAYERS, 200, HEADS * GROUP, DIM), more_prompt=True)
+    step(short, 0, k[:, :1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
+    assert all(x == [None] for x in short.selection.last_read)  # all it stores fits
+    s.close()
+    short.close()
+
+
+def test_options_are_checked_and_the_axis_composes_with_every_format_and_placement():
+    with pytest.raises(ValueError, match="budget_tokens"):
+        build(budget_tokens=0)
+    with pytest.raises(ValueError, match="budget_share"):
+        build(budget_share=1.5)
+    names = {kvstrategies.composed.name_of(a) for a in kvstrategies.composed.combinations()}
+    for fmt in kvstrategies.FORMATS.names():
+        for place in ("resident", "tiered"):
+            assert f"{fmt}+{place}+sparse" in names

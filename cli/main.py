@@ -392,13 +392,26 @@ def _memory_lines(mem: MemoryReport) -> str:
 
 
 def _axis_lines(selection: dict, placement: dict) -> list[str]:
-    """What a pruning selection and a placement with prefetch or an SSD tier report."""
+    """What a pruning or sparse selection and a placement with prefetch or an SSD tier
+    report."""
     lines = []
     if selection.get("tokens_seen"):  # a pruning selection
         ev, seen = selection["tokens_evicted"], selection["tokens_seen"]
         lines.append(
             f"[pruning ({selection['scorer']}): {ev} of {seen} tokens evicted "
             f"({ev / seen:.0%}), their blocks returned to the pool]"
+        )
+    if selection.get("sparse_reads"):  # the sparse selection
+        stable = selection["selection_stability"]
+        lines.append(
+            f"[sparse attention (budget {selection['budget']}): "
+            f"{selection['blocks_read_share']:.1%} of the stored blocks read per step"
+            + (
+                f"; {stable:.0%} of the chosen blocks chosen the step before"
+                if stable is not None
+                else ""
+            )
+            + "]"
         )
     pf = placement.get("prefetch")
     if pf and pf["layers_fetched"]:

@@ -35,6 +35,7 @@ PRESETS: dict[str, tuple[Axes, tuple[str, ...]]] = {
     "hybrid_fp16_int4": (("hybrid", "resident", "all"), ("high",)),
     "hierarchical_offload": (("dense", "tiered", "all"), ("medium",)),
     "learned_prune": (("dense", "resident", "pruned"), ("low",)),
+    "sparse_attention": (("dense", "resident", "sparse"), ()),
 }
 
 

@@ -27,6 +27,7 @@ PRESETS = {
     "hybrid_fp16_int4": ("hybrid", "resident", "all"),
     "hierarchical_offload": ("dense", "tiered", "all"),
     "learned_prune": ("dense", "resident", "pruned"),
+    "sparse_attention": ("dense", "resident", "sparse"),
 }
 
 
@@ -191,6 +192,9 @@ def test_config_table_and_flags_write_a_combination(tmp_path):
     assert parsed("--kv-format", "hybrid", "--kv-placement", "tiered") == "hybrid+tiered+auto"
     assert parsed("--strategy", "learned_prune", "--kv-format", "int8") == "int8+resident+pruned"
     assert parsed("--strategy", "hybrid+tiered+all", "--kv-format", "fp16") == "fp16+tiered+all"
+    assert parsed("--strategy", "full", "--kv-selection", "sparse") == "dense+resident+sparse"
+    path.write_text('[strategy]\nselection = "sparse"\n')  # the other axes by the chip
+    assert kvstrategies.plan(config=path, chip="kunpeng920").name == "hybrid+resident+sparse"
 
 
 # ---- every profile parameter acts -----------------------------------------------------------

@@ -126,3 +126,21 @@ def test_options_are_checked_and_the_axis_composes_with_every_format_and_placeme
     for fmt in kvstrategies.FORMATS.names():
         for place in ("resident", "tiered"):
             assert f"{fmt}+{place}+sparse" in names
+
+
+def test_the_run_report_shows_the_share_of_blocks_read():
+    from unikv.cli.main import _memory_lines
+    from unikv.engine.report import MemoryReport
+
+    s = build(budget_tokens=96)
+    k = torch.randn(LAYERS, 400, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, 400, HEADS * GROUP, DIM), more_prompt=True)
+    for i in range(3):
+        step(s, 0, k[:, i : i + 1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
+    report = s.stats()
+    lines = _memory_lines(MemoryReport(report))
+    share = report.selection["blocks_read_share"]
+    assert 0 < share < 0.3  # 96 tokens of budget (and the partly filled last block) of 400
+    assert f"[sparse attention (budget 96): {share:.1%} of the stored blocks read per step" in lines
+    assert "chosen the step before" in lines  # stability, from the second decode step on
+    s.close()

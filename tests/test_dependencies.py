@@ -56,6 +56,9 @@ def _imports(tree: ast.AST, optional: bool = False):
 # installed here, packages_distributions() cannot tell, and the import name would be taken for
 # the distribution's.
 IMPORT_NAMES = {"pynvml": "nvidia-ml-py"}
+# Import names that several installed distributions share (a namespace): the one that provides
+# what the code imports from it (`google.protobuf`, `grpc`).
+SHARED_NAMES = {"google": ["protobuf"], "grpc": ["grpcio"]}
 
 
 def _third_party() -> dict[tuple[str, bool], list[str]]:
@@ -68,7 +71,7 @@ def _third_party() -> dict[tuple[str, bool], list[str]]:
             for top, optional in _imports(ast.parse(f.read_text(), str(f))):
                 if top in ours or top in sys.stdlib_module_names:
                     continue
-                for dist in dists.get(top, [IMPORT_NAMES.get(top, top)]):
+                for dist in SHARED_NAMES.get(top) or dists.get(top, [IMPORT_NAMES.get(top, top)]):
                     found.setdefault((canonicalize_name(dist), optional), []).append(
                         str(f.relative_to(ROOT))
                     )

@@ -41,8 +41,9 @@ def small_kv(model, blocks: int = 256):
 
 
 @contextlib.contextmanager
-def live(model, tokenizer, max_batch: int = 8, **settings):
-    """A server on a free port in a thread; yields (base URL, Server)."""
+def live(model, tokenizer, max_batch: int = 8, grpc: bool = False, **settings):
+    """A server on a free port in a thread; yields (base URL, Server). `grpc`: the gRPC API
+    too, on a free port (`server.services[0].port`)."""
     import uvicorn
 
     kv = small_kv(model)
@@ -51,6 +52,10 @@ def live(model, tokenizer, max_batch: int = 8, **settings):
         return Engine(model, tokenizer, kv=kv, max_batch=max_batch)
 
     server = Server(make, ServeSettings(**settings))
+    if grpc:
+        from unikv.serving.grpc_api import serve_grpc
+
+        serve_grpc(server, "127.0.0.1", 0)
     port = free_port()
     cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(cfg)

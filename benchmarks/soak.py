@@ -2,7 +2,7 @@
 canary, and a report of what the service did with them (issue 31; not part of `make test`).
 
     python benchmarks/soak.py [--minutes 30] [--window-s 300] [--workers 4]
-                              [--device-capacity 64MiB] [--report FILE]
+                              [--device-capacity 64MiB] [--report FILE] [--report-dir DIR]
 
 One `unikv serve` (the auto strategy, native weights, as shipped) on a free port, its device
 tier `--device-capacity` (default 64 MiB: the tier's arena is mapped lazily and the cache cycles
@@ -21,7 +21,9 @@ time is up, each request drawn at random (seeded):
 Reported: requests by outcome, canary mismatches (goal 0), 5xx (goal 0), per window the
 latency p50 / p99 of the good requests and the server's RSS and open files (goal: flat; the
 slopes are fitted over the windows), and the KV bytes the pool holds once the load has
-stopped (goal 0). A table, one JSON line, and the JSON in `--report`.
+stopped (goal 0). A table, one JSON line, and the JSON in `--report`. With `--report-dir`,
+the server writes its own health report per window there (`unikv serve --report-dir`: an
+HTML page and a JSON file each, with the advice it gave).
 """
 
 from __future__ import annotations
@@ -260,6 +262,9 @@ def main() -> None:
         help="the device tier's capacity (\"default\": the shipped config's)",
     )
     p.add_argument("--report", default=None, help="also write the JSON report here")
+    p.add_argument("--report-dir", default=None,
+                   help="the server's own health reports (unikv serve --report-dir), one per "
+                   "--window-s, HTML and JSON")  # fmt: skip
     args = p.parse_args()
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -267,6 +272,8 @@ def main() -> None:
         env["UNIKV_TIERS__DEVICE__CAPACITY"] = args.device_capacity
     argv = [sys.executable, "-m", "unikv.cli", "serve", "--port", str(port),
             "--max-waiting", "256"]  # fmt: skip
+    if args.report_dir:
+        argv += ["--report-dir", args.report_dir, "--report-every", f"{args.window_s:g}s"]
     server = Proc("unikv-soak", argv, port, env)
     try:
         server.wait_ready()

@@ -21,7 +21,7 @@ from unikv import version
 from unikv.kernels import operators
 from unikv.settings.logs import LOG_ENV, LOG_LEVELS, configure_logging
 
-from . import serve
+from . import advise, serve
 from .args import (
     add_model_flags,
     check_device,
@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     json_arg(cache)
     serve.add_serve(sub, EPILOG)
+    advise.add_advise(sub, EPILOG)
     # Before or after the command (`unikv --log-level debug serve` or `unikv serve --log-level
     # debug`): on the main parser with defaults, on each command without (SUPPRESS).
     for parser, default in ((p, None), *((c, argparse.SUPPRESS) for c in sub.choices.values())):
@@ -683,6 +684,8 @@ def _command(args: argparse.Namespace) -> tuple[dict | None, int]:
     """Run the chosen engine command: (its JSON result, exit code)."""
     if args.command == "run":
         return asyncio.run(_run(args)), 0
+    if args.command == "advise":
+        return advise.run_advise(args)
     if args.command == "eval" and args.eval_command == "ppl":
         return _eval_ppl(args), 0
     if args.command == "eval" and args.eval_command == "passkey":

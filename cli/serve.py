@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .args import add_model_flags, positive_int, strategy_arg
 
@@ -101,8 +102,23 @@ def add_serve(sub: argparse._SubParsersAction, epilog: str) -> None:
     rep.add_argument(
         "--sensor",
         default=None,
-        help="temperature sensor of each replica: auto, hwmon, nvml, command (the chip "
-        "profile's), none, or scripted:PATH (default: the config's [thermal] sensor)",
+        help="temperature sensor of each replica (or, with --report-dir, of the one engine): "
+        "auto, hwmon, nvml, command (the chip profile's), none, or scripted:PATH (default: the "
+        "config's [thermal] sensor)",
+    )
+    reports = sp.add_argument_group("reports")
+    reports.add_argument(
+        "--report-dir",
+        default=None,
+        help="write a health report per period into this directory: a self-contained HTML page "
+        "and a JSON file (requests by outcome, TTFT and latency p50/p99, tokens/s, pool usage "
+        "and RSS with their slopes, temperatures, health transitions, advice given)",
+    )
+    reports.add_argument(
+        "--report-every",
+        default="1h",
+        help="the report period: 90s, 15m, 1h, 1d (default: 1h); the last, partial period is "
+        "written at shutdown",
     )
     sp.add_argument(
         "--allowed-hosts",
@@ -166,20 +182,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace}: expected seconds >= 0")
 
-    if args.replicas is None:
-        for flag in ("ray_address", "sensor"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
-        return _run(args, settings)
-
-    from unikv.serving.replicas import Replicas, ReplicaSpec
+    from unikv.serving.reports import parse_period
     from unikv.settings.config import SENSOR_KINDS
 
+    args.report_every_s = parse_period(args.report_every)
+    if args.report_dir is not None:  # before the model loads: a bad directory fails at once
+        Path(args.report_dir).mkdir(parents=True, exist_ok=True)
     kind = args.sensor
     if kind is not None and kind not in SENSOR_KINDS and not kind.startswith("scripted:"):
         raise ValueError(
             f"--sensor {kind!r}: expected one of {', '.join(SENSOR_KINDS)} or scripted:PATH"
         )
+    if args.replicas is None:
+        if args.ray_address is not None:
+            raise ValueError("--ray-address needs --replicas")
+        if args.sensor is not None and args.report_dir is None:
+            raise ValueError("--sensor needs --replicas or --report-dir")
+        return _run(args, settings)
+
+    from unikv.serving.replicas import Replicas, ReplicaSpec
 
     spec = ReplicaSpec(model=args.model, dtype=args.dtype, weights=args.weights,
                        strategy=args.strategy, config=args.config, chip=args.chip,
@@ -223,6 +244,12 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
         from unikv.serving.grpc_api import serve_grpc
 
         serve_grpc(server, args.host, args.grpc_port)
+    if args.report_dir is not None:
+        from unikv.serving.reports import Reporter
+
+        # One engine: the sensor named (or the config's); replicas report their own readings.
+        server.services.append(Reporter(server, args.report_dir, args.report_every_s,
+                                        sensor_kind=args.sensor))  # fmt: skip
     app = create_app(server)
     uvicorn.run(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,

@@ -27,13 +27,19 @@ if TYPE_CHECKING:  # for annotations only: importing kvstrategies.kv would impor
 
 @dataclass(frozen=True, slots=True)
 class RequestCounts:
-    """The scheduler's queues now, its preemptions so far, and this step's token budget."""
+    """The scheduler's queues now, its preemptions so far, this step's token budget, its batch
+    limit and admission window, and how the windows closed so far (by time, or by a full batch:
+    what the advice on the window reads)."""
 
     running: int = 0
     waiting: int = 0
     swapped: int = 0
     preemptions: int = 0
     step_tokens: int = 0
+    max_batch: int = 0
+    window_s: float = 0.0
+    window_on_time: int = 0
+    window_on_size: int = 0
 
 
 class Schedulable(Protocol):
@@ -246,6 +252,10 @@ class Scheduler(Generic[R]):
         self.preemptions = 0  # swapped out or dropped, including lost KV recomputed
         self.step_tokens = self.config.max_step_tokens  # this step's token budget
         self._token_s: float | None = None  # measured seconds per token of prompt-sized steps
+        # How admission windows closed: "time" (the oldest waited the window out), "size" (the
+        # waiting filled the batch's free slots); counted once per oldest waiting request.
+        self.window_closes = {"time": 0, "size": 0}
+        self._window_counted: object = None
 
     # ---- what the engine calls --------------------------------------------------------------
 
@@ -326,8 +336,11 @@ class Scheduler(Generic[R]):
 
     def report(self) -> RequestCounts:
         """Request counts for memory reports."""
+        c = self.config
         return RequestCounts(len(self.running), len(self.waiting), len(self.swapped),
-                             self.preemptions, self.step_tokens)  # fmt: skip
+                             self.preemptions, self.step_tokens, c.max_batch,
+                             c.admission_window_s, self.window_closes["time"],
+                             self.window_closes["size"])  # fmt: skip
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -374,12 +387,25 @@ class Scheduler(Generic[R]):
         """Whether the admission window still holds the waiting requests back: the oldest has
         waited less than the window, and they do not yet fill the batch's free slots."""
         closes = self.window_closes_at()
-        if closes is None or now >= closes:
+        if closes is None:
+            return False
+        if now >= closes:
+            self._window_closed("time")
             return False
         free = self.config.max_batch - len(self.running)
         if self.order.urgent(self.waiting[0], self.running):
             return False  # an urgent request does not wait for company
-        return len(self.waiting) < free
+        if len(self.waiting) < free:
+            return True
+        self._window_closed("size")
+        return False
+
+    def _window_closed(self, how: str) -> None:
+        """Count a window's close once (the same oldest request may be planned again)."""
+        oldest = min(self.waiting, key=lambda r: r.arrival)
+        if oldest is not self._window_counted:
+            self._window_counted = oldest
+            self.window_closes[how] += 1
 
     def _plan(self) -> list[Work[R]]:
         """Decode tokens first (one per request), then prompt chunks within the token budget."""

@@ -372,7 +372,7 @@ class TierAllocator:
 
     def _evict(self, block: Block) -> None:
         if self.prefix_cache is not None:
-            self.prefix_cache.evict(BlockRef(self.tier, block.block_id))
+            self.prefix_cache.evict(BlockRef(self.tier, block.block_id), for_room=True)
         block.block_hash = None
         self._num_cached -= 1
         self.num_evictions += 1

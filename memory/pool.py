@@ -351,6 +351,7 @@ class UnifiedMemoryPool:
             block_size=self.block_size,
             page_bytes=self.layout.page_bytes,
             sequences=len(self._tables),
+            oom_warnings=self.health_monitor.predictor.warnings,
         )
 
     # ---- internals ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -96,13 +97,20 @@ class PrefixCache:
 
     Hit-rate accounting is per full block: `match_prefix` counts every full block of the prompt
     as a query (so blocks after the first miss are misses too) and `lookup` counts one query.
+    The hashes of the last `EVICTED_KEPT` blocks evicted for room are remembered by tier, so a
+    lookup that stops at one of them is counted in `evicted_misses[tier]`: prefixes a larger
+    tier would have kept (the advice on tier sizes reads it).
     """
+
+    EVICTED_KEPT = 8192
 
     def __init__(self) -> None:
         self._by_hash: dict[bytes, CacheEntry] = {}
         self._by_ref: dict[BlockRef, bytes] = {}
         self.queries = 0
         self.hits = 0
+        self._evicted: OrderedDict[bytes, str] = OrderedDict()  # hash -> tier it was evicted from
+        self.evicted_misses: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -157,6 +165,8 @@ class PrefixCache:
         self.queries += 1
         if ref is not None:
             self.hits += 1
+        else:
+            self._missed(block_hash(parent, tokens, identity))
         return ref
 
     def insert(
@@ -183,13 +193,24 @@ class PrefixCache:
         self._by_ref[ref] = h
         return h
 
-    def evict(self, ref: BlockRef) -> bool:
-        """Forget the content of block `ref`; True if it was cached."""
+    def evict(self, ref: BlockRef, for_room: bool = False) -> bool:
+        """Forget the content of block `ref`; True if it was cached. `for_room`: the block was
+        taken for other content (remembered, so a later lookup of it counts as evicted)."""
         h = self._by_ref.pop(ref, None)
         if h is None:
             return False
         del self._by_hash[h]
+        if for_room:
+            self._evicted[h] = ref.tier
+            self._evicted.move_to_end(h)
+            if len(self._evicted) > self.EVICTED_KEPT:
+                self._evicted.popitem(last=False)
         return True
+
+    def _missed(self, h: bytes) -> None:
+        tier = self._evicted.get(h)
+        if tier is not None:
+            self.evicted_misses[tier] = self.evicted_misses.get(tier, 0) + 1
 
     def match_prefix(
         self, token_ids: Sequence[int], block_size: int, identity: str
@@ -209,6 +230,7 @@ class PrefixCache:
             h = block_hash(parent, chunk, identity)
             ref = self._verified(h, parent, chunk, identity)
             if ref is None:
+                self._missed(h)
                 break
             refs.append(ref)
             parent = h

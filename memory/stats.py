@@ -92,7 +92,9 @@ class PoolStats:
             preemptions=self.preemptions,
             moves={f"{s}->{d}": n for (s, d), n in sorted(self.moves.items())},
             checksum_failures=self.checksum_failures,
-            prefix=PrefixCounts(p.queries, p.hits, p.misses, p.hit_rate, len(p))
+            prefix=PrefixCounts(
+                p.queries, p.hits, p.misses, p.hit_rate, len(p), dict(p.evicted_misses)
+            )
             if p is not None
             else PrefixCounts(),
         )
@@ -111,13 +113,15 @@ class TierUsage:
 
 @dataclass(frozen=True, slots=True)
 class PrefixCounts:
-    """Prefix-cache block lookups: queries, hits, misses, hit rate; blocks it holds now."""
+    """Prefix-cache block lookups: queries, hits, misses, hit rate; blocks it holds now; per
+    tier, lookups that stopped at a block the tier had evicted for room."""
 
     queries: int = 0
     hits: int = 0
     misses: int = 0
     hit_rate: float = 0.0
     cached_blocks: int = 0
+    evicted_misses: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,7 @@ class PoolReport:
     block_size: int
     page_bytes: int
     sequences: int
+    oom_warnings: int = 0  # the OOM predictor's warnings since the pool opened
 
     @property
     def tiers(self) -> dict[str, TierUsage]:
@@ -180,6 +185,7 @@ class PoolReport:
             "block_size": self.block_size,
             "page_bytes": self.page_bytes,
             "sequences": self.sequences,
+            "oom_warnings": self.oom_warnings,
         }  # fmt: skip
 
 
@@ -234,6 +240,7 @@ class OomPredictor:
         self.on_warning = on_warning
         self.samples: deque[tuple[float, float]] = deque()
         self.events: deque[OomWarning] = deque(maxlen=MAX_EVENTS)
+        self.warnings = 0  # all warnings so far (`events` keeps the newest)
         self.last_warning_time: float | None = None
 
     def slope(self) -> float | None:
@@ -271,6 +278,7 @@ class OomPredictor:
         warning = OomWarning(t, usage, slope, seconds_to_full)
         self.last_warning_time = t
         self.events.append(warning)
+        self.warnings += 1
         logger.warning(
             "OOM predicted: device usage %.1f%% rising %.1f points/min, full in ~%.0f s",
             usage * 100,

@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -41,8 +41,10 @@ from unikv import version as engine_version
 from unikv.engine.engine import RequestHandle, ServedEngine
 from unikv.engine.report import ServedReport
 from unikv.engine.scheduler import RequestCounts
+from unikv.kernels import native
 
 from . import protocol as p
+from .advice import Advice, Advisor
 from .health import Admission, HealthInputs, HealthView, RecentEvents, evaluate, service_fault
 from .metrics import CONTENT_TYPE, ServerMetrics
 
@@ -51,6 +53,7 @@ B = TypeVar("B", bound=p._Lenient)
 DASHBOARD = Path(resources.files(__package__) / "dashboard.html")
 SERIES_BUCKET_S = 5.0  # the dashboard's throughput and TTFT series: one point per 5 s
 SERIES_POINTS = 60  # five minutes of them
+TIMINGS_KEPT = 100_000  # finished requests' timings kept for the reports (a few MiB)
 
 
 @dataclass(slots=True)
@@ -93,6 +96,12 @@ class Server:
         self.metrics = ServerMetrics(self.memory_report, lambda: self.health().as_dict())
         self.in_flight = 0
         self.failures = RecentEvents()
+        self.advisor = Advisor()
+        # Requests by outcome ("ok", "failed", "invalid", "rejected", "cancelled") and the
+        # finished ones' (time, TTFT, latency, output tokens): what the reports read.
+        self.outcomes: Counter[str] = Counter()
+        self.timings: deque[tuple[float, float | None, float, int]] = deque(maxlen=TIMINGS_KEPT)
+        self.isa = _isa()  # what the kernel advice lowers
         # (bucket start, output tokens, [TTFTs]) for the dashboard's series
         self._series: deque[list] = deque(maxlen=SERIES_POINTS)
 
@@ -127,14 +136,41 @@ class Server:
             )
         )
 
-    def record(self, tokens: int, ttft: float | None) -> None:
-        """Add a finished request's output tokens and TTFT to the dashboard's series."""
-        start = time.time() // SERIES_BUCKET_S * SERIES_BUCKET_S
+    def advice(self) -> list[Advice]:
+        """What the operator should change, from the readings of the last minutes
+        (`serving.advice`)."""
+        mem = self.memory_report()
+        return self.advisor.observe(mem, isa=self.isa) if mem is not None else []
+
+    def finished(self, tokens: int, ttft: float | None, latency: float) -> None:
+        """A request ended normally: its output tokens, TTFT and latency (the dashboard's
+        series, the reports' percentiles)."""
+        now = time.time()
+        self.outcomes["ok"] += 1
+        self.timings.append((now, ttft, latency, tokens))
+        start = now // SERIES_BUCKET_S * SERIES_BUCKET_S
         if not self._series or self._series[-1][0] != start:
             self._series.append([start, 0, []])
         self._series[-1][1] += tokens
         if ttft is not None:
             self._series[-1][2].append(ttft)
+
+    def fault(self, e: BaseException) -> None:
+        """A request failed with `e` once started: counted against health if the fault is the
+        service's (`serving.health.service_fault`), else as the client's (or its leaving)."""
+        if service_fault(e):
+            self.failures.add()
+            self.outcomes["failed"] += 1
+        else:
+            self.outcomes["cancelled" if isinstance(e, asyncio.CancelledError) else "invalid"] += 1
+
+    def refused(self, status: int) -> None:
+        """A request was answered `status` before it started (429: shed; 4xx: invalid; a 5xx
+        here is counted where it failed)."""
+        if status == 429:
+            self.outcomes["rejected"] += 1
+        elif status < 500:
+            self.outcomes["invalid"] += 1
 
     def series(self) -> list[dict]:
         """Output tokens/s and median TTFT per bucket of the last minutes."""
@@ -172,6 +208,14 @@ class Server:
             )
 
 
+def _isa() -> str | None:
+    """The instruction set the C kernels are built for (None where no build is possible)."""
+    try:
+        return native.isa()
+    except RuntimeError:
+        return None
+
+
 def create_app(server: Server) -> FastAPI:
     """The ASGI app of `server`: routes, authentication, limits and error handling."""
 
@@ -195,30 +239,35 @@ def create_app(server: Server) -> FastAPI:
     # streamed responses short): the API key on /v1/*, and the body size by Content-Length.
     app.add_middleware(_Guard, settings=settings)
 
-    _add_error_handlers(app)
+    _add_error_handlers(app, server)
     _add_api_routes(app, server)
     _add_operator_routes(app, server)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error answers in OpenAI's error shape."""
+def _add_error_handlers(app: FastAPI, server: Server) -> None:
+    """Every error answers in OpenAI's error shape (and is counted by outcome)."""
+
+    def answer(exc: p.APIError) -> JSONResponse:
+        server.refused(exc.status)
+        return _error(exc)
 
     @app.exception_handler(p.APIError)
     async def api_error(request: Request, exc: p.APIError):
-        return _error(exc)
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return _error(validation_error(exc.errors()))
+        return answer(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(p.APIError(exc.status_code, str(exc.detail), type="invalid_request_error"))
+        return answer(p.APIError(exc.status_code, str(exc.detail), type="invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
         log.exception("request failed")
+        server.outcomes["failed"] += 1
         return _error(p.APIError(500, "internal server error", type="server_error"))
 
 
@@ -302,6 +351,7 @@ def _add_operator_routes(app: FastAPI, server: Server) -> None:
     def view() -> tuple[dict, bool]:
         v = server.health()
         body = v.as_dict()
+        body["advice"] = [a.as_dict() for a in server.advice()]
         mem = server.memory_report()
         if mem is not None and mem.replicas is not None:
             body["replicas"] = mem.replicas
@@ -338,6 +388,7 @@ def _add_operator_routes(app: FastAPI, server: Server) -> None:
         counts = mem.requests if mem is not None else RequestCounts()
         return {
             "health": server.health().as_dict(),
+            "advice": [a.text for a in server.advice()],
             "tiers": tiers,
             "running": counts.running,
             "waiting": counts.waiting,
@@ -567,6 +618,7 @@ async def _serve(server: Server, request: Request, body: p._Sampling, chat: bool
     if any(done is None for done in dones):
         for h in handles:
             h.cancel()
+        server.outcomes["cancelled"] += 1
         return Response(status_code=499)  # the client left; nobody reads this
     # Which replica answered, with replicas (`serving.replicas`); absent for one engine.
     where = getattr(handles[0], "replica", None)
@@ -659,7 +711,7 @@ class Latency:
         m.generation_tokens.inc(done.completion_tokens)
         m.requests.labels(p.finish_reason(done.finish_reason)).inc()
         ttft = None if self.first is None else self.first - self.t0
-        self.server.record(done.completion_tokens, ttft)
+        self.server.finished(done.completion_tokens, ttft, time.perf_counter() - self.t0)
 
 
 async def _consume(server: Server, handle: RequestHandle, t0: float):
@@ -669,8 +721,7 @@ async def _consume(server: Server, handle: RequestHandle, t0: float):
         async for _piece in handle:
             lat.piece()
     except Exception as e:
-        if service_fault(e):
-            server.failures.add()
+        server.fault(e)
         raise
     lat.finished(handle)
     return handle.completion
@@ -704,6 +755,7 @@ async def _stream(
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     lats = [Latency(server, t0) for _ in handles]
     unechoed = set(range(len(handles))) if getattr(body, "echo", False) and not chat else set()
+    ended = False  # every choice finished, or the stream carried the error
     try:
         if chat:
             for i in range(len(handles)):
@@ -726,17 +778,20 @@ async def _stream(
                 if item.text:
                     lats[i].piece()
                 yield out.chunk(i, item.text, lps=item.logprobs)
+        ended = True
         if body.include_usage:
             yield out.usage(handles)
         yield "data: [DONE]\n\n"
     except Exception as e:  # the stream has started: the error goes in the stream, then DONE
-        if service_fault(e):
-            server.failures.add()
+        server.fault(e)
+        ended = True
         log.warning("stream %s failed: %s", rid, e)
         err = p.APIError(500, f"generation failed: {e}", type="server_error")
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        if not ended:  # the client left mid-stream
+            server.outcomes["cancelled"] += 1
         for t in tasks:
             t.cancel()
         for h in handles:

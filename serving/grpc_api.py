@@ -1,6 +1,7 @@
 """unikv's gRPC API beside the HTTP one (`unikv serve --grpc-port P`): one engine behind both.
 
-What lives here: `GenerationService` (`Generate`, server-streaming text; `Tokenize`; `Models`)
+What lives here: `GenerationService` (`Generate`, server-streaming text; `Tokenize`; `Models`;
+`Advise`, the health colour and the advice of `/health`)
 over the same `serving.app.Server` the HTTP app uses, so admission, the urgent-request queue
 (`priority`), the limits, the metrics and the health view are the HTTP API's; every request is
 validated by the HTTP API's own models (`serving.protocol`), and its errors are mapped to gRPC
@@ -36,7 +37,6 @@ from . import protocol as p
 from . import unikv_pb2 as pb
 from . import unikv_pb2_grpc as pb_grpc
 from .app import Latency, Server, max_tokens_for, prompt_ids, validation_error
-from .health import service_fault
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             except ValueError as e:
                 raise p.APIError(400, str(e), param="prompt") from None
         except p.APIError as e:
+            server.refused(e.status)
             await context.abort(status_code(e.status), e.message)
         server.in_flight += 1
         lat = Latency(server, t0)
@@ -99,11 +100,11 @@ class GenerationService(pb_grpc.GenerationServicer):
                 completion_tokens=done.completion_tokens,
                 cached_tokens=done.cached_tokens,
             )
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
+            server.fault(e)
             raise  # the client cancelled, or its deadline passed: `finally` frees the KV
         except Exception as e:
-            if service_fault(e):
-                server.failures.add()
+            server.fault(e)
             log.warning("gRPC Generate failed: %s", e)
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {e}")
         finally:
@@ -123,6 +124,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         ctx = self.server.engine.model.cfg.context_length
         return pb.ModelsResponse(models=[pb.Model(id=self.server.settings.model_name,
                                                   max_model_len=ctx)])  # fmt: skip
+
+    async def Advise(self, request: pb.AdviseRequest, context: grpc.aio.ServicerContext):
+        # Open without the key, like /health (whose body carries the same advice).
+        view = self.server.health()
+        return pb.AdviseResponse(
+            status=view.status,
+            reasons=list(view.reasons),
+            advice=[pb.Advice(**a.as_dict()) for a in self.server.advice()],
+        )
 
     async def _check(self, context: grpc.aio.ServicerContext) -> None:
         """The API key (when set) from the call metadata; the engine up."""

@@ -39,7 +39,7 @@ from unikv.memory.prefix import chain_hashes
 from unikv.memory.stats import PrefixCounts
 
 from . import routing
-from .health import SHARES, HealthView, Indicator, service_fault
+from .health import SHARES, HealthView, Indicator
 
 log = logging.getLogger("unikv.replicas")
 APP, DEPLOYMENT = "unikv", "unikv_engine"
@@ -181,8 +181,7 @@ class EngineReplica:
                             "cached_tokens": c.cached_tokens, "logprobs": c.logprobs,
                             "prompt_logprobs": c.prompt_logprobs}}  # fmt: skip
         except Exception as e:
-            if service_fault(e):
-                self.server.failures.add()
+            self.server.fault(e)
             raise
         finally:
             handle.cancel()  # the front went away (Ray cancels this generator): free the KV

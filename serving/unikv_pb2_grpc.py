@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=unikv__pb2.ModelsRequest.SerializeToString,
                 response_deserializer=unikv__pb2.ModelsResponse.FromString,
                 _registered_method=True)
+        self.Advise = channel.unary_unary(
+                '/unikv.v1.Generation/Advise',
+                request_serializer=unikv__pb2.AdviseRequest.SerializeToString,
+                response_deserializer=unikv__pb2.AdviseResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +81,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Advise(self, request, context):
+        """What the operator should change, with the health colour: the advice /health lists
+        (open without the key, like /health).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Models,
                     request_deserializer=unikv__pb2.ModelsRequest.FromString,
                     response_serializer=unikv__pb2.ModelsResponse.SerializeToString,
+            ),
+            'Advise': grpc.unary_unary_rpc_method_handler(
+                    servicer.Advise,
+                    request_deserializer=unikv__pb2.AdviseRequest.FromString,
+                    response_serializer=unikv__pb2.AdviseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Generation:
             '/unikv.v1.Generation/Models',
             unikv__pb2.ModelsRequest.SerializeToString,
             unikv__pb2.ModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Advise(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unikv.v1.Generation/Advise',
+            unikv__pb2.AdviseRequest.SerializeToString,
+            unikv__pb2.AdviseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,3 +67,17 @@ def test_the_ring_follows_health_and_the_numbers_move_under_load(browser, model,
         # Finished requests show up as throughput, and the ring goes back to green.
         wait_until(lambda: float(browser.find_element("id", "tput-now").text) > 0, "throughput")
         wait_until(lambda: ring(browser) == "green", "the ring to turn green again")
+
+
+def test_the_advice_card_lists_what_to_change(browser, model, tokenizer, monkeypatch):
+    from unikv.serving.advice import Advice
+
+    with live(model, tokenizer, max_batch=1) as (url, server):
+        browser.get(url + "/dashboard")
+        wait_until(lambda: "nothing to change" in browser.find_element("id", "advice").text,
+                   "the empty advice list")  # fmt: skip
+        a = Advice("oom", "OOM predictor warnings in the last 5 minutes", 2, 1,
+                   "[tiers.device] capacity", "256MiB", "512MiB",
+                   "raise [tiers.device] capacity from 256MiB to 512MiB: <scripted>")  # fmt: skip
+        monkeypatch.setattr(server, "advice", lambda: [a])
+        wait_until(lambda: a.text in browser.find_element("id", "advice").text, "the advice")

@@ -157,7 +157,7 @@ async def test_the_scheduler_settings_and_counts_reach_the_engine(engine):
     report = engine.memory_report()
     assert report.kv_bytes_peak > 0
     # no step target here: the budget alone
-    assert report.requests == RequestCounts(0, 0, 0, 0, step_tokens=64)
+    assert report.requests == RequestCounts(0, 0, 0, 0, step_tokens=64, max_batch=8)
     assert len(c.token_ids) == 2
 
 

@@ -129,6 +129,7 @@ def test_the_key_is_call_metadata(model, tokenizer):
         assert len(ok.ids) > 0
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # open, as /health
+        assert stub(channel).Advise(pb.AdviseRequest(), timeout=10).status == "green"  # open too
 
 
 def test_the_generated_code_is_the_protos(tmp_path):
@@ -156,3 +157,32 @@ def _code(text: str) -> str:
     """Generated code without its version banner and the package-relative import fix-up."""
     lines = [ln for ln in text.splitlines() if not ln.startswith("# Protobuf Python Version")]
     return "\n".join(ln.replace("from . import unikv_pb2", "import unikv_pb2") for ln in lines)
+
+
+def test_advice_reaches_health_grpc_and_the_cli(both, monkeypatch, capsys):
+    """The same advice on /health, over gRPC's Advise (open without the key, like /health) and
+    from `unikv advise --url` (exit code 1 when there is advice, 0 when none). Which advice the
+    rules give is tested on real counters in tests/test_advice.py; here one is scripted."""
+    from unikv.cli.main import main
+    from unikv.serving.advice import Advice
+
+    url, server, channel = both
+    assert main(["advise", "--url", url]) == 0
+    assert "advice: nothing to change" in capsys.readouterr().out
+    a = Advice("batching_window", "share of admission windows that closed by time", 0.9, 0.8,
+               "[scheduler] batching_window_ms", "50", "25",
+               "lower [scheduler] batching_window_ms from 50 to 25: scripted")  # fmt: skip
+    monkeypatch.setattr(server, "advice", lambda: [a])
+    body = httpx.get(url + "/health", timeout=30).json()
+    assert body["advice"] == [a.as_dict()]
+    reply = stub(channel).Advise(pb.AdviseRequest(), timeout=30)
+    assert reply.status == body["status"]
+    assert [(x.key, x.current, x.suggested, x.text) for x in reply.advice] == [
+        (a.key, a.current, a.suggested, a.text)]  # fmt: skip
+    assert reply.advice[0].value == pytest.approx(0.9)
+    assert main(["advise", "--url", url]) == 1
+    out = capsys.readouterr().out
+    assert "[scheduler] batching_window_ms: 50 -> 25" in out and a.text in out
+    assert main(["advise", "--url", url, "--json"]) == 1
+    assert '"advice"' in capsys.readouterr().out
+    assert main(["advise", "--url", "http://127.0.0.1:9", "--timeout", "2"]) == 2

@@ -19,6 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from unikv.serving.app import Server, ServeSettings, create_app  # noqa: E402
+from unikv.serving.grpc_api import serve_grpc  # noqa: E402
 from unikv.serving.replicas import APP, DEPLOYMENT, Replicas, ReplicaSpec  # noqa: E402
 
 from .test_serve import free_port, wait_until  # noqa: E402
@@ -53,6 +54,7 @@ def cluster(tmp_path_factory):
         return client
 
     server = Server(make, ServeSettings(max_waiting=64))
+    serve_grpc(server, "127.0.0.1", 0)  # gRPC in front of the same replicas
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port,
                                        log_level="warning"))  # fmt: skip
@@ -60,7 +62,7 @@ def cluster(tmp_path_factory):
     thread.start()
     wait_until(lambda: uv.started, "the front to start")
     try:
-        yield f"http://127.0.0.1:{port}", sensors, reps
+        yield f"http://127.0.0.1:{port}", sensors, reps, server.services[0].port
     finally:
         uv.should_exit = True
         thread.join(60)
@@ -93,7 +95,7 @@ def heat(sensors: Path, rank: int, value) -> None:
 @pytest.fixture(autouse=True)
 def cool(cluster):
     """Every test starts with both replicas cool and green (a failed test leaves none hot)."""
-    url, sensors, _ = cluster
+    url, sensors, *_ = cluster
     for rank in (0, 1):
         heat(sensors, rank, 40)
     wait_until(lambda: all(not r["cooling"] and r["status"] != "red"
@@ -101,7 +103,7 @@ def cool(cluster):
 
 
 def test_second_request_with_the_prefix_lands_on_the_same_replica_and_hits(cluster):
-    url, _, _ = cluster
+    url, *_ = cluster
     first = complete(url, "Affinity. " + BODY)
     where = first.headers["x-unikv-replica"]
     hits_before = replicas(url)[where]["prefix_hits"]
@@ -114,7 +116,7 @@ def test_second_request_with_the_prefix_lands_on_the_same_replica_and_hits(clust
 def test_logprobs_and_echo_come_back_from_a_replica_whole_and_streamed(cluster):
     """Issue 33: log-probabilities cross the replica boundary (pickled by Ray) as they do from
     one engine: whole, and per streamed piece."""
-    url, _, _ = cluster
+    url, *_ = cluster
     body = {"prompt": "Logprobs. " + BODY[:200], "max_tokens": 3, "temperature": 0,
             "logprobs": 1, "echo": True}  # fmt: skip
     whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -130,7 +132,7 @@ def test_logprobs_and_echo_come_back_from_a_replica_whole_and_streamed(cluster):
 
 
 def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
-    url, sensors, _ = cluster
+    url, sensors, *_ = cluster
     name_a, _ = by_rank(url, 0)
     # A long request on A, then A heats up: the request finishes; no new one goes to A.
     with httpx.Client(timeout=120) as http:
@@ -157,8 +159,44 @@ def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
         assert name_a in served
 
 
+def test_a_chip_that_keeps_cooling_gets_advice(cluster):
+    """Two heat episodes on one replica: the advice names the replica and, at batch_size 1,
+    one more replica (the rule is tested on scripted readings in tests/test_advice.py)."""
+    url, sensors, *_ = cluster
+    name_a, _ = by_rank(url, 0)
+    for _ in range(2):
+        heat(sensors, 0, LIMIT_C + 1)
+        wait_until(lambda: replicas(url)[name_a]["cooling"], "replica A to enter cooling", 30)
+        heat(sensors, 0, LIMIT_C - 20)
+        wait_until(lambda: not replicas(url)[name_a]["cooling"], "replica A to cool down", 30)
+    advice = [a for a in httpx.get(url + "/health", timeout=30).json()["advice"]
+              if a["rule"] == "cooling"]  # fmt: skip
+    assert len(advice) == 1 and name_a in advice[0]["measurement"]
+    assert (advice[0]["key"], advice[0]["current"], advice[0]["suggested"]) == ("--replicas",
+                                                                                "2", "3")
+
+
+def test_grpc_reaches_the_replicas(cluster):
+    """`--replicas` behind gRPC: the same greedy answer as over HTTP, and health SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from unikv.serving import unikv_pb2 as pb
+    from unikv.serving import unikv_pb2_grpc as pb_grpc
+
+    url, _, _, grpc_port = cluster
+    prompt = "Over gRPC. " + BODY
+    http = complete(url, prompt, max_tokens=6).json()["choices"][0]["text"]
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=6, temperature=0.0)
+        parts = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+        assert "".join(p.text for p in parts) == http and parts[-1].completion_tokens == 6
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_red_replica_gets_only_its_share(cluster):
-    url, sensors, _ = cluster
+    url, sensors, *_ = cluster
     name_a, _ = by_rank(url, 0)
     # A holds a prefix every request below starts with: affinity alone would send all to A.
     prompt = "Share. " + BODY
@@ -187,7 +225,7 @@ def test_red_replica_gets_only_its_share(cluster):
 
 
 def test_killed_replica_loses_no_request(cluster):
-    url, _, reps = cluster
+    url, _, reps, _ = cluster
     prompt = "Kill. " + BODY
     victim = complete(url, prompt).headers["x-unikv-replica"]
     events: list[str] = []

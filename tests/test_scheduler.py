@@ -409,7 +409,7 @@ def test_cancel_of_waiting_and_swapped_requests():
     assert s.running == [b] and 0 not in kv.device
     s.finish(a)  # finishing twice changes nothing
     assert s.report() == RequestCounts(running=1, waiting=0, swapped=0, preemptions=1,
-                                       step_tokens=512)  # fmt: skip
+                                       step_tokens=512, max_batch=s.config.max_batch)  # fmt: skip
 
 
 def test_drain_returns_every_request_and_empties_the_queues():
@@ -543,6 +543,9 @@ def test_the_admission_window_batches_arrivals_into_one_prefill():
     work = step(s, now=0.041)  # closed: all three are prefilled together
     assert sorted(w.req.rid for w in work) == [0, 1, 2]
     assert s.window_closes_at() is None
+    counts = s.report()
+    assert (counts.window_on_time, counts.window_on_size) == (1, 0)  # the advice reads these
+    assert counts.window_s == pytest.approx(0.040) and counts.max_batch == s.config.max_batch
 
 
 def test_a_full_batch_does_not_wait_for_the_window():
@@ -550,6 +553,8 @@ def test_a_full_batch_does_not_wait_for_the_window():
     s.add(req(0, 4))
     s.add(req(1, 4))
     assert len(step(s, now=0.0)) == 2
+    step(s, now=0.1)  # planned again: the same window is not counted twice
+    assert (s.report().window_on_time, s.report().window_on_size) == (0, 1)
 
 
 def test_window_zero_admits_at_once_and_bad_windows_are_refused():

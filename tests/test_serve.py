@@ -41,9 +41,10 @@ def small_kv(model, blocks: int = 256):
 
 
 @contextlib.contextmanager
-def live(model, tokenizer, max_batch: int = 8, grpc: bool = False, **settings):
+def live(model, tokenizer, max_batch: int = 8, grpc: bool = False, setup=None, **settings):
     """A server on a free port in a thread; yields (base URL, Server). `grpc`: the gRPC API
-    too, on a free port (`server.services[0].port`)."""
+    too, on a free port (`server.services[0].port`); `setup(server)` runs before it starts
+    (to add services)."""
     import uvicorn
 
     kv = small_kv(model)
@@ -56,6 +57,8 @@ def live(model, tokenizer, max_batch: int = 8, grpc: bool = False, **settings):
         from unikv.serving.grpc_api import serve_grpc
 
         serve_grpc(server, "127.0.0.1", 0)
+    if setup is not None:
+        setup(server)
     port = free_port()
     cfg = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(cfg)

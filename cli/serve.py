@@ -156,6 +156,14 @@ def add_serve(sub: argparse._SubParsersAction, epilog: str) -> None:
         default=30.0,
         help="seconds running requests get to finish after SIGTERM (default: 30)",
     )
+    sp.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="answer as soon as the model is loaded (default: run one short request through "
+        "the engine first, and each replica's, so the first user's TTFT is not a cold start's; "
+        "nothing answers, /ready included, until it has run)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -178,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics,
         read_timeout_s=args.read_timeout,
         strict=args.strict,
+        warm_up=args.warm_up,
     )
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace}: expected seconds >= 0")
@@ -205,7 +214,8 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = ReplicaSpec(model=args.model, dtype=args.dtype, weights=args.weights,
                        strategy=args.strategy, config=args.config, chip=args.chip,
                        threads=args.replica_threads,
-                       sensor=args.sensor, max_waiting=args.max_waiting)  # fmt: skip
+                       sensor=args.sensor, max_waiting=args.max_waiting,
+                       warm_up=args.warm_up)  # fmt: skip
     replicas = Replicas(spec, args.replicas, address=args.ray_address, router=args.router)
     client = replicas.start()
     try:

@@ -178,13 +178,17 @@ class Engine:
         *,
         chat: bool = False,
         priority: int = 0,
+        share_prefix: bool = True,
     ) -> RequestHandle:
         """Queue a request and return its handle (iterate it for text, or await `result()`).
 
         `priority`: lower runs first (vLLM's convention); an urgent request jumps the queue,
         and when memory is short the running request with the highest value is preempted.
+        `share_prefix=False`: the request neither reads the prefix cache nor feeds it (nor
+        the SSD and remote tiers behind it): a private prompt, or the start-up warm-up.
         """
         req = self._submit(prompt, params or SamplingParams(), chat, priority)
+        req.shares_prefix = share_prefix
         return RequestHandle(self, req)
 
     async def stream(

@@ -73,6 +73,7 @@ class Request:
     stop_token: int | None = None  # the EOS or stop token that ended it (never fed)
     logprobs_sent: int = 0  # of `logprobs`, how many went out with pieces
     prompt_sent: bool = False  # whether the prompt's log-probabilities went out
+    shares_prefix: bool = True  # looks up and publishes its blocks (the warm-up does not)
 
     @property
     def finished(self) -> bool:

@@ -51,6 +51,7 @@ class Schedulable(Protocol):
     priority: int  # lower runs first (vLLM's convention); FifoOrder ignores it
     arrival: float  # when it was submitted, in the scheduler's clock (seconds)
     wants_prompt_logits: bool  # every prompt token computed (never from the prefix cache)
+    shares_prefix: bool  # looks up the prefix cache and publishes its blocks to it
 
     @property
     def tokens(self) -> list[int]:
@@ -297,7 +298,13 @@ class Scheduler(Generic[R]):
         """`work` ran: its tokens' KV is stored now; offer it for prefix sharing."""
         req = work.req
         req.num_computed += len(work.tokens)
-        self.kv.publish(req.rid, req.tokens[: req.num_computed])
+        if req.shares_prefix:
+            self.kv.publish(req.rid, req.tokens[: req.num_computed])
+
+    def forget_timing(self) -> None:
+        """Drop the measured speed (after a warm-up, whose cold steps are no measure of it)."""
+        self._token_s = None
+        self.step_tokens = self.config.max_step_tokens
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A step of `tokens` tokens took `seconds`: with a step target, size the next steps'
@@ -379,7 +386,8 @@ class Scheduler(Generic[R]):
             if self.running and not self.kv.can_admit(len(tokens) + 1):
                 return
             self.order.admit(self.running, self.waiting.popleft())
-            if req.num_computed == 0 and self.config.prefix_sharing and not req.wants_prompt_logits:
+            if (req.num_computed == 0 and self.config.prefix_sharing and req.shares_prefix
+                    and not req.wants_prompt_logits):  # fmt: skip
                 req.num_computed = self.kv.match_prefix(req.rid, tokens)
                 req.prefix_hit = max(req.prefix_hit, req.num_computed)
 

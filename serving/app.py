@@ -38,9 +38,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv import version as engine_version
-from unikv.engine.engine import RequestHandle, ServedEngine
+from unikv.engine.engine import Engine, RequestHandle, ServedEngine
 from unikv.engine.report import ServedReport
 from unikv.engine.scheduler import RequestCounts
+from unikv.engine.warmup import warm_up
 from unikv.kernels import native
 
 from . import protocol as p
@@ -72,6 +73,7 @@ class ServeSettings:
     public_metrics: bool = False  # /metrics and /dashboard open even when a key is set
     read_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
     strict: bool = False  # unknown request fields are a 400 (else ignored, logged, listed)
+    warm_up: bool = True  # run one request through the engine before answering at all
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_tokens_limit"):
@@ -221,7 +223,10 @@ def create_app(server: Server) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine = await server.make_engine()
+        engine = await server.make_engine()
+        if server.settings.warm_up and isinstance(engine, Engine):  # replicas warm themselves
+            await warm_up(engine)  # uvicorn answers nothing (so /ready neither) until it ends
+        server.engine = engine
         for service in server.services:  # other APIs on the same engine (the gRPC server)
             await service.start()
         try:

@@ -67,6 +67,7 @@ class ReplicaSpec:
     sensor: str | None = None  # None: the config's [thermal] sensor
     max_waiting: int = 64
     stats_period_s: float = 1.0
+    warm_up: bool = True  # one request through the engine before the replica answers
     # Simulation for benchmarks: while the sensor reads at or above the chip's limit, each
     # engine step takes this much longer (0.3: 30% slower, the throttling the field measured).
     simulate_throttle: float = 0.0
@@ -92,6 +93,7 @@ class EngineReplica:
         from ray import serve
 
         from unikv.engine.engine import Engine
+        from unikv.engine.warmup import warm_up
 
         from .app import Server, ServeSettings
         from .cooling import Cooling
@@ -107,6 +109,8 @@ class EngineReplica:
         s = self.spec
         engine = await Engine.create(s.model, dtype=s.dtype, strategy=s.strategy,
                                      config=s.config, chip=s.chip, weights=s.weights)  # fmt: skip
+        if s.warm_up:
+            await warm_up(engine)
         # The same book-keeping as a single server: failures, preemptions, the health view.
         self.server = Server(None, ServeSettings(model_name=s.model, max_waiting=s.max_waiting))
         self.server.engine = self.engine = engine

@@ -130,6 +130,7 @@ class Reporter:
             kind = self.sensor_kind or built.config.thermal.sensor
             self.sensor = open_sensor(kind, built.profile, "cpu")
         self._begin(self.clock())
+        await self.tick(write=False)  # the state at start: the first transition is from "start"
         self._task = asyncio.get_running_loop().create_task(self._run())
         log.info("reports every %g s in %s", self.every_s, self.dir)
 

@@ -513,3 +513,36 @@ async def test_logprobs_min_tokens_min_p_and_repetition_penalty(engine):
         PROMPTS[3], SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=50.0)
     )
     assert len(set(pen.token_ids)) == 16
+
+
+async def test_the_warm_up_runs_the_whole_path_and_shares_nothing(model, tokenizer, tmp_path):
+    """issue 34: one request before serving; it publishes and persists nothing, and the step
+    target forgets the speed it measured on those cold steps."""
+    from unikv import kvstrategies
+    from unikv.engine.warmup import PROMPT_TOKENS, warm_up
+    from unikv.kvstrategies.calibration import WARMUP_TEXT
+    from unikv.settings.config import PoolConfig, TierConfig
+
+    from unikv.engine.assembly import store_tiers
+
+    tiers = (TierConfig("device", 64 << 20), TierConfig("ssd", 64 << 20, str(tmp_path)))
+    cfg, spec = PoolConfig(tiers=tiers), model.kv_spec()
+    opts = kvstrategies.get("full").check_options({})
+    stores = store_tiers("full", spec, cfg, opts)
+    kv = kvstrategies.create("full", spec, cfg, opts, stores=stores)
+    async with Engine(model, tokenizer, kv=kv, step_target_ms=100.0) as e:
+        assert await warm_up(e) > 0
+        report = e.memory_report()
+        assert report.kv_bytes_peak > 0 and report.kv_bytes_used == 0  # it ran, and freed
+        assert report.prefix.queries == 0 and report.prefix.cached_blocks == 0
+        assert e.scheduler.step_tokens == e.scheduler.config.max_step_tokens
+        writer = kv.pool.persistence.writer
+        writer.wait_writes()
+        assert writer.blocks_written == 0  # nothing written through to the SSD
+        # The warm-up's own prompt, asked by a user, is computed, not found.
+        ids = tokenizer.encode(WARMUP_TEXT.read_text(encoding="utf-8"))[:PROMPT_TOKENS]
+        c = await e.generate(ids, SamplingParams(max_new_tokens=1))
+        assert c.cached_tokens == 0
+        writer.wait_writes()
+        assert writer.blocks_written > 0  # the user's prompt is, as always
+    kv.close()

@@ -112,6 +112,7 @@ class Req:
     priority: int = 0
     arrival: float = 0.0
     wants_prompt_logits: bool = False
+    shares_prefix: bool = True
 
     @property
     def tokens(self) -> list[int]:

@@ -327,16 +327,26 @@ def main() -> None:
             loop.run_until_complete(load(s.url, prompts(text, 4, seed=99), 2, 8))
         for i, c in enumerate(args.concurrency):
             n = max(4, c * args.requests_per_client)
-            ps = prompts(text, n, seed=c)
+            # Cold prompts for every run: a seed of their own per position (a concurrency
+            # given twice must not hit the prefix cache with its first run's prompts).
+            cut = prompts(text, n, seed=c + 1000 * i)
+            ps = [f"Run A. {x}" for x in cut]
             runs = [(name, load, s.url, ps) for name, s in servers.items()]
             if grpc_port is not None:
-                # The same server as the HTTP run: its own cold prompts (no prefix hits on the
-                # other's), and the two in alternating order from one concurrency to the next.
+                # The same server as the HTTP run, the same prompts behind a head of the same
+                # length (no prefix hits on the other's), in alternating order.
                 grpc_run = ("unikv-grpc", load_grpc, f"127.0.0.1:{grpc_port}",
-                            prompts(text, n, seed=c + 10_000))  # fmt: skip
+                            [f"Run B. {x}" for x in cut])  # fmt: skip
                 runs.insert(i % 2, grpc_run)  # after the HTTP run, then before it
             for name, run, where, cut in runs:
+                server = servers["unikv" if name == "unikv-grpc" else name]
+                cpu0 = (_cpu_s(server.proc.pid), time.process_time())
                 r = loop.run_until_complete(run(where, cut, c, args.new_tokens))
+                # CPU seconds per output token: the server's and this client's (one machine:
+                # a protocol whose client costs more leaves the server less of the cores).
+                toks = r["requests"] * args.new_tokens
+                r["server_cpu_ms_per_token"] = 1000 * (_cpu_s(server.proc.pid) - cpu0[0]) / toks
+                r["client_cpu_ms_per_token"] = 1000 * (time.process_time() - cpu0[1]) / toks
                 rows.append({"server": name, "concurrency": c, **r})
                 print(f"  {name} c={c}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr)
         ps = prompts(text, 20, seed=5)
@@ -358,13 +368,24 @@ def main() -> None:
     _print(rows, extra)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` and its threads have used (0 unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _print(rows: list[dict], extra: dict) -> None:
-    print(f"{'server':13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}")
+    print(f"{'server':13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} "
+          f"{'CPU ms/tok server / client':>27}")  # fmt: skip
     for r in rows:
         print(
             f"{r['server']:13} {r['concurrency']:>4} {r['tokens_per_s']:>7.1f} "
             f"{r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p99'] * 1000:>7.0f}ms "
-            f"{r['itl_p99'] * 1000:>6.0f}ms"
+            f"{r['itl_p99'] * 1000:>6.0f}ms {r['server_cpu_ms_per_token']:>14.1f} / "
+            f"{r['client_cpu_ms_per_token']:.1f}"
         )
     by = {(r["server"], r["concurrency"]): r for r in rows}
     for (srv, c), r in by.items():

@@ -10,7 +10,9 @@ haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), 
 `sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens prefilled, then
 `--decode-steps` decode steps per case, cases interleaved, medians: the whole step, the
 attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's own share
-(scoring and top-k). `--chart PNG` draws PPL change against the share of tokens attended.
+(scoring and top-k); the cases: `full`, `sparse` resident, and `sparse` over the tiered
+placement with the newest share of the context on the device tier and every older token on the
+host tier (each step reads the chosen blocks where they live), with the device tier's KV bytes. `--chart PNG` draws PPL change against the share of tokens attended.
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
@@ -35,6 +37,7 @@ from unikv.engine.evaluate import perplexity  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.passkey import passkey  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = sorted(p for p in (ROOT / "benchmarks" / "texts").iterdir() if p.name != "README.md")
@@ -122,10 +125,22 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int)
     context = min(context, model.cfg.context_length - steps * rounds - 1)  # room to decode
     ids = tok.encode(TEXTS[0].read_text(encoding="utf-8") * 4)[:context]
     budget = {"budget_tokens": int(share * context)}
-    cases = {"full": ("full", {}), f"sparse@{share:g}": ("dense+resident+sparse", budget)}
+    # Tiered: the newest `context * share` tokens on the device tier, every older one on the
+    # host tier (no SSD tier); each step reads the chosen blocks where they are.
+    window = max(64, int(context * share))
+    page = kvstrategies.get("hierarchical_offload").layout(spec, 64, {"dtype": None}).page_bytes
+    tiers = (TierConfig("device", ((window + 512) // 64 + 4) * page),  # + a prefill chunk
+             TierConfig("host", (context // 64 + 64) * page))  # fmt: skip
+    cases = {
+        "full": ("full", {}, None),
+        f"sparse@{share:g}": ("dense+resident+sparse", budget, None),
+        f"sparse@{share:g} tiered": ("dense+tiered+sparse",
+                                     {**budget, "device_window": window, "host_window": context},
+                                     PoolConfig(block_size=64, tiers=tiers)),
+    }  # fmt: skip
     kvs, timers, pos = {}, {}, {}
-    for label, (name, opts) in cases.items():
-        kv = kvstrategies.create(name, spec, options=opts)
+    for label, (name, opts, config) in cases.items():
+        kv = kvstrategies.create(name, spec, config, options=opts)
         for start in range(0, len(ids), 512):  # the prompt's prefill (dense in both)
             part = ids[start : start + 512]
             model.forward(torch.tensor(part), torch.arange(start, start + len(part)), kv,
@@ -156,10 +171,17 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int)
             "select_share_of_step": m["select"] / m["step"],
             "blocks_read": kvs[label].selection.stats().get("blocks_read_share"),
             "stability": kvs[label].selection.stats().get("selection_stability"),
+            "device_kv_mib": _device_bytes(kvs[label]) / 2**20,
         })  # fmt: skip
     for kv in kvs.values():
         kv.close()
     return rows
+
+
+def _device_bytes(kv) -> int:
+    """KV bytes the device tier holds (blocks in use times their size)."""
+    pool = kv.pool
+    return pool.allocators["device"].num_used * pool.layout.page_bytes
 
 
 def chart(rows: list[dict], path: str) -> None:
@@ -208,7 +230,8 @@ def main() -> None:
                            args.passkey_share, args.rounds)  # fmt: skip
         report("sparse_decode", rows, ["method", "context", "step_ms", "attend_ms", "select_ms",
                                        "step_speedup", "attend_speedup", "select_share_of_step",
-                                       "blocks_read", "stability"], extra)  # fmt: skip
+                                       "blocks_read", "stability", "device_kv_mib"],
+               extra)  # fmt: skip
     if "passkey" not in args.skip:
         rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share)
         report("sparse_passkey", rows, ["text", "length", "full", "sparse", "full_depths",

@@ -64,7 +64,8 @@ class DenseFormat(Format):
 
     def prepare(self, step: Step) -> None:
         self.step = step
-        self._blocks: dict[int, torch.Tensor] = {}  # batch index -> its block ids (attend_tokens)
+        # batch index -> where its blocks live, and their ids there (attend_tokens, `_places`)
+        self._blocks: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pool, bs, batch = self.pool, self.pool.block_size, step.batch
         seqs = list(zip(batch.seq_ids, step.past, batch.query_lens, strict=True))
         self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
@@ -136,36 +137,81 @@ class DenseFormat(Format):
 
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
-        """Resident: the chosen tokens gathered from the arena, per KV head in one index (the
-        whole cache is never read); tiered: from the pieces `read` gives."""
-        if step.groups is not None:
-            return super().attend_tokens(layer, q, step, chosen)
-        a, bs = self._layers[layer], self.pool.block_size  # [P, H, slots, D]
-        p, h, ns, d = a.shape
-        nb = ns // bs
-        flat = a.view(p * h * nb, bs * d)  # one row per (part, head, block): one index_select
-        base = (torch.arange(p * h, device=a.device) * nb).view(p, h, 1)
+        """Only the chosen blocks are read: gathered per KV head from the arena (resident), or
+        from wherever each lives (tiered: the device and host arenas in place, the staged
+        tensors of the SSD tier's blocks); the whole cache is never read."""
         out = q.new_empty(*q.shape[:2], self.spec.v_dim)
-        for i, (blocks, pieces) in enumerate(zip(chosen, self._kv_pieces(layer), strict=True)):
+        # The staged tensors (tiered: the SSD tier's blocks), fetched once for the layer.
+        staged = step.staged(layer, True) if step.groups is not None else None
+        pieces = self._kv_pieces(layer, count=False) if None in chosen else None
+        bs = self.pool.block_size
+        for i, blocks in enumerate(chosen):
             rows, n = step.batch.rows(i), step.batch.query_lens[i]
             if blocks is None:
-                pieces = [self._cast(p, q.dtype) for p in pieces]
-                out[rows] = attention_runs(q[rows], [self._split(p) for p in pieces],
+                parts = [self._cast(p, q.dtype) for p in pieces[i]]
+                out[rows] = attention_runs(q[rows], [self._split(p) for p in parts],
                                            step.past[i], self.scale)  # fmt: skip
                 continue
-            where = (self._block_ids(i)[blocks] + base).view(-1)
-            kv = flat.index_select(0, where).view(p, h, -1, d)  # whole blocks, in order
+            kv = self._gather(layer, i, blocks, staged)  # [P, Hkv, B * bs, D]: whole, in order
             total = step.past[i] + n  # the last block may be partly filled
             kv = self._cast(kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)], q.dtype)
             k, v = self._split(kv)
             out[rows] = attention_one(q[rows], k, v, k.shape[1] - n, self.scale)
         return out
 
-    def _block_ids(self, i: int) -> torch.Tensor:
-        """The device block ids of batch sequence `i`'s blocks this step (once per step)."""
+    def _gather(self, layer: int, i: int, blocks: torch.Tensor, staged: list | None
+                ) -> torch.Tensor:  # fmt: skip
+        """Batch sequence `i`'s blocks `blocks` [Hkv, B] (positions in its block list) of
+        `layer`: [P, Hkv, B * bs, D], one `index_select` per place they live (`staged`: the
+        layer's staged tensors per batch sequence, tiered)."""
+        p, h, d, bs = self.spec.stored_parts, self.spec.num_kv_heads, self.spec.head_dim, \
+            self.pool.block_size  # fmt: skip
+        nb = blocks.shape[1]
+        where, ids = self._places(i)
+        if where is None:  # resident: every block in the device arena
+            return _take(self._layers[layer], ids[blocks], p, h, bs, d)
+        out = self._layers[layer].new_empty(p * h * nb, bs * d)  # one row per (part, head, block)
+        src, ids = where[blocks], ids[blocks]  # [Hkv, B] each
+        dev = src.device
+        dest = torch.arange(p * h * nb, device=dev).view(p, h, nb)  # rows of `out`
+        parts = torch.arange(p, device=dev).view(p, 1) * h
+        heads = torch.arange(h, device=dev).view(h, 1).expand(h, nb)
+        groups = self.step.groups[i]
+        for g in range(len(groups)) if len(groups) > 1 else (0,):
+            m = src == g  # the chosen blocks that live in group g
+            kind, what = groups[g]
+            # [P, Hkv, tokens, D]: a staged group's tensor, or a tier's arena read in place
+            arena = staged[i][what] if kind == "staged" else self.step.in_place[kind][layer]
+            g_nb = arena.shape[2] // bs
+            flat = arena.reshape(p * h * g_nb, bs * d)  # one row per (part, head, block)
+            rows = ((parts + heads[m]) * g_nb + ids[m]).view(-1)
+            if rows.numel():
+                out.index_copy_(0, dest[:, m].reshape(-1), flat.index_select(0, rows))
+        return out.view(p, h, nb * bs, d)
+
+    def _places(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per block of batch sequence `i`: the index of the place it lives in (its group in
+        `step.groups[i]`; None: resident, all in the device arena) and its block index there
+        (a staged group's blocks are 0, 1, ... of its tensor); once per step."""
         if i not in self._blocks:
+            dev = self._layers[0].device
             table = self.pool.table(self.step.batch.seq_ids[i])
-            self._blocks[i] = torch.tensor(table.block_ids(), device=self._layers[0].device)
+            if self.step.groups is None:
+                self._blocks[i] = (None, torch.tensor(table.block_ids(), device=dev))
+                return self._blocks[i]
+            where: list[int] = []
+            ids: list[int] = []
+            for g, (kind, what) in enumerate(self.step.groups[i]):
+                if kind == "staged":  # the next run of refs of one tier (the placement's group)
+                    refs = table.refs[len(ids) :]
+                    count = next((k for k, r in enumerate(refs) if r.tier != refs[0].tier),
+                                 len(refs))  # fmt: skip
+                    ids += range(count)
+                else:
+                    count = len(what)
+                    ids += what
+                where += [g] * count
+            self._blocks[i] = (torch.tensor(where, device=dev), torch.tensor(ids, device=dev))
         return self._blocks[i]
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -243,3 +289,14 @@ def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:
         else:
             runs.append([b * bs, (b + 1) * bs])
     return [(s, e) for s, e in runs]
+
+
+def _take(arena: torch.Tensor, blocks: torch.Tensor, p: int, h: int, bs: int, d: int
+          ) -> torch.Tensor:  # fmt: skip
+    """Blocks `blocks` [Hkv, B] (block indices per head) of a layer's `arena` [P, Hkv, slots,
+    D], whole and in order: [P, Hkv, B * bs, D], one `index_select` over a view with one row
+    per (part, head, block)."""
+    nb = arena.shape[2] // bs
+    flat = arena.view(p * h * nb, bs * d)
+    base = (torch.arange(p * h, device=arena.device) * nb).view(p, h, 1)
+    return flat.index_select(0, (blocks + base).view(-1)).view(p, h, -1, d)

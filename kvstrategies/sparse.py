@@ -24,9 +24,10 @@ packed format: before packing), and, for blocks a sequence did not write (a shar
 persisted prefix), once from the format's stored keys. They follow the sequence, not its
 blocks, so moves between tiers and swapping leave them valid.
 
-Measured by `benchmarks/sparse.py` (BENCHMARKS.md). Limits: a format other than the dense ones,
-or a tiered placement, reads the whole cache and attends the chosen tokens (the same numbers,
-not the speed); DeepSeek's latent cache is scored the same way (its keys are the latent and
+Measured by `benchmarks/sparse.py` (BENCHMARKS.md). The dense format reads only the chosen
+blocks, resident or tiered (from the device and host arenas in place; the SSD tier's blocks are
+staged whole by the placement's prefetcher). Limits: a format other than the dense ones reads
+the whole cache and attends the chosen tokens (the same numbers, not the speed); DeepSeek's latent cache is scored the same way (its keys are the latent and
 rope parts the absorbed queries dot with, so the bound holds).
 """
 

@@ -144,3 +144,37 @@ def test_the_run_report_shows_the_share_of_blocks_read():
     assert f"[sparse attention (budget 96): {share:.1%} of the stored blocks read per step" in lines
     assert "chosen the step before" in lines  # stability, from the second decode step on
     s.close()
+
+
+def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
+    """Tiered: the needle's blocks sit on the host and SSD tiers (only the newest tokens are on
+    the device); a decode step reads them there and attends exactly as the resident cache
+    does over the same chosen blocks."""
+    from unikv.engine.assembly import store_tiers
+
+    n, at = 640, 100
+    direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM), dim=-1)
+    tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
+             TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
+    cfg = PoolConfig(block_size=BS, tiers=tiers)
+    opts = {"dense_layers": 0, "budget_tokens": 96, "device_window": 64, "host_window": 256}
+    name = "dense+tiered+sparse"
+    tiered = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+    resident = build(budget_tokens=96)
+    k = haystack(n, at, direction)
+    q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
+    new = 0.1 * torch.randn(LAYERS, 1, HEADS, DIM)
+    outs = []
+    for s in (tiered, resident):
+        step(s, 0, k, torch.randn(LAYERS, n, HEADS * GROUP, DIM), more_prompt=True)
+        outs.append(step(s, 0, new, q))
+    tiers_of = [r.tier for r in tiered.pool.table(0).refs]
+    chosen = tiered.selection.last_read[0][0]
+    places = {tiers_of[b] for b in chosen.flatten().tolist()}
+    assert {"device", "host", "ssd"} <= places  # chosen blocks in all three places
+    assert at // BS in chosen[0].tolist()  # the needle's block, on the SSD tier
+    assert torch.equal(chosen.sort().values, resident.selection.last_read[0][0].sort().values)
+    for a, b in zip(*outs, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    tiered.close()
+    resident.close()

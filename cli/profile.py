@@ -63,6 +63,7 @@ def profile_report(
         "class_source": class_source,
         "strategy": strategy,
         "strategy_reason": reason,
+        "sparse": SPARSE_WHY if axes is None or axes[2] != "sparse" else "selected",
         "config": config.source,
         "block_size": config.block_size,
         "tiers": [
@@ -158,6 +159,16 @@ def _sensor_line(sensor: Mapping[str, Any] | None) -> str:
     return f"{shlex.join(sensor['command'])} (pattern '{sensor['pattern']}')"
 
 
+# Why no class selects `sparse` by default (issue 35's figures: BENCHMARKS.md, docs/strategies.md).
+SPARSE_WHY = (
+    "opt-in (--kv-selection sparse), not a class default: it keeps every token and reads about "
+    "its budget per decode step (measured 1.4x faster steps at 8K context and a 1/8 budget on a "
+    "CPU), but on SmolLM2 the worst development text loses 1.7% PPL at 1/4 and 5.4% at 1/8; the "
+    "low class's pruned hybrid cache stores about 14x less, which sparse does not, and the "
+    "medium classes' tiered caches attend to every token (BENCHMARKS.md)"
+)
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """A readable table of a `profile_report` dict."""
     tuned = "field-tuned" if report["field_tuned"] else "defaults, not field-tuned"
@@ -175,6 +186,7 @@ def format_report(report: Mapping[str, Any]) -> str:
             if report.get("axes")
             else []
         ),
+        *([("sparse selection", report["sparse"])] if report.get("sparse") else []),
         ("config", str(report["config"])),
         ("block size", f"{report['block_size']} tokens"),
         ("batch size", f"{report['batch_size']} ({tuned})"),

@@ -279,6 +279,13 @@ def test_profile_report_names_the_composition_and_each_parameter(tmp_path):
     assert "batch limit" in effects["batch_size"]
     assert "admission window" in effects["batching_window_ms"]
     assert "cooling rule enters at 77" in effects["thermal_throttle_c"]
+    # Why no class default selects `sparse` (issue 35), and a config that asks for it.
+    assert report["sparse"].startswith("opt-in (--kv-selection sparse), not a class default")
+    cfg = tmp_path / "sparse.toml"
+    cfg.write_text('strategy = "auto+auto+sparse"\n')
+    asked = profile_report(chip(tmp_path, precision="fp16+int4"), str(cfg), kvstrategies.select,
+                           axes_of=lambda n: kvstrategies.get(n).axes)  # fmt: skip
+    assert asked["axes"]["selection"] == "sparse" and asked["sparse"] == "selected"
 
 
 def test_every_shipped_profile_composes_a_default_that_builds():

@@ -15,7 +15,9 @@ ops' share of the profiled run, scaled to the unprofiled one.
         [--weights float32|native] [--threads 2] [--isas avx512,avx2 [--repeats 2]]
 
 Each run reports the matmuls' effective bandwidth (the bytes of every weight a step reads,
-over the matmul time) and the CPU model and instruction sets. `--isas` runs the profile once
+over the matmul time), the whole step's (those bytes times tokens/s) against a stream over a
+1 GiB buffer in the same run (issue 34's goal: 85% of it), and the CPU model and instruction
+sets. `--isas` runs the profile once
 per instruction set in a child process (`UNIKV_ISA` for the C kernels and
 `ATEN_CPU_CAPABILITY` for PyTorch's own, both read at start-up), plus the PyTorch-only
 baseline (`UNIKV_NO_KERNEL=1`: MKL's or oneDNN's float32 products, whatever the vendor
@@ -87,6 +89,19 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(isas) or 'baseline'})"
 
 
+def stream_gb_s(threads: int, gib: int = 1, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s: the fastest of `repeats` sums over a `gib` GiB float32
+    buffer (larger than any cache) on `threads` threads, after one pass that faults it in."""
+    buf = torch.ones(gib << 28)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
 def compare(args: argparse.Namespace) -> None:
     """One child run per instruction set and the PyTorch-only baseline, interleaved."""
     configs = {isa: {"UNIKV_ISA": isa, "ATEN_CPU_CAPABILITY": "avx2" if isa != "avx512" else
@@ -107,15 +122,19 @@ def compare(args: argparse.Namespace) -> None:
             "tok_s": statistics.median(r["tok_s"] for r in rs),
             "matmul_ms": statistics.median(r["ms_by_part"].get("matmul", 0.0) for r in rs),
             "matmul_gb_s": statistics.median(r["matmul_gb_s"] for r in rs),
+            "stream_gb_s": statistics.median(r["stream_gb_s"] for r in rs),
+            "bandwidth_share": statistics.median(r["bandwidth_share"] for r in rs),
             "kernels": rs[-1]["kernels"],
         }
     base = table["pytorch"]["tok_s"]
     print(f"{cpu_name()}; {args.weights} weights, {args.strategy}, {args.threads} thread(s), "
           f"median of {args.repeats}")  # fmt: skip
-    print(f"  {'run':9s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s}")
+    print(f"  {'run':9s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s} "
+          f"{'stream GB/s':>12s} {'step/stream':>12s}")  # fmt: skip
     for name, r in table.items():
+        share = r["bandwidth_share"]
         print(f"  {name:9s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
-              f"{r['matmul_gb_s']:6.1f}")  # fmt: skip
+              f"{r['matmul_gb_s']:6.1f} {r['stream_gb_s']:12.1f} {share:12.0%}")  # fmt: skip
     print(json.dumps({"cpu": cpu_name(), "settings": vars(args), "runs": table}))
 
 
@@ -166,12 +185,19 @@ def main() -> None:
     scale = wall / prof_wall
     rows = {k: v / steps * scale * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     python_ms = max(0.0, wall - op_total * scale) * 1e3
-    weight_bytes = sum(w["bytes"] for w in weight_formats(m).values())
+    weight_bytes = sum(w.bytes for w in weight_formats(m).values())
+    del m, kv, prof
+    stream = stream_gb_s(args.threads)  # the same run's memory bandwidth (issue 34's yardstick)
     out = {
         "cpu": cpu_name(),
         "isa": ckernels.isa() if os.environ.get("UNIKV_NO_KERNEL") != "1" else "none",
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "matmul_gb_s": weight_bytes / (rows.get("matmul", float("nan")) / 1e3) / 1e9,
+        "weight_bytes": weight_bytes,
+        # decode tokens/s x weight bytes read per token, against the stream (goal >= 0.85)
+        "step_gb_s": weight_bytes / wall / 1e9,
+        "stream_gb_s": stream,
+        "bandwidth_share": weight_bytes / wall / 1e9 / stream,
         "wall_ms_per_step": wall * 1e3,
         "tok_s": 1 / wall,
         "profiled_wall_ms": prof_wall * 1e3,
@@ -186,6 +212,9 @@ def main() -> None:
     print(f"{out['cpu']}, kernels {out['isa']}, torch {out['torch_capability']}")
     print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s); matmuls read "
           f"the weights at {out['matmul_gb_s']:.1f} GB/s")  # fmt: skip
+    print(f"tokens/s x {weight_bytes / 2**20:.0f} MiB of weights = {out['step_gb_s']:.1f} GB/s; "
+          f"a {args.threads}-thread stream reads {stream:.1f} GB/s: "
+          f"{out['bandwidth_share']:.0%} of it (goal 85%)")  # fmt: skip
     for k, v in rows.items():
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")

@@ -95,14 +95,11 @@ class DenseFormat(Format):
             out = []
             for runs in self._runs:
                 # a[:, :, start:end]: [P, Hkv, S_r, D] views into the arena, no copy. When
-                # decode growth left a sequence in several runs, the long first run (the
-                # prompt) stays a view and the short tail runs are gathered into one piece:
-                # each piece costs an attention call per layer, a small copy costs less than
-                # several calls.
-                pieces = [a[:, :, s:e] for s, e in runs]
-                if len(pieces) > 2:
-                    pieces = [pieces[0], torch.cat(pieces[1:], dim=2)]
-                out.append(pieces)
+                # growth left a sequence in several runs, long runs stay views and each stretch
+                # of short runs between them is gathered into one piece: each piece costs an
+                # attention call per layer, a small copy costs less than several calls, and a
+                # long copy more than one call.
+                out.append(_pieces(a, runs, LONG_RUN_SLOTS))
             return out
         staged = step.staged(layer, count)
         arenas = {tier: views[layer] for tier, views in step.in_place.items()}
@@ -278,6 +275,28 @@ class Bf16Format(DenseFormat):
 class Fp16Format(DenseFormat):
     name, help, fixed = "fp16", "K and V as float16", {"dtype": "float16"}
     tolerance, lossless = 2**-8, False
+
+
+LONG_RUN_SLOTS = 128  # a run of at least this many slots is attended in place, never copied
+
+
+def _pieces(a: torch.Tensor, runs: list[tuple[int, int]], long: int) -> list[torch.Tensor]:
+    """A sequence's runs of slots in a layer's arena `a` [P, Hkv, slots, D] as attention
+    pieces in token order: a run of `long` slots or more as a view, each stretch of shorter
+    runs between them gathered into one tensor (a single short run stays a view)."""
+    pieces: list[torch.Tensor] = []
+    short: list[torch.Tensor] = []
+    for s, e in runs:
+        if e - s >= long:
+            if short:
+                pieces.append(short[0] if len(short) == 1 else torch.cat(short, dim=2))
+                short = []
+            pieces.append(a[:, :, s:e])
+        else:
+            short.append(a[:, :, s:e])
+    if short:
+        pieces.append(short[0] if len(short) == 1 else torch.cat(short, dim=2))
+    return pieces
 
 
 def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:

@@ -42,6 +42,7 @@ class Block:
     # later prompt with the same prefix can revive the block instead of recomputing it.
     block_hash: bytes | None = None
     owner: SeqId | None = None
+    freed_at: int = 0  # the free queue's clock when it was last appended (its LRU age)
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
@@ -62,6 +63,7 @@ class FreeBlockQueue:
         self._head.next = self._tail
         self._tail.prev = self._head
         self._len = 0
+        self.clock = 0  # appends so far: a block's `freed_at` orders it in the queue
         for block in blocks:
             self.append(block)
 
@@ -90,6 +92,20 @@ class FreeBlockQueue:
         block.next = self._tail
         self._tail.prev = block
         self._len += 1
+        block.freed_at = self.clock
+        self.clock += 1
+
+    def in_older_half(self, block: Block) -> bool:
+        """Whether free `block` was appended in the older half of the span from the head's
+        append to now (O(1): it would be reused among the next half of the queue or so)."""
+        head = self._head.next
+        oldest = head.freed_at if head is not None and head is not self._tail else self.clock
+        return block.freed_at - oldest <= (self.clock - oldest) // 2
+
+    def peek(self) -> Block | None:
+        """The head (the next block `popleft` hands out), or None when empty."""
+        block = self._head.next
+        return None if block is self._tail else block
 
     def popleft(self) -> Block:
         """Take the head (least recently freed) block."""
@@ -244,16 +260,35 @@ class TierAllocator:
         self.num_allocations += n
         return ids
 
+    def next_free(self) -> int | None:
+        """The id of the block `allocate` would hand out next (None: none is free)."""
+        block = self._free.peek()
+        return None if block is None else block.block_id
+
+    def takeable(self, block_id: int) -> bool:
+        """Whether `take(block_id)` would succeed now (free, and uncached or cached but in the
+        older half of the free queue)."""
+        block = self._blocks[block_id] if 0 <= block_id < len(self._blocks) else None
+        if block is None or block.ref_count != 0:
+            return False
+        return block.block_hash is None or self._free.in_older_half(block)
+
     def take(self, block_id: int, owner: SeqId | None) -> bool:
-        """Allocate the specific block `block_id` if it is free and uncached (O(1)).
+        """Allocate the specific block `block_id` if it is free (O(1)).
 
         Lets a growing sequence continue into the block after its last one, keeping its slots
         contiguous. False for a used block, and for a free block still holding cached prefix
-        content: that one is left for LRU eviction order to decide.
+        content that was freed in the newer half of the queue: that one is left for LRU order
+        to decide. A cached block in the older half is taken (its hash evicted): LRU would hand
+        it out soon anyway, and without it every sequence that starts where an older one
+        ended is split in pieces once the cache is warm (attention then copies the pieces
+        together on every step).
         """
-        block = self._blocks[block_id] if 0 <= block_id < len(self._blocks) else None
-        if block is None or block.ref_count != 0 or block.block_hash is not None:
+        if not self.takeable(block_id):
             return False
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            self._evict(block)
         self._free.remove(block)
         block.ref_count, block.owner = 1, owner
         self.num_allocations += 1

@@ -24,6 +24,7 @@ class Placement:
     """Block ids for growth and moves; soft-reserved growth room on the device tier."""
 
     GROWTH_ROOM_BLOCKS = 8  # free blocks after a sequence that others pass over while they can
+    RUN_SEARCH = 64  # blocks a new sequence looks below the queue's head for its run's start
 
     def __init__(self, allocators: Mapping[str, TierAllocator]) -> None:
         self._allocators = allocators
@@ -41,6 +42,8 @@ class Placement:
         ids: list[int] = []
         last = table[len(table) - 1] if len(table) else None
         nxt = last.block_id + 1 if last is not None and last.tier == TierKind.DEVICE else None
+        if last is None:
+            nxt = self._run_start(alloc, seq)
         while nxt is not None and len(ids) < need and alloc.take(nxt, seq):
             self.forget(nxt)
             ids.append(nxt)
@@ -48,11 +51,30 @@ class Placement:
         if len(ids) < need:
             rest = alloc.allocate(need - len(ids), seq, avoid=_RoomOfOthers(self._room, seq))
             assert rest is not None  # can_allocate said they fit
+            # In ascending order: the free queue returns a finished sequence's blocks last
+            # first, and blocks that were one run stay one run only in the order of their ids.
+            rest.sort()
             for b in rest:
                 self.forget(b)
             ids += rest
         self._keep(seq, ids[-1])
         return ids
+
+    def _run_start(self, alloc: TierAllocator, seq: SeqId) -> int | None:
+        """Where a new sequence starts: the low end of the free run the queue hands out next.
+
+        A finished sequence's blocks go back to the queue last first, so the queue hands its
+        run out from the top down; a sequence that started there and grew block by block
+        would hold the run in descending order, one piece per block. Starting at the run's
+        low end, it grows upward through it (`take`), in one piece."""
+        head, others = alloc.next_free(), _RoomOfOthers(self._room, seq)
+        if head is None or head in others:
+            return None  # `allocate` passes over the room others keep
+        low = head
+        while low > 0 and head - low < self.RUN_SEARCH and alloc.takeable(low - 1) \
+                and (low - 1) not in others:  # fmt: skip
+            low -= 1
+        return low
 
     def near(self, tier: str, seq: SeqId, table: BlockTable, todo: list[int]) -> list[int] | None:
         """Blocks of `tier` for table positions `todo`, continuing after the sequence's last
@@ -67,7 +89,7 @@ class Placement:
             ids.append(nxt)
             nxt += 1
         if len(ids) < len(todo):
-            ids += alloc.allocate(len(todo) - len(ids), seq)
+            ids += sorted(alloc.allocate(len(todo) - len(ids), seq))  # runs stay runs (`grow`)
         if tier == TierKind.DEVICE:
             for b in ids:
                 self.forget(b)
@@ -88,8 +110,7 @@ class Placement:
         if len(self._room) + self.GROWTH_ROOM_BLOCKS > alloc.num_free // 2:
             return
         for b in range(last + 1, min(last + 1 + self.GROWTH_ROOM_BLOCKS, alloc.num_blocks)):
-            blk = alloc.block(b)
-            if blk.ref_count or blk.block_hash is not None or self._room.get(b, seq) != seq:
+            if not alloc.takeable(b) or self._room.get(b, seq) != seq:
                 break
             self._room[b] = seq
             room.append(b)

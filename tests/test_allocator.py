@@ -303,3 +303,18 @@ def test_allocate_passes_over_avoided_blocks_while_others_are_free():
     avoided = set(range(99))
     got = many.allocate(1, "c", avoid=avoided)
     assert got == [TierAllocator.MAX_PASSED]  # the pass-over is bounded, not a scan
+
+
+def test_take_evicts_a_cached_free_block_only_from_the_older_half_of_the_queue() -> None:
+    a = make(8, prefix_cache=PrefixCache())
+    ids = a.allocate(8, "s")
+    for i, b in enumerate(ids):
+        a.cache_block(b, None, [i] * BS, "m")
+    a.free(ids[:4])  # older: back in the queue first (last first: 3, 2, 1, 0)
+    a.free(ids[4:])  # newer: 7, 6, 5, 4
+    assert a.free_blocks() == [3, 2, 1, 0, 7, 6, 5, 4]
+    assert a.takeable(1) and not a.takeable(5)  # cached, older half / newer half
+    assert not a.take(5, "t") and a.block(5).block_hash is not None  # LRU decides for it
+    assert a.take(1, "t") and a.block(1).block_hash is None and a.num_evictions == 1
+    assert not a.takeable(1)  # now used
+    assert a.next_free() == 3

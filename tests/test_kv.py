@@ -172,3 +172,19 @@ def test_attention_falls_back_to_the_math_kernel_where_the_fused_one_cannot_run(
     monkeypatch.setattr(F, "scaled_dot_product_attention", broken)
     with pytest.raises(RuntimeError, match="something else"):
         kvmod.sdpa(q, k, k)
+
+
+def test_fragmented_runs_copy_only_their_short_stretches():
+    """A sequence in several runs of slots is attended as pieces in token order: long runs as
+    views into the arena (never copied on every step), each stretch of short runs between them
+    gathered into one piece."""
+    from unikv.kvstrategies.full import _pieces
+
+    a = torch.arange(2 * 3 * 64 * 4, dtype=torch.float32).view(2, 3, 64, 4)
+    runs = [(40, 44), (0, 20), (50, 52), (54, 56), (20, 24)]
+    pieces = _pieces(a, runs, long=16)
+    assert [p.shape[2] for p in pieces] == [4, 20, 8]  # short | long | three short ones
+    assert pieces[1].data_ptr() == a[:, :, 0:20].data_ptr()  # the long run is a view
+    whole = torch.cat([a[:, :, s:e] for s, e in runs], dim=2)
+    assert torch.equal(torch.cat(pieces, dim=2), whole)  # token order kept
+    assert len(_pieces(a, [(0, 4)], long=16)) == 1

@@ -364,3 +364,25 @@ def test_the_ssd_tier_stays_usable_after_ten_times_its_capacity(tmp_path):
     assert again.orphans_collected == 1 and len(again.store) == stored - 1
     assert again.has_content(key(10 * cap - 1))  # content survives the restart
     again.close()
+
+
+def test_a_warm_prefix_cache_still_gives_new_sequences_one_run():
+    """A finished sequence's blocks go back to the free queue last first and stay cached; a
+    new sequence growing block by block starts at the low end of that run and grows upward
+    through it (evicting the old hashes), instead of taking it top down in pieces (serving
+    slowed by a quarter once a long-running server's cache was warm)."""
+    pool = make_pool(device_blocks=16)
+    n = 8 * BS
+    for k, seq in enumerate(("a", "b")):  # two sequences fill all 16 blocks and publish them
+        assert pool.reserve(seq, n)
+        fill(pool, seq, 0, n, 1.0)
+        pool.sharing.publish(seq, list(range(1000 * k, 1000 * k + n)))
+    pool.free("a")
+    pool.free("b")
+    device = pool.allocators["device"]
+    assert device.num_cached == 16 and device.free_blocks()[:2] == [7, 6]  # a's, last first
+    for i in range(n):  # decode-like growth from nothing
+        assert pool.reserve("c", 1)
+        fill(pool, "c", i, 1, 2.0)
+    assert pool.slot_runs("c", n) == [(0, n)]  # a's old run, in one piece
+    assert device.num_evictions == 8 and device.num_cached == 8  # a's hashes went, b's stay

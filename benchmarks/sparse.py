@@ -12,7 +12,8 @@ haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), 
 attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's own share
 (scoring and top-k); the cases: `full`, `sparse` resident, and `sparse` over the tiered
 placement with the newest share of the context on the device tier and every older token on the
-host tier (each step reads the chosen blocks where they live), with the device tier's KV bytes. `--chart PNG` draws PPL change against the share of tokens attended.
+host tier (each step reads the chosen blocks where they live), with the device tier's KV
+bytes. `--chart PNG` draws PPL change against the share of tokens attended.
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]

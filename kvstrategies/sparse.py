@@ -27,8 +27,9 @@ blocks, so moves between tiers and swapping leave them valid.
 Measured by `benchmarks/sparse.py` (BENCHMARKS.md). The dense format reads only the chosen
 blocks, resident or tiered (from the device and host arenas in place; the SSD tier's blocks are
 staged whole by the placement's prefetcher). Limits: a format other than the dense ones reads
-the whole cache and attends the chosen tokens (the same numbers, not the speed); DeepSeek's latent cache is scored the same way (its keys are the latent and
-rope parts the absorbed queries dot with, so the bound holds).
+the whole cache and attends the chosen tokens (the same numbers, not the speed); DeepSeek's
+latent cache is scored the same way (its keys are the latent and rope parts the absorbed
+queries dot with, so the bound holds).
 """
 
 from __future__ import annotations

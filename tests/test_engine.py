@@ -519,11 +519,10 @@ async def test_the_warm_up_runs_the_whole_path_and_shares_nothing(model, tokeniz
     """issue 34: one request before serving; it publishes and persists nothing, and the step
     target forgets the speed it measured on those cold steps."""
     from unikv import kvstrategies
+    from unikv.engine.assembly import store_tiers
     from unikv.engine.warmup import PROMPT_TOKENS, warm_up
     from unikv.kvstrategies.calibration import WARMUP_TEXT
     from unikv.settings.config import PoolConfig, TierConfig
-
-    from unikv.engine.assembly import store_tiers
 
     tiers = (TierConfig("device", 64 << 20), TierConfig("ssd", 64 << 20, str(tmp_path)))
     cfg, spec = PoolConfig(tiers=tiers), model.kv_spec()

@@ -172,8 +172,11 @@ def test_a_chip_that_keeps_cooling_gets_advice(cluster):
     advice = [a for a in httpx.get(url + "/health", timeout=30).json()["advice"]
               if a["rule"] == "cooling"]  # fmt: skip
     assert len(advice) == 1 and name_a in advice[0]["measurement"]
-    assert (advice[0]["key"], advice[0]["current"], advice[0]["suggested"]) == ("--replicas",
-                                                                                "2", "3")
+    assert (advice[0]["key"], advice[0]["current"], advice[0]["suggested"]) == (
+        "--replicas",
+        "2",
+        "3",
+    )
 
 
 def test_grpc_reaches_the_replicas(cluster):

@@ -56,8 +56,11 @@ def test_the_cli_checks_the_report_flags_before_loading(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_short_run_writes_a_report_that_renders_with_its_charts(
-    model, tokenizer, tmp_path, browser
-):  # noqa: F811
+    model,
+    tokenizer,
+    tmp_path,
+    browser,  # noqa: F811  (the fixture imported from test_dashboard)
+):
     sensor = ScriptedSensor([55.0, 61.5, 64.0, 62.0])
     reporters: list[Reporter] = []
 

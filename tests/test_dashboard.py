@@ -5,12 +5,11 @@ load."""
 from __future__ import annotations
 
 import shutil
-import threading
 
 import httpx
 import pytest
 
-from .test_serve import live, wait_until
+from .test_serve import live, post_in_background, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -49,11 +48,7 @@ def test_the_ring_follows_health_and_the_numbers_move_under_load(browser, model,
 
         # Load: one running, one waiting of two allowed -> the queue is "filling" -> yellow.
         body = {"prompt": "Tell me a long story", "max_tokens": 120, "ignore_eos": True}
-        clients = [threading.Thread(target=lambda: httpx.post(url + "/v1/completions",
-                                                              json=body, timeout=120))
-                   for _ in range(2)]  # fmt: skip
-        for c in clients:
-            c.start()
+        clients = post_in_background(url, body, 2)
         wait_until(lambda: server.memory_report().requests.waiting == 1, "a waiting one")
         health = httpx.get(url + "/health", timeout=30).json()
         assert health["status"] == "yellow" and health["load_share"] == 0.8

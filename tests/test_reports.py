@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from unikv.serving.reports import Reporter, parse_period, percentile, slope_per_
 from unikv.serving.sensors import ScriptedSensor
 
 from .test_dashboard import browser  # noqa: F401  (the module's headless Chromium)
-from .test_serve import live, wait_until
+from .test_serve import live, post_in_background, wait_until
 
 
 def test_periods_parse_with_units_and_bad_ones_are_named():
@@ -74,11 +73,7 @@ def test_a_short_run_writes_a_report_that_renders_with_its_charts(
                         "8 to 4: scripted for this test")  # fmt: skip
         server.advice = lambda: [advice]  # the rules are tested on real counters elsewhere
         body = {"prompt": "Tell me a story", "max_tokens": 32, "ignore_eos": True}
-        clients = [threading.Thread(target=lambda: httpx.post(url + "/v1/completions",
-                                                              json=body, timeout=120))
-                   for _ in range(2)]  # fmt: skip
-        for c in clients:
-            c.start()
+        clients = post_in_background(url, body, 2)
         # One running, one waiting of two allowed: the queue is filling -> yellow.
         wait_until(lambda: server.memory_report().requests.waiting >= 1, "a waiting request")
         bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})

@@ -89,6 +89,17 @@ def client(srv):
     return OpenAI(base_url=srv[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def post_in_background(url: str, body: dict, n: int) -> list[threading.Thread]:
+    """`n` completion requests with `body`, each from a thread of its own, started (join
+    them)."""
+    clients = [threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body,
+                                                          timeout=120))
+               for _ in range(n)]  # fmt: skip
+    for c in clients:
+        c.start()
+    return clients
+
+
 def wait_until(cond, what: str, limit: float = 60.0) -> None:
     """Poll `cond` until it holds (the suite's timeout guards a hang; this names the wait)."""
     deadline = time.monotonic() + limit

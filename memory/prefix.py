@@ -161,12 +161,13 @@ class PrefixCache:
     ) -> BlockRef | None:
         """The cached block holding exactly `token_ids` after `parent`, or None (counted)."""
         tokens = tuple(token_ids)
-        ref = self._verified(block_hash(parent, tokens, identity), parent, tokens, identity)
+        h = block_hash(parent, tokens, identity)
+        ref = self._verified(h, parent, tokens, identity)
         self.queries += 1
         if ref is not None:
             self.hits += 1
         else:
-            self._missed(block_hash(parent, tokens, identity))
+            self._missed(h)
         return ref
 
     def insert(

@@ -105,6 +105,7 @@ class Reporter:
         # config's [thermal] sensor when None) is opened at start. Replicas report their own.
         self.sensor, self.sensor_kind, self.clock = sensor, sensor_kind, clock
         self.written: list[Path] = []  # the JSON files written so far
+        self._status: str | None = None  # the health colour last sampled (across periods)
         self._task: asyncio.Task | None = None
         self._begin(clock())
 
@@ -115,7 +116,6 @@ class Reporter:
         # (rule, key, suggested value) -> the advice, when first and last seen, how often
         self.advice: dict[str, dict[str, Any]] = {}
         self._outcomes0 = dict(self.server.outcomes)
-        self._status: str | None = getattr(self, "_status", None)
 
     async def start(self) -> None:
         """Check the directory is writable and start sampling."""

@@ -147,13 +147,14 @@ def test_the_run_report_shows_the_share_of_blocks_read():
 
 
 def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
-    """Tiered: the needle's blocks sit on the host and SSD tiers (only the newest tokens are on
+    """Tiered: the needles' blocks sit on the host and SSD tiers (only the newest tokens are on
     the device); a decode step reads them there and attends exactly as the resident cache
     does over the same chosen blocks."""
     from unikv.engine.assembly import store_tiers
 
-    n, at = 640, 100
-    direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM), dim=-1)
+    n, at, at_host = 640, 100, 400
+    g = torch.Generator().manual_seed(3)
+    direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM, generator=g), dim=-1)
     tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
              TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
     cfg = PoolConfig(block_size=BS, tiers=tiers)
@@ -162,6 +163,7 @@ def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
     tiered = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
     resident = build(budget_tokens=96)
     k = haystack(n, at, direction)
+    k[:, at_host : at_host + 4] = 4.0 * direction  # a second needle, on the host tier
     q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
     new = 0.1 * torch.randn(LAYERS, 1, HEADS, DIM)
     outs = []
@@ -173,6 +175,8 @@ def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
     places = {tiers_of[b] for b in chosen.flatten().tolist()}
     assert {"device", "host", "ssd"} <= places  # chosen blocks in all three places
     assert at // BS in chosen[0].tolist()  # the needle's block, on the SSD tier
+    assert tiers_of[at // BS] == "ssd" and tiers_of[at_host // BS] == "host"
+    assert at_host // BS in chosen[0].tolist()
     assert torch.equal(chosen.sort().values, resident.selection.last_read[0][0].sort().values)
     for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, atol=1e-6)

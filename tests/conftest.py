@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 
 import pytest
 import torch
@@ -30,6 +31,16 @@ def _unikv_logging_restored():
     saved = root.handlers[:], root.level, root.propagate
     yield
     root.handlers[:], root.level, root.propagate = saved
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test draws from torch's and Python's generators seeded by its own name, so what it
+    draws does not depend on which tests ran before it (CI once failed a test that passed
+    here, because an earlier test left the global generator elsewhere)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
 
 
 _SUBJECTS = [

@@ -12,14 +12,19 @@ so the step's wall time is also measured without it; "python" is that wall time 
 ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
-        [--weights float32|native] [--threads 2] [--isas avx512,avx2 [--repeats 2]]
+        [--weights float32|native] [--threads 2] [--layer native|ops]
+        [--isas avx512,avx2 [--repeats 2]]
+
+`--layer ops` runs a Llama layer's dense part as torch ops (each matmul, norm and RoPE through
+its registry entry) instead of gemv.c's two layer calls (`engine/fused.py`): the baseline of
+what those calls save.
 
 Each run reports the matmuls' effective bandwidth (the bytes of every weight a step reads,
 over the matmul time), the whole step's (those bytes times tokens/s) against a stream over a
 1 GiB buffer in the same run (issue 34's goal: 85% of it), and the CPU model and instruction
-sets. `--isas` runs the profile once
-per instruction set in a child process (`UNIKV_ISA` for the C kernels and
-`ATEN_CPU_CAPABILITY` for PyTorch's own, both read at start-up), plus the PyTorch-only
+sets. `--isas` runs the profile once per instruction set in a child process (`UNIKV_ISA` for the
+C kernels and `ATEN_CPU_CAPABILITY` for PyTorch's own, both read at start-up), once more for the
+first with `--layer ops`, plus the PyTorch-only
 baseline (`UNIKV_NO_KERNEL=1`: MKL's or oneDNN's float32 products, whatever the vendor
 dispatch does), interleaved `--repeats` times, one process at a time, and prints the medians.
 """
@@ -42,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from unikv.engine import fused  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.model import weight_formats  # noqa: E402
 from unikv.kernels import native as ckernels  # noqa: E402
@@ -58,6 +64,7 @@ RULES = [
     ("engine/model.py", None, "other ops"),
 ]
 C_KERNEL = "kernels/gemv.py("  # the Python frames that call the matmul C kernel (kernels/gemv.c)
+LAYER_CALLS = (": layer_qkv", ": layer_out")  # ... and gemv.c's whole-layer calls (engine/fused.py)
 
 
 def part_of(event) -> str:
@@ -104,23 +111,29 @@ def stream_gb_s(threads: int, gib: int = 1, repeats: int = 3) -> float:
 
 def compare(args: argparse.Namespace) -> None:
     """One child run per instruction set and the PyTorch-only baseline, interleaved."""
-    configs = {isa: {"UNIKV_ISA": isa, "ATEN_CPU_CAPABILITY": "avx2" if isa != "avx512" else
-                     "avx512"} for isa in args.isas.split(",")}  # fmt: skip
-    configs["pytorch"] = {"UNIKV_NO_KERNEL": "1"}
+    isas = args.isas.split(",")
+    configs = {isa: ({"UNIKV_ISA": isa, "ATEN_CPU_CAPABILITY": "avx2" if isa != "avx512" else
+                      "avx512"}, []) for isa in isas}  # fmt: skip
+    # the same kernels with a layer's dense part as torch ops (what the native layer call saves)
+    configs[f"{isas[0]}, ops"] = (configs[isas[0]][0], ["--layer", "ops"])
+    configs["pytorch"] = ({"UNIKV_NO_KERNEL": "1"}, [])
     child = [sys.executable, __file__, "--model", args.model, "--weights", args.weights,
              "--context", str(args.context), "--steps", str(args.steps), "--strategy",
              args.strategy, "--threads", str(args.threads)]  # fmt: skip
     runs: dict[str, list[dict]] = {k: [] for k in configs}
     for _ in range(args.repeats):
-        for name, env in configs.items():
-            proc = subprocess.run(child, env={**os.environ, **env}, capture_output=True,
-                                  text=True, check=True)  # fmt: skip
+        for name, (env, extra) in configs.items():
+            proc = subprocess.run([*child, *extra], env={**os.environ, **env},
+                                  capture_output=True, text=True, check=True)  # fmt: skip
             runs[name].append(json.loads(proc.stdout.splitlines()[-1]))
     table = {}
     for name, rs in runs.items():
         table[name] = {
             "tok_s": statistics.median(r["tok_s"] for r in rs),
-            "matmul_ms": statistics.median(r["ms_by_part"].get("matmul", 0.0) for r in rs),
+            "matmul_ms": statistics.median(
+                r["ms_by_part"].get("matmul", 0.0) + r["ms_by_part"].get("layer (gemv.c)", 0.0)
+                for r in rs
+            ),
             "matmul_gb_s": statistics.median(r["matmul_gb_s"] for r in rs),
             "stream_gb_s": statistics.median(r["stream_gb_s"] for r in rs),
             "bandwidth_share": statistics.median(r["bandwidth_share"] for r in rs),
@@ -129,11 +142,11 @@ def compare(args: argparse.Namespace) -> None:
     base = table["pytorch"]["tok_s"]
     print(f"{cpu_name()}; {args.weights} weights, {args.strategy}, {args.threads} thread(s), "
           f"median of {args.repeats}")  # fmt: skip
-    print(f"  {'run':9s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s} "
+    print(f"  {'run':12s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s} "
           f"{'stream GB/s':>12s} {'step/stream':>12s}")  # fmt: skip
     for name, r in table.items():
         share = r["bandwidth_share"]
-        print(f"  {name:9s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
+        print(f"  {name:12s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
               f"{r['matmul_gb_s']:6.1f} {r['stream_gb_s']:12.1f} {share:12.0%}")  # fmt: skip
     print(json.dumps({"cpu": cpu_name(), "settings": vars(args), "runs": table}))
 
@@ -148,12 +161,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isas", default=None, help="e.g. avx512,avx2: one child run each")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--layer", choices=("native", "ops"), default="native",
+                   help="a layer's dense part as two gemv.c calls, or as torch ops")  # fmt: skip
     args = p.parse_args()
     if args.isas:
         compare(args)
         return
     torch.set_num_threads(args.threads)
     m, tok = load_model(args.model, progress=False, weights=args.weights)
+    if args.layer == "ops":  # the baseline: a layer's dense part as torch ops (engine/fused.py)
+        m._qkv, m._out = (lambda *a: fused.qkv_ops(*a)), (lambda *a: fused.out_ops(*a))
     kv = build(m, tok, args.strategy)
     ids = context_ids(tok, args.context)
     first = prefill(m, kv, ids, 0)
@@ -173,8 +190,10 @@ def main() -> None:
     for e in prof.events():
         t = e.self_cpu_time_total / 1e6
         if t > 0 and C_KERNEL in e.name:  # a C kernel called by ctypes is no torch op: its time
-            spent["matmul"] += t  # is its Python caller's self time
-            ops["gemv.c (ctypes)"] += t
+            # is its Python caller's self time
+            part = "layer (gemv.c)" if e.name.endswith(LAYER_CALLS) else "matmul"
+            spent[part] += t
+            ops[f"gemv.c {part} (ctypes)"] += t
             continue
         if t <= 0 or e.name.startswith("ProfilerStep") or is_python(e):
             continue
@@ -186,13 +205,16 @@ def main() -> None:
     rows = {k: v / steps * scale * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     python_ms = max(0.0, wall - op_total * scale) * 1e3
     weight_bytes = sum(w.bytes for w in weight_formats(m).values())
+    matmul_ms = rows.get("matmul", 0.0) + rows.get("layer (gemv.c)", 0.0) or float("nan")
     del m, kv, prof
     stream = stream_gb_s(args.threads)  # the same run's memory bandwidth (issue 34's yardstick)
     out = {
         "cpu": cpu_name(),
         "isa": ckernels.isa() if os.environ.get("UNIKV_NO_KERNEL") != "1" else "none",
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "matmul_gb_s": weight_bytes / (rows.get("matmul", float("nan")) / 1e3) / 1e9,
+        # the weights over the time of the calls that read them (gemv.c's layer calls also
+        # run the norms and RoPE: a few microseconds)
+        "matmul_gb_s": weight_bytes / (matmul_ms / 1e3) / 1e9,
         "weight_bytes": weight_bytes,
         # decode tokens/s x weight bytes read per token, against the stream (goal >= 0.85)
         "step_gb_s": weight_bytes / wall / 1e9,
@@ -210,8 +232,8 @@ def main() -> None:
         "settings": vars(args),
     }
     print(f"{out['cpu']}, kernels {out['isa']}, torch {out['torch_capability']}")
-    print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s); matmuls read "
-          f"the weights at {out['matmul_gb_s']:.1f} GB/s")  # fmt: skip
+    print(f"{out['wall_ms_per_step']:.2f} ms per step ({out['tok_s']:.1f} tok/s); matmuls (and "
+          f"the layer calls) read the weights at {out['matmul_gb_s']:.1f} GB/s")  # fmt: skip
     print(f"tokens/s x {weight_bytes / 2**20:.0f} MiB of weights = {out['step_gb_s']:.1f} GB/s; "
           f"a {args.threads}-thread stream reads {stream:.1f} GB/s: "
           f"{out['bandwidth_share']:.0%} of it (goal 85%)")  # fmt: skip

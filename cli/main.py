@@ -457,7 +457,7 @@ def _registry_choices(device) -> dict:
     (the first is the one a model or strategy loaded here would use), and the others with why.
     Attention's C kernel is judged by the probe build (`kernels.status(probe=True)`)."""
     import unikv.kvstrategies.hybrid  # noqa: F401  (registers the attention entries)
-    from unikv.engine import linear  # noqa: F401  (registers the matmul, norm and rope entries)
+    from unikv.engine import fused, linear  # noqa: F401  (register the matmul, norm, rope, layer entries)
     from unikv.kernels import native as kernels
 
     out = {}

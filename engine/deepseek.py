@@ -365,6 +365,10 @@ class DeepseekModel(LlamaModel):
             experts=self.experts.stats() if moe else None,
         )
 
+    def _layer_ops(self) -> tuple:
+        """None: MLA and MoE layers have their own forward (`_layer`), not Llama's two ops."""
+        return None, None
+
     def _build_layer(self, i: int, w, lin) -> dict:
         cfg, mla, moe = self.cfg, self.cfg.mla, self.cfg.moe
         p, a = f"blk.{i}.", f"blk.{i}.self_attn."

@@ -9,11 +9,11 @@ The model holds weights only; it never allocates KV memory.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from unikv.kernels.operators import OperatorSet
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
 
+from . import fused  # noqa: F401  (registers layer.qkv and layer.out)
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm
 from .report import ModelReport, WeightFormat
@@ -86,6 +86,7 @@ class LlamaModel:
         # the first implementation this device offers, switched to the next if it fails.
         self.operators = OperatorSet(self.device, owner=self)
         self._rms, self._rope = self.operators["rmsnorm"], self.operators["rope"]
+        self._qkv, self._out = self._layer_ops()
 
         def lin(*names: str, prepare: bool = True):
             # A weight in a format with a native kernel stays packed (engine.linear).
@@ -110,30 +111,22 @@ class LlamaModel:
                 lin(p + "ffn_gate.weight", p + "ffn_up.weight"),
                 lin(p + "ffn_down.weight"))  # fmt: skip
 
+    def _layer_ops(self) -> tuple:
+        """The breakers of a layer's dense part before and after attention (engine.fused)."""
+        return self.operators["layer.qkv"], self.operators["layer.out"]
+
     def _build_rope(self) -> RotaryTable:
         return RotaryTable(self.cfg, self.device, self.dtype)
 
     def _layer(
         self, li: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:
-        """One decoder layer over the step's packed rows x: [N, hidden]."""
-        cfg = self.cfg
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        n = x.shape[0]
-        attn_norm, wqkv, wo, ffn_norm, wgu, wdown = self.layers[li]
-        h = self._rms(x, attn_norm, cfg.rms_norm_eps)
-        # [N, (Hq + 2 Hkv) D] -> [N, Hq + 2 Hkv, D] -> q and k [N, Hq + Hkv, D], v [N, Hkv, D]
-        qk, v = wqkv(h).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
-        # NOTE: q and k rotated by one call (a decode step's Python is mostly per-op overhead)
-        q, k = self._rope(self.rope, qk, positions).split([hq, hkv], dim=1)
-        if n > 1:  # one row's head slices are contiguous already
-            q, k = q.contiguous(), k.contiguous()
+        """One decoder layer over the step's packed rows x: [N, hidden]. The dense part is two
+        registry ops around the KV seam (`engine.fused`: native calls on CPU, else torch ops)."""
+        q, k, v = self._qkv(self, li, x, positions)  # norm, QKV projection, RoPE
         kv.append(li, k, v)
         attn = kv.attend(li, q)  # [N, Hq, D]
-        x = x + wo(attn.reshape(n, hq * d))
-        h = self._rms(x, ffn_norm, cfg.rms_norm_eps)
-        gate, up = wgu(h).chunk(2, dim=-1)
-        return x + wdown(F.silu(gate) * up)
+        return self._out(self, li, x, attn)  # output projection, residual, norm, MLP, residual
 
     def kv_spec(self) -> KVSpec:
         """The KV shape this model writes, as strategies are told it."""

@@ -28,6 +28,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -845,4 +846,134 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
             return -1;
     }
     return 0;
+}
+
+/* ---- one decoder layer's dense part: two calls around the KV seam --------------------------
+ *
+ * engine/fused.py calls these instead of about a dozen torch ops per layer and step (the two
+ * norms, four matmuls through their breakers, RoPE, the splits and copies, SiLU, the product,
+ * the residual adds): at a few rows a decode step is mostly the fixed cost of each op, not its
+ * arithmetic. A layer is described once (`layer_t`, its four linear layers as `lin_t`), and each
+ * linear layer is multiplied by the entry point its registry entry calls (gemv_f32, gemv_q, or
+ * gemv_qi8 with two digits), so the products are the same numbers; the norms, RoPE and SiLU are
+ * plain float32 loops over a few KB, as the torch ops compute them (only the order of the norm's
+ * sum of squares differs).
+ */
+typedef struct {
+    int kind; /* 0: float32 [out, in] (gemv_f32); 1: packed blocks, float32 activations
+                 (gemv_q); 2: packed blocks, int8x2 activations (gemv_qi8) */
+    int fmt; /* Q8_0 / Q4_0 / Q4_1 (kinds 1 and 2) */
+    const void *w; /* the weight, or its blocks */
+    const uint16_t *h; /* kind 2: the block headers of gemv.headers() */
+    long out, in; /* in: elements of a row (a multiple of 32 when packed) */
+} lin_t;
+
+typedef struct {
+    long hidden, ffn, context; /* context: the rows of the RoPE tables */
+    int hq, hkv, d;
+    float eps;
+    const float *attn_norm, *ffn_norm; /* [hidden] */
+    const float *cos, *sin_signed; /* [context, d]: engine.model.RotaryTable's tables */
+    lin_t qkv, wo, gu, down; /* [(hq + 2 hkv) d, hidden], [hidden, hq d], [2 ffn, hidden],
+                                [hidden, ffn] */
+} layer_t;
+
+int layer_struct_size(void) { return (int)sizeof(layer_t); }
+
+static int lin_apply(const lin_t *l, const float *x, int n, float *y, int threads) {
+    if (l->kind == 0) {
+        if (n > GEMV_MAX_ROWS) return -1;
+        gemv_f32(x, n, (const float *)l->w, l->out, l->in, y, threads);
+        return 0;
+    }
+    if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS) return -1;
+    if (l->kind == 1) {
+        if (n > GEMV_MAX_ROWS) return -1;
+        gemv_q(l->fmt, x, n, (const uint8_t *)l->w, l->out, l->in / 32, y, threads);
+        return 0;
+    }
+    return gemv_qi8(l->fmt, x, n, (const uint8_t *)l->w, l->h, l->out, l->in / 32, y, threads, 2);
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w over n rows of `dim` (the squares summed in 16 lanes). */
+static void rms_rows(const float *x, int n, long dim, const float *w, float eps, float *y) {
+    for (int i = 0; i < n; i++) {
+        const float *xr = x + i * dim;
+        float s[16] = {0};
+        long j = 0;
+        for (; j + 16 <= dim; j += 16)
+            for (int u = 0; u < 16; u++) s[u] += xr[j + u] * xr[j + u];
+        for (; j < dim; j++) s[0] += xr[j] * xr[j];
+        for (int u = 8; u >= 1; u /= 2)
+            for (int v = 0; v < u; v++) s[v] += s[v + u];
+        const float r = 1.0f / sqrtf(s[0] / (float)dim + eps);
+        for (j = 0; j < dim; j++) y[i * dim + j] = w[j] * (xr[j] * r);
+    }
+}
+
+/* x [n, hidden] -> q [n, hq, d] and k [n, hkv, d], rotated by each row's position (rotate-half:
+ * x cos + roll(x, d/2) sin_signed), and v [n, hkv, d]. Returns 0, or -1 (a size the layer does
+ * not have, too many rows for a kernel, no memory): the caller then takes the ops path. */
+int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float *q, float *k,
+              float *v, int threads) {
+    const int d = L->d, hq = L->hq, hkv = L->hkv, half_d = L->d / 2;
+    const long hidden = L->hidden, width = (long)(hq + 2 * hkv) * d;
+    if (n < 1 || L->qkv.in != hidden || L->qkv.out != width || d % 2) return -1;
+    for (int i = 0; i < n; i++)
+        if (pos[i] < 0 || pos[i] >= L->context) return -1;
+    float *h = malloc(sizeof(float) * n * (hidden + width));
+    if (h == NULL) return -1;
+    float *t = h + n * hidden;
+    rms_rows(x, n, hidden, L->attn_norm, L->eps, h);
+    if (lin_apply(&L->qkv, h, n, t, threads)) {
+        free(h);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        const float *c = L->cos + pos[i] * d, *s = L->sin_signed + pos[i] * d;
+        for (int head = 0; head < hq + hkv; head++) {
+            const float *src = t + i * width + (long)head * d;
+            float *dst = head < hq ? q + ((long)i * hq + head) * d
+                                   : k + ((long)i * hkv + head - hq) * d;
+            for (int j = 0; j < half_d; j++) {
+                dst[j] = src[j] * c[j] + src[j + half_d] * s[j];
+                dst[j + half_d] = src[j + half_d] * c[j + half_d] + src[j] * s[j + half_d];
+            }
+        }
+        memcpy(v + (long)i * hkv * d, t + i * width + (long)(hq + hkv) * d,
+               sizeof(float) * hkv * d);
+    }
+    free(h);
+    return 0;
+}
+
+/* out [n, hidden] = x1 + down(silu(gate) * up), where x1 = x + wo(attn [n, hq d]) and gate, up
+ * are the two halves of gu(rmsnorm(x1)): the rest of the layer after attention. 0 or -1. */
+int layer_out(const layer_t *L, const float *x, const float *attn, int n, float *out,
+              int threads) {
+    const long hidden = L->hidden, ffn = L->ffn;
+    if (n < 1 || L->wo.out != hidden || L->wo.in != (long)L->hq * L->d || L->gu.in != hidden ||
+        L->gu.out != 2 * ffn || L->down.in != ffn || L->down.out != hidden)
+        return -1;
+    float *h = malloc(sizeof(float) * n * (2 * hidden + 3 * ffn));
+    if (h == NULL) return -1;
+    float *t = h + n * hidden, *g = t + n * hidden, *a = g + n * 2 * ffn;
+    int rc = lin_apply(&L->wo, attn, n, t, threads);
+    if (rc == 0) {
+        for (long j = 0; j < n * hidden; j++) out[j] = x[j] + t[j];
+        rms_rows(out, n, hidden, L->ffn_norm, L->eps, h);
+        rc = lin_apply(&L->gu, h, n, g, threads);
+    }
+    if (rc == 0) {
+        for (int i = 0; i < n; i++)
+            for (long j = 0; j < ffn; j++) {
+                const float z = g[i * 2 * ffn + j];
+                a[i * ffn + j] = z / (1.0f + expf(-z)) * g[i * 2 * ffn + ffn + j];
+            }
+        rc = lin_apply(&L->down, a, n, t, threads);
+    }
+    if (rc == 0)
+        for (long j = 0; j < n * hidden; j++) out[j] += t[j];
+    free(h);
+    return rc;
 }

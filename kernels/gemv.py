@@ -7,7 +7,8 @@ GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()`, `heade
 `gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
 two int8 codes, multiplied in integers: VNNI where the CPU has it, int16 products on AVX2 and in
 portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_blocks` (that
-rounding in torch: what the int8 kernel's result is checked against).
+rounding in torch: what the int8 kernel's result is checked against), and `Layer` / `Lin`,
+`layer_qkv` / `layer_out` (a Llama layer's dense part in two calls: `engine.fused`).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kernels.native.build`, shared with the attention kernel: same flags, same cache
@@ -68,6 +69,12 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_f32.restype = lib.gemv_q.restype = None
     lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i, i]
     lib.gemv_qi8.restype = ctypes.c_int
+    if lib.layer_struct_size() != ctypes.sizeof(Layer):
+        _state["error"] = "gemv.c's layer_t and kernels/gemv.py's Layer disagree (rebuild)"
+        return None
+    lib.layer_qkv.argtypes = [p, p, i, p, p, p, p, i]
+    lib.layer_out.argtypes = [p, p, p, i, p, i]
+    lib.layer_qkv.restype = lib.layer_out.restype = ctypes.c_int
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -173,3 +180,62 @@ def quantize_blocks(x: torch.Tensor, digits: int = 2) -> tuple[torch.Tensor, tor
         return q1.to(torch.int32), d
     q2 = torch.round((s - q1) * 256).clamp(-128, 127)
     return (q1 * 256 + q2).to(torch.int32), d / 256
+
+
+# ---- one decoder layer's dense part (gemv.c's layer_qkv and layer_out) ----------------------
+
+
+class Lin(ctypes.Structure):
+    """gemv.c's lin_t: one linear layer as the layer calls multiply it."""
+
+    _fields_ = [("kind", ctypes.c_int), ("fmt", ctypes.c_int), ("w", ctypes.c_void_p),
+                ("h", ctypes.c_void_p), ("out", ctypes.c_long), ("in_", ctypes.c_long)]  # fmt: skip
+
+
+class Layer(ctypes.Structure):
+    """gemv.c's layer_t: a Llama layer's sizes, norm weights, RoPE tables and linear layers
+    (pointers into tensors the caller keeps alive as long as this)."""
+
+    _fields_ = [("hidden", ctypes.c_long), ("ffn", ctypes.c_long), ("context", ctypes.c_long),
+                ("hq", ctypes.c_int),
+                ("hkv", ctypes.c_int), ("d", ctypes.c_int), ("eps", ctypes.c_float),
+                ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin_signed", ctypes.c_void_p),
+                ("qkv", Lin), ("wo", Lin), ("gu", Lin), ("down", Lin)]  # fmt: skip
+
+
+# lin_t kinds: how gemv.c multiplies a linear layer (the entry point its registry entry calls)
+KIND_FLOAT, KIND_PACKED, KIND_PACKED_I8 = 0, 1, 2
+
+
+def lin(kind: int, w: torch.Tensor, out: int, in_: int, qtype: str = "", head=None) -> Lin:
+    """A lin_t over `w` (float32 [out, in], or uint8 blocks [out, in / 32, bytes]; `head`: the
+    kind-2 headers of `headers`)."""
+    h = head.data_ptr() if head is not None and head.numel() else None
+    return Lin(kind, FORMAT_CODE.get(qtype, 0), w.data_ptr(), h, out, in_)
+
+
+def layer_qkv(layer: Layer, x: torch.Tensor, positions: torch.Tensor):
+    """Norm, QKV projection and RoPE of `x` float32 [N, hidden] at `positions` int64 [N]:
+    (q [N, hq, d], k [N, hkv, d], v [N, hkv, d]), or None when gemv.c refused (sizes, rows)."""
+    n = x.shape[0]
+    q = torch.empty((n, layer.hq, layer.d), dtype=torch.float32)
+    k = torch.empty((n, layer.hkv, layer.d), dtype=torch.float32)
+    v = torch.empty((n, layer.hkv, layer.d), dtype=torch.float32)
+    rc = _state["lib"].layer_qkv(  # type: ignore[attr-defined]
+        ctypes.byref(layer), x.data_ptr(), n, positions.data_ptr(), q.data_ptr(), k.data_ptr(),
+        v.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else (q, k, v)
+
+
+def layer_out(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor | None:
+    """The rest of the layer: x + wo(attn), then + down(silu(gate) * up) of its norm; x float32
+    [N, hidden], attn float32 [N, hq d] contiguous. None when gemv.c refused."""
+    n = x.shape[0]
+    out = torch.empty_like(x)
+    rc = _state["lib"].layer_out(  # type: ignore[attr-defined]
+        ctypes.byref(layer), x.data_ptr(), attn.data_ptr(), n, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else out

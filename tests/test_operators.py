@@ -257,7 +257,41 @@ def _example(op: str):
         cfg = ModelConfig("t", "llama", 10, 64, 128, 1, 2, 2, 32, 1e-6, 1e4, 64)
         return (RotaryTable(cfg, torch.device("cpu"), torch.float32),
                 torch.randn(5, 2, 32), torch.arange(5)), 1e-6  # fmt: skip
+    if op in ("layer.qkv", "layer.out"):
+        m = _tiny_llama()
+        if op == "layer.qkv":
+            return (m, 1, x[:3], torch.tensor([0, 7, 63])), 1e-5
+        return (m, 1, x[:3], torch.randn(3, 4, 32)), 1e-5
     return None, 0.0
+
+
+def _tiny_llama(qtype: str | None = None):
+    """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256),
+    its linear layers in `qtype` GGUF blocks or float32."""
+    from unikv.engine.config import ModelConfig
+    from unikv.engine.model import LlamaModel
+
+    cfg = ModelConfig("t", "llama", 64, 128, 256, 2, 4, 2, 32, 1e-6, 1e4, 64)
+    shapes = {"attn_q": (128, 128), "attn_k": (64, 128), "attn_v": (64, 128),
+              "attn_output": (128, 128), "ffn_gate": (256, 128), "ffn_up": (256, 128),
+              "ffn_down": (128, 256)}  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    t = {"token_embd.weight": torch.randn(64, 128, generator=g) * 0.1,
+         "output_norm.weight": torch.rand(128, generator=g) + 0.5}  # fmt: skip
+    for i in range(2):
+        t[f"blk.{i}.attn_norm.weight"] = torch.rand(128, generator=g) + 0.5
+        t[f"blk.{i}.ffn_norm.weight"] = torch.rand(128, generator=g) + 0.5
+        for name, shape in shapes.items():
+            w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+            t[f"blk.{i}.{name}.weight"] = w if qtype is None else _quantized(w, qtype)
+    return LlamaModel(cfg, t)
+
+
+def _quantized(w: torch.Tensor, fmt: str) -> QuantizedTensor:
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
+    return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(w.shape[0], -1, FORMATS[fmt]))
 
 
 CASES = [(op, impl) for op in operators.ops() for impl in operators.implementations(op)]
@@ -276,8 +310,32 @@ def test_every_implementation_agrees_with_the_reference(op, impl):
     args, rtol = _example(op)
     assert args is not None, f"op {op} has no example in this contract test: add one"
     got, want = impl(*args), operators.reference(op)(*args)
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert err <= rtol, f"{op}:{impl.name} differs from the reference by {err:.2e}"
+    pairs = zip(got, want, strict=True) if isinstance(got, tuple) else [(got, want)]
+    for a, b in pairs:  # an op may return several tensors (layer.qkv: q, k, v)
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err <= rtol, f"{op}:{impl.name} differs from the reference by {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("op", ["layer.qkv", "layer.out"])
+def test_the_native_layer_agrees_with_its_ops_on_packed_weights(op, qtype, isa):
+    """The layer calls multiply packed blocks by the matmul entry each layer chose (gemv_i8
+    here where VNNI or AVX2 is: it takes every batch; rows 1 to 16)."""
+    from unikv.engine import fused
+
+    m = _tiny_llama(qtype)
+    assert m.layers[1][1].fmt == qtype
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, 128)
+        assert fused._usable(m, 1, x) is not None  # the native call runs, not the ops path
+        if op == "layer.qkv":
+            args = (m, 1, x, torch.randint(0, 64, (rows,)))
+            got, want = fused.qkv_native(*args), fused.qkv_ops(*args)
+        else:
+            args = (m, 0, x, torch.randn(rows, 4, 32))
+            got, want = (fused.out_native(*args),), (fused.out_ops(*args),)
+        for a, b in zip(got, want, strict=True):
+            assert ((a - b).norm() / b.norm()).item() < 2e-5, (op, qtype, rows)
 
 
 @pytest.mark.cuda

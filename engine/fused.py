@@ -1,0 +1,153 @@
+"""A Llama layer's dense part as two native calls around the KV seam (issue 34).
+
+What lives here: the registry entries of `layer.qkv` (norm, QKV projection, RoPE: x -> q, k, v)
+and `layer.out` (output projection, residual, norm, SwiGLU MLP, residual: x, attn -> x), each
+with two implementations: `native` (CPU: one call into `kernels/gemv.c` per op, `layer_qkv`
+and `layer_out`) and `ops` (the reference: the same computation as torch ops, each matmul,
+norm and rope through its own registry entry). What does not: the forward pass that calls them
+(`engine.model`), the matmul kernels (`kernels.gemv`).
+
+Why: at a few rows a decode step's time is mostly the fixed cost of each op (Python, torch's
+dispatch, a breaker, an OpenMP fork per matmul), about a dozen per layer; the native entry
+makes two calls per layer, and the strategy's `append` and `attend` stay the plug point between
+them.
+
+The native entry multiplies each linear layer with the kernel its own matmul entry has chosen
+(`gemv` on float32 weights or packed blocks, `gemv_i8` on packed blocks), so it computes the
+same products. A layer whose matmul entries chose anything else (PyTorch's int4 or bmm, after
+a fallback, or on a machine without the kernel), a bf16 model, or more rows than a kernel takes
+(`gemv` takes at most `gemv.MAX_ROWS`; `gemv_i8` any number) goes through the ops path inside
+the same call, so the caller never sees the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from unikv.kernels import gemv
+from unikv.kernels.operators import FnImplementation, register
+
+from .linear import NATIVE_FORMATS, Linear
+
+
+def qkv_ops(model, li: int, x: torch.Tensor, positions: torch.Tensor):
+    """Norm, QKV projection, RoPE of x [N, hidden] as torch ops: q [N, Hq, D], k, v [N, Hkv, D]."""
+    cfg = model.cfg
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    n = x.shape[0]
+    attn_norm, wqkv = model.layers[li][:2]
+    h = model._rms(x, attn_norm, cfg.rms_norm_eps)
+    # [N, (Hq + 2 Hkv) D] -> [N, Hq + 2 Hkv, D] -> q and k [N, Hq + Hkv, D], v [N, Hkv, D]
+    qk, v = wqkv(h).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
+    # NOTE: q and k rotated by one call
+    q, k = model._rope(model.rope, qk, positions).split([hq, hkv], dim=1)
+    if n > 1:  # one row's head slices are contiguous already
+        q, k = q.contiguous(), k.contiguous()
+    return q, k, v
+
+
+def out_ops(model, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """x + wo(attn), then its norm through the SwiGLU MLP added back, as torch ops."""
+    cfg = model.cfg
+    _, _, wo, ffn_norm, wgu, wdown = model.layers[li]
+    x = x + wo(attn.reshape(x.shape[0], -1))
+    h = model._rms(x, ffn_norm, cfg.rms_norm_eps)
+    gate, up = wgu(h).chunk(2, dim=-1)
+    return x + wdown(F.silu(gate) * up)
+
+
+def _kind(lin: Linear) -> tuple[int, int] | None:
+    """(gemv.c's lin_t kind for this layer's chosen matmul entry, the most rows it takes), or
+    None when that entry is not one gemv.c's layer calls can stand in for."""
+    name = lin.op.active.name
+    if lin.fmt == "float" and name == "gemv" and lin.weight.weight.dtype == torch.float32:
+        return gemv.KIND_FLOAT, gemv.MAX_ROWS
+    if lin.fmt in NATIVE_FORMATS and name == "gemv_i8":
+        return gemv.KIND_PACKED_I8, 1 << 30
+    if lin.fmt in NATIVE_FORMATS and name == "gemv":
+        return gemv.KIND_PACKED, gemv.MAX_ROWS
+    return None
+
+
+def _lin(lin: Linear, kind: int) -> gemv.Lin:
+    w = lin.weight
+    if kind == gemv.KIND_FLOAT:
+        return gemv.lin(kind, w.weight, w.out_features, w.in_features)
+    from .linear import _blocks, _i8_form
+
+    blocks = w.form("blocks", _blocks)
+    head = w.form("i8", _i8_form)[0] if kind == gemv.KIND_PACKED_I8 else None
+    return gemv.lin(kind, blocks, w.out_features, w.in_features, w.q.qtype, head)
+
+
+class _Described:
+    """One layer's gemv.Layer, built for the matmul entries its linear layers had chosen."""
+
+    __slots__ = ("chosen", "layer", "max_rows")
+
+    def __init__(self, model, li: int, chosen: tuple) -> None:
+        cfg = model.cfg
+        attn_norm, wqkv, wo, ffn_norm, wgu, wdown = model.layers[li]
+        kinds = [_kind(lin) for lin in (wqkv, wo, wgu, wdown)]
+        self.chosen, self.layer, self.max_rows = chosen, None, 0
+        if any(k is None for k in kinds):
+            return
+        lins = [_lin(lin, k[0]) for lin, k in zip((wqkv, wo, wgu, wdown), kinds, strict=True)]
+        self.max_rows = min(k[1] for k in kinds)
+        rope = model.rope
+        self.layer = gemv.Layer(
+            cfg.hidden_size, wdown.weight.in_features, rope.cos.shape[0], cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim, cfg.rms_norm_eps, attn_norm.data_ptr(), ffn_norm.data_ptr(),
+            rope.cos.data_ptr(), rope._sin_signed.data_ptr(), *lins,
+        )  # fmt: skip
+
+
+def _described(model, li: int) -> _Described:
+    """Layer li's description, rebuilt when one of its matmul entries changed (a fallback)."""
+    layers = model.layers[li]
+    chosen = tuple(layers[j].op.active.name for j in (1, 2, 4, 5))
+    cache = model.__dict__.setdefault("_native_layers", {})
+    got = cache.get(li)
+    if got is None or got.chosen != chosen:
+        got = cache[li] = _Described(model, li, chosen)
+    return got
+
+
+def _usable(model, li: int, x: torch.Tensor) -> gemv.Layer | None:
+    if x.dtype != torch.float32 or model.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    got = _described(model, li)
+    return got.layer if got.layer is not None and x.shape[0] <= got.max_rows else None
+
+
+def qkv_native(model, li: int, x: torch.Tensor, positions: torch.Tensor):
+    layer = _usable(model, li, x) if positions.dtype == torch.int64 else None
+    got = None if layer is None else gemv.layer_qkv(layer, x.contiguous(), positions.contiguous())
+    return qkv_ops(model, li, x, positions) if got is None else got
+
+
+def out_native(model, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    layer = _usable(model, li, x)
+    got = None
+    if layer is not None:
+        got = gemv.layer_out(layer, x.contiguous(), attn.reshape(x.shape[0], -1).contiguous())
+    return out_ops(model, li, x, attn) if got is None else got
+
+
+def _available(device: torch.device, owner: object) -> str | None:
+    if device.type != "cpu":
+        return "a CPU kernel"
+    if getattr(owner, "dtype", torch.float32) != torch.float32:
+        return "float32 models only"
+    return gemv.unavailable()
+
+
+def _register() -> None:
+    for op, native, ops in (("layer.qkv", qkv_native, qkv_ops), ("layer.out", out_native, out_ops)):
+        register(FnImplementation(op, "native", native, ("cpu",), _available), 5)
+        register(FnImplementation(op, "ops", ops, ("*",)), 90, reference=True)
+
+
+_register()

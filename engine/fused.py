@@ -16,8 +16,8 @@ The native entry multiplies each linear layer with the kernel its own matmul ent
 (`gemv` on float32 weights or packed blocks, `gemv_i8` on packed blocks), so it computes the
 same products. A layer whose matmul entries chose anything else (PyTorch's int4 or bmm, after
 a fallback, or on a machine without the kernel), a bf16 model, or more rows than a kernel takes
-(`gemv` takes at most `gemv.MAX_ROWS`; `gemv_i8` any number) goes through the ops path inside
-the same call, so the caller never sees the difference.
+(`gemv` takes at most `gemv.MAX_ROWS`; `gemv_i8` and the K-quants' `gemv` any number) goes
+through the ops path inside the same call, so the caller never sees the difference.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from unikv.kernels import gemv
 from unikv.kernels.operators import FnImplementation, register
 
 from .linear import NATIVE_FORMATS, Linear
+from .quantized import K_FORMATS
 
 
 def qkv_ops(model, li: int, x: torch.Tensor, positions: torch.Tensor):
@@ -63,6 +64,8 @@ def _kind(lin: Linear) -> tuple[int, int] | None:
     name = lin.op.active.name
     if lin.fmt == "float" and name == "gemv" and lin.weight.weight.dtype == torch.float32:
         return gemv.KIND_FLOAT, gemv.MAX_ROWS
+    if lin.fmt in K_FORMATS and name == "gemv":
+        return gemv.KIND_K, 1 << 30
     if lin.fmt in NATIVE_FORMATS and name == "gemv_i8":
         return gemv.KIND_PACKED_I8, 1 << 30
     if lin.fmt in NATIVE_FORMATS and name == "gemv":

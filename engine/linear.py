@@ -21,6 +21,8 @@ Ops and their entries, in preference order (the last is the reference, available
   int8 kernel, requantized per row), dequant.
 - matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0; larger batches: int4), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
+- matmul.q4_k, matmul.q6_k: gemv (CPU: `gemv.c`'s K-quant kernel, every batch, float32
+  activations, the super-blocks decoded per call), dequant.
 - rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
 NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed weights) are fast
@@ -43,10 +45,11 @@ import torch.nn.functional as F
 from unikv.kernels import gemv
 from unikv.kernels.operators import Breaker, FnImplementation, OperatorSet, choose, register
 
-from .quantized import QuantizedTensor, dequantize, int4_groups, int8_rows
+from .quantized import K_FORMATS, QuantizedTensor, dequantize, int4_groups, int8_rows
 
 log = logging.getLogger(__name__)
-NATIVE_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # 32-element blocks: int8 and int4 entries too
+NATIVE_FORMATS = (*BLOCK_FORMATS, *K_FORMATS)
 
 
 class SplitLinear:
@@ -294,6 +297,14 @@ def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
     return fn
 
 
+def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Q4_K / Q6_K: every batch by gemv.c's K-quant kernel (float32 activations)."""
+    if x.shape[0] == 0:
+        return _mm_dequant(x, w)
+    y = gemv.gemv_kquant(x.float(), w.form("blocks", _blocks), w.q.qtype)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _gemv_i8_available(device: torch.device, owner: object) -> str | None:
     return "a CPU kernel" if device.type != "cpu" else gemv.i8_unavailable()
 
@@ -355,7 +366,11 @@ def _register() -> None:
     register(FnImplementation("matmul.bf16", "mm", _mm_slices, ("*",)), 90, reference=True)
     int4 = _aten("_weight_int4pack_mm_for_cpu")
     has_int4 = int4(torch.device("cpu"), None) is None
-    for fmt in NATIVE_FORMATS:
+    for fmt in K_FORMATS:
+        op = f"matmul.{fmt.lower()}"
+        register(_Packed(op, "gemv", _gemv_k, "blocks", _blocks, _gemv_available), 5)
+        register(FnImplementation(op, "dequant", _mm_dequant, ("*",)), 90, reference=True)
+    for fmt in BLOCK_FORMATS:
         op = f"matmul.{fmt.lower()}"
         # gemv's batches above MAX_ROWS go to the int4 kernel (its form is prepared with it)
         large, form = (

@@ -12,6 +12,14 @@ Formats (ggml's `ggml-common.h`; one block is 32 consecutive elements of a row):
 - Q4_0: fp16 d, 16 bytes of nibbles (element j in the low nibble of byte j, j + 16 in its high
   nibble); w = d * (q - 8).
 - Q4_1: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; w = d * q + m.
+and two K-quants, whose super-blocks hold 256 elements in 8 (Q4_K) or 16 (Q6_K) sub-blocks
+with their own scales (`kernels/gemv.c` decodes them; here `gguf.quants` does, for the
+reference path):
+- Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes
+  of nibbles; w = d * scale * q - dmin * min.
+- Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-block
+  scales, fp16 d; w = d * scale * (q - 32).
+The int4 and int8 forms exist for the 32-element formats only.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ import torch
 
 BLOCK = 32
 # name -> bytes per block
-FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+K_FORMATS = ("Q4_K", "Q6_K")  # 256-element super-blocks
+ELEMENTS = {name: 256 if name in K_FORMATS else BLOCK for name in FORMATS}  # per block
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedTensor:
-    """A [rows, cols] weight stored as GGUF blocks: `blocks` is uint8 [rows, cols / 32, bytes]."""
+    """A [rows, cols] weight stored as GGUF blocks: `blocks` is uint8 [rows, cols / 32, bytes]
+    (cols / 256 for the K-quants)."""
 
     qtype: str
     blocks: torch.Tensor
@@ -44,7 +55,7 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.blocks.shape[0], self.blocks.shape[1] * BLOCK)
+        return (self.blocks.shape[0], self.blocks.shape[1] * ELEMENTS[self.qtype])
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +73,8 @@ def _half(b: torch.Tensor, at: int) -> torch.Tensor:
 
 def codes(q: QuantizedTensor) -> torch.Tensor:
     """The element codes [R, K]: int8 for Q8_0, 0..15 (uint8) for Q4_0 / Q4_1."""
+    if q.qtype in K_FORMATS:
+        raise ValueError(f"{q.qtype}: codes are read by gemv.c's decoder, not here")
     b = q.blocks
     r, nb, _ = b.shape
     if q.qtype == "Q8_0":
@@ -71,14 +84,22 @@ def codes(q: QuantizedTensor) -> torch.Tensor:
 
 
 def scales(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(d [R, NB], m [R, NB] for Q4_1 else None), float32."""
+    """(d [R, NB], m [R, NB] for Q4_1 (Q4_K: its dmin) else None), float32: each block's fp16
+    fields."""
+    if q.qtype == "Q6_K":
+        return _half(q.blocks, 208)[..., 0], None
     d = _half(q.blocks, 0)[..., 0]
-    return d, (_half(q.blocks, 2)[..., 0] if q.qtype == "Q4_1" else None)
+    return d, (_half(q.blocks, 2)[..., 0] if q.qtype in ("Q4_1", "Q4_K") else None)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """The float32 weight [R, K], as ggml decodes it."""
     r, k = q.shape
+    if q.qtype in K_FORMATS:
+        from gguf import GGMLQuantizationType, quants
+
+        raw = q.blocks.reshape(r, -1).numpy()
+        return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[q.qtype]).copy())
     c = codes(q).float().view(r, -1, BLOCK)  # [R, NB, 32]
     d, m = scales(q)
     if q.qtype == "Q8_0":

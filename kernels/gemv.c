@@ -866,6 +866,96 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
     return 0;
 }
 
+/* ---- K-quants: Q4_K and Q6_K super-blocks (256 elements), float32 activations ---------------
+ *
+ * ggml-common.h's layouts, decoded as ggml's dequantize_row_q4_K / _q6_K do:
+ *   Q4_K (144 bytes): fp16 d, fp16 dmin, scales[12] (8 sub-blocks of 32: 6-bit scale and min
+ *        each), qs[128] (sub-block pairs share 32 bytes: the first's low nibbles, the second's
+ *        high ones); w = d sc q - dmin m.
+ *   Q6_K (210 bytes): ql[128] (low nibbles), qh[64] (high 2 bits), int8 scales[16] (16
+ *        sub-blocks of 16), fp16 d; w = d sc (q - 32).
+ * Each thread takes a range of weight rows; per row and super-block the 256 weights are decoded
+ * once into float32 (plain loops the compiler vectorizes for the target) and dotted with every
+ * activation row, so any number of rows costs one pass over the weights. The packed bytes are
+ * what streams (4.5 and 6.56 bits per weight), prefetched ahead as the int8 kernels do.
+ */
+enum { Q4_K = 3, Q6_K = 4 };
+
+INLINE long k_block_bytes(const int fmt) { return fmt == Q4_K ? 144 : 210; }
+
+static void decode_q4_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t *sc = b + 4, *q = b + 16;
+    for (int j = 0; j < 8; j += 2) { /* sub-blocks j and j + 1 share 32 bytes of nibbles */
+        float dd[2], mm[2];
+        for (int u = 0; u < 2; u++) {
+            const int i = j + u;
+            const int s = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0xF) | ((sc[i - 4] >> 6) << 4);
+            const int m = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+            dd[u] = d * (float)s, mm[u] = dmin * (float)m;
+        }
+        const uint8_t *qj = q + j / 2 * 32;
+        for (int l = 0; l < 32; l++) {
+            y[j * 32 + l] = dd[0] * (float)(qj[l] & 0xF) - mm[0];
+            y[j * 32 + 32 + l] = dd[1] * (float)(qj[l] >> 4) - mm[1];
+        }
+    }
+}
+
+static void decode_q6_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half(b + 208);
+    for (int h = 0; h < 2; h++, y += 128, ql += 64, qh += 32, sc += 8)
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * (float)sc[is] * (float)q1;
+            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        }
+}
+
+/* The dot of 256 decoded weights with 256 activations (16 lanes, then pairwise). */
+INLINE float dot256(const float *restrict a, const float *restrict b) {
+    float s[16] = {0};
+    for (int k = 0; k < 256; k += 16)
+        for (int u = 0; u < 16; u++) s[u] += a[k + u] * b[k + u];
+    for (int u = 8; u >= 1; u /= 2)
+        for (int v = 0; v < u; v++) s[v] += s[v + u];
+    return s[0];
+}
+
+static void k_range(const int fmt, const float *x, int n, const uint8_t *w, long nb, float *y,
+                    long out, long lo, long hi) {
+    const long bs = k_block_bytes(fmt), row = nb * bs, in = nb * 256;
+    float tmp[256] __attribute__((aligned(64)));
+    for (long r = lo; r < hi; r++) {
+        prefetch_ahead(w, r, row, hi);
+        for (int j = 0; j < n; j++) y[j * out + r] = 0.0f;
+        for (long b = 0; b < nb; b++) {
+            if (fmt == Q4_K)
+                decode_q4_k(w + r * row + b * bs, tmp);
+            else
+                decode_q6_k(w + r * row + b * bs, tmp);
+            for (int j = 0; j < n; j++) y[j * out + r] += dot256(tmp, x + j * in + b * 256);
+        }
+    }
+}
+
+/* y [n, out] = x [n, nb * 256] @ W^T, W given as Q4_K or Q6_K super-blocks [out, nb, bytes];
+ * any n >= 1. Returns 0, or -1 for another format. */
+int gemv_k(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
+           int threads) {
+    if (n < 1 || (fmt != Q4_K && fmt != Q6_K)) return -1;
+    SPLIT(k_range(fmt, x, n, w, nb, y, out, lo, hi));
+    return 0;
+}
+
 /* ---- one decoder layer's dense part: two calls around the KV seam --------------------------
  *
  * engine/fused.py calls these instead of about a dozen torch ops per layer and step (the two
@@ -879,8 +969,9 @@ int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h
  */
 typedef struct {
     int kind; /* 0: float32 [out, in] (gemv_f32); 1: packed blocks, float32 activations
-                 (gemv_q); 2: packed blocks, int8x2 activations (gemv_qi8) */
-    int fmt; /* Q8_0 / Q4_0 / Q4_1 (kinds 1 and 2) */
+                 (gemv_q); 2: packed blocks, int8x2 activations (gemv_qi8); 3: K-quant
+                 super-blocks (gemv_k) */
+    int fmt; /* Q8_0 / Q4_0 / Q4_1 (kinds 1 and 2), Q4_K / Q6_K (kind 3) */
     const void *w; /* the weight, or its blocks */
     const uint16_t *h; /* kind 2: the block headers of gemv.headers() */
     long out, in; /* in: elements of a row (a multiple of 32 when packed) */
@@ -904,6 +995,8 @@ static int lin_apply(const lin_t *l, const float *x, int n, float *y, int thread
         gemv_f32(x, n, (const float *)l->w, l->out, l->in, y, threads);
         return 0;
     }
+    if (l->kind == 3)
+        return l->in % 256 ? -1 : gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
     if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS) return -1;
     if (l->kind == 1) {
         if (n > GEMV_MAX_ROWS) return -1;

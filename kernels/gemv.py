@@ -3,7 +3,8 @@
 What lives here: `unavailable()` (why this machine cannot run the kernel, or None), `MAX_ROWS`
 (the most activation rows one call takes: decode; larger batches keep PyTorch's matrix
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
-GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `i8_unavailable()`, `headers` and
+GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `gemv_kquant` (Q4_K / Q6_K super-blocks,
+float32 activations, any number of rows), `i8_unavailable()`, `headers` and
 `gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
 two int8 codes, multiplied in integers: VNNI where the CPU has it, int16 products on AVX2 and in
 portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_blocks` (that
@@ -31,7 +32,7 @@ SOURCE = Path(resources.files(__package__) / "gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
 I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel's chunk of rows (checked too)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
-FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gemv.c's enum
+FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # gemv.c's enums
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
@@ -69,6 +70,8 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_f32.restype = lib.gemv_q.restype = None
     lib.gemv_qi8.argtypes = [i, p, i, p, p, lng, lng, p, i, i]
     lib.gemv_qi8.restype = ctypes.c_int
+    lib.gemv_k.argtypes = [i, p, i, p, lng, lng, p, i]
+    lib.gemv_k.restype = ctypes.c_int
     if lib.layer_struct_size() != ctypes.sizeof(Layer):
         _state["error"] = "gemv.c's layer_t and kernels/gemv.py's Layer disagree (rebuild)"
         return None
@@ -125,6 +128,21 @@ def gemv_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
         FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), blocks.shape[0],
         blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    return y
+
+
+def gemv_kquant(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x: float32 [N, in] (any N), blocks: a contiguous uint8 [out, in / 256, bytes] of Q4_K or
+    Q6_K super-blocks -> [N, out] (each super-block decoded once per call, in registers and L1)."""
+    n = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
+    rc = _state["lib"].gemv_k(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), blocks.shape[0],
+        blocks.shape[1], y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"gemv_k: {qtype} is not a K-quant it reads")
     return y
 
 
@@ -205,7 +223,7 @@ class Layer(ctypes.Structure):
 
 
 # lin_t kinds: how gemv.c multiplies a linear layer (the entry point its registry entry calls)
-KIND_FLOAT, KIND_PACKED, KIND_PACKED_I8 = 0, 1, 2
+KIND_FLOAT, KIND_PACKED, KIND_PACKED_I8, KIND_K = 0, 1, 2, 3
 
 
 def lin(kind: int, w: torch.Tensor, out: int, in_: int, qtype: str = "", head=None) -> Lin:

@@ -246,15 +246,26 @@ def test_k_and_iq_tensors_load_exactly_as_gguf_decodes_them(tmp_path, qtype):
         assert np.array_equal(tensors[name].numpy(), ref), name
     assert tensors.dequantized == []  # asked for float32: nothing to report
     _, native, _ = load_gguf(path, progress=False, weights="native")
+    if qtype in ("Q4_K", "Q6_K"):  # kept packed: gemv.c reads their super-blocks
+        from unikv.engine.quantized import QuantizedTensor, dequantize
+
+        assert native.dequantized == []
+        packed = [n for n in expected if isinstance(native[n], QuantizedTensor)]
+        assert packed and all(native[n].qtype == qtype for n in packed)
+        for n in expected:
+            got = native[n]
+            dense = dequantize(got) if n in packed else got
+            assert torch.equal(dense, tensors[n]), n
+        return
     assert native.dequantized == [qtype]
     assert all(torch.equal(native[n], tensors[n]) for n in expected)
 
 
-def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
+def test_a_k_quant_without_a_kernel_runs_dequantized_and_the_report_says_so(tmp_path):
     from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
-    path = tmp_path / "q6k.gguf"
-    tinygguf.write(path, "Q6_K", hidden=tinygguf.SUPER_HIDDEN, ffn=tinygguf.SUPER_FFN)
+    path = tmp_path / "q5k.gguf"
+    tinygguf.write(path, "Q5_K", hidden=tinygguf.SUPER_HIDDEN, ffn=tinygguf.SUPER_FFN)
     logits = {}
     for weights in ("native", "float32"):
         model, _ = load_model(str(path), progress=False, weights=weights)
@@ -262,10 +273,41 @@ def test_k_quant_model_runs_and_its_memory_report_says_dequantized(tmp_path):
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
         logits[weights] = model.forward(torch.arange(8), torch.arange(8), kv, StepBatch([0], [8]))
         report = model.memory_report()
-        assert report.dequantized == (("Q6_K",) if weights == "native" else ())
+        assert report.dequantized == (("Q5_K",) if weights == "native" else ())
     assert logits["native"].shape == (8, tinygguf.VOCAB)
     assert torch.isfinite(logits["native"]).all()
     assert torch.equal(logits["native"], logits["float32"])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_k_quant_model_runs_on_its_super_blocks(tmp_path, qtype):
+    """Q4_K and Q6_K weights stay packed (the file's bytes, named in the memory report) and
+    multiply by gemv.c's K-quant kernel, in prefill and decode (through the layer calls): the
+    logits equal the float32 model's up to float32 summation order."""
+    from unikv.kernels import gemv
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
+
+    if gemv.unavailable() is not None:
+        pytest.skip(gemv.unavailable())
+    path = tmp_path / f"{qtype}.gguf"
+    tinygguf.write(path, qtype, hidden=tinygguf.SUPER_HIDDEN, ffn=tinygguf.SUPER_FFN)
+    logits = {}
+    for weights in ("native", "float32"):
+        model, _ = load_model(str(path), progress=False, weights=weights)
+        cfg = model.cfg
+        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        out = [model.forward(torch.arange(8), torch.arange(8), kv, StepBatch([0], [8]))]
+        for i in range(8, 11):  # decode: one row per step
+            out.append(model.forward(torch.tensor([i]), torch.tensor([i]), kv, StepBatch([0], [1])))
+        logits[weights] = torch.cat(out)
+        if weights == "native":
+            report = model.memory_report()
+            assert qtype in report.weights and report.dequantized == ()
+            kernels = model.operators.report()
+            assert kernels[f"matmul.{qtype.lower()}"]["active"] == "gemv"
+            assert kernels["layer.qkv"]["active"] == "native"
+    err = ((logits["native"] - logits["float32"]).norm() / logits["float32"].norm()).item()
+    assert err < 1e-5, err
 
 
 def test_the_run_report_names_the_types_dequantized_at_load():

@@ -236,6 +236,14 @@ def _packed(fmt: str, rows: int = 64, cols: int = 128) -> QuantizedTensor:
     return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(rows, -1, FORMATS[fmt]))
 
 
+def _k_packed(fmt: str, rows: int = 64, cols: int = 512) -> QuantizedTensor:
+    """Random Q4_K / Q6_K super-blocks (gguf cannot quantize K-quants) with sane scales."""
+    from . import tinygguf
+
+    raw = tinygguf.synthetic_blocks((rows, cols), fmt, np.random.default_rng(0))
+    return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(rows, -1, FORMATS[fmt]))
+
+
 def _example(op: str):
     """(args, relative tolerance) for one call of `op`."""
     torch.manual_seed(0)
@@ -244,6 +252,9 @@ def _example(op: str):
         return (x, linear.SplitLinear(torch.randn(64, 128), 4)), 1e-5
     if op == "matmul.bf16":
         return (x, linear.SplitLinear(torch.randn(64, 128).bfloat16(), 4)), 1e-2
+    if op in ("matmul.q4_k", "matmul.q6_k"):  # super-blocks of 256: rows of 512
+        fmt = op.removeprefix("matmul.").upper()
+        return (torch.randn(5, 512), linear.PackedWeight(_k_packed(fmt), torch.float32)), 1e-5
     if op.startswith("matmul.q"):
         fmt = op.removeprefix("matmul.").upper()
         # bf16 activations and scales in the native kernels; int8 requantizes rows (1.5%)
@@ -266,21 +277,23 @@ def _example(op: str):
 
 
 def _tiny_llama(qtype: str | None = None):
-    """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256),
-    its linear layers in `qtype` GGUF blocks or float32."""
+    """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256;
+    K-quants, whose rows hold 256-element super-blocks: hidden 256, 8 heads, MLP 512), its
+    linear layers in `qtype` GGUF blocks or float32."""
     from unikv.engine.config import ModelConfig
     from unikv.engine.model import LlamaModel
 
-    cfg = ModelConfig("t", "llama", 64, 128, 256, 2, 4, 2, 32, 1e-6, 1e4, 64)
-    shapes = {"attn_q": (128, 128), "attn_k": (64, 128), "attn_v": (64, 128),
-              "attn_output": (128, 128), "ffn_gate": (256, 128), "ffn_up": (256, 128),
-              "ffn_down": (128, 256)}  # fmt: skip
+    h = 256 if qtype in ("Q4_K", "Q6_K") else 128
+    cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, 64)
+    shapes = {"attn_q": (h, h), "attn_k": (h // 2, h), "attn_v": (h // 2, h),
+              "attn_output": (h, h), "ffn_gate": (2 * h, h), "ffn_up": (2 * h, h),
+              "ffn_down": (h, 2 * h)}  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    t = {"token_embd.weight": torch.randn(64, 128, generator=g) * 0.1,
-         "output_norm.weight": torch.rand(128, generator=g) + 0.5}  # fmt: skip
+    t = {"token_embd.weight": torch.randn(64, h, generator=g) * 0.1,
+         "output_norm.weight": torch.rand(h, generator=g) + 0.5}  # fmt: skip
     for i in range(2):
-        t[f"blk.{i}.attn_norm.weight"] = torch.rand(128, generator=g) + 0.5
-        t[f"blk.{i}.ffn_norm.weight"] = torch.rand(128, generator=g) + 0.5
+        t[f"blk.{i}.attn_norm.weight"] = torch.rand(h, generator=g) + 0.5
+        t[f"blk.{i}.ffn_norm.weight"] = torch.rand(h, generator=g) + 0.5
         for name, shape in shapes.items():
             w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
             t[f"blk.{i}.{name}.weight"] = w if qtype is None else _quantized(w, qtype)
@@ -290,6 +303,8 @@ def _tiny_llama(qtype: str | None = None):
 def _quantized(w: torch.Tensor, fmt: str) -> QuantizedTensor:
     from gguf import GGMLQuantizationType, quants
 
+    if fmt in ("Q4_K", "Q6_K"):  # gguf cannot quantize these: random super-blocks instead
+        return _k_packed(fmt, *w.shape)
     raw = quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
     return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(w.shape[0], -1, FORMATS[fmt]))
 
@@ -316,23 +331,45 @@ def test_every_implementation_agrees_with_the_reference(op, impl):
         assert err <= rtol, f"{op}:{impl.name} differs from the reference by {err:.2e}"
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_the_k_quant_kernel_equals_gguf_decoding_under_every_isa(fmt, isa):
+    """gemv.c's K-quant kernel against gguf's own decoding of the same super-blocks, times x: 1,
+    3 and 17 rows, odd row counts (one and two threads split them), two super-blocks a row."""
+    from unikv.engine.quantized import dequantize
+    from unikv.kernels import gemv
+
+    if gemv.unavailable() is not None:
+        pytest.skip(gemv.unavailable())
+    q = _k_packed(fmt, rows=77)
+    w = dequantize(q)
+    assert w.shape == (77, 512) and torch.isfinite(w).all()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 512)
+            got, want = gemv.gemv_kquant(x, q.blocks.contiguous(), fmt), x @ w.t()
+            assert ((got - want).norm() / want.norm()).item() < 1e-5, (threads, rows)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("op", ["layer.qkv", "layer.out"])
 def test_the_native_layer_agrees_with_its_ops_on_packed_weights(op, qtype, isa):
-    """The layer calls multiply packed blocks by the matmul entry each layer chose (gemv_i8
-    here where VNNI or AVX2 is: it takes every batch; rows 1 to 16)."""
+    """The layer calls multiply packed blocks by the matmul entry each layer chose (gemv_i8 for
+    the 32-element formats, gemv for the K-quants: both take every batch; rows 1 to 16)."""
     from unikv.engine import fused
 
     m = _tiny_llama(qtype)
     assert m.layers[1][1].fmt == qtype
+    h = m.cfg.hidden_size
     for rows in (1, 4, 16):
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, h)
         assert fused._usable(m, 1, x) is not None  # the native call runs, not the ops path
         if op == "layer.qkv":
             args = (m, 1, x, torch.randint(0, 64, (rows,)))
             got, want = fused.qkv_native(*args), fused.qkv_ops(*args)
         else:
-            args = (m, 0, x, torch.randn(rows, 4, 32))
+            args = (m, 0, x, torch.randn(rows, h // 32, 32))
             got, want = (fused.out_native(*args),), (fused.out_ops(*args),)
         for a, b in zip(got, want, strict=True):
             assert ((a - b).norm() / b.norm()).item() < 2e-5, (op, qtype, rows)
@@ -367,6 +404,7 @@ def _gemv_entry(op: str, name: str = "gemv"):
 # of 64 (the blocks: in is a multiple of 32 there), a single output row, one block per row.
 FLOAT_SHAPES = [(67, 100), (1, 16), (130, 577), (257, 1536), (96, 7)]
 PACKED_SHAPES = [(67, 96), (1, 32), (130, 32), (257, 576), (80, 1568)]
+K_SHAPES = [(67, 256), (1, 256), (130, 512), (257, 768)]  # K-quants: rows of whole super-blocks
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -381,13 +419,16 @@ def test_gemv_agrees_with_the_reference_at_decode_shapes(fmt, rows, threads, isa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for out, cols in FLOAT_SHAPES if fmt == "float" else PACKED_SHAPES:
+        k_quant = fmt in ("Q4_K", "Q6_K")
+        shapes = FLOAT_SHAPES if fmt == "float" else K_SHAPES if k_quant else PACKED_SHAPES
+        for out, cols in shapes:
             torch.manual_seed(out + cols)
             x = torch.randn(rows, cols)
             if fmt == "float":
                 w = linear.SplitLinear(torch.randn(out, cols), 4)
             else:
-                w = linear.PackedWeight(_packed(fmt, out, cols), torch.float32)
+                q = _k_packed(fmt, out, cols) if k_quant else _packed(fmt, out, cols)
+                w = linear.PackedWeight(q, torch.float32)
             got, want = impl(x, w), ref(x, w)
             assert got.shape == (rows, out)
             # float32 activations, the weights decoded exactly: only the sums' order differs
@@ -411,7 +452,7 @@ def _i8_reference(x: torch.Tensor, w, digits: int) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 37])  # groups of 4, a part group; 37: chunks
 @pytest.mark.parametrize("digits", [2, 1])
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
 def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows, threads, isa):
     """The VNNI kernel equals the product of the dequantized weight with the activations
     rounded to int8 codes per block (the same rounding, done in torch) up to float32 sums: the

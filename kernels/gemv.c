@@ -906,17 +906,18 @@ static void decode_q6_k(const uint8_t *restrict b, float *restrict y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half(b + 208);
+    /* per half of 128: four groups of 32 (low or high nibbles of ql's first or second 32 bytes,
+     * and 2 bits of qh each), two sub-blocks of 16 per group: simple loops that vectorize */
     for (int h = 0; h < 2; h++, y += 128, ql += 64, qh += 32, sc += 8)
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = (int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
-            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = d * (float)sc[is] * (float)q1;
-            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
-            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
-            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *lq = ql + (g & 1) * 32;
+            const int shift = (g >> 1) * 4, hshift = 2 * g;
+            const float s0 = d * (float)sc[2 * g], s1 = d * (float)sc[2 * g + 1];
+            float *yg = y + 32 * g;
+            for (int l = 0; l < 32; l++) {
+                const int q = (((lq[l] >> shift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+                yg[l] = (l < 16 ? s0 : s1) * (float)q;
+            }
         }
 }
 
@@ -948,7 +949,8 @@ static void k_range(const int fmt, const float *x, int n, const uint8_t *w, long
 }
 
 /* y [n, out] = x [n, nb * 256] @ W^T, W given as Q4_K or Q6_K super-blocks [out, nb, bytes];
- * any n >= 1. Returns 0, or -1 for another format. */
+ * any n >= 1. Returns 0, or -1 for another format. (Q4_K's mins folded into a per-sub-block sum
+ * of x instead of a decoded copy measured 4.8x slower: the compiler did not vectorize it.) */
 int gemv_k(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
            int threads) {
     if (n < 1 || (fmt != Q4_K && fmt != Q6_K)) return -1;

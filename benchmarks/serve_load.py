@@ -1,12 +1,14 @@
 """`unikv serve` against llama.cpp's `llama-server`, through the OpenAI API, in one run.
 
     python benchmarks/serve_load.py [--concurrency 1 8 32] [--new-tokens 64] [--text FILE]
-        [--grpc] [--skip-llamacpp]
+        [--weights native|float32] [--grpc] [--skip-llamacpp]
 
-Both servers run the same weights: the packaged SmolLM2 GGUF, which unikv dequantizes to fp32,
-and the same file converted to F32 with `llama-quantize` for llama-server (found or built by
-`benchmarks/llamacpp.py`). Each server gets 2 threads and is started once; the measurements
-alternate between them (never both loaded at once). N concurrent streaming clients send
+Both servers run the same weights from the same file: with `--weights native` (the default,
+unikv's own default) the packaged SmolLM2 GGUF (Q4_1 layers, a Q8_0 head) for both, unikv
+multiplying its blocks; with `--weights float32` that file converted to F32 with
+`llama-quantize` for both (llama.cpp found or built by `benchmarks/llamacpp.py`). Each server
+gets 2 threads and is started once; the measurements alternate between them (never both loaded
+at once). N concurrent streaming clients send
 prompts cut from the text at mixed lengths (32 to 256 tokens), `ignore_eos`, `max_tokens`
 fixed, so every request generates the same number of tokens.
 
@@ -247,7 +249,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def unikv_server(batch: int, window_ms: float | None, grpc_port: int | None = None) -> Proc:
+def unikv_server(
+    batch: int, window_ms: float | None, grpc_port: int | None = None, weights: str = "native"
+) -> Proc:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2", "UNIKV_SCHEDULER__BATCH_SIZE": str(batch)}
     if window_ms is not None:
@@ -263,7 +267,11 @@ def unikv_server(batch: int, window_ms: float | None, grpc_port: int | None = No
         "full",
         "--max-waiting",
         "256",
+        "--weights",
+        weights,
     ]
+    if weights == "float32":  # the F32 file llama-server reads: the same bytes, not a decoding
+        argv += ["--model", str(converted(resolve_model_path("smollm2"), "F32", find_or_build()))]
     if grpc_port is not None:
         argv += ["--grpc-port", str(grpc_port)]
     return Proc(f"unikv-w{window_ms}", argv, port, env)
@@ -304,6 +312,8 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--text", default=str(TEXT))
     ap.add_argument("--skip-llamacpp", action="store_true", help="unikv's figures only")
+    ap.add_argument("--weights", choices=("native", "float32"), default="native",
+                    help="the shipped GGUF for both servers, or its F32 conversion")  # fmt: skip
     ap.add_argument(
         "--grpc",
         action="store_true",
@@ -313,11 +323,12 @@ def main() -> None:
     text = Path(args.text).read_text(encoding="utf-8")
     top = max(args.concurrency or [32])
     grpc_port = free_port() if args.grpc else None
-    servers = {"unikv": unikv_server(top, None, grpc_port)}
+    servers = {"unikv": unikv_server(top, None, grpc_port, args.weights)}
     if not args.skip_llamacpp:
         bin_dir = find_or_build()
-        f32 = converted(resolve_model_path("smollm2"), "F32", bin_dir)
-        servers["llama-server"] = llama_server(bin_dir, f32, top, 512)
+        shipped = resolve_model_path("smollm2")
+        gguf = converted(shipped, "F32", bin_dir) if args.weights == "float32" else shipped
+        servers["llama-server"] = llama_server(bin_dir, gguf, top, 512)
     rows, extra = [], {}
     try:
         for s in servers.values():
@@ -354,7 +365,7 @@ def main() -> None:
             extra[f"urgent_{name}"] = loop.run_until_complete(urgent(s.url, ps, args.new_tokens))
         servers.pop("unikv").stop()
         for window in () if args.skip_window else (0.0, None):  # None: the profile's
-            s = unikv_server(top, window)
+            s = unikv_server(top, window, weights=args.weights)
             try:
                 s.wait_ready()
                 loop.run_until_complete(load(s.url, prompts(text, 4, seed=99), 2, 8))

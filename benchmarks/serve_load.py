@@ -277,7 +277,9 @@ def unikv_server(
     return Proc(f"unikv-w{window_ms}", argv, port, env)
 
 
-def llama_server(bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int) -> Proc:
+def llama_server(
+    bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int, extra: tuple[str, ...] = ()
+) -> Proc:
     port = free_port()
     argv = [
         str(bin_dir / "llama-server"),
@@ -294,8 +296,26 @@ def llama_server(bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int) -> Pr
         "--no-webui",
         "-fa",
         "on",
+        *extra,
     ]
     return Proc("llama-server", argv, port, dict(os.environ))
+
+
+def start_llama_server(bin_dir: Path, gguf: Path, slots: int, extra: dict) -> Proc:
+    """llama-server, ready; started again with `--no-repack` if it dies at start (0.3.36
+    segfaults here repacking the Q4_1 file's weights for AVX-512 while llama-bench runs them;
+    `extra["llama_server_flags"]` records what it ran with)."""
+    for flags in ((), ("--no-repack",)):
+        s = llama_server(bin_dir, gguf, slots, 512, flags)
+        try:
+            s.wait_ready()
+        except SystemExit as e:
+            s.stop()
+            print(f"{e}; trying again with --no-repack", file=sys.stderr)
+            continue
+        extra["llama_server_flags"] = " ".join(flags) or "(defaults)"
+        return s
+    raise SystemExit("llama-server does not start, with or without --no-repack")
 
 
 def main() -> None:
@@ -323,13 +343,14 @@ def main() -> None:
     text = Path(args.text).read_text(encoding="utf-8")
     top = max(args.concurrency or [32])
     grpc_port = free_port() if args.grpc else None
-    servers = {"unikv": unikv_server(top, None, grpc_port, args.weights)}
-    if not args.skip_llamacpp:
+    rows, extra = [], {}
+    servers = {}
+    if not args.skip_llamacpp:  # first: it may need a second start (start_llama_server)
         bin_dir = find_or_build()
         shipped = resolve_model_path("smollm2")
         gguf = converted(shipped, "F32", bin_dir) if args.weights == "float32" else shipped
-        servers["llama-server"] = llama_server(bin_dir, gguf, top, 512)
-    rows, extra = [], {}
+        servers["llama-server"] = start_llama_server(bin_dir, gguf, top, extra)
+    servers = {"unikv": unikv_server(top, None, grpc_port, args.weights), **servers}
     try:
         for s in servers.values():
             s.wait_ready()
@@ -408,7 +429,7 @@ def _print(rows: list[dict], extra: dict) -> None:
             print(f"unikv gRPC / HTTP at {c}: {r['tokens_per_s'] / http['tokens_per_s']:.2f}x "
                   f"tokens/s, TTFT p50 {r['ttft_p50'] / http['ttft_p50']:.2f}x")  # fmt: skip
     for k, v in extra.items():
-        print(k, {a: round(b, 4) for a, b in v.items()})
+        print(k, {a: round(b, 4) for a, b in v.items()} if isinstance(v, dict) else v)
     print(json.dumps({"benchmark": "serve_load", "rows": rows, **extra, "env": environment()}))
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from unikv.kernels import gemv
 from unikv.kernels.operators import FnImplementation, register
 
-from .linear import NATIVE_FORMATS, Linear
+from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
 from .quantized import K_FORMATS
 
 
@@ -77,8 +77,6 @@ def _lin(lin: Linear, kind: int) -> gemv.Lin:
     w = lin.weight
     if kind == gemv.KIND_FLOAT:
         return gemv.lin(kind, w.weight, w.out_features, w.in_features)
-    from .linear import _blocks, _i8_form
-
     blocks = w.form("blocks", _blocks)
     head = w.form("i8", _i8_form)[0] if kind == gemv.KIND_PACKED_I8 else None
     return gemv.lin(kind, blocks, w.out_features, w.in_features, w.q.qtype, head)

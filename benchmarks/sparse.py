@@ -13,7 +13,9 @@ attention (the strategy's `attend`, all layers) and, for `sparse`, the selection
 (scoring and top-k); the cases: `full`, `sparse` resident, and `sparse` over the tiered
 placement with the newest share of the context on the device tier and every older token on the
 host tier (each step reads the chosen blocks where they live), with the device tier's KV
-bytes. `--chart PNG` draws PPL change against the share of tokens attended.
+bytes; and for each packed `--formats` its whole cache against its sparse selection (the
+kernel over the chosen blocks' records). `--chart PNG` draws PPL change against the share of
+tokens attended.
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
@@ -25,6 +27,7 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import report  # noqa: E402
 from unikv import kvstrategies  # noqa: E402
+from unikv.engine.assembly import store_tiers  # noqa: E402
 from unikv.engine.evaluate import perplexity  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.passkey import passkey  # noqa: E402
@@ -121,7 +125,8 @@ class _Timed:
         kv.attend, kv.selection.reads = timed_attend, timed_reads
 
 
-def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int) -> list[dict]:
+def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
+                formats: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
     spec = model.kv_spec()
     context = min(context, model.cfg.context_length - steps * rounds - 1)  # room to decode
     ids = tok.encode(TEXTS[0].read_text(encoding="utf-8") * 4)[:context]
@@ -132,16 +137,40 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int)
     page = kvstrategies.get("hierarchical_offload").layout(spec, 64, {"dtype": None}).page_bytes
     tiers = (TierConfig("device", ((window + 512) // 64 + 4) * page),  # + a prefill chunk
              TierConfig("host", (context // 64 + 64) * page))  # fmt: skip
-    cases = {
-        "full": ("full", {}, None),
-        f"sparse@{share:g}": ("dense+resident+sparse", budget, None),
+    cases = {  # label -> (strategy, options, pool config, the baseline's label)
+        "full": ("full", {}, None, "full"),
+        f"sparse@{share:g}": ("dense+resident+sparse", budget, None, "full"),
         f"sparse@{share:g} tiered": ("dense+tiered+sparse",
                                      {**budget, "device_window": window, "host_window": context},
-                                     PoolConfig(block_size=64, tiers=tiers)),
+                                     PoolConfig(block_size=64, tiers=tiers), "full"),
     }  # fmt: skip
+    # With an SSD tier: the newest share on the device, the next share on the host, every
+    # older block in the SSD tier; staging ahead all of its blocks, or the likely ones.
+    ssd = {
+        staging: PoolConfig(
+            block_size=64,
+            tiers=(
+                tiers[0],
+                TierConfig("host", (window // 64 + 8) * page),
+                TierConfig("ssd", (context // 64 + 64) * page, path=tempfile.mkdtemp("-ssd")),
+            ),
+        )
+        for staging in ("all", "likely")
+    }
+    for staging, config in ssd.items():
+        cases[f"sparse@{share:g} ssd, staged {staging}"] = (
+            "dense+tiered+sparse",
+            {**budget, "device_window": window, "host_window": window, "sparse_staging": staging},
+            config,
+            "full",
+        )
+    for fmt in formats:  # a packed format: its own whole-cache attention is the baseline
+        cases[fmt] = (f"{fmt}+resident+all", {}, None, fmt)
+        cases[f"{fmt} sparse@{share:g}"] = (f"{fmt}+resident+sparse", budget, None, fmt)
     kvs, timers, pos = {}, {}, {}
-    for label, (name, opts, config) in cases.items():
-        kv = kvstrategies.create(name, spec, config, options=opts)
+    for label, (name, opts, config, _) in cases.items():
+        stores = store_tiers(name, spec, config, opts) if config in ssd.values() else None
+        kv = kvstrategies.create(name, spec, config, options=opts, stores=stores)
         for start in range(0, len(ids), 512):  # the prompt's prefill (dense in both)
             part = ids[start : start + 512]
             model.forward(torch.tensor(part), torch.arange(start, start + len(part)), kv,
@@ -161,22 +190,35 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int)
                 samples[label]["attend"].append(t.attend)
                 samples[label]["select"].append(t.select)
                 pos[label] += 1
+            fetcher = getattr(kv.placement, "prefetcher", None)
+            if fetcher is not None:  # its I/O threads must not run into the next case's time
+                fetcher.drain()
     med = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
     rows = []
     for label in cases:
-        m, f = med[label], med["full"]
+        m, f = med[label], med[cases[label][3]]
         rows.append({
-            "method": label, "context": context, "step_ms": m["step"] * 1000,
+            "method": label, "baseline": cases[label][3], "context": context,
+            "step_ms": m["step"] * 1000,
             "attend_ms": m["attend"] * 1000, "select_ms": m["select"] * 1000,
             "step_speedup": f["step"] / m["step"], "attend_speedup": f["attend"] / m["attend"],
             "select_share_of_step": m["select"] / m["step"],
             "blocks_read": kvs[label].selection.stats().get("blocks_read_share"),
             "stability": kvs[label].selection.stats().get("selection_stability"),
             "device_kv_mib": _device_bytes(kvs[label]) / 2**20,
+            "ssd_rows": _ssd_rows(kvs[label]),
         })  # fmt: skip
     for kv in kvs.values():
         kv.close()
     return rows
+
+
+def _ssd_rows(kv) -> str:
+    """Staged group rows read ahead / read late (a tiered cache staging its likely blocks)."""
+    fetcher = getattr(kv.placement, "prefetcher", None)
+    if fetcher is None or not (fetcher.rows_ahead or fetcher.rows_late):
+        return ""
+    return f"{fetcher.rows_ahead} / {fetcher.rows_late}"
 
 
 def _device_bytes(kv) -> int:
@@ -219,6 +261,9 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=8192)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--formats", nargs="*", default=["hybrid", "int8"],
+                    help="packed formats whose decode is also timed, whole cache against "
+                    "sparse")  # fmt: skip
     ap.add_argument("--texts", nargs="+", help="text files (default: the development texts)")
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
@@ -228,10 +273,12 @@ def main() -> None:
     extra = {"cpu": _cpu()}
     if "decode" not in args.skip:
         rows = decode_rows(model, tok, args.decode_context, args.decode_steps,
-                           args.passkey_share, args.rounds)  # fmt: skip
-        report("sparse_decode", rows, ["method", "context", "step_ms", "attend_ms", "select_ms",
+                           args.passkey_share, args.rounds, tuple(args.formats))  # fmt: skip
+        report("sparse_decode", rows, ["method", "baseline", "context", "step_ms", "attend_ms",
+                                       "select_ms",
                                        "step_speedup", "attend_speedup", "select_share_of_step",
-                                       "blocks_read", "stability", "device_kv_mib"],
+                                       "blocks_read", "stability", "device_kv_mib",
+                                       "ssd_rows"],
                extra)  # fmt: skip
     if "passkey" not in args.skip:
         rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share)

@@ -418,7 +418,14 @@ def _axis_lines(selection: dict, placement: dict) -> list[str]:
     if pf and pf["layers_fetched"]:
         lines.append(
             f"[prefetch: depth {pf['depth']}, {pf['hits']}/{pf['layers_fetched']} layers ready "
-            f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited]"
+            f"when needed ({pf['hit_ratio']:.1%}), {pf['wait_s'] * 1000:.0f} ms waited"
+            + (
+                f"; sparse: {pf['rows_ahead']} likely blocks staged ahead, "
+                f"{pf['rows_late']} read when chosen"
+                if pf.get("rows_ahead") or pf.get("rows_late")
+                else ""
+            )
+            + "]"
         )
     disk = placement.get("disk_prefix_hits")
     if disk is not None:

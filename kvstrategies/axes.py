@@ -72,6 +72,10 @@ def _no_staging(layer: int, count: bool) -> list | None:
     return None
 
 
+def _no_hint(seq_id: int) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class Step:
     """One forward step as the three axes share it, built by `KVStrategy.begin_step`."""
@@ -85,6 +89,9 @@ class Step:
     groups: list[list[tuple[str, Any]]] | None = None
     staged: Callable[[int, bool], list | None] = _no_staging
     in_place: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # The selection's guess, per sequence, of the blocks each layer reads (`Selection.likely`):
+    # what a placement stages ahead.
+    likely: Callable[[int], list[set[int] | None] | None] = _no_hint
 
 
 class PrefixState:
@@ -307,6 +314,10 @@ class Placement(_Axis):
     def place(self, step: Step) -> None:
         """Say where the step's blocks are read (`Step.groups`); none: all on the device."""
 
+    def reading(self, layer: int, step: Step, chosen: list[torch.Tensor | None] | None) -> None:
+        """Attention of `layer` is about to read `chosen` (`Selection.reads`; None: every
+        block): a placement that staged only the likely blocks reads the others now."""
+
     def after_step(self, step: Step) -> None:
         """The step's layers are done (before its tokens are committed)."""
         b = step.batch
@@ -423,6 +434,11 @@ class Selection(_Axis):
         the block indices (in the sequence's order) per KV head, [Hkv, B], in any order but
         its last block (with the step's own tokens) last; or None for all of them. None: every
         sequence reads everything (this default)."""
+        return None
+
+    def likely(self, seq_id: int) -> list[set[int] | None] | None:
+        """Per layer, the block indices of `seq_id` its next step will probably read (None
+        for a layer: all of them); None: all, at every layer (this default)."""
         return None
 
     def attended(self, layer: int, q: torch.Tensor) -> None:

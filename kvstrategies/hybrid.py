@@ -275,19 +275,76 @@ class PackedFormat(Format):
                     part[:, at : at + m] = x[:, n - m :]
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return self._attend(layer, q, None)
+
+    def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
+                      chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+        """Only the chosen packed blocks are read: per KV head their records are gathered
+        (from the device arena, or wherever each lives when tiered) into a small record tensor
+        that the kernel (or PyTorch) attends as it would a sequence's own blocks; the fp16
+        sinks and the side buffer's newest tokens are always read. Where the sinks' block is
+        chosen by some heads and not others (a selection without sink blocks) the kernel's one
+        sink mask cannot say so: that layer reads every block and attends the chosen tokens."""
+        picked = []
+        for pieces, seq, blocks in zip(self._parts(layer, count=True), self._seqs, chosen,
+                                       strict=True):  # fmt: skip
+            got = (pieces, seq) if blocks is None else self._chosen(pieces, seq, blocks)
+            if got is None:
+                return super().attend_tokens(layer, q, step, chosen)
+            picked.append(got)
+        return self._attend(layer, q, picked)
+
+    def _chosen(self, pieces, seq: _Seq, blocks: torch.Tensor):
+        """The records of the packed blocks among `blocks` [Hkv, B] (positions in the
+        sequence's block list; those past its packed blocks are the side buffer's, read
+        anyway) as one piece: (records [B', Hkv, REC], its `_Seq`), row b of head h being head
+        h's b-th chosen block in order; None when the sink mask cannot be kept (see above)."""
+        h = self.spec.num_kv_heads
+        keep = blocks < seq.nb
+        sel = blocks[keep].view(h, -1).sort(1).values  # [Hkv, B']: the same count per head
+        first = sel[:, 0] == 0 if sel.shape[1] else sel.new_zeros(h, dtype=torch.bool)
+        mask0 = seq.mask0 if bool(first.all()) else 0
+        if seq.mask0 and bool(first.any()) and not mask0:
+            return None
+        nb, dev = sel.shape[1], sel.device
+        heads = _arange(h, dev).view(h, 1)
+        if len(pieces) == 1:  # one place (the device arena, or one staged group)
+            recs, s = pieces[0]
+            flat = recs.reshape(-1, recs.shape[-1])
+            rows = (s.ids[sel] * h + heads).t().reshape(-1)  # (block, head) order
+            out = flat.index_select(0, rows)
+        else:  # tiered: each chosen block from the piece it lives in
+            ids = torch.cat([s.ids for _, s in pieces])  # per position: its row in its piece
+            piece = torch.cat([torch.full((s.nb,), j, device=dev)
+                               for j, (_, s) in enumerate(pieces)])  # fmt: skip
+            out = pieces[0][0].new_empty(nb * h, pieces[0][0].shape[-1])
+            dest = _arange(nb * h, dev).view(nb, h).t()  # [Hkv, B'] rows of `out`
+            where, rows_all = piece[sel], ids[sel] * h + heads
+            for j, (recs, _) in enumerate(pieces):
+                m = where == j
+                if bool(m.any()):
+                    flat = recs.reshape(-1, recs.shape[-1])
+                    out.index_copy_(0, dest[m], flat.index_select(0, rows_all[m]))
+        picked = _Seq(nb, _arange(nb, dev), mask0, seq.lo, seq.hi)
+        return [(out.view(nb, h, -1), picked)], picked
+
+    def _attend(self, layer: int, q: torch.Tensor, picked) -> torch.Tensor:
+        """Attention of every batch sequence over its packed blocks (`picked`: per sequence
+        the pieces and `_Seq` to read; None: all of them) and its fp16 tokens."""
         b = self._batch
         kp, vp = self._pending[layer]
         q = q.float().contiguous()
         out = q.new_empty(*q.shape[:2], self.spec.v_dim)  # [N, Hq, Dv]
         attend_seq = self.operators["attention.hybrid"]  # the C kernel, else PyTorch
-        parts = self._parts(layer, count=True)
-        for i, (sid, seq) in enumerate(zip(b.seq_ids, self._seqs, strict=True)):
+        if picked is None:
+            picked = list(zip(self._parts(layer, count=True), self._seqs, strict=True))
+        for i, (sid, (pieces, seq)) in enumerate(zip(b.seq_ids, picked, strict=True)):
             rows = b.rows(i)
             dense = self._dense[sid][layer]  # [P, H, S + T, D]
             dk, dv = dense[0, :, seq.lo : seq.hi], dense[-1, :, seq.lo : seq.hi]
             # kp[rows], vp[rows]: [n, H, D], contiguous slices of the step's tokens
             attend_seq(
-                self.attention, layer, parts[i], q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows]
+                self.attention, layer, pieces, q[rows], seq, dk, dv, kp[rows], vp[rows], out[rows]
             )
         # NOTE: the step's tokens move into the side buffers at end_step, not here: `read`
         # (a pruned selection's observers, the transformers adapter) may follow `attend`.

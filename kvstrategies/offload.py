@@ -73,6 +73,9 @@ class TieredPlacement(Placement):
         *PERSIST_OPTIONS,
         Option("io_threads", int, 2, "threads reading the SSD tier (each runs one layer's "
                "fetch)", low=1),
+        Option("sparse_staging", str, "likely", "under a sparse selection, stage ahead only "
+               "the blocks each layer read at the step before (likely; others are read when "
+               "chosen), or all of them", choices=("likely", "all")),
     )  # fmt: skip
     # 64-token blocks: one SSD value per block and layer is then 96 KiB for SmolLM2 (fp32),
     # large enough that disk reads run near the device's bandwidth (16-token values of 24 KiB
@@ -124,6 +127,7 @@ class TieredPlacement(Placement):
         self.demotion_failures = 0
         self.ssd_moves_skipped = 0  # blocks a failing SSD tier could not take
         self._failing: set[str] = set()  # tiers whose last move failed (logged on a change)
+        self._plan, self._partial, self._spans = None, False, []  # the step's staging (`place`)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -143,24 +147,53 @@ class TieredPlacement(Placement):
         # Per sequence: the blocks attention reads from the pool (the format's count), grouped
         # by tier in token order: (tier, ids) read in place or ("staged", index) filled by the
         # prefetcher; the plan lists what is to be staged.
+        # A selection that reads some blocks (sparse) says which it will likely read: only
+        # those are staged ahead, the others when chosen (`reading`).
         step.groups, plan = [], []
+        self._spans = []  # per sequence: (first block, blocks) of each staged group
         for sid, p, n in zip(batch.seq_ids, step.past, batch.query_lens, strict=True):
             refs = pool.table(sid).refs[: self.format.pool_blocks(p, n)]
-            groups, staged = [], []
+            likely = step.likely(sid) if self.opts["sparse_staging"] == "likely" else None
+            groups, staged, spans, at = [], [], [], 0
             for tier, ids in _segments(refs):
                 if self._in_place(tier):
                     groups.append((tier, ids))
                 else:
                     groups.append(("staged", len(staged)))
-                    staged.append((tier, tuple(ids)))
+                    staged.append((tier, tuple(ids), _ahead(likely, at, len(ids))))
+                    spans.append((at, len(ids)))
+                at += len(ids)
             step.groups.append(groups)
             plan.append((sid, tuple(staged)))
+            self._spans.append(spans)
         self._plan = tuple(plan) if any(staged for _, staged in plan) else None
+        self._partial = self._plan is not None and any(
+            rows is not None for _, staged in plan for _, _, rows in staged
+        )
         self.prefetcher.start_step(self._plan)
         step.staged, step.in_place = self._staged, self._tier_layers
 
     def _staged(self, layer: int, count: bool) -> list | None:
-        return self.prefetcher.get(layer, count) if self._plan is not None else None
+        if self._plan is None:
+            return None
+        out = self.prefetcher.get(layer, count)
+        if self._partial and not count:  # a whole read (`Format.read`): every block
+            self.prefetcher.fill_all(layer)
+        return out
+
+    def reading(self, layer: int, step: Step, chosen) -> None:
+        """The chosen blocks that were not staged ahead are read now (late), before attention
+        reads them; a sequence reading everything gets every block."""
+        if not self._partial:
+            return
+        self.prefetcher.get(layer)
+        for i, spans in enumerate(self._spans):
+            blocks = None if chosen is None else chosen[i]
+            picked = None if blocks is None else blocks.unique().tolist()
+            for g, (start, n) in enumerate(spans):
+                rows = None if picked is None else [b - start for b in picked
+                                                    if start <= b < start + n]  # fmt: skip
+                self.prefetcher.fill(layer, i, g, rows)
 
     def after_step(self, step: Step) -> None:
         super().after_step(step)
@@ -276,6 +309,17 @@ class TieredPlacement(Placement):
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
+
+
+def _ahead(likely: list[set[int] | None] | None, start: int, n: int):
+    """Rows of a staged group of `n` blocks from block `start` to read ahead, per layer (None
+    for a layer: all of them); None: all, at every layer."""
+    if likely is None:
+        return None
+    rows = tuple(
+        None if want is None else tuple(r for r in range(n) if start + r in want) for want in likely
+    )
+    return None if all(r is None or len(r) == n for r in rows) else rows
 
 
 def _segments(refs) -> list[tuple[str, list[int]]]:

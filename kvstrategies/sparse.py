@@ -24,12 +24,14 @@ packed format: before packing), and, for blocks a sequence did not write (a shar
 persisted prefix), once from the format's stored keys. They follow the sequence, not its
 blocks, so moves between tiers and swapping leave them valid.
 
-Measured by `benchmarks/sparse.py` (BENCHMARKS.md). The dense format reads only the chosen
-blocks, resident or tiered (from the device and host arenas in place; the SSD tier's blocks are
-staged whole by the placement's prefetcher). Limits: a format other than the dense ones reads
-the whole cache and attends the chosen tokens (the same numbers, not the speed); DeepSeek's
-latent cache is scored the same way (its keys are the latent and rope parts the absorbed
-queries dot with, so the bound holds).
+Every format reads only the chosen blocks: the dense format gathers them from the arenas, the
+packed ones (hybrid, int8) gather their records for the same attention kernel. Tiered, the
+device and host blocks are read in place; of the SSD tier's (and any other staged tier's) the
+placement stages ahead, per layer, only the blocks the sequence's last step read (`likely`:
+selections are stable from step to step) and reads a block chosen anew when it is chosen.
+DeepSeek's latent cache is scored the same way (its keys are the latent and rope parts the
+absorbed queries dot with, so the bound holds). Measured by `benchmarks/sparse.py`
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class SparseSelection(Selection):
         self._step: Step | None = None
         self._plans: list[_Plan | None] = []  # per batch sequence, this step
         self._last: dict[int, torch.Tensor] = {}  # seq -> blocks chosen at the middle layer
+        # seq -> per layer the blocks its last step read ([Hkv, B]; None: all): `likely`
+        self._recent: dict[int, list[torch.Tensor | None]] = {}
         self.last_read: list[list[torch.Tensor | None]] = []  # per layer, per batch sequence
         self.counts = {"steps": 0, "sparse_reads": 0, "blocks_read": 0, "blocks_stored": 0,
                        "repeat_blocks": 0, "chosen_blocks": 0}  # fmt: skip
@@ -127,13 +131,15 @@ class SparseSelection(Selection):
             return None
         out: list[torch.Tensor | None] = []
         for i, plan in enumerate(self._plans):
+            sid = step.batch.seq_ids[i]
             if plan is None:
+                self._recent.pop(sid, None)
                 out.append(None)
                 continue
-            sid = step.batch.seq_ids[i]
             chosen = self._top_blocks(sid, layer, q[step.batch.rows(i)], plan)
             self._count(sid, layer, chosen, plan)
             out.append(torch.cat([plan.head, chosen, plan.tail], dim=1))
+            self._recent.setdefault(sid, [None] * self.spec.num_layers)[layer] = out[-1]
         self.last_read[layer] = out
         return out if any(x is not None for x in out) else None
 
@@ -152,8 +158,16 @@ class SparseSelection(Selection):
             self._add(sid, k[:, step.batch.rows(i)], past)
         self.counts["steps"] += 1
 
+    def likely(self, seq_id: int) -> list[set[int] | None] | None:
+        """What the sequence's last step read, per layer: selections are stable from step to
+        step (`selection_stability`), so a placement stages these ahead."""
+        recent = self._recent.get(seq_id)
+        if recent is None:
+            return None
+        return [None if r is None else set(r.unique().tolist()) for r in recent]
+
     def forget(self, seq_id: int) -> None:
-        for d in (self._mins, self._maxs, self._bounds, self._known, self._last):
+        for d in (self._mins, self._maxs, self._bounds, self._known, self._last, self._recent):
             d.pop(seq_id, None)
 
     def before_step(self, batch: StepBatch) -> None:

@@ -168,6 +168,7 @@ class KVStrategy(KVCache, KVMemory):
                     "the scheduler must reserve before the step"
                 )
         step = Step(batch, [self.pool.num_tokens(sid) for sid in batch.seq_ids])
+        step.likely = self.selection.likely
         self.placement.place(step)
         self.format.prepare(step)
         self.selection.prepare(step)
@@ -179,6 +180,7 @@ class KVStrategy(KVCache, KVMemory):
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         chosen = self.selection.reads(layer, q)
+        self.placement.reading(layer, self._step, chosen)
         if chosen is None:
             out = self.format.attend(layer, q)
         else:

@@ -20,18 +20,47 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from unikv.memory.tiers import StoreTier, TensorTier, Tier
 
 log = logging.getLogger(__name__)
 
-Group = tuple[str, tuple[int, ...]]  # (tier name, block ids) read as one piece
+# The rows of a group to read ahead at each slice (None at a slice: every row); the others are
+# read when asked for (`Prefetcher.fill`).
+Rows = tuple[tuple[int, ...] | None, ...]
+# (tier name, block ids, rows ahead or None for every row at every slice), staged as one piece.
+Group = tuple[str, tuple[int, ...], Rows | None]
 # Per sequence, its groups in order. The sequence ids belong to the plan, so a next step's
 # speculative fetch is used only for the same sequences.
 StagePlan = tuple[tuple[Hashable, tuple[Group, ...]], ...]
+# A plan at one slice: per group (tier, ids, the rows read ahead or None for all).
+_Slice = tuple[
+    tuple[Hashable, tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...]], ...
+]
+
+
+def _at(plan: StagePlan, index: int) -> _Slice:
+    """What slice `index` of `plan` reads ahead (equal keys: the same fetch)."""
+    return tuple(
+        (sid, tuple((tier, ids, None if rows is None else rows[index]) for tier, ids, rows in gs))
+        for sid, gs in plan
+    )
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A group staged with some rows unread: its raw slice per arena (full size, on the
+    device; what `stage` returned views it), and the rows read so far."""
+
+    tier: str
+    ids: tuple[int, ...]
+    raw: dict[str, torch.Tensor]
+    read: set[int]
 
 
 class WriteThrough:
@@ -121,12 +150,18 @@ class Prefetcher:
 
     A step's plan (what each sequence needs staged) is fixed by `start_step`. `get(i)` first
     submits slice i + depth (past the last slice: the next step's first slices, on the bet that
-    its plan is this one; `start_step` drops them if not), then waits for slice i. A hit is a
-    slice whose data was ready when asked for.
+    they read what this step's do; `start_step` drops those that do not), then waits for slice
+    i. A hit is a slice whose data was ready when asked for. The slice last returned is kept
+    until the next, so a second `get` of it within the step reads nothing again.
 
     What `get` returns, per sequence and group: `stage(data)` (default: `data`), where `data`
     maps each arena to the group's slice (block axis at the tier's `block_dims`), moved to
     `device`. `stage` runs on the I/O thread: a strategy reshapes there into what it attends.
+
+    A group may be read ahead in part (a sparse selection's likely blocks: `Group`'s rows):
+    its staged tensor is then full size with the other rows unread until `fill` reads them
+    into it (synchronously: a late read). Where `stage` does not return a view of its input
+    the group is read whole.
     """
 
     def __init__(
@@ -146,90 +181,162 @@ class Prefetcher:
             max(threads, 1), thread_name_prefix="unikv-prefetch"
         )
         self._plan: StagePlan | None = None
-        self._jobs: dict[int, concurrent.futures.Future] = {}  # this step's slices
-        self._next: dict[int, concurrent.futures.Future] = {}  # the next step's, speculative
-        self._next_plan: StagePlan | None = None
+        # slice -> (what it reads, its fetch): this step's, and the next step's speculative ones
+        self._jobs: dict[int, tuple[_Slice, concurrent.futures.Future]] = {}
+        self._next: dict[int, tuple[_Slice, concurrent.futures.Future]] = {}
+        self._last: tuple[int, Any, dict] | None = None  # the slice `get` returned last
         self.hits = self.misses = self.wasted = 0
+        self.rows_ahead = self.rows_late = 0  # rows of partly read groups: ahead, by `fill`
         self.wait_s = self.fetch_s = 0.0
         # Measured read rate of store tiers (EMA over reads), None until first seen.
         self.read_bytes_per_s: float | None = None
 
     def start_step(self, plan: StagePlan | None) -> None:
-        """Fix this step's plan (None: nothing to stage) and start its first slices."""
+        """Fix this step's plan (None: nothing to stage) and start its first slices; the next
+        step's speculative fetches are kept where they read what this plan's slices do."""
         self._drop(self._jobs)
-        if plan is not None and plan == self._next_plan:
-            self._jobs = self._next
-        else:
-            self._drop(self._next)
-            self._jobs = {}
-        self._next, self._next_plan, self._plan = {}, None, plan
+        self._last = None
+        kept = {}
+        for index, (key, job) in self._next.items():
+            if plan is not None and key == _at(plan, index):
+                kept[index] = (key, job)
+            else:
+                self._drop({index: (key, job)})
+        self._jobs, self._next, self._plan = kept, {}, plan
         if plan is not None:
             for index in range(min(self.depth, self.num_slices)):
                 self._submit(self._jobs, index, plan)
 
     def get(self, index: int, count: bool = True) -> list[list[Any]]:
         """Slice `index`'s staged data (waits for it), after starting the fetch `depth` ahead."""
+        if self._last is not None and self._last[0] == index:
+            return self._last[1]
         ahead = index + self.depth
         if count:
             if ahead < self.num_slices:
                 self._submit(self._jobs, ahead, self._plan)
             else:
-                self._next_plan = self._plan
                 self._submit(self._next, ahead - self.num_slices, self._plan)
         job = self._submit(self._jobs, index, self._plan)
+        self._jobs.pop(index)  # consumed: kept as `_last` until the next slice is asked for
         if count:
-            self._jobs.pop(index)  # consumed (a second read may ask again within the step)
             if job.done():
                 self.hits += 1
             else:
                 self.misses += 1
         t0 = time.perf_counter()
-        result = job.result()
+        result, partial = job.result()
         self.wait_s += time.perf_counter() - t0
+        self._last = (index, result, partial)
         return result
 
-    def _submit(self, jobs, index: int, plan: StagePlan | None):
-        job = jobs.get(index)
-        if job is None:
-            job = jobs[index] = self._pool.submit(self._timed, index, plan)
-        return job
+    def fill(self, index: int, seq: int, group: int, rows=None) -> None:
+        """Read rows `rows` (None: all) of group `group` of plan sequence `seq` into slice
+        `index` as `get` returned it (the last slice asked for), where not read yet."""
+        if self._last is None or self._last[0] != index:
+            raise RuntimeError(f"fill: slice {index} is not the one staged last")
+        part = self._last[2].get((seq, group))
+        if part is None:  # read whole ahead
+            return
+        want = range(len(part.ids)) if rows is None else rows
+        missing = sorted({int(r) for r in want} - part.read)
+        if not missing:
+            return
+        tier = self.tiers[part.tier]
+        data = tier.read_slice([part.ids[r] for r in missing], index)
+        at = torch.tensor(missing, dtype=torch.long, device=self.device)
+        for name, x in data.items():
+            part.raw[name].index_copy_(tier.block_dims[name], at, x.to(self.device))
+        part.read.update(missing)
+        self.rows_late += len(missing)
 
-    def _timed(self, index: int, plan: StagePlan):
+    def fill_all(self, index: int) -> None:
+        """Every unread row of slice `index` (the last one asked for), for a caller that reads
+        whole groups."""
+        if self._last is not None and self._last[0] == index:
+            for seq, group in list(self._last[2]):
+                self.fill(index, seq, group)
+
+    def _submit(self, jobs, index: int, plan: StagePlan | None):
+        got = jobs.get(index)
+        if got is None:
+            key = _at(plan, index)
+            got = jobs[index] = (key, self._pool.submit(self._timed, index, key))
+        return got[1]
+
+    def _timed(self, index: int, plan: _Slice):
         t0 = time.perf_counter()
         try:
             return self._fetch(index, plan)
         finally:
             self.fetch_s += time.perf_counter() - t0
 
-    def _fetch(self, index: int, plan: StagePlan) -> list[list[Any]]:
-        """Slice `index` of every group of `plan`, per sequence (runs on an I/O thread)."""
+    def _fetch(self, index: int, plan: _Slice) -> tuple[list[list[Any]], dict]:
+        """Slice `index` of every group of `plan`, per sequence, and the groups read in part
+        (runs on an I/O thread)."""
         # Each store tier is read once for all its groups: one transaction, values in order.
         wanted: dict[str, list[int]] = {}
         for _, groups in plan:
-            for tier, ids in groups:
+            for tier, ids, rows in groups:
                 if isinstance(self.tiers[tier], StoreTier):
-                    wanted.setdefault(tier, []).extend(ids)
+                    wanted.setdefault(tier, []).extend(_rows(ids, rows))
         read: dict[str, dict[str, torch.Tensor]] = {}
         for tier, ids in wanted.items():
             t = self.tiers[tier]
             t0 = time.perf_counter()
-            read[tier] = t.read_slice(ids, index)
+            read[tier] = t.read_slice(ids, index) if ids else {}
             rate = len(ids) * t.slice_bytes / max(time.perf_counter() - t0, 1e-6)
-            self.read_bytes_per_s = _ema(self.read_bytes_per_s, rate)
-        out, at = [], dict.fromkeys(read, 0)
-        for _, groups in plan:
+            if ids:
+                self.read_bytes_per_s = _ema(self.read_bytes_per_s, rate)
+        out, partial, at = [], {}, dict.fromkeys(read, 0)
+        for s, (_, groups) in enumerate(plan):
             pieces = []
-            for tier, ids in groups:
+            for g, (tier, ids, rows) in enumerate(groups):
                 t = self.tiers[tier]
+                n = len(_rows(ids, rows))
                 if tier in read:
                     dims = t.block_dims
-                    data = {n: x.narrow(dims[n], at[tier], len(ids)) for n, x in read[tier].items()}
-                    at[tier] += len(ids)
+                    data = {
+                        name: x.narrow(dims[name], at[tier], n) for name, x in read[tier].items()
+                    }
+                    at[tier] += n
                 else:
-                    data = t.read_slice(ids, index)
-                pieces.append(self._to_device(self.stage(data) if self.stage else data))
+                    data = t.read_slice(_rows(ids, rows), index)
+                if rows is None or n == len(ids):
+                    pieces.append(self._to_device(self.stage(data) if self.stage else data))
+                    continue
+                staged, part = self._partly(tier, ids, rows, data, index)
+                pieces.append(staged)
+                if part is not None:
+                    partial[(s, g)] = part
             out.append(pieces)
-        return out
+        return out, partial
+
+    def _partly(self, tier: str, ids, rows, data, index: int):
+        """A group with only `rows` read (`data`): full-size raw slices with them in place, and
+        what `stage` makes of them; read whole where `stage` does not view its input. numpy
+        places the rows: a torch op here, on an I/O thread, could start a second OpenMP team
+        and slow the compute thread (see `StoreTier.read_slice`)."""
+        t = self.tiers[tier]
+        dims = t.block_dims
+        raw = {}
+        for name, x in data.items():
+            b = x.cpu().view(torch.uint8).numpy()  # bytes: every dtype (bf16 has no numpy one)
+            shape = list(b.shape)
+            shape[dims[name]] = len(ids)
+            full = np.empty(shape, dtype=np.uint8)
+            full[(slice(None),) * dims[name] + (np.asarray(rows),)] = b
+            raw[name] = self._to_device(torch.from_numpy(full).view(x.dtype))
+        staged = self.stage(raw) if self.stage else raw
+        views = isinstance(staged, dict) or any(
+            staged.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            for x in raw.values()
+        )
+        self.rows_ahead += len(rows)
+        if views:
+            return staged, _Partial(tier, ids, raw, set(rows))
+        whole = t.read_slice(ids, index)  # `stage` copies: the group is read whole
+        return self._to_device(self.stage(whole) if self.stage else whole), None
 
     def _to_device(self, x):
         if isinstance(x, torch.Tensor):
@@ -238,11 +345,11 @@ class Prefetcher:
 
     def drain(self) -> None:
         """Wait until every fetch submitted so far has finished."""
-        for job in [*self._jobs.values(), *self._next.values()]:
+        for _, job in [*self._jobs.values(), *self._next.values()]:
             concurrent.futures.wait([job])
 
     def _drop(self, jobs) -> None:
-        for job in jobs.values():
+        for _, job in jobs.values():
             if not job.cancel():
                 self.wasted += 1
                 # A speculative fetch may fail (its blocks were freed meanwhile): unused.
@@ -250,7 +357,8 @@ class Prefetcher:
         jobs.clear()
 
     def stats(self) -> dict:
-        """Depth, slices fetched, hits, hit ratio, waiting and fetching time, wasted fetches."""
+        """Depth, slices fetched, hits, hit ratio, waiting and fetching time, wasted fetches;
+        for groups read ahead in part, the rows read ahead and those read late."""
         asked = self.hits + self.misses
         return {
             "depth": self.depth,
@@ -260,13 +368,21 @@ class Prefetcher:
             "wait_s": round(self.wait_s, 4),
             "fetch_s": round(self.fetch_s, 4),  # time the I/O threads spent fetching
             "fetches_wasted": self.wasted,
+            "rows_ahead": self.rows_ahead,
+            "rows_late": self.rows_late,
         }
 
     def close(self) -> None:
         """Drop pending fetches and stop the I/O threads."""
         self._drop(self._jobs)
         self._drop(self._next)
+        self._last = None
         self._pool.shutdown(wait=True)
+
+
+def _rows(ids: tuple[int, ...], rows: tuple[int, ...] | None) -> list[int]:
+    """The block ids of `rows` of a group (all of them for None)."""
+    return list(ids) if rows is None else [ids[r] for r in rows]
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:

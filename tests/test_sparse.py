@@ -182,3 +182,101 @@ def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
         assert torch.allclose(a, b, atol=1e-6)
     tiered.close()
     resident.close()
+
+
+@pytest.mark.parametrize("placement", ["resident", "tiered"])
+def test_a_packed_format_attends_only_the_chosen_records(tmp_path, placement, monkeypatch):
+    """int8 (a packed format): a decode step gathers the chosen blocks' records where they
+    live (the needle's on the SSD tier when tiered) and the kernel attends them; the whole
+    cache is never decoded, and the output is what attention over the decoded chosen tokens
+    gives."""
+    from unikv.engine.assembly import store_tiers
+    from unikv.kvstrategies.axes import Format
+
+    n, at = 640, 100
+    g = torch.Generator().manual_seed(5)
+    direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM, generator=g), dim=-1)
+    name = f"int8+{placement}+sparse"
+    opts = {"dense_layers": 0, "budget_tokens": 96}
+    if placement == "resident":
+        s = build(name, **opts)
+    else:
+        tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
+                 TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
+        cfg = PoolConfig(block_size=BS, tiers=tiers)
+        opts |= {"device_window": 64, "host_window": 256}
+        s = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+    step(s, 0, haystack(n, at, direction), torch.randn(LAYERS, n, HEADS * GROUP, DIM),
+         more_prompt=True)  # fmt: skip
+    q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
+    new = 0.1 * torch.randn(LAYERS, 1, HEADS, DIM)
+    assert s.reserve(0, 1)
+    s.begin_step(StepBatch([0], [1]))  # blocks move to their tiers first
+    if placement == "tiered":
+        assert s.pool.table(0).refs[at // BS].tier == "ssd"
+    for layer in range(LAYERS):
+        s.append(layer, new[layer], new[layer])
+        with monkeypatch.context() as m:  # decoding the whole cache is not allowed
+            m.setattr(type(s.format), "read", lambda *a: pytest.fail("read every block"))
+            out = s.attend(layer, q[layer])
+        chosen = s.selection.last_read[layer]
+        assert at // BS in chosen[0][0].tolist() and chosen[0].shape[1] * BS <= 96 + BS
+        ref = Format.attend_tokens(s.format, layer, q[layer], s._step, chosen)  # decoded
+        assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
+        assert not torch.allclose(out, s.format.attend(layer, q[layer]), atol=1e-3)
+    s.end_step()
+    assert s.stored_tokens(0) == n + 1
+    s.close()
+
+
+def test_tiered_stages_the_likely_ssd_blocks_and_reads_a_new_choice_late(tmp_path):
+    """With an SSD tier, a step stages ahead only the SSD blocks the step before read (per
+    layer); a block chosen anew (the query turns to another needle) is read when chosen. Every
+    step attends exactly as the resident cache does over the same blocks."""
+    from unikv.engine.assembly import store_tiers
+
+    n, at_a, at_b = 640, 100, 200  # both needles on the SSD tier (tokens below 320)
+    g = torch.Generator().manual_seed(11)
+    dirs = torch.nn.functional.normalize(torch.randn(2, HEADS, DIM, generator=g), dim=-1)
+    tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
+             TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
+    cfg = PoolConfig(block_size=BS, tiers=tiers)
+    opts = {"dense_layers": 1, "budget_tokens": 96, "device_window": 64, "host_window": 256}
+    name = "dense+tiered+sparse"
+    tiered = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+    resident = build(budget_tokens=96, dense_layers=1)
+    k = haystack(n, at_a, dirs[0])
+    k[:, at_b : at_b + 4] = 4.0 * dirs[1]
+    prompt_q = torch.randn(LAYERS, n, HEADS * GROUP, DIM)
+    for s in (tiered, resident):
+        step(s, 0, k, prompt_q, more_prompt=True)
+    fetcher = tiered.placement.prefetcher
+    late = []
+    for t, d in enumerate((0, 0, 0, 1, 1)):  # the query turns to needle B at the 4th step
+        q = (3.0 * dirs[d]).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
+        new = 0.1 * torch.randn(LAYERS, 1, HEADS, DIM)
+        before = fetcher.rows_late
+        outs = [step(s, 0, new, q) for s in (tiered, resident)]
+        late.append(fetcher.rows_late - before)
+        for layer in range(LAYERS):
+            for a, b in zip(*(x[layer] for x in outs), strict=True):
+                assert torch.allclose(a, b, atol=1e-6), (t, layer)
+        chosen = tiered.selection.last_read[LAYERS - 1][0]
+        assert (at_a if d == 0 else at_b) // BS in chosen[0].tolist()
+    assert tiered.pool.table(0).refs[at_b // BS].tier == "ssd"
+    ssd_blocks = sum(r.tier == "ssd" for r in tiered.pool.table(0).refs)
+    assert late[1] == late[2] == 0  # the same needle: every chosen block was staged ahead
+    assert late[3] > 0  # needle B's block was not: read when chosen
+    stats = fetcher.stats()
+    # The first decode step staged every SSD block (no step before it selected); the later
+    # ones about the blocks they read, far fewer than all of them per sparse layer.
+    assert stats["rows_ahead"] > 0
+    assert stats["rows_ahead"] + stats["rows_late"] < 4 * (LAYERS - 1) * ssd_blocks / 2
+    from unikv.cli.main import _memory_lines
+    from unikv.engine.report import MemoryReport
+
+    lines = _memory_lines(MemoryReport(tiered.stats()))
+    want = f"sparse: {stats['rows_ahead']} likely blocks staged ahead, {stats['rows_late']} read"
+    assert want in lines, lines
+    tiered.close()
+    resident.close()

@@ -75,8 +75,9 @@ class SchedulerConfig:
     # slots are all asked for), then are admitted together: their prompts share one prefill.
     admission_window_s: float = 0.0
     # Prompt chunks are cut so a step takes about this long at the speed steps were measured
-    # at (`Scheduler.timed`; 0: `max_step_tokens` alone). A request that arrives while a step
-    # runs waits for that step: this bounds how long an urgent one waits on any machine.
+    # at (`Scheduler.timed`; 0: `max_step_tokens` alone), but never below MIN_STEP_TOKENS
+    # prompt tokens while prompts wait. A request that arrives while a step runs waits for that
+    # step: this bounds how long an urgent one waits on any machine.
     step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -424,6 +425,12 @@ class Scheduler(Generic[R]):
             if req.num_computed == len(tokens) - 1:
                 plan.append(Work(req, [tokens[-1]], True))
                 budget -= 1
+        if self.config.step_target_s:
+            # Prompts still get MIN_STEP_TOKENS a step when decodes fill the budget (under 32
+            # streams they did: a decode row costs far more than the rate measured on prompt
+            # chunks, and a prompt that gets no chunk waits for decodes to finish). Measured
+            # at 32 cold prompts: TTFT p50 11.5 -> 8.0 s, output tokens/s 117 -> 130.
+            budget = max(budget, MIN_STEP_TOKENS)
         for req, tokens in known:
             remaining = len(tokens) - req.num_computed
             if remaining > 1 or (remaining == 1 and req.num_computed == 0):

@@ -616,6 +616,17 @@ def test_a_step_target_cuts_prompt_chunks_to_the_measured_speed():
     for _ in range(20):  # a very slow one: never below the floor
         s.timed(64, 64.0)
     assert s.step_tokens == MIN_STEP_TOKENS
+    # Decodes filling the budget do not starve a waiting prompt: it still gets the floor.
+    busy = sched(FakeKV(capacity=10_000), max_batch=64, max_step_tokens=512, step_target_s=0.1)
+    for i in range(40):
+        busy.add(req(i, 4))
+    step(busy)  # 40 short prompts prefill together
+    busy.add(req(99, 500))
+    busy.timed(64, 64.0)  # the floor: 32 tokens, fewer than the 40 decodes
+    assert busy.step_tokens == MIN_STEP_TOKENS
+    got = shape(step(busy))
+    assert sum(1 for rid, n, _ in got if n == 1) == 40  # every stream decodes
+    assert (99, MIN_STEP_TOKENS, False) in got  # and the prompt moves on
     off = sched(FakeKV(capacity=10_000), max_step_tokens=512)
     off.timed(512, 5.0)  # no target: the budget alone
     assert off.step_tokens == 512

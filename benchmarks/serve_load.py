@@ -7,10 +7,10 @@ Both servers run the same weights from the same file: with `--weights native` (t
 unikv's own default) the packaged SmolLM2 GGUF (Q4_1 layers, a Q8_0 head) for both, unikv
 multiplying its blocks; with `--weights float32` that file converted to F32 with
 `llama-quantize` for both (llama.cpp found or built by `benchmarks/llamacpp.py`). Each server
-gets 2 threads and is started once; the measurements alternate between them (never both loaded
-at once). N concurrent streaming clients send
-prompts cut from the text at mixed lengths (32 to 256 tokens), `ignore_eos`, `max_tokens`
-fixed, so every request generates the same number of tokens.
+gets 2 threads and is started once; the measurements alternate between them, the other server
+paused (SIGSTOP) meanwhile so that its idle threads cannot take the cores. N concurrent
+streaming clients send prompts cut from the text at mixed lengths (32 to 256 tokens),
+`ignore_eos`, `max_tokens` fixed, so every request generates the same number of tokens.
 
 Reported per server and concurrency: output tokens/s, TTFT p50/p99, inter-token p99. Then:
 - **Urgent request**: TTFT of a `priority: -10` request sent 10 times from the moment 16
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -97,6 +98,17 @@ class Proc:
             time.sleep(0.25)
         raise SystemExit(f"{self.name} did not start in {limit} s; see {self.log_path}")
 
+    @contextlib.contextmanager
+    def paused(self):
+        """This server stopped (SIGSTOP) while another is measured, continued after: an idle
+        server's threads (llama.cpp's polling thread pool, a late request's cleanup) must not
+        take the cores of the one measured."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -107,7 +119,18 @@ class Proc:
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority=None) -> dict:
-    """Stream one completion; return its TTFT, inter-token gaps and token count."""
+    """Stream one completion; return its TTFT, inter-token gaps and token count. A kept-alive
+    connection the server closed as the request went out (llama-server does this now and then:
+    "Server disconnected without sending a response") is tried once more on a new one."""
+    try:
+        return await _one(client, url, prompt, new, priority)
+    except httpx.RemoteProtocolError as e:
+        if "without sending a response" not in str(e):  # broken off mid-stream: an error
+            raise
+        return await _one(client, url, prompt, new, priority)
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority) -> dict:
     body = {
         "model": "smollm2",
         "prompt": prompt,
@@ -373,7 +396,8 @@ def main() -> None:
             for name, run, where, cut in runs:
                 server = servers["unikv" if name == "unikv-grpc" else name]
                 cpu0 = (_cpu_s(server.proc.pid), time.process_time())
-                r = loop.run_until_complete(run(where, cut, c, args.new_tokens))
+                with _others_paused(servers, server):
+                    r = loop.run_until_complete(run(where, cut, c, args.new_tokens))
                 # CPU seconds per output token: the server's and this client's (one machine:
                 # a protocol whose client costs more leaves the server less of the cores).
                 toks = r["requests"] * args.new_tokens
@@ -384,7 +408,8 @@ def main() -> None:
         ps = prompts(text, 20, seed=5)
         for name, s in servers.items():
             try:
-                got = loop.run_until_complete(urgent(s.url, ps, args.new_tokens))
+                with _others_paused(servers, s):
+                    got = loop.run_until_complete(urgent(s.url, ps, args.new_tokens))
                 extra[f"urgent_{name}"] = got
             except httpx.HTTPError as e:  # recorded, not fatal: the throughput rows stand
                 extra[f"urgent_{name}"] = f"failed: {type(e).__name__}: {e}"
@@ -402,6 +427,16 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     _print(rows, extra)
+
+
+@contextlib.contextmanager
+def _others_paused(servers: dict, measured):
+    """Every server but `measured` paused for the block."""
+    with contextlib.ExitStack() as stack:
+        for other in servers.values():
+            if other is not measured:
+                stack.enter_context(other.paused())
+        yield
 
 
 def _cpu_s(pid: int) -> float:

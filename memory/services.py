@@ -332,8 +332,8 @@ class Prefetcher:
             staged.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
             for x in raw.values()
         )
-        self.rows_ahead += len(rows)
         if views:
+            self.rows_ahead += len(rows)
             return staged, _Partial(tier, ids, raw, set(rows))
         whole = t.read_slice(ids, index)  # `stage` copies: the group is read whole
         return self._to_device(self.stage(whole) if self.stage else whole), None

@@ -386,3 +386,38 @@ def test_a_warm_prefix_cache_still_gives_new_sequences_one_run():
         fill(pool, "c", i, 1, 2.0)
     assert pool.slot_runs("c", n) == [(0, n)]  # a's old run, in one piece
     assert device.num_evictions == 8 and device.num_cached == 8  # a's hashes went, b's stay
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_the_prefetcher_stages_some_rows_ahead_and_fills_the_rest(tmp_path, views):
+    """A group read ahead in part: slice 1 stages rows 0 and 3 of five SSD blocks; `fill`
+    reads the others into the same staged tensor; a `stage` that copies its input gets the
+    group whole instead. Every staged value is the block's own."""
+    from unikv.memory.services import Prefetcher
+    from unikv.memory.tiers import StoreTier
+    from unikv.storage import create_store
+
+    store = create_store("lmdb", path=tmp_path / "s", map_size=1 << 20)
+    ssd = StoreTier("ssd", LAYOUT, 8, store, slices=2)
+    data = torch.arange(5 * 2 * BS * 3, dtype=torch.float32).view(2, 5, BS, 3)  # [slices, ...]
+    ssd.write(range(5), {"kv": data})
+    stage = (lambda d: d["kv"]) if views else (lambda d: d["kv"].clone())
+    fetcher = Prefetcher({"ssd": ssd}, num_slices=2, depth=1, threads=1, stage=stage)
+    ids = (0, 1, 2, 3, 4)
+    plan = (("seq", (("ssd", ids, (None, (0, 3))),)),)  # slice 0: every row; slice 1: 0 and 3
+    fetcher.start_step(plan)
+    assert torch.equal(fetcher.get(0)[0][0], data[0])  # read whole
+    got = fetcher.get(1)[0][0]
+    assert torch.equal(got[0], data[1, 0]) and torch.equal(got[3], data[1, 3])
+    if views:
+        assert fetcher.stats()["rows_ahead"] == 2
+        fetcher.fill(1, 0, 0, [1, 3])  # row 3 is there already
+        assert fetcher.stats()["rows_late"] == 1 and torch.equal(got[1], data[1, 1])
+        fetcher.fill_all(1)
+        assert fetcher.stats()["rows_late"] == 3
+    assert torch.equal(got, data[1])  # everything, filled (or read whole)
+    assert fetcher.get(1, count=False) is fetcher.get(1)  # the last slice is kept, not re-read
+    with pytest.raises(RuntimeError, match="not the one staged last"):
+        fetcher.fill(0, 0, 0)
+    fetcher.close()
+    store.close()

@@ -284,7 +284,9 @@ class PackedFormat(Format):
         that the kernel (or PyTorch) attends as it would a sequence's own blocks; the fp16
         sinks and the side buffer's newest tokens are always read. Where the sinks' block is
         chosen by some heads and not others (a selection without sink blocks) the kernel's one
-        sink mask cannot say so: that layer reads every block and attends the chosen tokens."""
+        sink mask cannot say so, and where heads read different numbers of packed blocks one
+        record tensor cannot hold them: that layer then reads every block and attends the
+        chosen tokens."""
         picked = []
         for pieces, seq, blocks in zip(self._parts(layer, count=True), self._seqs, chosen,
                                        strict=True):  # fmt: skip
@@ -301,6 +303,9 @@ class PackedFormat(Format):
         h's b-th chosen block in order; None when the sink mask cannot be kept (see above)."""
         h = self.spec.num_kv_heads
         keep = blocks < seq.nb
+        per_head = keep.sum(1)
+        if bool((per_head != per_head[0]).any()):  # not a selection's shape (see `reads`)
+            return None
         sel = blocks[keep].view(h, -1).sort(1).values  # [Hkv, B']: the same count per head
         first = sel[:, 0] == 0 if sel.shape[1] else sel.new_zeros(h, dtype=torch.bool)
         mask0 = seq.mask0 if bool(first.all()) else 0

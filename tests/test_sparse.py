@@ -280,3 +280,32 @@ def test_tiered_stages_the_likely_ssd_blocks_and_reads_a_new_choice_late(tmp_pat
     assert want in lines, lines
     tiered.close()
     resident.close()
+
+
+def test_a_packed_format_falls_back_where_one_sink_mask_cannot_serve_every_head():
+    """Block 0's first tokens are attended from the fp16 sinks (the kernel masks them in the
+    record). Chosen blocks where some KV heads read block 0 and others do not cannot share one
+    mask: that layer takes the generic path (every block decoded, the chosen tokens attended);
+    where every head reads it, the kernel does, with the same result."""
+    from unikv.kvstrategies.axes import Format
+
+    s = build("int8+resident+sparse", budget_tokens=96)
+    n = 320
+    step(s, 0, torch.randn(LAYERS, n, HEADS, DIM), torch.randn(LAYERS, n, HEADS * GROUP, DIM),
+         more_prompt=True)  # fmt: skip
+    assert s.reserve(0, 1)
+    s.begin_step(StepBatch([0], [1]))
+    s.append(0, torch.randn(1, HEADS, DIM), torch.randn(1, HEADS, DIM))
+    q = torch.randn(1, HEADS * GROUP, DIM)
+    last = n // BS  # the block the step's token goes into
+    fmt = s.format
+    for blocks, kernel in (([[0, 3, 7, last], [2, 3, 7, last]], False),
+                           ([[0, 3, 7, last], [0, 4, 9, last]], True)):  # fmt: skip
+        chosen = [torch.tensor(blocks)]
+        pieces, seq = fmt._parts(0, count=False)[0], fmt._seqs[0]
+        assert (fmt._chosen(pieces, seq, chosen[0]) is not None) == kernel
+        got = fmt.attend_tokens(0, q, s._step, chosen)
+        ref = Format.attend_tokens(fmt, 0, q, s._step, chosen)
+        assert torch.allclose(got, ref, atol=1e-4)
+    s.abort_step()
+    s.close()

@@ -293,7 +293,7 @@ class Prefetcher:
             pieces = []
             for g, (tier, ids, rows) in enumerate(groups):
                 t = self.tiers[tier]
-                n = len(_rows(ids, rows))
+                n = len(ids) if rows is None else len(rows)
                 if tier in read:
                     dims = t.block_dims
                     data = {

@@ -20,6 +20,18 @@ def build(name="dense+resident+sparse", **opts):
     return kvstrategies.create(name, SPEC, cfg, {"dense_layers": 0, **opts})
 
 
+def build_tiered(tmp_path, name="dense+tiered+sparse", **opts):
+    """`name` over device, host and SSD tiers: the newest 64 tokens on the device, the next
+    256 on the host, older ones in the SSD tier (LMDB in `tmp_path`)."""
+    from unikv.engine.assembly import store_tiers
+
+    tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
+             TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
+    cfg = PoolConfig(block_size=BS, tiers=tiers)
+    opts = {"dense_layers": 0, "device_window": 64, "host_window": 256, **opts}
+    return kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+
+
 def step(s, seq, k, q, more_prompt=False):
     """One step of `k` [L, n, H, D] keys (values: the keys) and queries `q` [L, n, Hq, D]."""
     n = k.shape[1]
@@ -150,17 +162,10 @@ def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
     """Tiered: the needles' blocks sit on the host and SSD tiers (only the newest tokens are on
     the device); a decode step reads them there and attends exactly as the resident cache
     does over the same chosen blocks."""
-    from unikv.engine.assembly import store_tiers
-
     n, at, at_host = 640, 100, 400
     g = torch.Generator().manual_seed(3)
     direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM, generator=g), dim=-1)
-    tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
-             TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
-    cfg = PoolConfig(block_size=BS, tiers=tiers)
-    opts = {"dense_layers": 0, "budget_tokens": 96, "device_window": 64, "host_window": 256}
-    name = "dense+tiered+sparse"
-    tiered = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+    tiered = build_tiered(tmp_path, budget_tokens=96)
     resident = build(budget_tokens=96)
     k = haystack(n, at, direction)
     k[:, at_host : at_host + 4] = 4.0 * direction  # a second needle, on the host tier
@@ -190,22 +195,16 @@ def test_a_packed_format_attends_only_the_chosen_records(tmp_path, placement, mo
     live (the needle's on the SSD tier when tiered) and the kernel attends them; the whole
     cache is never decoded, and the output is what attention over the decoded chosen tokens
     gives."""
-    from unikv.engine.assembly import store_tiers
     from unikv.kvstrategies.axes import Format
 
     n, at = 640, 100
     g = torch.Generator().manual_seed(5)
     direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM, generator=g), dim=-1)
     name = f"int8+{placement}+sparse"
-    opts = {"dense_layers": 0, "budget_tokens": 96}
     if placement == "resident":
-        s = build(name, **opts)
+        s = build(name, budget_tokens=96)
     else:
-        tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
-                 TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
-        cfg = PoolConfig(block_size=BS, tiers=tiers)
-        opts |= {"device_window": 64, "host_window": 256}
-        s = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+        s = build_tiered(tmp_path, name, budget_tokens=96)
     step(s, 0, haystack(n, at, direction), torch.randn(LAYERS, n, HEADS * GROUP, DIM),
          more_prompt=True)  # fmt: skip
     q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
@@ -233,17 +232,10 @@ def test_tiered_stages_the_likely_ssd_blocks_and_reads_a_new_choice_late(tmp_pat
     """With an SSD tier, a step stages ahead only the SSD blocks the step before read (per
     layer); a block chosen anew (the query turns to another needle) is read when chosen. Every
     step attends exactly as the resident cache does over the same blocks."""
-    from unikv.engine.assembly import store_tiers
-
     n, at_a, at_b = 640, 100, 200  # both needles on the SSD tier (tokens below 320)
     g = torch.Generator().manual_seed(11)
     dirs = torch.nn.functional.normalize(torch.randn(2, HEADS, DIM, generator=g), dim=-1)
-    tiers = (TierConfig("device", 4 << 20), TierConfig("host", 4 << 20),
-             TierConfig("ssd", 16 << 20, path=str(tmp_path / "ssd")))  # fmt: skip
-    cfg = PoolConfig(block_size=BS, tiers=tiers)
-    opts = {"dense_layers": 1, "budget_tokens": 96, "device_window": 64, "host_window": 256}
-    name = "dense+tiered+sparse"
-    tiered = kvstrategies.create(name, SPEC, cfg, opts, stores=store_tiers(name, SPEC, cfg, opts))
+    tiered = build_tiered(tmp_path, budget_tokens=96, dense_layers=1)
     resident = build(budget_tokens=96, dense_layers=1)
     k = haystack(n, at_a, dirs[0])
     k[:, at_b : at_b + 4] = 4.0 * dirs[1]

@@ -221,9 +221,11 @@ class Engine:
 
     def _report_now(self) -> MemoryReport:
         kv = self.kv.stats()
-        # The kernel registry's choices: the strategy's attention and the model's ops, with the
-        # fallbacks in force (a sentence each, which the server's health view shows).
-        kernels = {**kv.format.get("kernels", {}), **self.model.operators.report()}
+        # The kernel registry's choices: the strategy's attention (and a sparse selection's
+        # choice) and the model's ops, with the fallbacks in force (a sentence each, which the
+        # server's health view shows).
+        kernels = {**kv.format.get("kernels", {}), **kv.selection.get("kernels", {}),
+                   **self.model.operators.report()}  # fmt: skip
         return MemoryReport(
             kv=kv,
             model=self.model.memory_report(),

@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
+from unikv.kernels import sparse as kernels
 from unikv.kernels.dtypes import DTYPES
+from unikv.kernels.operators import FnImplementation, OperatorSet
+from unikv.kernels.operators import register as register_op
 from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 
@@ -61,6 +64,10 @@ class DenseFormat(Format):
         self._layers = self.arena_layers(arena)
         self._bytes_per_token = spec.elements_per_token * arena.dtype.itemsize
         self.scale = spec.scale
+        # `attention.blocks`: a sparse selection's chosen blocks read in place (the C kernel),
+        # else gathered and attended by PyTorch
+        self.operators = OperatorSet(pool.device)
+        self._in_place = arena.dtype == torch.float32 and not spec.latent
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -143,18 +150,35 @@ class DenseFormat(Format):
         pieces = self._kv_pieces(layer, count=False) if None in chosen else None
         bs = self.pool.block_size
         for i, blocks in enumerate(chosen):
-            rows, n = step.batch.rows(i), step.batch.query_lens[i]
+            rows = step.batch.rows(i)
             if blocks is None:
                 parts = [self._cast(p, q.dtype) for p in pieces[i]]
                 out[rows] = attention_runs(q[rows], [self._split(p) for p in parts],
                                            step.past[i], self.scale)  # fmt: skip
                 continue
+            where, ids = self._places(i)
+            if where is None and self._in_place and q.dtype == torch.float32:  # resident
+                out[rows] = self.operators["attention.blocks"](
+                    q[rows], self._layers[layer], ids[blocks], blocks, bs, step.past[i],
+                    self.scale,
+                )  # fmt: skip
+                continue
             kv = self._gather(layer, i, blocks, staged)  # [P, Hkv, B * bs, D]: whole, in order
-            total = step.past[i] + n  # the last block may be partly filled
-            kv = self._cast(kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)], q.dtype)
-            k, v = self._split(kv)
-            out[rows] = attention_one(q[rows], k, v, k.shape[1] - n, self.scale)
+            out[rows] = self._attend_gathered(q[rows], kv, step.past[i])
         return out
+
+    def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, past: int) -> torch.Tensor:
+        """Attention of one sequence's queries [T, Hq, D] over its gathered chosen blocks [P,
+        Hkv, B * bs, D] (the window's blocks last, the last one maybe partly filled)."""
+        n, bs = q.shape[0], self.pool.block_size
+        total = past + n
+        kv = self._cast(kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)], q.dtype)
+        k, v = self._split(kv)
+        return attention_one(q, k, v, k.shape[1] - n, self.scale)
+
+    def stats(self) -> dict:
+        kernels = self.operators.report()  # empty until a sparse selection has attended
+        return {"kernels": kernels} if kernels else {}
 
     def _gather(self, layer: int, i: int, blocks: torch.Tensor, staged: list | None
                 ) -> torch.Tensor:  # fmt: skip
@@ -319,3 +343,31 @@ def _take(arena: torch.Tensor, blocks: torch.Tensor, p: int, h: int, bs: int, d:
     flat = arena.view(p * h * nb, bs * d)
     base = (torch.arange(p * h, device=arena.device) * nb).view(p, h, 1)
     return flat.index_select(0, (blocks + base).view(-1)).view(p, h, -1, d)
+
+
+# ---- attention over a sparse selection's chosen blocks: in place (C), else gathered ----------
+
+
+def attend_blocks_torch(
+    q: torch.Tensor, arena: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor,
+    block_size: int, past: int, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """The reference of `attention.blocks`: the blocks `ids` [Hkv, B] of a layer's `arena` [2,
+    Hkv, slots, D] gathered (`_take`) and attended by `attention_one` (the list's last block,
+    the window's, holds the step's own tokens; `blocks`, their positions, are implied by the
+    list being in that order)."""
+    p, h, _, d = arena.shape
+    kv = _take(arena, ids, p, h, block_size, d)
+    n, total = q.shape[0], past + q.shape[0]
+    kv = kv[:, :, : kv.shape[2] - (-(-total // block_size) * block_size - total)]
+    return attention_one(q, kv[0], kv[1], kv.shape[2] - n, scale)
+
+
+register_op(FnImplementation(
+    "attention.blocks", "c", kernels.attend_blocks, ("cpu",),
+    lambda device, owner: kernels.unavailable(),
+), preference=10)  # fmt: skip
+register_op(
+    FnImplementation("attention.blocks", "torch", attend_blocks_torch, ("*",)),
+    preference=90, reference=True,
+)  # fmt: skip

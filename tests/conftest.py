@@ -119,10 +119,11 @@ def cpu_isas() -> list[str]:
 @pytest.fixture(params=cpu_isas())
 def isa(request, monkeypatch):
     """Each C kernel built for one instruction set (`UNIKV_ISA`), loaded afresh in this test."""
-    from unikv.kernels import gemv
+    from unikv.kernels import gemv, sparse
 
     monkeypatch.setenv("UNIKV_ISA", request.param)
     monkeypatch.setattr(gemv, "_state", {})
+    monkeypatch.setattr(sparse, "_state", {})
     return request.param
 
 

@@ -268,6 +268,17 @@ def _example(op: str):
         cfg = ModelConfig("t", "llama", 10, 64, 128, 1, 2, 2, 32, 1e-6, 1e4, 64)
         return (RotaryTable(cfg, torch.device("cpu"), torch.float32),
                 torch.randn(5, 2, 32), torch.arange(5)), 1e-6  # fmt: skip
+    if op == "attention.blocks":  # 5 blocks of 16 (the last partly filled: 72 tokens), each
+        # head reading 3 of them from a shuffled arena; the step's 2 rows causal in the last
+        g = torch.Generator().manual_seed(0)
+        arena = torch.randn(2, 2, 8 * 16, 32, generator=g)
+        blocks = torch.tensor([[0, 2, 4], [0, 3, 4]])
+        ids = torch.tensor([5, 1, 7, 0, 3])[blocks]
+        return (torch.randn(2, 4, 32, generator=g), arena, ids, blocks, 16, 70, 0.2), 1e-5
+    if op == "sparse.choose":  # scores apart by 100s: every summation order chooses the same
+        from tests.test_sparse import _distinct_scores
+
+        return (*_distinct_scores(2, 6, 2, 32, 90), 1, 85, 20, 87, 0.25), 0.0
     if op in ("layer.qkv", "layer.out"):
         m = _tiny_llama()
         if op == "layer.qkv":

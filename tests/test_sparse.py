@@ -301,3 +301,116 @@ def test_a_packed_format_falls_back_where_one_sink_mask_cannot_serve_every_head(
         assert torch.allclose(got, ref, atol=1e-4)
     s.abort_step()
     s.close()
+
+
+def _distinct_scores(rows, hq, h, d, blocks, seed=0):
+    """Queries and summaries whose scores are multiples of 1/4 (exact in any summation
+    order), channel 0 setting them 300 apart, more than the other channels add: no ties."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-1, 2, (rows, hq, d), generator=g).float()
+    q[..., 0] = 1.0
+    b = torch.randint(-1, 2, (h, blocks, 2 * d), generator=g).float()
+    b[..., d:] = b[..., d:].abs()
+    b[:, :, 0] = 300.0 * torch.stack([torch.randperm(blocks, generator=g) for _ in range(h)])
+    return q, b
+
+
+@pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
+def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
+    """kernels/sparse.c against the PyTorch reference (`sparse.choose`): the sinks, the best
+    blocks per KV head in ascending order, the window; one and several query rows (a scored
+    chunk; 300 query vectors), no room, every candidate, and enough blocks that two threads
+    score them."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import choose_torch
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    h, group, d, blocks = 3, 3, 64, 720
+    for alpha in (1.0, 0.25, 0.0):
+        q, b = _distinct_scores(rows, h * group, h, d, blocks)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            args = (q, b, 1, 701, room, 705, alpha)  # sinks [0, 1), window [701, 705)
+            got, want = kernels.choose_blocks(*args), choose_torch(*args)
+            assert got.shape == (h, 1 + room + 4)
+            assert torch.equal(got, want), (alpha, threads)
+    torch.set_num_threads(2)
+    # random floats (seeded: no two scores within rounding of the cut)
+    g = torch.Generator().manual_seed(3)
+    q, b = torch.randn(rows, h * group, d, generator=g), torch.randn(h, blocks, 2 * d, generator=g)
+    b[..., d:] = b[..., d:].abs()
+    args = (q, b, 2, 600, 50, 610, 0.25)
+    assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args))
+    with pytest.raises(ValueError, match="refused"):
+        kernels.choose_blocks(q, b, 2, 600, 599, 610, 0.25)  # more room than candidates
+
+
+def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
+    """range_weight 1 is Quest's bound; 0 scores a block by its channels' centre alone: a block
+    of one outlier key and a block of keys all moderately aligned swap places."""
+    from unikv.kvstrategies.sparse import choose_torch
+
+    d = 4
+    q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
+    b = torch.zeros(1, 3, 2 * d)
+    b[0, 1, 0], b[0, 1, d] = 1.0, 3.0  # one key at 4, the rest at -2: centre 1, range 3
+    b[0, 2, 0], b[0, 2, d] = 2.0, 0.5  # every key near 2: centre 2, range 0.5
+    assert choose_torch(q, b, 0, 3, 1, 3, 1.0)[0].tolist() == [1]  # bound: 4 against 2.5
+    assert choose_torch(q, b, 0, 3, 1, 3, 0.0)[0].tolist() == [2]  # centre: 1 against 2
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, isa):
+    """kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie in the arena;
+    against the reference (gather, then attention): one decode row and a scored chunk of 16
+    (causal within the step's own tokens, which end in a partly filled block), the blocks of
+    each head in a different order in a shuffled arena, one and two threads."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.full import attend_blocks_torch
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    g = torch.Generator().manual_seed(rows)
+    h, group, d, bs, slots_blocks = 3, 3, 64, 16, 70
+    arena = torch.randn(2, h, slots_blocks * bs, d, generator=g)
+    past = 60 * bs + 5 - rows  # the last block (60) holds the step's rows, partly filled
+    chosen = torch.stack([torch.randperm(58, generator=g)[:9] + 1 for _ in range(h)])
+    blocks = torch.cat([torch.zeros(h, 1, dtype=torch.long), chosen,
+                        torch.tensor([[59, 60]]).expand(h, -1)], dim=1)  # fmt: skip
+    ids = torch.randperm(slots_blocks, generator=g)[blocks]
+    q = torch.randn(rows, h * group, d, generator=g)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got = kernels.attend_blocks(q, arena, ids, blocks, bs, past, 0.125)
+        want = attend_blocks_torch(q, arena, ids, blocks, bs, past, 0.125)
+        assert (got - want).abs().max().item() < 1e-5, threads
+    torch.set_num_threads(2)
+
+
+def test_the_dense_format_attends_the_chosen_blocks_in_place():
+    """With the kernel built, the resident dense format's sparse steps go through it (the
+    kernels report says so) and equal attention over the same blocks gathered."""
+    from unikv.kernels import sparse as kernels
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    s = build(budget_tokens=64)
+    k = torch.randn(LAYERS, 400, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, 400, HEADS * GROUP, DIM), more_prompt=True)
+    q = torch.randn(LAYERS, 1, HEADS * GROUP, DIM)
+    new = torch.randn(LAYERS, 1, HEADS, DIM)
+    outs = step(s, 0, new, q)
+    assert s.stats().format["kernels"]["attention.blocks"]["active"] == "c"
+    keys = torch.cat([k, new], dim=1)
+    for layer in range(LAYERS):
+        blocks = s.selection.last_read[layer][0]
+        for hd in range(HEADS):
+            tok = (blocks[hd].unsqueeze(-1) * BS + torch.arange(BS)).view(-1)
+            kk = keys[layer, tok[tok < 401], hd]  # [S, D]: values are the keys here
+            for g in range(GROUP):
+                qq = q[layer, 0, hd * GROUP + g]
+                w = torch.softmax(kk @ qq * SPEC.scale, 0)
+                want = w @ kk
+                assert torch.allclose(outs[layer][0, hd * GROUP + g], want, atol=1e-5)
+    s.close()

@@ -34,6 +34,7 @@ PACKAGE_DATA = (
     "unikv/settings/chips/kunpeng920.toml",
     "unikv/kernels/gemv.c",
     "unikv/kernels/hybrid_attend.c",
+    "unikv/kernels/sparse.c",
     "unikv/kvstrategies/data/prune_head.pt",
     "unikv/kvstrategies/data/warmup.txt",
     "unikv/serving/dashboard.html",

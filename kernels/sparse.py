@@ -1,0 +1,114 @@
+"""The sparse selection's kernels `sparse.c`: built on first use, loaded, and called.
+
+What lives here: `unavailable()` (why this machine cannot run the kernels, or None),
+`choose_blocks` (one sequence's blocks for one layer: the sinks, the best-scoring candidates
+per KV head, the window) and `attend_blocks` (attention over those blocks, read in place from
+the dense format's arena). What does not: the PyTorch references and the registry entries that
+choose between them (`kvstrategies.sparse`, `kvstrategies.full`), the build and its cache
+(`kernels.native.build`: the same flags, cache directory and libgomp as the other kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from unikv.kernels import native as kernels
+
+SOURCE = Path(resources.files(__package__) / "sparse.c")
+log = logging.getLogger(__name__)
+_state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
+
+
+def _load() -> ctypes.CDLL | None:
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")  # type: ignore[return-value]
+    if os.environ.get("UNIKV_NO_KERNEL") == "1":
+        _state["error"] = "disabled by UNIKV_NO_KERNEL=1"
+        return None
+    try:
+        lib = ctypes.CDLL(str(kernels.build(SOURCE)))
+    except (OSError, RuntimeError) as e:
+        _state["error"] = str(e)
+        log.warning("sparse choice kernel sparse.c: PyTorch fallback (%s)", e)
+        return None
+    p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, lng, lng, lng, lng, f, p, i]
+    lib.sparse_choose.restype = ctypes.c_int
+    lib.sparse_attend.argtypes = [p, i, i, i, i, p, lng, i, p, p, lng, lng, f, p, i]
+    lib.sparse_attend.restype = ctypes.c_int
+    _state["lib"] = lib
+    return lib
+
+
+def unavailable() -> str | None:
+    """None when the kernel is built and loaded here, else why not."""
+    _load()
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"sparse.c is unavailable: {_state.get('error')}")
+    return lib
+
+
+def choose_blocks(
+    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float
+) -> torch.Tensor:
+    """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
+    candidates of [lo, hi) whose score is largest (in ascending order), then the window
+    hi..end-1. q: the step's queries [rows, Hq, D] float32; bounds: the layer's summaries
+    [Hkv, blocks, 2D] float32 (centre, half-range), rows contiguous. The score of a block: the
+    largest over the group's queries of q . centre + alpha |q| . half-range."""
+    lib = _lib()
+    rows, hq, d = q.shape
+    h = bounds.shape[0]
+    if q.dtype != torch.float32 or bounds.dtype != torch.float32:
+        raise ValueError("choose_blocks takes float32 queries and summaries")
+    if bounds.stride(2) != 1 or bounds.stride(1) != 2 * d or bounds.shape[2] != 2 * d:
+        raise ValueError("the summaries' blocks must be rows of 2 x head dim contiguous floats")
+    q = q.contiguous()
+    out = torch.empty(h, lo + room + (end - hi), dtype=torch.int64)
+    rc = lib.sparse_choose(
+        q.data_ptr(), rows, hq, h, d, bounds.data_ptr(), bounds.stride(0), lo, hi, room, end,
+        alpha, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(
+            f"sparse.c refused rows={rows} heads={hq}/{h} blocks [{lo}, {hi}) room={room} end={end}"
+        )
+    return out
+
+
+def attend_blocks(
+    q: torch.Tensor, arena: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor,
+    block_size: int, past: int, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of one sequence's new queries q [T, Hq, D] over the blocks it chose: `ids`
+    [Hkv, B] their indices in the layer's `arena` [2, Hkv, slots, D] (K, V; float32,
+    contiguous; `block_size` slots a block), `blocks` [Hkv, B] their positions in the
+    sequence's block list. Query row t sees positions up to past + t. Returns [T, Hq, D]."""
+    lib = _lib()
+    t, hq, d = q.shape
+    p, h, slots, ad = arena.shape
+    if q.dtype != torch.float32 or arena.dtype != torch.float32 or p != 2 or ad != d:
+        raise ValueError("attend_blocks takes float32 queries and a float32 [2, Hkv, S, D] arena")
+    if not arena.is_contiguous() or ids.shape != blocks.shape or ids.shape[0] != h:
+        raise ValueError("attend_blocks takes a contiguous arena and [Hkv, B] ids and blocks")
+    q = q.contiguous()
+    ids, blocks = ids.contiguous().long(), blocks.contiguous().long()
+    out = torch.empty_like(q)
+    rc = lib.sparse_attend(
+        q.data_ptr(), t, hq, h, d, arena.data_ptr(), slots, block_size, ids.data_ptr(),
+        blocks.data_ptr(), ids.shape[1], past, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"sparse.c refused attention over {ids.shape[1]} blocks of {t} rows")
+    return out

@@ -3,7 +3,8 @@
  * sparse_choose: score every candidate block of one sequence by its key summaries, keep the
  * best `room` per KV head, and write the blocks the step reads (sinks, the chosen, the window)
  * as one index row per KV head. sparse_attend: attention of the step's queries over exactly
- * those blocks, read in place from the dense format's arena (no gathered copy).
+ * those blocks, read in place wherever each lies (the device or host arena, a staged tensor: no
+ * gathered copy).
  *
  * Why kernels: in PyTorch the choice is about ten small ops per layer (view, abs, cat, a
  * batched matmul, amax, topk, add, cat), each a dispatch of a few microseconds, and their
@@ -140,15 +141,14 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const float 
  * empty slots are never read as keys. */
 
 /* One range [b0, b1) of head h's blocks against its nq = T * group queries: m, l, acc [nq][d]. */
-static void attend_range(const float *q, int T, int hq, int hkv, int d, const float *arena,
-                         long slots, int bs, const int64_t *ids, const int64_t *pos, long b0,
+static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
+                         const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long b0,
                          long b1, long past, float scale, int h, float *m, float *l, float *acc,
                          float *s) {
     const int group = hq / hkv, nq = T * group;
     const long n = (b1 - b0) * bs;
-    const float *K = arena + (long)h * slots * d, *V = arena + ((long)hkv + h) * slots * d;
     for (long b = b0; b < b1; b++) { /* keys: each read once for every query */
-        const float *kb = K + ids[b] * bs * d;
+        const float *kb = (const float *)(intptr_t)kaddr[b];
         const long p0 = pos[b] * bs;
         for (int j = 0; j < bs; j++) {
             const float *kj = kb + (long)j * d;
@@ -179,7 +179,7 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, const fl
         memset(acc + (long)i * d, 0, sizeof(float) * d);
     }
     for (long b = b0; b < b1; b++) { /* values: each block read once for every query */
-        const float *vb = V + ids[b] * bs * d;
+        const float *vb = (const float *)(intptr_t)vaddr[b];
         for (int j = 0; j < bs; j++) {
             const float *vj = vb + (long)j * d;
             for (int i = 0; i < nq; i++) {
@@ -193,11 +193,12 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, const fl
     }
 }
 
-/* out [T, hq, d] = attention of q [T, hq, d] over blocks ids [hkv, nb] (arena block indices)
- * of one layer's arena [2, hkv, slots, d] (K then V, float32), block b of head h holding the
- * sequence's positions pos[h, b] * bs .. + bs - 1. Returns 0, or -1 (bad arguments, no memory). */
-int sparse_attend(const float *q, int T, int hq, int hkv, int d, const float *arena, long slots,
-                  int bs, const int64_t *ids, const int64_t *pos, long nb, long past, float scale,
+/* out [T, hq, d] = attention of q [T, hq, d] over nb blocks per KV head: block b of head h
+ * has its bs keys at address kaddr[h, b] and its values at vaddr[h, b] (bs x d float32 each,
+ * rows contiguous) and holds the sequence's positions pos[h, b] * bs .. + bs - 1. Returns 0,
+ * or -1 (bad arguments, no memory). */
+int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const int64_t *kaddr,
+                  const int64_t *vaddr, const int64_t *pos, long nb, long past, float scale,
                   float *out, int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = T * group;
     if (hkv <= 0 || hq % hkv || T <= 0 || d <= 0 || bs <= 0 || nb <= 0) return -1;
@@ -216,8 +217,8 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, const float *ar
             for (int i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
             continue;
         }
-        attend_range(q, T, hq, hkv, d, arena, slots, bs, ids + (long)h * nb, pos + (long)h * nb,
-                     b0, b1, past, scale, h, m, l, acc, s);
+        attend_range(q, T, hq, hkv, d, bs, kaddr + (long)h * nb, vaddr + (long)h * nb,
+                     pos + (long)h * nb, b0, b1, past, scale, h, m, l, acc, s);
     }
     for (int h = 0; h < hkv; h++)
         for (int i = 0; i < nq; i++) {

@@ -2,10 +2,11 @@
 
 What lives here: `unavailable()` (why this machine cannot run the kernels, or None),
 `choose_blocks` (one sequence's blocks for one layer: the sinks, the best-scoring candidates
-per KV head, the window) and `attend_blocks` (attention over those blocks, read in place from
-the dense format's arena). What does not: the PyTorch references and the registry entries that
-choose between them (`kvstrategies.sparse`, `kvstrategies.full`), the build and its cache
-(`kernels.native.build`: the same flags, cache directory and libgomp as the other kernels).
+per KV head, the window) and `attend_blocks` (attention over those blocks, read in place
+wherever each lies: the dense format's arenas, staged tensors). What does not: the PyTorch
+references and the registry entries that choose between them (`kvstrategies.sparse`,
+`kvstrategies.full`), the build and its cache (`kernels.native.build`: the same flags, cache
+directory and libgomp as the other kernels).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _load() -> ctypes.CDLL | None:
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, lng, lng, lng, lng, f, p, i]
     lib.sparse_choose.restype = ctypes.c_int
-    lib.sparse_attend.argtypes = [p, i, i, i, i, p, lng, i, p, p, lng, lng, f, p, i]
+    lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
     _state["lib"] = lib
     return lib
@@ -88,25 +89,40 @@ def choose_blocks(
 
 
 def attend_blocks(
-    q: torch.Tensor, arena: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor,
-    block_size: int, past: int, scale: float,
+    q: torch.Tensor, places: list[torch.Tensor], where: torch.Tensor | None, ids: torch.Tensor,
+    blocks: torch.Tensor, block_size: int, past: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention of one sequence's new queries q [T, Hq, D] over the blocks it chose: `ids`
-    [Hkv, B] their indices in the layer's `arena` [2, Hkv, slots, D] (K, V; float32,
-    contiguous; `block_size` slots a block), `blocks` [Hkv, B] their positions in the
-    sequence's block list. Query row t sees positions up to past + t. Returns [T, Hq, D]."""
+    """Attention of one sequence's new queries q [T, Hq, D] over the blocks it chose, read
+    where they lie: `places` are [2, Hkv, slots, D] float32 tensors (K, V; contiguous: a
+    tier's arena for the layer, a staged tensor), `where` [Hkv, B] the place of each chosen
+    block (None: all in places[0]), `ids` [Hkv, B] its block index there, `blocks` [Hkv, B]
+    its position in the sequence's block list. Query row t sees positions up to past + t.
+    Returns [T, Hq, D]."""
     lib = _lib()
     t, hq, d = q.shape
-    p, h, slots, ad = arena.shape
-    if q.dtype != torch.float32 or arena.dtype != torch.float32 or p != 2 or ad != d:
-        raise ValueError("attend_blocks takes float32 queries and a float32 [2, Hkv, S, D] arena")
-    if not arena.is_contiguous() or ids.shape != blocks.shape or ids.shape[0] != h:
-        raise ValueError("attend_blocks takes a contiguous arena and [Hkv, B] ids and blocks")
-    q = q.contiguous()
-    ids, blocks = ids.contiguous().long(), blocks.contiguous().long()
+    h = ids.shape[0]
+    for a in places:
+        if a.dtype != torch.float32 or not a.is_contiguous() or a.shape[0] != 2 \
+                or a.shape[1] != h or a.shape[3] != d:  # fmt: skip
+            raise ValueError("attend_blocks reads contiguous float32 [2, Hkv, slots, D] places")
+    if q.dtype != torch.float32 or ids.shape != blocks.shape:
+        raise ValueError("attend_blocks takes float32 queries and [Hkv, B] ids and blocks")
+    # Each block's first key and value as an address: its place's, plus the head's and the
+    # block's offsets there (the values start Hkv x slots rows after the keys).
+    head = torch.arange(h).view(h, 1)
+    row = block_size * d * 4  # bytes of a block's keys
+    if where is None:
+        a = places[0]
+        base, slots = a.data_ptr(), a.shape[2]
+    else:
+        base = torch.tensor([a.data_ptr() for a in places])[where]
+        slots = torch.tensor([a.shape[2] for a in places])[where]
+    kaddr = (base + head * slots * (d * 4) + ids.long() * row).contiguous()
+    vaddr = (kaddr + h * slots * (d * 4)).contiguous()
+    q, blocks = q.contiguous(), blocks.contiguous().long()
     out = torch.empty_like(q)
     rc = lib.sparse_attend(
-        q.data_ptr(), t, hq, h, d, arena.data_ptr(), slots, block_size, ids.data_ptr(),
+        q.data_ptr(), t, hq, h, d, block_size, kaddr.data_ptr(), vaddr.data_ptr(),
         blocks.data_ptr(), ids.shape[1], past, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc:

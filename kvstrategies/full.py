@@ -156,23 +156,27 @@ class DenseFormat(Format):
                 out[rows] = attention_runs(q[rows], [self._split(p) for p in parts],
                                            step.past[i], self.scale)  # fmt: skip
                 continue
+            places = self._block_places(layer, i, staged)
             where, ids = self._places(i)
-            if where is None and self._in_place and q.dtype == torch.float32:  # resident
+            where = None if where is None else where[blocks]
+            if (
+                self._in_place
+                and q.dtype == torch.float32
+                and all(a.dtype == torch.float32 and a.is_contiguous() for a in places)
+            ):  # the C kernel reads each block where it lies
                 out[rows] = self.operators["attention.blocks"](
-                    q[rows], self._layers[layer], ids[blocks], blocks, bs, step.past[i],
-                    self.scale,
-                )  # fmt: skip
+                    q[rows], places, where, ids[blocks], blocks, bs, step.past[i], self.scale
+                )
                 continue
-            kv = self._gather(layer, i, blocks, staged)  # [P, Hkv, B * bs, D]: whole, in order
+            kv = gather_blocks(places, where, ids[blocks], bs)  # [P, Hkv, B * bs, D]
             out[rows] = self._attend_gathered(q[rows], kv, step.past[i])
         return out
 
     def _attend_gathered(self, q: torch.Tensor, kv: torch.Tensor, past: int) -> torch.Tensor:
         """Attention of one sequence's queries [T, Hq, D] over its gathered chosen blocks [P,
         Hkv, B * bs, D] (the window's blocks last, the last one maybe partly filled)."""
-        n, bs = q.shape[0], self.pool.block_size
-        total = past + n
-        kv = self._cast(kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)], q.dtype)
+        n = q.shape[0]
+        kv = self._cast(_trim(kv, past + n, self.pool.block_size), q.dtype)
         k, v = self._split(kv)
         return attention_one(q, k, v, k.shape[1] - n, self.scale)
 
@@ -180,35 +184,14 @@ class DenseFormat(Format):
         kernels = self.operators.report()  # empty until a sparse selection has attended
         return {"kernels": kernels} if kernels else {}
 
-    def _gather(self, layer: int, i: int, blocks: torch.Tensor, staged: list | None
-                ) -> torch.Tensor:  # fmt: skip
-        """Batch sequence `i`'s blocks `blocks` [Hkv, B] (positions in its block list) of
-        `layer`: [P, Hkv, B * bs, D], one `index_select` per place they live (`staged`: the
-        layer's staged tensors per batch sequence, tiered)."""
-        p, h, d, bs = self.spec.stored_parts, self.spec.num_kv_heads, self.spec.head_dim, \
-            self.pool.block_size  # fmt: skip
-        nb = blocks.shape[1]
-        where, ids = self._places(i)
-        if where is None:  # resident: every block in the device arena
-            return _take(self._layers[layer], ids[blocks], p, h, bs, d)
-        out = self._layers[layer].new_empty(p * h * nb, bs * d)  # one row per (part, head, block)
-        src, ids = where[blocks], ids[blocks]  # [Hkv, B] each
-        dev = src.device
-        dest = torch.arange(p * h * nb, device=dev).view(p, h, nb)  # rows of `out`
-        parts = torch.arange(p, device=dev).view(p, 1) * h
-        heads = torch.arange(h, device=dev).view(h, 1).expand(h, nb)
-        groups = self.step.groups[i]
-        for g in range(len(groups)) if len(groups) > 1 else (0,):
-            m = src == g  # the chosen blocks that live in group g
-            kind, what = groups[g]
-            # [P, Hkv, tokens, D]: a staged group's tensor, or a tier's arena read in place
-            arena = staged[i][what] if kind == "staged" else self.step.in_place[kind][layer]
-            g_nb = arena.shape[2] // bs
-            flat = arena.reshape(p * h * g_nb, bs * d)  # one row per (part, head, block)
-            rows = ((parts + heads[m]) * g_nb + ids[m]).view(-1)
-            if rows.numel():
-                out.index_copy_(0, dest[:, m].reshape(-1), flat.index_select(0, rows))
-        return out.view(p, h, nb * bs, d)
+    def _block_places(self, layer: int, i: int, staged: list | None) -> list[torch.Tensor]:
+        """Where batch sequence `i`'s blocks of `layer` lie, [P, Hkv, slots, D] each: the
+        device arena (resident), or per group of `step.groups[i]` a tier's arena read in place
+        or a staged group's tensor (`staged`: the layer's staged tensors per batch sequence)."""
+        if self.step.groups is None:
+            return [self._layers[layer]]
+        return [staged[i][what] if kind == "staged" else self.step.in_place[kind][layer]
+                for kind, what in self.step.groups[i]]  # fmt: skip
 
     def _places(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per block of batch sequence `i`: the index of the place it lives in (its group in
@@ -334,33 +317,53 @@ def _runs(ids: list[int], bs: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in runs]
 
 
-def _take(arena: torch.Tensor, blocks: torch.Tensor, p: int, h: int, bs: int, d: int
-          ) -> torch.Tensor:  # fmt: skip
-    """Blocks `blocks` [Hkv, B] (block indices per head) of a layer's `arena` [P, Hkv, slots,
-    D], whole and in order: [P, Hkv, B * bs, D], one `index_select` over a view with one row
-    per (part, head, block)."""
-    nb = arena.shape[2] // bs
-    flat = arena.view(p * h * nb, bs * d)
-    base = (torch.arange(p * h, device=arena.device) * nb).view(p, h, 1)
-    return flat.index_select(0, (blocks + base).view(-1)).view(p, h, -1, d)
+def gather_blocks(places: list[torch.Tensor], where: torch.Tensor | None, ids: torch.Tensor,
+                  bs: int) -> torch.Tensor:  # fmt: skip
+    """Blocks `ids` [Hkv, B] (block indices per head in their place: `places[where]`, or all
+    in places[0] when `where` is None) of [P, Hkv, slots, D] places, whole and in order: [P,
+    Hkv, B * bs, D]. One `index_select` per place, over a view with one row per (part, head,
+    block)."""
+    p, h, _, d = places[0].shape
+    if where is None:
+        a = places[0]
+        base = (torch.arange(p * h, device=ids.device) * (a.shape[2] // bs)).view(p, h, 1)
+        flat = a.reshape(p * h * (a.shape[2] // bs), bs * d)
+        return flat.index_select(0, (ids + base).view(-1)).view(p, h, -1, d)
+    nb = ids.shape[1]
+    out = places[0].new_empty(p * h * nb, bs * d)  # one row per (part, head, block)
+    dest = torch.arange(p * h * nb, device=ids.device).view(p, h, nb)  # rows of `out`
+    parts = torch.arange(p, device=ids.device).view(p, 1) * h
+    heads = torch.arange(h, device=ids.device).view(h, 1).expand(h, nb)
+    for g, a in enumerate(places):
+        m = where == g  # the chosen blocks that live in place g
+        g_nb = a.shape[2] // bs
+        flat = a.reshape(p * h * g_nb, bs * d)
+        rows = ((parts + heads[m]) * g_nb + ids[m]).view(-1)
+        if rows.numel():
+            out.index_copy_(0, dest[:, m].reshape(-1), flat.index_select(0, rows))
+    return out.view(p, h, nb * bs, d)
 
 
 # ---- attention over a sparse selection's chosen blocks: in place (C), else gathered ----------
 
 
 def attend_blocks_torch(
-    q: torch.Tensor, arena: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor,
-    block_size: int, past: int, scale: float,
+    q: torch.Tensor, places: list[torch.Tensor], where: torch.Tensor | None, ids: torch.Tensor,
+    blocks: torch.Tensor, block_size: int, past: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """The reference of `attention.blocks`: the blocks `ids` [Hkv, B] of a layer's `arena` [2,
-    Hkv, slots, D] gathered (`_take`) and attended by `attention_one` (the list's last block,
-    the window's, holds the step's own tokens; `blocks`, their positions, are implied by the
-    list being in that order)."""
-    p, h, _, d = arena.shape
-    kv = _take(arena, ids, p, h, block_size, d)
-    n, total = q.shape[0], past + q.shape[0]
-    kv = kv[:, :, : kv.shape[2] - (-(-total // block_size) * block_size - total)]
+    """The reference of `attention.blocks`: the chosen blocks gathered from their places
+    (`gather_blocks`) and attended by `attention_one`. The list's last block, the window's,
+    holds the step's own tokens (`blocks`, their positions, are implied by that order)."""
+    kv = gather_blocks(places, where, ids, block_size)
+    n = q.shape[0]
+    kv = _trim(kv, past + n, block_size)
     return attention_one(q, kv[0], kv[1], kv.shape[2] - n, scale)
+
+
+def _trim(kv: torch.Tensor, total: int, bs: int) -> torch.Tensor:
+    """Gathered blocks [P, Hkv, B * bs, D] without the empty slots of the last (partly filled)
+    block of a sequence of `total` tokens."""
+    return kv[:, :, : kv.shape[2] - (-(-total // bs) * bs - total)]
 
 
 register_op(FnImplementation(

@@ -185,6 +185,10 @@ def test_tiered_reads_the_chosen_blocks_where_they_live(tmp_path):
     assert torch.equal(chosen.sort().values, resident.selection.last_read[0][0].sort().values)
     for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+    from unikv.kernels import sparse as kernels
+
+    if kernels.unavailable() is None:  # read in place from all three places by the C kernel
+        assert tiered.stats().format["kernels"]["attention.blocks"]["active"] == "c"
     tiered.close()
     resident.close()
 
@@ -362,29 +366,34 @@ def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
 
 @pytest.mark.parametrize("rows", [1, 16])
 def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, isa):
-    """kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie in the arena;
-    against the reference (gather, then attention): one decode row and a scored chunk of 16
-    (causal within the step's own tokens, which end in a partly filled block), the blocks of
-    each head in a different order in a shuffled arena, one and two threads."""
+    """kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie; against the
+    reference (gather, then attention): one decode row and a scored chunk of 16 (causal
+    within the step's own tokens, which end in a partly filled block), each head's blocks in
+    a shuffled arena, or spread over three places of different sizes (a tiered cache's
+    device and host arenas and a staged tensor), one and two threads."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.full import attend_blocks_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
     g = torch.Generator().manual_seed(rows)
-    h, group, d, bs, slots_blocks = 3, 3, 64, 16, 70
-    arena = torch.randn(2, h, slots_blocks * bs, d, generator=g)
+    h, group, d, bs, n_blocks = 3, 3, 64, 16, 70
+    arena = torch.randn(2, h, n_blocks * bs, d, generator=g)
     past = 60 * bs + 5 - rows  # the last block (60) holds the step's rows, partly filled
     chosen = torch.stack([torch.randperm(58, generator=g)[:9] + 1 for _ in range(h)])
     blocks = torch.cat([torch.zeros(h, 1, dtype=torch.long), chosen,
                         torch.tensor([[59, 60]]).expand(h, -1)], dim=1)  # fmt: skip
-    ids = torch.randperm(slots_blocks, generator=g)[blocks]
+    ids = torch.randperm(n_blocks, generator=g)[blocks]
+    places = [torch.randn(2, h, s * bs, d, generator=g) for s in (80, 40, 12)]
+    where = torch.randint(0, 3, blocks.shape, generator=g)
+    spread = ids % torch.tensor([80, 40, 12])[where]  # a block index inside its place
     q = torch.randn(rows, h * group, d, generator=g)
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        got = kernels.attend_blocks(q, arena, ids, blocks, bs, past, 0.125)
-        want = attend_blocks_torch(q, arena, ids, blocks, bs, past, 0.125)
-        assert (got - want).abs().max().item() < 1e-5, threads
+        for args in (([arena], None, ids), (places, where, spread)):
+            got = kernels.attend_blocks(q, *args, blocks, bs, past, 0.125)
+            want = attend_blocks_torch(q, *args, blocks, bs, past, 0.125)
+            assert (got - want).abs().max().item() < 1e-5, (threads, len(args[0]))
     torch.set_num_threads(2)
 
 

@@ -3,8 +3,10 @@ perplexity at a long context, passkey with every development text as haystack, d
 
 Perplexity: each development text's first `--tokens` tokens (the protocol of docs/protocol.md:
 prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
-through `full`, `sparse` at each `--shares` budget, and, at the same number of tokens attended,
-`learned_prune` (kept ratio = share) and the `streaming` scorer. A text shorter than
+through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value), and,
+at the same number of tokens attended, `learned_prune` (kept ratio = share), the `streaming`
+scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention (a
+bound on any choice of blocks, not a method). A text shorter than
 `--tokens` is measured at its own length (said in the table). Passkey: each text as the
 haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), `full` against
 `sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens prefilled, then
@@ -19,6 +21,7 @@ tokens attended.
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
+        [--methods sparse oracle learned_prune streaming] [--range-weights 1 0.5 0]
 """
 
 from __future__ import annotations
@@ -46,20 +49,74 @@ from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = sorted(p for p in (ROOT / "benchmarks" / "texts").iterdir() if p.name != "README.md")
+METHODS = ("sparse", "oracle", "learned_prune", "streaming")
 
 
-def methods(share: float, context: int) -> dict[str, tuple[str, dict]]:
+def methods(share: float, context: int, weights: tuple[float, ...] = (),
+            wanted: tuple[str, ...] = METHODS) -> dict[str, tuple[str, dict]]:  # fmt: skip
     """The caches compared at `share` of the context attended: name -> (strategy, options).
     The sparse budget is `share` of the context in tokens (Quest's token budget: positions
-    before it read everything); the pruned caches keep `share` of the tokens seen."""
-    return {
-        f"sparse@{share:g}": ("dense+resident+sparse", {"budget_tokens": int(share * context)}),
+    before it read everything), at its default `range_weight` and at each of `weights`; the
+    oracle is `sparse` choosing by true attention (`Oracle`); the pruned caches keep `share`
+    of the tokens seen."""
+    budget = {"budget_tokens": int(share * context)}
+    out = {
+        f"sparse@{share:g}": ("dense+resident+sparse", budget),
+        f"oracle@{share:g}": ("dense+resident+sparse", {**budget, "oracle": True}),
         f"learned_prune@{share:g}": ("learned_prune", {"kept_ratio": share}),
         f"streaming@{share:g}": ("learned_prune", {"kept_ratio": share, "scorer": "streaming"}),
     }
+    out = {k: v for k, v in out.items() if k.split("@")[0] in wanted}
+    if "sparse" in wanted:
+        for w in weights:
+            out[f"sparse(w={w:g})@{share:g}"] = ("dense+resident+sparse",
+                                                  {**budget, "range_weight": w})  # fmt: skip
+    return out
 
 
-def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float]) -> list[dict]:
+class Oracle:
+    """The `sparse` selection's choice made from the true attention (what the summaries stand
+    in for): per KV head the candidate blocks with the most softmax mass summed over the
+    group's queries, from every stored key (`format.read`). A bound on what any choice of
+    the same blocks per step can reach, not a method: it reads the whole cache to choose."""
+
+    def __init__(self, kv) -> None:
+        from unikv.kvstrategies.sparse import choose_torch
+
+        self.kv, self.layer, self._torch = kv, 0, choose_torch
+        sel = kv.selection
+        reads = sel.reads
+
+        def layer_reads(layer, q):
+            self.layer = layer
+            return reads(layer, q)
+
+        sel.reads, sel.operators = layer_reads, self
+
+    def __getitem__(self, op: str):
+        return self.choose
+
+    def report(self) -> dict:
+        return {}
+
+    def choose(self, q, bounds, lo, hi, room, end, alpha):
+        h, bs = bounds.shape[0], self.kv.pool.block_size
+        t, hq, d = q.shape
+        k = self.kv.format.read(self.layer)[0][0].float()  # [Hkv, T, D]: one sequence
+        qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+        p = torch.softmax(qg @ k.transpose(1, 2) * self.kv.spec.scale, -1)  # [Hkv, R, T]
+        nb = p.shape[-1] // bs
+        mass = p[..., : nb * bs].reshape(h, p.shape[1], nb, bs).sum((1, 3))[:, lo:hi]
+        fake = torch.zeros(h, hi, 2 * d)  # scores = the mass, through the reference's top-k
+        fake[:, lo:hi, 0] = mass
+        one = torch.zeros(1, hq, d)
+        one[..., 0] = 1.0
+        return self._torch(one, fake, lo, hi, room, end, 0.0)
+
+
+def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
+             weights: tuple[float, ...] = (), wanted: tuple[str, ...] = METHODS
+             ) -> list[dict]:  # fmt: skip
     spec = model.kv_spec()
     rows = []
     for path in texts:
@@ -70,8 +127,12 @@ def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float]) ->
         rows.append({"text": path.name, "tokens": n, "method": "full", "share": 1.0,
                      "ppl": base, "change_%": 0.0})  # fmt: skip
         for share in shares:
-            for label, (name, opts) in methods(share, n).items():
+            for label, (name, opts) in methods(share, n, weights, wanted).items():
+                opts = dict(opts)
+                oracle = opts.pop("oracle", False)
                 kv = kvstrategies.create(name, spec, options=opts)
+                if oracle:
+                    Oracle(kv)
                 got = perplexity(model, ids, kv)
                 read = kv.selection.stats().get("blocks_read_share")
                 rows.append({"text": path.name, "tokens": n, "method": label.split("@")[0],
@@ -234,8 +295,11 @@ def chart(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for method, style in (("sparse", "o-"), ("learned_prune", "s--"), ("streaming", "^:")):
+    for method, style in (("sparse", "o-"), ("oracle", "d-."), ("learned_prune", "s--"),
+                          ("streaming", "^:")):  # fmt: skip
         shares = sorted({r["share"] for r in rows if r["method"] == method})
+        if not shares:
+            continue
         worst = [max(r["change_%"] for r in rows if r["method"] == method and r["share"] == s)
                  for s in shares]  # fmt: skip
         ax.plot(shares, worst, style, label=f"{method} (worst text)")
@@ -265,6 +329,17 @@ def main() -> None:
                     help="packed formats whose decode is also timed, whole cache against "
                     "sparse")  # fmt: skip
     ap.add_argument("--texts", nargs="+", help="text files (default: the development texts)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS,
+                    default=["sparse", "learned_prune", "streaming"],
+                    help="what the PPL section compares with full (oracle: sparse choosing "
+                    "by the true attention, a bound, not a method)")  # fmt: skip
+    ap.add_argument(
+        "--range-weights",
+        type=float,
+        nargs="*",
+        default=[],
+        help="PPL: sparse also at each of these range_weight values",
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
@@ -285,7 +360,8 @@ def main() -> None:
         report("sparse_passkey", rows, ["text", "length", "full", "sparse", "full_depths",
                                         "sparse_depths"], extra)  # fmt: skip
     if "ppl" not in args.skip:
-        rows = ppl_rows(model, tok, texts, args.tokens, args.shares)
+        rows = ppl_rows(model, tok, texts, args.tokens, args.shares,
+                        tuple(args.range_weights), tuple(args.methods))  # fmt: skip
         report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",
                                     "blocks_read"], extra)  # fmt: skip
         worst = {}

@@ -140,6 +140,16 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const float 
  * causal over the step's own tokens in the window's last block and a partly filled block's
  * empty slots are never read as keys. */
 
+/* Ask for the next block's floats while this one is multiplied: the blocks lie apart (a
+ * 16-token block's keys are 4 KB of one head's rows), where the hardware prefetcher, which
+ * follows one stream within a page, does not reach. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 4 /* blocks */
+#endif
+static inline void prefetch_block(const char *p, long floats) {
+    for (long o = 0; o < floats * 4; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 /* One range [b0, b1) of head h's blocks against its nq = T * group queries: m, l, acc [nq][d]. */
 static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
                          const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long b0,
@@ -149,6 +159,11 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
     const long n = (b1 - b0) * bs;
     for (long b = b0; b < b1; b++) { /* keys: each read once for every query */
         const float *kb = (const float *)(intptr_t)kaddr[b];
+        if (b == b0) /* the first blocks, then one PF_AHEAD blocks ahead of the one in hand */
+            for (long a = b0 + 1; a < b1 && a <= b0 + PF_AHEAD; a++)
+                prefetch_block((const char *)(intptr_t)kaddr[a], bs * d);
+        else if (b + PF_AHEAD < b1)
+            prefetch_block((const char *)(intptr_t)kaddr[b + PF_AHEAD], bs * d);
         const long p0 = pos[b] * bs;
         for (int j = 0; j < bs; j++) {
             const float *kj = kb + (long)j * d;
@@ -180,6 +195,11 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
     }
     for (long b = b0; b < b1; b++) { /* values: each block read once for every query */
         const float *vb = (const float *)(intptr_t)vaddr[b];
+        if (b == b0)
+            for (long a = b0 + 1; a < b1 && a <= b0 + PF_AHEAD; a++)
+                prefetch_block((const char *)(intptr_t)vaddr[a], bs * d);
+        else if (b + PF_AHEAD < b1)
+            prefetch_block((const char *)(intptr_t)vaddr[b + PF_AHEAD], bs * d);
         for (int j = 0; j < bs; j++) {
             const float *vj = vb + (long)j * d;
             for (int i = 0; i < nq; i++) {
@@ -193,21 +213,36 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
     }
 }
 
-/* out [T, hq, d] = attention of q [T, hq, d] over nb blocks per KV head: block b of head h
- * has its bs keys at address kaddr[h, b] and its values at vaddr[h, b] (bs x d float32 each,
- * rows contiguous) and holds the sequence's positions pos[h, b] * bs .. + bs - 1. Returns 0,
- * or -1 (bad arguments, no memory). */
-int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const int64_t *kaddr,
-                  const int64_t *vaddr, const int64_t *pos, long nb, long past, float scale,
-                  float *out, int threads) {
+/* out [T, hq, d] = attention of q [T, hq, d] over nb blocks per KV head: the sequence's
+ * blocks blocks[h, b] (positions in its block list; block p holds positions p * bs .. + bs - 1),
+ * found in place where[p] (0 when where is NULL) at block index ids[p] there. Place g is a
+ * [2, hkv, slots[g], d] float32 array at address bases[g] (K, then V). Returns 0, or -1 (bad
+ * arguments, no memory). */
+int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const int64_t *bases,
+                  const int64_t *slots, const int64_t *where, const int64_t *ids,
+                  const int64_t *blocks, long nb, long past, float scale, float *out,
+                  int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = T * group;
     if (hkv <= 0 || hq % hkv || T <= 0 || d <= 0 || bs <= 0 || nb <= 0) return -1;
+    /* each chosen block's first key and value */
+    int64_t *kaddr = malloc(sizeof(int64_t) * 2 * (size_t)hkv * nb), *vaddr = kaddr + hkv * nb;
+    if (!kaddr) return -1;
+    for (int h = 0; h < hkv; h++)
+        for (long b = 0; b < nb; b++) {
+            const int64_t p = blocks[h * nb + b], g = where ? where[p] : 0;
+            const int64_t head = (int64_t)h * slots[g] * d, rows = (int64_t)hkv * slots[g] * d;
+            kaddr[h * nb + b] = bases[g] + (int64_t)sizeof(float) * (head + ids[p] * bs * d);
+            vaddr[h * nb + b] = kaddr[h * nb + b] + (int64_t)sizeof(float) * rows;
+        }
     const int parts = threads > 1 && nb >= 2 ? 2 : 1;
     const long per = (nb + parts - 1) / parts, items = (long)hkv * parts;
     /* per item: m, l [nq], acc [nq][d], scores [nq][per * bs] */
     const long stride = 2L * nq + (long)nq * d + (long)nq * per * bs;
     float *buf = malloc(sizeof(float) * (size_t)(items * stride));
-    if (!buf) return -1;
+    if (!buf) {
+        free(kaddr);
+        return -1;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < items; t++) {
         const int h = (int)(t / parts);
@@ -218,7 +253,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
             continue;
         }
         attend_range(q, T, hq, hkv, d, bs, kaddr + (long)h * nb, vaddr + (long)h * nb,
-                     pos + (long)h * nb, b0, b1, past, scale, h, m, l, acc, s);
+                     blocks + (long)h * nb, b0, b1, past, scale, h, m, l, acc, s);
     }
     for (int h = 0; h < hkv; h++)
         for (int i = 0; i < nq; i++) {
@@ -241,5 +276,6 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
             for (int c = 0; c < d; c++) o[c] *= inv;
         }
     free(buf);
+    free(kaddr);
     return 0;
 }

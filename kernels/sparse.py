@@ -41,7 +41,7 @@ def _load() -> ctypes.CDLL | None:
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, lng, lng, lng, lng, f, p, i]
     lib.sparse_choose.restype = ctypes.c_int
-    lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, lng, lng, f, p, i]
+    lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
     _state["lib"] = lib
     return lib
@@ -93,38 +93,33 @@ def attend_blocks(
     blocks: torch.Tensor, block_size: int, past: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of one sequence's new queries q [T, Hq, D] over the blocks it chose, read
-    where they lie: `places` are [2, Hkv, slots, D] float32 tensors (K, V; contiguous: a
-    tier's arena for the layer, a staged tensor), `where` [Hkv, B] the place of each chosen
-    block (None: all in places[0]), `ids` [Hkv, B] its block index there, `blocks` [Hkv, B]
-    its position in the sequence's block list. Query row t sees positions up to past + t.
+    where they lie. `blocks` [Hkv, B]: the chosen blocks' positions in the sequence's block
+    list; per position p, `where[p]` the place it lies in (None: all in places[0]) and `ids[p]`
+    its block index there; `places`: [2, Hkv, slots, D] float32 tensors (K, V; contiguous: a
+    tier's arena for the layer, a staged tensor). Query row t sees positions up to past + t.
     Returns [T, Hq, D]."""
     lib = _lib()
     t, hq, d = q.shape
-    h = ids.shape[0]
+    h = blocks.shape[0]
     for a in places:
         if a.dtype != torch.float32 or not a.is_contiguous() or a.shape[0] != 2 \
                 or a.shape[1] != h or a.shape[3] != d:  # fmt: skip
             raise ValueError("attend_blocks reads contiguous float32 [2, Hkv, slots, D] places")
-    if q.dtype != torch.float32 or ids.shape != blocks.shape:
-        raise ValueError("attend_blocks takes float32 queries and [Hkv, B] ids and blocks")
-    # Each block's first key and value as an address: its place's, plus the head's and the
-    # block's offsets there (the values start Hkv x slots rows after the keys).
-    head = torch.arange(h).view(h, 1)
-    row = block_size * d * 4  # bytes of a block's keys
-    if where is None:
-        a = places[0]
-        base, slots = a.data_ptr(), a.shape[2]
-    else:
-        base = torch.tensor([a.data_ptr() for a in places])[where]
-        slots = torch.tensor([a.shape[2] for a in places])[where]
-    kaddr = (base + head * slots * (d * 4) + ids.long() * row).contiguous()
-    vaddr = (kaddr + h * slots * (d * 4)).contiguous()
-    q, blocks = q.contiguous(), blocks.contiguous().long()
+    if q.dtype != torch.float32:
+        raise ValueError("attend_blocks takes float32 queries")
+    for x in (where, ids, blocks):  # int64, contiguous: read by address
+        if x is not None and (x.dtype != torch.int64 or not x.is_contiguous()):
+            raise ValueError("attend_blocks takes contiguous int64 where, ids and blocks")
+    n = len(places)
+    bases = (ctypes.c_int64 * n)(*(a.data_ptr() for a in places))
+    slots = (ctypes.c_int64 * n)(*(a.shape[2] for a in places))
+    q = q.contiguous()
     out = torch.empty_like(q)
     rc = lib.sparse_attend(
-        q.data_ptr(), t, hq, h, d, block_size, kaddr.data_ptr(), vaddr.data_ptr(),
-        blocks.data_ptr(), ids.shape[1], past, scale, out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), t, hq, h, d, block_size, bases, slots,
+        None if where is None else where.data_ptr(), ids.data_ptr(), blocks.data_ptr(),
+        blocks.shape[1], past, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc:
-        raise ValueError(f"sparse.c refused attention over {ids.shape[1]} blocks of {t} rows")
+        raise ValueError(f"sparse.c refused attention over {blocks.shape[1]} blocks of {t} rows")
     return out

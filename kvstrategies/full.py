@@ -147,7 +147,8 @@ class DenseFormat(Format):
         out = q.new_empty(*q.shape[:2], self.spec.v_dim)
         # The staged tensors (tiered: the SSD tier's blocks), fetched once for the layer.
         staged = step.staged(layer, True) if step.groups is not None else None
-        pieces = self._kv_pieces(layer, count=False) if None in chosen else None
+        whole = any(c is None for c in chosen)  # (not `None in`: that compares tensors)
+        pieces = self._kv_pieces(layer, count=False) if whole else None
         bs = self.pool.block_size
         for i, blocks in enumerate(chosen):
             rows = step.batch.rows(i)
@@ -157,18 +158,20 @@ class DenseFormat(Format):
                                            step.past[i], self.scale)  # fmt: skip
                 continue
             places = self._block_places(layer, i, staged)
-            where, ids = self._places(i)
-            where = None if where is None else where[blocks]
+            where, ids = self._places(i)  # per block of the sequence: its place, its index there
             if (
                 self._in_place
                 and q.dtype == torch.float32
                 and all(a.dtype == torch.float32 and a.is_contiguous() for a in places)
             ):  # the C kernel reads each block where it lies
-                out[rows] = self.operators["attention.blocks"](
-                    q[rows], places, where, ids[blocks], blocks, bs, step.past[i], self.scale
+                got = self.operators["attention.blocks"](
+                    q[rows], places, where, ids, blocks, bs, step.past[i], self.scale
                 )
+                if len(chosen) == 1:  # one sequence: its rows are the batch's
+                    return got
+                out[rows] = got
                 continue
-            kv = gather_blocks(places, where, ids[blocks], bs)  # [P, Hkv, B * bs, D]
+            kv = gather_blocks(places, None if where is None else where[blocks], ids[blocks], bs)
             out[rows] = self._attend_gathered(q[rows], kv, step.past[i])
         return out
 
@@ -351,9 +354,11 @@ def attend_blocks_torch(
     q: torch.Tensor, places: list[torch.Tensor], where: torch.Tensor | None, ids: torch.Tensor,
     blocks: torch.Tensor, block_size: int, past: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """The reference of `attention.blocks`: the chosen blocks gathered from their places
-    (`gather_blocks`) and attended by `attention_one`. The list's last block, the window's,
-    holds the step's own tokens (`blocks`, their positions, are implied by that order)."""
+    """The reference of `attention.blocks`: the chosen blocks `blocks` [Hkv, B] (positions in
+    the sequence's block list; per position its place `where`, None: places[0], and its block
+    index `ids` there) gathered from their places (`gather_blocks`) and attended by
+    `attention_one`. The list's last block, the window's, holds the step's own tokens."""
+    where, ids = (None if where is None else where[blocks]), ids[blocks]
     kv = gather_blocks(places, where, ids, block_size)
     n = q.shape[0]
     kv = _trim(kv, past + n, block_size)

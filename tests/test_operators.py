@@ -273,7 +273,7 @@ def _example(op: str):
         g = torch.Generator().manual_seed(0)
         arena = torch.randn(2, 2, 8 * 16, 32, generator=g)
         blocks = torch.tensor([[0, 2, 4], [0, 3, 4]])
-        ids = torch.tensor([5, 1, 7, 0, 3])[blocks]
+        ids = torch.tensor([5, 1, 7, 0, 3])  # per block of the sequence: where in the arena
         return (torch.randn(2, 4, 32, generator=g), [arena], None, ids, blocks, 16, 70, 0.2), 1e-5
     if op == "sparse.choose":  # scores apart by 100s: every summation order chooses the same
         from tests.test_sparse import _distinct_scores

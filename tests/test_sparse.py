@@ -383,10 +383,10 @@ def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows
     chosen = torch.stack([torch.randperm(58, generator=g)[:9] + 1 for _ in range(h)])
     blocks = torch.cat([torch.zeros(h, 1, dtype=torch.long), chosen,
                         torch.tensor([[59, 60]]).expand(h, -1)], dim=1)  # fmt: skip
-    ids = torch.randperm(n_blocks, generator=g)[blocks]
+    ids = torch.randperm(n_blocks, generator=g)  # per block of the sequence: its arena block
     places = [torch.randn(2, h, s * bs, d, generator=g) for s in (80, 40, 12)]
-    where = torch.randint(0, 3, blocks.shape, generator=g)
-    spread = ids % torch.tensor([80, 40, 12])[where]  # a block index inside its place
+    where = torch.randint(0, 3, (n_blocks,), generator=g)  # or: its place, and its index there
+    spread = ids % torch.tensor([80, 40, 12])[where]
     q = torch.randn(rows, h * group, d, generator=g)
     for threads in (1, 2):
         torch.set_num_threads(threads)

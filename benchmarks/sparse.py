@@ -5,8 +5,8 @@ Perplexity: each development text's first `--tokens` tokens (the protocol of doc
 prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
 through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value), and,
 at the same number of tokens attended, `learned_prune` (kept ratio = share), the `streaming`
-scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention (a
-bound on any choice of blocks, not a method). A text shorter than
+scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention
+(about the best a choice of whole blocks can do; not a method). A text shorter than
 `--tokens` is measured at its own length (said in the table). Passkey: each text as the
 haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), `full` against
 `sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens prefilled, then
@@ -77,8 +77,8 @@ def methods(share: float, context: int, weights: tuple[float, ...] = (),
 class Oracle:
     """The `sparse` selection's choice made from the true attention (what the summaries stand
     in for): per KV head the candidate blocks with the most softmax mass summed over the
-    group's queries, from every stored key (`format.read`). A bound on what any choice of
-    the same blocks per step can reach, not a method: it reads the whole cache to choose."""
+    group's queries, from every stored key (`format.read`). About the best a choice of whole
+    blocks per step can do, not a method: it reads the whole cache to choose."""
 
     def __init__(self, kv) -> None:
         from unikv.kvstrategies.sparse import choose_torch
@@ -332,7 +332,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS,
                     default=["sparse", "learned_prune", "streaming"],
                     help="what the PPL section compares with full (oracle: sparse choosing "
-                    "by the true attention, a bound, not a method)")  # fmt: skip
+                    "by the true attention: a reference, not a method)")  # fmt: skip
     ap.add_argument(
         "--range-weights",
         type=float,

@@ -5,11 +5,12 @@ Quest's rule (Tang et al., ICML 2024), for any model, without training: per bloc
 KV head the selection keeps the per-channel minimum and maximum of its keys. For a query q the
 largest q.k any key of the block can give is sum_d max(q_d min_d, q_d max_d) = q.c + |q|.r,
 with c the channels' centre and r their half-range. A block is scored q.c + w |q|.r with
-`range_weight` w: 1 is Quest's bound; the default 0.25 lost less PPL on every development text
-(the bound over-rates blocks whose channels range widely). Per step, layer and KV head, the
-group's query heads (and, for a chunk of several tokens, all its queries) choose together: a
-block takes its largest score over them. The choice is the registry op `sparse.choose` (the C
-kernel `kernels/sparse.c`, else `choose_torch`): one call per sequence and layer.
+`range_weight` w: 1 is Quest's bound; the default 0.25 lost less PPL than the bound on every
+development text (the bound over-rates blocks whose channels range widely). Per step, layer
+and KV head, the group's query heads (and, for a chunk of several tokens, all its queries)
+choose together: a block takes its largest score over them. The choice is the registry op
+`sparse.choose` (the C kernel `kernels/sparse.c`, else `choose_torch`): one call per sequence
+and layer.
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the

@@ -19,8 +19,6 @@ directory, the same libgomp as torch, so the kernel's OpenMP threads are torch's
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from importlib import resources
 from pathlib import Path
 
@@ -36,23 +34,16 @@ FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # gemv.c'
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
-log = logging.getLogger(__name__)
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
 
 
 def _load() -> ctypes.CDLL | None:
     if "lib" in _state or "error" in _state:
         return _state.get("lib")  # type: ignore[return-value]
-    if os.environ.get("UNIKV_NO_KERNEL") == "1":
-        _state["error"] = "disabled by UNIKV_NO_KERNEL=1"
+    lib = kernels.open_library(SOURCE, _state, "matmul kernel gemv.c")
+    if lib is None:
         return None
-    try:
-        isa = kernels.isa()
-        lib = ctypes.CDLL(str(kernels.build(SOURCE)))
-    except (OSError, RuntimeError) as e:
-        _state["error"] = str(e)
-        log.warning("matmul kernel gemv.c: PyTorch fallback (%s)", e)
-        return None
+    isa = kernels.isa()  # what the build was made for (it raised already if unknown)
     lib.gemv_max_in.restype = ctypes.c_long
     if (
         lib.gemv_max_rows() != MAX_ROWS

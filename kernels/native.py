@@ -162,6 +162,22 @@ def build(source: Path, defines: Sequence[str] = ()) -> Path:
     return lib
 
 
+def open_library(source: Path, state: dict, label: str) -> ctypes.CDLL | None:
+    """The C file `source` built (`build`) and loaded, or None with the reason kept in
+    `state["error"]` (`UNIKV_NO_KERNEL=1`, no compiler, a failed build; logged once as
+    "`label`: PyTorch fallback (reason)"). The caller declares the library's functions and
+    keeps it in `state["lib"]`."""
+    if os.environ.get("UNIKV_NO_KERNEL") == "1":
+        state["error"] = "disabled by UNIKV_NO_KERNEL=1"
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (OSError, RuntimeError) as e:
+        state["error"] = str(e)
+        log.warning("%s: PyTorch fallback (%s)", label, e)
+        return None
+
+
 def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
     """The kernel compiled for `shape` (keys T, D, NF, NM, NL, VF, VM, VL, B, LB, G, SF, LAT,
     DV), or None when it is unavailable (see `KERNEL_ERROR`)."""

@@ -12,8 +12,6 @@ directory and libgomp as the other kernels).
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from importlib import resources
 from pathlib import Path
 
@@ -22,21 +20,14 @@ import torch
 from unikv.kernels import native as kernels
 
 SOURCE = Path(resources.files(__package__) / "sparse.c")
-log = logging.getLogger(__name__)
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
 
 
 def _load() -> ctypes.CDLL | None:
     if "lib" in _state or "error" in _state:
         return _state.get("lib")  # type: ignore[return-value]
-    if os.environ.get("UNIKV_NO_KERNEL") == "1":
-        _state["error"] = "disabled by UNIKV_NO_KERNEL=1"
-        return None
-    try:
-        lib = ctypes.CDLL(str(kernels.build(SOURCE)))
-    except (OSError, RuntimeError) as e:
-        _state["error"] = str(e)
-        log.warning("sparse choice kernel sparse.c: PyTorch fallback (%s)", e)
+    lib = kernels.open_library(SOURCE, _state, "sparse selection kernels sparse.c")
+    if lib is None:
         return None
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, lng, lng, lng, lng, f, p, i]

@@ -52,12 +52,13 @@ test: $(VENV)/.deps-test system-deps
 
 # The import-layer contract (pyproject.toml). The `unikv` namespace maps the floors' folders
 # (setuptools package-dir), which grimp cannot follow: lint a copy laid out as the wheel is.
-PACKAGES := cli serving engine kvstrategies kernels memory storage settings
+PACKAGES := cli serving engine kvstrategies memory storage settings
 LINT_VIEW := build/lint-view
 .PHONY: lint-imports
 lint-imports: $(VENV)/.deps-test
 	rm -rf $(LINT_VIEW) && mkdir -p $(LINT_VIEW)/unikv
 	cp unikv/*.py $(LINT_VIEW)/unikv/
+	mkdir -p $(LINT_VIEW)/unikv/kernels && cp unikv/kernels/*.py $(LINT_VIEW)/unikv/kernels/
 	for p in $(PACKAGES); do mkdir -p $(LINT_VIEW)/unikv/$$p && cp $$p/*.py $(LINT_VIEW)/unikv/$$p/; done
 	cd $(LINT_VIEW) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml --no-cache
 

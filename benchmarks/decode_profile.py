@@ -6,10 +6,10 @@ Runs `--steps` greedy decode steps of the real model after a `--context`-token p
 to the part of the step its innermost unikv frame belongs to: `kvstrategies/` is attention (KV
 append and attend), `engine/linear.py`'s matmuls and norm, the model's RoPE table, sampling
 (the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The matmul
-C kernel (`kernels/gemv.c`, called through ctypes) is no torch op: its time is the self time of
-the Python functions in `kernels/gemv.py` that call it. The profiler costs microseconds per op,
-so the step's wall time is also measured without it; "python" is that wall time minus the
-ops' share of the profiled run, scaled to the unprofiled one.
+C kernel (`unikv/kernels/gemv.c`, called through ctypes) is no torch op: its time is the self
+time of the Python functions in `unikv/kernels/gemv.py` that call it. The profiler costs
+microseconds per op, so the step's wall time is also measured without it; "python" is that wall
+time minus the ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
         [--weights float32|native] [--threads 2] [--layer native|ops]
@@ -63,7 +63,8 @@ RULES = [
     ("benchmarks/kv_quant_speed.py", "decode", "sampling"),
     ("engine/model.py", None, "other ops"),
 ]
-C_KERNEL = "kernels/gemv.py("  # the Python frames that call the matmul C kernel (kernels/gemv.c)
+# The Python frames that call the matmul C kernel (unikv/kernels/gemv.c).
+C_KERNEL = "unikv/kernels/gemv.py("
 LAYER_CALLS = (": layer_qkv", ": layer_out")  # ... and gemv.c's whole-layer calls (engine/fused.py)
 
 

@@ -43,12 +43,12 @@ LAYERS = [
         "       KVMemory (reserve / free / prefix / swap)\n"
         "strategy.py  one adapter over three objects:\n"
         "  format (dense, hybrid, int8) · placement (resident,\n"
-        "  tiered) · selection (all, pruned); presets = triples",
+        "  tiered) · selection (all, pruned, sparse); presets",
         "#e3f1dc",
         18,
     ),
     (
-        "memory/  |  kernels/",
+        "memory/  |  unikv/kernels/",
         "memory: UnifiedMemoryPool over tiers, blocks, block\n"
         "  tables, prefix sharing, budgets, stats, one health rule,\n"
         "  write-through and prefetch, experts\n"

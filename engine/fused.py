@@ -2,7 +2,7 @@
 
 What lives here: the registry entries of `layer.qkv` (norm, QKV projection, RoPE: x -> q, k, v)
 and `layer.out` (output projection, residual, norm, SwiGLU MLP, residual: x, attn -> x), each
-with two implementations: `native` (CPU: one call into `kernels/gemv.c` per op, `layer_qkv`
+with two implementations: `native` (CPU: one call into `unikv/kernels/gemv.c` per op, `layer_qkv`
 and `layer_out`) and `ops` (the reference: the same computation as torch ops, each matmul,
 norm and rope through its own registry entry). What does not: the forward pass that calls them
 (`engine.model`), the matmul kernels (`kernels.gemv`).

@@ -8,9 +8,9 @@ breaker (`kernels.operators`), the block formats (`engine.quantized`), the forwa
 (`engine.model`).
 
 Ops and their entries, in preference order (the last is the reference, available everywhere):
-- matmul.float (weights in the compute dtype): gemv (CPU, AVX-512: `kernels/gemv.c` for decode,
-  at most `gemv.MAX_ROWS` rows of float32; larger batches go on to split_bmm), split_bmm (CPU),
-  mm.
+- matmul.float (weights in the compute dtype): gemv (CPU, AVX-512: `unikv/kernels/gemv.c` for
+  decode, at most `gemv.MAX_ROWS` rows of float32; larger batches go on to split_bmm),
+  split_bmm (CPU), mm.
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
 - matmul.q8_0: gemv_i8 (CPU, AVX512-VNNI: the activations rounded per 32-element block to two
   int8 codes, llama.cpp's Q8_0 / Q8_1 activations plus a code for the rest, and the GGUF blocks

@@ -13,7 +13,7 @@ Formats (ggml's `ggml-common.h`; one block is 32 consecutive elements of a row):
   nibble); w = d * (q - 8).
 - Q4_1: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; w = d * q + m.
 and two K-quants, whose super-blocks hold 256 elements in 8 (Q4_K) or 16 (Q6_K) sub-blocks
-with their own scales (`kernels/gemv.c` decodes them; here `gguf.quants` does, for the
+with their own scales (`unikv/kernels/gemv.c` decodes them; here `gguf.quants` does, for the
 reference path):
 - Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes
   of nibbles; w = d * scale * q - dmin * min.

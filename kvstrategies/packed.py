@@ -1,7 +1,7 @@
 """The packed record of the hybrid and int8 formats: its byte layout and its codec.
 
 One pool block holds, per layer and KV head, one byte record with the fields listed in
-`Record` (the layout `kernels/hybrid_attend.c` reads). `PackedCodec` quantizes blocks of keys
+`Record` (the layout `unikv/kernels/hybrid_attend.c` reads). `PackedCodec` quantizes blocks of keys
 and values into records and dequantizes records back; `channel_plan` is the stored channel
 order a calibration file gives. Keys are quantized per channel over the tokens of one block,
 values per token over each class of channels; min/max with fp16 scale and low, or fp8 scale and

@@ -4,7 +4,7 @@ Asymmetric min/max quantization: a group of values x is stored as codes q in [0,
 one fp16 `scale` and one fp16 `low` per group, and read back as q * scale + low. Codes are packed
 `8 // b` to a byte along one axis in *split* order: byte j holds elements j, j + m, j + 2m, ...
 (m = n * b // 8), so that unpacking with one shift yields a contiguous run of elements. That is
-what lets the attention kernel (`kernels/native.py`) read packed blocks with plain loops.
+what lets the attention kernel (`unikv/kernels/native.py`) read packed blocks with plain loops.
 
 `ChannelPlan` orders the channels of each layer and KV head by importance (from the
 channel-importance evaluator, `calibration.py`); `channel_counts` says how many of them stay

@@ -9,7 +9,7 @@ with c the channels' centre and r their half-range. A block is scored q.c + w |q
 development text (the bound over-rates blocks whose channels range widely). Per step, layer
 and KV head, the group's query heads (and, for a chunk of several tokens, all its queries)
 choose together: a block takes its largest score over them. The choice is the registry op
-`sparse.choose` (the C kernel `kernels/sparse.c`, else `choose_torch`): one call per sequence
+`sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else `choose_torch`): one call per sequence
 and layer.
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
@@ -300,7 +300,7 @@ class SparseSelection(Selection):
             self._add(sid, k, have, layer)
 
 
-# ---- the choice as a registry op: the C kernel (`kernels/sparse.c`), else PyTorch ------------
+# ---- the choice as a registry op: the C kernel (`unikv/kernels/sparse.c`), else PyTorch ----
 
 
 def choose_torch(
@@ -310,7 +310,7 @@ def choose_torch(
     the `room` candidates of [lo, hi) with the largest score for any of the group's queries
     (q [rows, Hq, D]; bounds [Hkv, blocks, 2D]: centre, half-range), in ascending order, then
     the window [hi, end). The score: q . centre + alpha |q| . half-range (alpha = 1: Quest's
-    upper bound of q . k over the block). The reference `kernels/sparse.c` must agree with."""
+    upper bound of q . k over the block). The reference `unikv/kernels/sparse.c` must agree with."""
     h = bounds.shape[0]
     t, hq, d = q.shape
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import random
+import tomllib
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,19 @@ _TAILS = [
     "with great patience.",
     "for the third time that year.",
 ]
+
+
+def floor_folders() -> dict[str, Path]:
+    """{floor: its folder in the repository}, from pyproject.toml's package-dir; a floor it does not
+    map lives where its import name says (`unikv.kernels` in unikv/kernels/)."""
+    root = Path(__file__).resolve().parent.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = setup["package-dir"]
+    return {
+        name.removeprefix("unikv."): root / dirs.get(name, name.replace(".", "/"))
+        for name in setup["packages"]
+        if name != "unikv"
+    }
 
 
 def make_english(n_sentences: int, seed: int = 0) -> str:

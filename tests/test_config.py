@@ -6,6 +6,8 @@ import pytest
 
 from unikv.settings.config import ConfigError, PoolConfig, TierConfig, load_config, parse_size
 
+from .conftest import floor_folders
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 RAM = 64 * GiB
@@ -252,17 +254,8 @@ def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> Non
     import re
 
     names = set()
-    for pkg in (
-        "cli",
-        "serving",
-        "engine",
-        "kvstrategies",
-        "kernels",
-        "memory",
-        "storage",
-        "settings",
-    ):
-        for f in (ROOT / pkg).rglob("*.py"):
+    for folder in floor_folders().values():
+        for f in folder.rglob("*.py"):
             names |= set(re.findall(r'"(UNIKV_[A-Z_]+)"', f.read_text(encoding="utf-8")))
     assert {"UNIKV_API_KEY", "UNIKV_STORE_SECRET", "UNIKV_LOG_LEVEL"} <= names
     for name in sorted(names):

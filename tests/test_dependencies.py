@@ -17,8 +17,11 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from .conftest import floor_folders
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("cli", "serving", "engine", "kvstrategies", "kernels", "memory", "storage", "settings")
+FOLDERS = floor_folders()
+PACKAGES = tuple(FOLDERS)
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 RUNTIME = [Requirement(r) for r in PROJECT["dependencies"]]
 EXTRAS = {k: [Requirement(r) for r in v] for k, v in PROJECT["optional-dependencies"].items()}
@@ -67,7 +70,7 @@ def _third_party() -> dict[tuple[str, bool], list[str]]:
     ours = set(PACKAGES) | {"__future__", "unikv"}
     found: dict[tuple[str, bool], list[str]] = {}
     for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
+        for f in sorted(FOLDERS[pkg].rglob("*.py")):
             for top, optional in _imports(ast.parse(f.read_text(), str(f))):
                 if top in ours or top in sys.stdlib_module_names:
                     continue
@@ -165,15 +168,25 @@ def test_every_module_imports_with_only_the_runtime_dependencies():
     assert "unikv[remote]" in failed["unikv.storage.redis_store"]
 
 
+def test_no_folder_at_the_root_hides_an_installed_package():
+    """CI broke when transformers 5.25 began to require Hugging Face's `kernels`: pytest (and
+    `python -m`) put the repository's root first on sys.path, where a folder `kernels/` hid the
+    installed package, and `import transformers` failed inside it. A floor whose name an installed
+    distribution also ships must live under unikv/ (as unikv/kernels/ does), not at the root."""
+    dists = packages_distributions()
+    at_root = [p for p, folder in FOLDERS.items() if folder.parent == ROOT]
+    assert at_root, "package-dir maps no floor to the root: the check would be empty"
+    hidden = {p: dists[p] for p in at_root if set(dists.get(p, [])) - {"unikv"}}
+    assert not hidden, f"root folders with the import name of an installed distribution: {hidden}"
+
+
 def test_no_code_or_help_text_cites_a_file_outside_the_repository():
     """Issue 33: help texts and docstrings named the design document, which a user of the
     package does not have; the measurement protocol's copy is docs/protocol.md."""
     outside = ("DESIGN.md", "STYLE.md", "../shared")
     found = []
-    for folder in ("cli", "engine", "memory", "kvstrategies", "kernels", "settings", "storage",
-                   "serving", "benchmarks",
-                   "configs", "tests"):  # fmt: skip
-        for f in sorted((ROOT / folder).rglob("*")):
+    for folder in [*FOLDERS.values(), ROOT / "benchmarks", ROOT / "configs", ROOT / "tests"]:
+        for f in sorted(folder.rglob("*")):
             if f.suffix in (".py", ".toml", ".c", ".html") and f.name != Path(__file__).name:
                 text = f.read_text(encoding="utf-8")
                 found += [f"{f.relative_to(ROOT)}: {o}" for o in outside if o in text]

@@ -1,4 +1,4 @@
-"""A Llama layer's dense part in two native calls (engine/fused.py, kernels/gemv.c's layer_qkv
+"""A Llama layer's dense part in two native calls (engine/fused.py, unikv/kernels/gemv.c's layer_qkv
 and layer_out) against the same computation as torch ops: q, k, v and the layer's output per
 call, under every instruction set this CPU runs, with float32 and packed weights; the whole
 model's decode logits and PPL; and the fallbacks (rows a kernel does not take, a matmul entry

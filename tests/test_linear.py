@@ -159,7 +159,7 @@ def _native_untimed(model_path, monkeypatch, i8: bool):
 def test_native_decode_matches_the_dequantized_model(
     model_path, model, tokenizer, english_text, monkeypatch
 ):
-    """At decode the float-activation kernel (kernels/gemv.c's gemv_q) multiplies the packed
+    """At decode the float-activation kernel (unikv/kernels/gemv.c's gemv_q) multiplies the packed
     blocks with float32 activations: the logits equal the dequantized model's up to float32
     summation order (far inside the bf16 kernels' tolerance above)."""
     native = _native_untimed(model_path, monkeypatch, i8=False)

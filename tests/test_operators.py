@@ -210,7 +210,7 @@ def test_choice_per_device_and_unknown_op():
 
 def test_a_healthy_breaker_times_one_call_in_every():
     """What keeps the breaker cheap (its measured overhead is stated in
-    kernels/operators.py): a healthy breaker reads the clock twice per `every` calls and
+    unikv/kernels/operators.py): a healthy breaker reads the clock twice per `every` calls and
     never on the others (counted with a fake clock, not timed)."""
     reads = []
 
@@ -400,7 +400,7 @@ def test_cuda_entries_agree(op):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= rtol
 
 
-# ---- the decode kernel (kernels/gemv.c): a few rows, odd shapes, one and two threads ----------
+# ---- the decode kernel (unikv/kernels/gemv.c): a few rows, odd shapes, one and two threads ----
 
 
 def _gemv_entry(op: str, name: str = "gemv"):

@@ -321,7 +321,7 @@ def _distinct_scores(rows, hq, h, d, blocks, seed=0):
 
 @pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
 def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
-    """kernels/sparse.c against the PyTorch reference (`sparse.choose`): the sinks, the best
+    """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`): the sinks, the best
     blocks per KV head in ascending order, the window; one and several query rows (a scored
     chunk; 300 query vectors), no room, every candidate, and enough blocks that two threads
     score them."""
@@ -366,7 +366,7 @@ def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
 
 @pytest.mark.parametrize("rows", [1, 16])
 def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, isa):
-    """kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie; against the
+    """unikv/kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie; against the
     reference (gather, then attention): one decode row and a scored chunk of 16 (causal
     within the step's own tokens, which end in a partly filled block), each head's blocks in
     a shuffled arena, or spread over three places of different sizes (a tiered cache's

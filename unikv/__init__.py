@@ -5,6 +5,8 @@ One import namespace over the repository's floors (setuptools maps each to its f
     unikv.serving       the OpenAI-compatible server, replicas, health, the `unikv` command
     unikv.engine        the attention + MoE engine and its async API (`unikv.engine.Engine`)
     unikv.kvstrategies  how keys and values are stored (formats, placements, selections)
+    unikv.kernels       the operator registry and the C kernels (in unikv/kernels/, not at the root:
+                        a root folder `kernels` would hide Hugging Face's package of that name)
     unikv.memory        the unified memory pool, its tiers, config files and chip profiles
     unikv.storage       block stores under the SSD and remote tiers (LMDB, files, Redis)
 

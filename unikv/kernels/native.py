@@ -1,5 +1,5 @@
 """Build and load the small C kernels on first use: `hybrid_attend.c` here, and the engine's own
-(`kernels/gemv.c`, through `build`).
+(`unikv/kernels/gemv.c`, through `build`).
 
 Compiled with the system C compiler (`cc -O3 -fopenmp` and the flags of the instruction set
 `isa()` chooses) into a cache directory (`$UNIKV_KERNEL_DIR`, default `~/.cache/unikv/kernels`),

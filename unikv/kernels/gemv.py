@@ -50,7 +50,7 @@ def _load() -> ctypes.CDLL | None:
         or lib.gemv_max_in() != MAX_IN
         or (lib.gemv_i8_max_rows() != I8_MAX_ROWS)
     ):
-        _state["error"] = "gemv.c and kernels/gemv.py disagree on their limits (rebuild)"
+        _state["error"] = "gemv.c and unikv/kernels/gemv.py disagree on their limits (rebuild)"
         return None
     if lib.gemv_isa() != ISA_CODE[isa]:  # the flags did not reach the compiler as meant
         _state["error"] = f"gemv.c built for {isa} holds path {lib.gemv_isa()} (check $CC)"
@@ -64,7 +64,7 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_k.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_k.restype = ctypes.c_int
     if lib.layer_struct_size() != ctypes.sizeof(Layer):
-        _state["error"] = "gemv.c's layer_t and kernels/gemv.py's Layer disagree (rebuild)"
+        _state["error"] = "gemv.c's layer_t and unikv/kernels/gemv.py's Layer disagree (rebuild)"
         return None
     lib.layer_qkv.argtypes = [p, p, i, p, p, p, p, i]
     lib.layer_out.argtypes = [p, p, p, i, p, i]

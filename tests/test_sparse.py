@@ -340,12 +340,15 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
             assert got.shape == (h, 1 + room + 4)
             assert torch.equal(got, want), (alpha, threads)
     torch.set_num_threads(2)
-    # random floats (seeded: no two scores within rounding of the cut)
+    # random floats (seeded: no two scores within rounding of the cut); a head dim whose
+    # summary rows are not whole vectors of 8 (30: one block at a time) and one that is
     g = torch.Generator().manual_seed(3)
-    q, b = torch.randn(rows, h * group, d, generator=g), torch.randn(h, blocks, 2 * d, generator=g)
-    b[..., d:] = b[..., d:].abs()
-    args = (q, b, 2, 600, 50, 610, 0.25)
-    assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args))
+    for d in (64, 30):
+        q = torch.randn(rows, h * group, d, generator=g)
+        b = torch.randn(h, blocks, 2 * d, generator=g)
+        b[..., d:] = b[..., d:].abs()
+        args = (q, b, 2, 600, 50, 610, 0.25)
+        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
     with pytest.raises(ValueError, match="refused"):
         kernels.choose_blocks(q, b, 2, 600, 599, 610, 0.25)  # more room than candidates
 
@@ -364,20 +367,23 @@ def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
     assert choose_torch(q, b, 0, 3, 1, 3, 0.0)[0].tolist() == [2]  # centre: 1 against 2
 
 
+@pytest.mark.parametrize("d,bs", [(64, 16), (40, 12), (128, 16)])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, isa):
+def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, d, bs, isa):
     """unikv/kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie; against the
     reference (gather, then attention): one decode row and a scored chunk of 16 (causal
-    within the step's own tokens, which end in a partly filled block), each head's blocks in
-    a shuffled arena, or spread over three places of different sizes (a tiered cache's
-    device and host arenas and a staged tensor), one and two threads."""
+    within the step's own tokens, which end in a partly filled block whose empty slots hold
+    NaN: never read), each head's blocks in a shuffled arena, or spread over three places of
+    different sizes (a tiered cache's device and host arenas and a staged tensor), one and two
+    threads; head dims and block sizes that are and are not whole vectors of 8 keys or
+    channels (the kernel's wide and narrow paths)."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.full import attend_blocks_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
     g = torch.Generator().manual_seed(rows)
-    h, group, d, bs, n_blocks = 3, 3, 64, 16, 70
+    h, group, n_blocks = 3, 3, 70
     arena = torch.randn(2, h, n_blocks * bs, d, generator=g)
     past = 60 * bs + 5 - rows  # the last block (60) holds the step's rows, partly filled
     chosen = torch.stack([torch.randperm(58, generator=g)[:9] + 1 for _ in range(h)])
@@ -388,10 +394,14 @@ def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows
     where = torch.randint(0, 3, (n_blocks,), generator=g)  # or: its place, and its index there
     spread = ids % torch.tensor([80, 40, 12])[where]
     q = torch.randn(rows, h * group, d, generator=g)
+    # the arena with NaN in the last block's empty slots (in the places, blocks share slots)
+    bad = arena.clone()
+    filled = (past + rows) % bs
+    bad[:, :, int(ids[60]) * bs + filled : (int(ids[60]) + 1) * bs] = float("nan")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for args in (([arena], None, ids), (places, where, spread)):
-            got = kernels.attend_blocks(q, *args, blocks, bs, past, 0.125)
+        for args, read in ((([arena], None, ids), [bad]), ((places, where, spread), places)):
+            got = kernels.attend_blocks(q, read, *args[1:], blocks, bs, past, 0.125)
             want = attend_blocks_torch(q, *args, blocks, bs, past, 0.125)
             assert (got - want).abs().max().item() < 1e-5, (threads, len(args[0]))
     torch.set_num_threads(2)

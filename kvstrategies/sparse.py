@@ -22,10 +22,13 @@ a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chun
 the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
 scores (a chunk's queries choose together, as a small decode batch does).
 
-The summaries are kept here per sequence (float32, on the device: [layers, KV heads, blocks,
-head dim] twice), computed after each step from the step's keys as they were appended (for a
-packed format: before packing), and, for blocks a sequence did not write (a shared or
-persisted prefix), once from the format's stored keys. They follow the sequence, not its
+The summaries are kept here per sequence, on the device: each block's per-channel key minimum
+and maximum (float32, [layers, KV heads, blocks, head dim] each) and, what choosing reads every
+step, its centre and half-range in float16 (half the bytes; the half-range rounded up, so
+Quest's bound stays a bound for keys within float16's range). They are computed after each
+step from the step's keys as they were appended (for a packed format: before packing), and,
+for blocks a sequence did not write (a shared or persisted prefix), once from the format's
+stored keys. They follow the sequence, not its
 blocks, so moves between tiers and swapping leave them valid.
 
 Every format reads only the chosen blocks: the dense format gathers them from the arenas, the
@@ -197,7 +200,8 @@ class SparseSelection(Selection):
             # of the blocks chosen at a step, the share chosen at the step before too
             "selection_stability": c["repeat_blocks"] / c["chosen_blocks"]
             if c["chosen_blocks"] else None,
-            "summary_bytes": sum(m.nbytes * 4 for m in self._mins.values()),
+            "summary_bytes": sum(m.nbytes * 2 + self._bounds[sid].nbytes
+                                 for sid, m in self._mins.items()),
             "kernels": self.operators.report(),
         }  # fmt: skip
 
@@ -253,7 +257,7 @@ class SparseSelection(Selection):
         shape = (self.spec.num_layers, self.spec.num_kv_heads, cap, self.spec.head_dim)
         mins = torch.full(shape, float("inf"), device=device)
         maxs = torch.full(shape, float("-inf"), device=device)
-        bounds = torch.zeros(*shape[:3], 2 * shape[3], device=device)
+        bounds = torch.zeros(*shape[:3], 2 * shape[3], dtype=torch.float16, device=device)
         if have is not None:
             n = have.shape[2]
             mins[:, :, :n], maxs[:, :, :n] = have, self._maxs[sid]
@@ -283,9 +287,7 @@ class SparseSelection(Selection):
             mins.scatter_reduce_(2, idx, kt, "amin")
             maxs.scatter_reduce_(2, idx, kt, "amax")
         lo, hi, d = first, last + 1, mins.shape[-1]
-        torch.add(maxs[:, :, lo:hi], mins[:, :, lo:hi], alpha=1, out=bounds[:, :, lo:hi, :d])
-        torch.sub(maxs[:, :, lo:hi], mins[:, :, lo:hi], out=bounds[:, :, lo:hi, d:])
-        bounds[:, :, lo:hi].mul_(0.5)
+        _store_bounds(bounds[:, :, lo:hi], mins[:, :, lo:hi], maxs[:, :, lo:hi], d)
         if layer is None:
             self._known[sid] = start + n
 
@@ -300,6 +302,23 @@ class SparseSelection(Selection):
             self._add(sid, k, have, layer)
 
 
+_HALF_MAX = 65504.0
+
+
+def _store_bounds(out: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, d: int) -> None:
+    """Write blocks' centre and half-range (float32 `mins`, `maxs`) into the float16 summaries
+    `out` [..., 2d]: half the bytes for `sparse.choose` to read every step. The half-range is
+    widened by what rounding took from the centre and rounded up, so that q . c + |q| . r stays
+    an upper bound of q . k over the block (range_weight = 1)."""
+    c = (maxs + mins).mul_(0.5).clamp_(-_HALF_MAX, _HALF_MAX)
+    half_c = c.to(torch.float16)
+    r = (maxs - mins).mul_(0.5).add_((c - half_c.float()).abs_())
+    # rounding to nearest takes off at most 2^-11 of a normal float16 and 2^-25 of a subnormal
+    r.mul_(1 + 2**-10).add_(2**-24).clamp_(max=_HALF_MAX)
+    out[..., :d] = half_c
+    out[..., d:] = r
+
+
 # ---- the choice as a registry op: the C kernel (`unikv/kernels/sparse.c`), else PyTorch ----
 
 
@@ -308,14 +327,15 @@ def choose_torch(
 ) -> torch.Tensor:
     """Per KV head the blocks a step reads, [Hkv, lo + room + (end - hi)]: the sinks [0, lo),
     the `room` candidates of [lo, hi) with the largest score for any of the group's queries
-    (q [rows, Hq, D]; bounds [Hkv, blocks, 2D]: centre, half-range), in ascending order, then
-    the window [hi, end). The score: q . centre + alpha |q| . half-range (alpha = 1: Quest's
-    upper bound of q . k over the block). The reference `unikv/kernels/sparse.c` must agree with."""
+    (q [rows, Hq, D]; bounds [Hkv, blocks, 2D] float16: centre, half-range), in ascending
+    order, then the window [hi, end). The score: q . centre + alpha |q| . half-range (alpha =
+    1: Quest's upper bound of q . k over the block). The reference `unikv/kernels/sparse.c`
+    must agree with."""
     h = bounds.shape[0]
     t, hq, d = q.shape
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
     qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1)  # [Hkv, rows x group, 2D]
-    score = (qq @ bounds[:, lo:hi].transpose(1, 2)).amax(1)
+    score = (qq @ bounds[:, lo:hi].float().transpose(1, 2)).amax(1)
     chosen = score.topk(room, dim=-1, sorted=False).indices.sort(dim=-1).values.add_(lo)
     dev = bounds.device
     return torch.cat([torch.arange(lo, device=dev).expand(h, -1), chosen,

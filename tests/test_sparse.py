@@ -85,11 +85,29 @@ def test_the_bound_is_never_below_a_blocks_true_largest_score():
     sel = s.selection
     q = torch.randn(HEADS, DIM)
     for layer in range(LAYERS):
-        bounds = sel._bounds[0][layer, :, : 300 // BS]  # full blocks: [H, B, 2D]
+        bounds = sel._bounds[0][layer, :, : 300 // BS].float()  # full blocks: [H, B, 2D]
         ub = (torch.cat([q, q.abs()], -1).unsqueeze(1) * bounds).sum(-1)  # [H, B]
         true = torch.einsum("hd,bthd->hbt", q, k[layer, : 300 // BS * BS].view(-1, BS, HEADS, DIM))
         assert (ub >= true.amax(-1) - 1e-4).all()
     s.close()
+
+
+def test_float16_summaries_still_cover_every_key():
+    """The summaries choosing reads are float16 (half the bytes of float32): per channel the
+    stored centre c and half-range r must still span the block's keys, c - r <= min and
+    c + r >= max, at every magnitude (subnormal, ordinary, near float16's largest), so that
+    Quest's score stays an upper bound."""
+    from unikv.kvstrategies.sparse import _store_bounds
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (1e-6, 1e-2, 1.0, 300.0, 1e4):  # keys within float16 range (|k| < 65504)
+        a = torch.randn(4, 7, 64, generator=g) * scale
+        b = a + torch.rand(4, 7, 64, generator=g) * scale
+        out = torch.empty(4, 7, 128, dtype=torch.float16)
+        _store_bounds(out, a.clone(), b.clone(), 64)
+        c, r = out[..., :64].double(), out[..., 64:].double()
+        assert (c - r <= a.double()).all() and (c + r >= b.double()).all(), scale
+        assert torch.isfinite(out).all()
 
 
 def test_an_attached_prefix_is_summarized_from_the_stored_keys():
@@ -308,15 +326,16 @@ def test_a_packed_format_falls_back_where_one_sink_mask_cannot_serve_every_head(
 
 
 def _distinct_scores(rows, hq, h, d, blocks, seed=0):
-    """Queries and summaries whose scores are multiples of 1/4 (exact in any summation
-    order), channel 0 setting them 300 apart, more than the other channels add: no ties."""
+    """Queries and float16 summaries whose scores are multiples of 1/4 (exact in any
+    summation order), channel 0 setting them 320 apart (20 x multiples of 16, exact in
+    float16), more than the other channels add: no ties."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-1, 2, (rows, hq, d), generator=g).float()
-    q[..., 0] = 1.0
+    q[..., 0] = 20.0
     b = torch.randint(-1, 2, (h, blocks, 2 * d), generator=g).float()
     b[..., d:] = b[..., d:].abs()
-    b[:, :, 0] = 300.0 * torch.stack([torch.randperm(blocks, generator=g) for _ in range(h)])
-    return q, b
+    b[:, :, 0] = 16.0 * torch.stack([torch.randperm(blocks, generator=g) for _ in range(h)])
+    return q, b.half()
 
 
 @pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
@@ -347,10 +366,12 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
         q = torch.randn(rows, h * group, d, generator=g)
         b = torch.randn(h, blocks, 2 * d, generator=g)
         b[..., d:] = b[..., d:].abs()
-        args = (q, b, 2, 600, 50, 610, 0.25)
+        args = (q, b.half(), 2, 600, 50, 610, 0.25)
         assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
     with pytest.raises(ValueError, match="refused"):
-        kernels.choose_blocks(q, b, 2, 600, 599, 610, 0.25)  # more room than candidates
+        kernels.choose_blocks(q, b.half(), 2, 600, 599, 610, 0.25)  # more room than candidates
+    with pytest.raises(ValueError, match="float16 summaries"):
+        kernels.choose_blocks(q, b, 2, 600, 50, 610, 0.25)
 
 
 def test_range_weight_moves_the_score_between_the_bound_and_the_centre():

@@ -13,8 +13,9 @@
  *
  * The score of block b for KV head h: the largest, over the group's query heads g and the
  * step's query rows r, of q . c_b + alpha |q| . r_b, where c_b and r_b are the block's
- * per-channel key centre and half-range (`bounds`: [c, r] per block, 2d floats). alpha = 1 is
- * Quest's upper bound of q . k over the block; smaller alpha weighs the centre more.
+ * per-channel key centre and half-range (`bounds`: [c, r] per block, 2d float16 values).
+ * alpha = 1 is Quest's upper bound of q . k over the block; smaller alpha weighs the centre
+ * more.
  *
  * Top-k: a quickselect finds the room-th largest score per head; the blocks above it, and
  * as many of those equal to it as there is room for, are taken in block order, so the chosen
@@ -69,31 +70,52 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
+/* Eight float16 summaries as floats, converted on load: F16C's vcvtph2ps where the
+ * instruction set has it (GCC 12 converts a _Float16 vector one element at a time when
+ * AVX512-FP16 is on), else the compiler's conversion. */
+#ifdef __F16C__
+#include <immintrin.h>
+static inline __attribute__((always_inline)) v8 load8h(const _Float16 *p) {
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#else
+typedef _Float16 v8h __attribute__((vector_size(16)));
+static inline __attribute__((always_inline)) v8 load8h(const _Float16 *p) {
+    v8h x;
+    memcpy(&x, p, sizeof x);
+    return __builtin_convertvector(x, v8);
+}
+#endif
+
 /* s[0..8) = q . k for the 8 keys in rows kj, kj + d, ... (d % 8 == 0): eight independent sums
  * (one sum's chain of dependent adds is what bounds a dot product at a time), then one
- * transpose-and-add of the eight vectors instead of eight horizontal sums. */
-static inline void dot8(const float *qv, const float *kj, int d, float scale, float *s) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    for (int c = 0; c < d; c += 8) {
-        const v8 x = load8(qv + c);
-        a0 += x * load8(kj + c);
-        a1 += x * load8(kj + d + c);
-        a2 += x * load8(kj + 2 * d + c);
-        a3 += x * load8(kj + 3 * d + c);
-        a4 += x * load8(kj + 4 * d + c);
-        a5 += x * load8(kj + 5 * d + c);
-        a6 += x * load8(kj + 6 * d + c);
-        a7 += x * load8(kj + 7 * d + c);
+ * transpose-and-add of the eight vectors instead of eight horizontal sums. `dot8` reads float
+ * rows (keys), `dot8h` float16 rows (summaries). */
+#define DOT8(name, T, LOAD)                                                                       \
+    static inline void name(const float *qv, const T *kj, int d, float scale, float *s) {        \
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};        \
+        for (int c = 0; c < d; c += 8) {                                                          \
+            const v8 x = load8(qv + c);                                                           \
+            a0 += x * LOAD(kj + c);                                                               \
+            a1 += x * LOAD(kj + d + c);                                                           \
+            a2 += x * LOAD(kj + 2 * d + c);                                                       \
+            a3 += x * LOAD(kj + 3 * d + c);                                                       \
+            a4 += x * LOAD(kj + 4 * d + c);                                                       \
+            a5 += x * LOAD(kj + 5 * d + c);                                                       \
+            a6 += x * LOAD(kj + 6 * d + c);                                                       \
+            a7 += x * LOAD(kj + 7 * d + c);                                                       \
+        }                                                                                         \
+        const v8 b0 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15); \
+        const v8 b1 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15); \
+        const v8 b2 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15); \
+        const v8 b3 = SHUF(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15); \
+        const v8 c0 = SHUF(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15); \
+        const v8 c1 = SHUF(b2, b3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b2, b3, 2, 3, 10, 11, 6, 7, 14, 15); \
+        const v8 r = SHUF(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15); \
+        store8(s, r * scale);                                                                     \
     }
-    const v8 b0 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 b1 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 b2 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 b3 = SHUF(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15);
-    const v8 c0 = SHUF(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15);
-    const v8 c1 = SHUF(b2, b3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b2, b3, 2, 3, 10, 11, 6, 7, 14, 15);
-    const v8 r = SHUF(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15);
-    store8(s, r * scale);
-}
+DOT8(dot8, float, load8)
+DOT8(dot8h, _Float16, load8h)
 
 static inline float dot1(const float *qv, const float *kj, int d) {
     float a = 0.0f;
@@ -102,10 +124,17 @@ static inline float dot1(const float *qv, const float *kj, int d) {
     return a;
 }
 
+static inline float dot1h(const float *qv, const _Float16 *kj, int d) {
+    float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+    for (int c = 0; c < d; c++) a += qv[c] * (float)kj[c];
+    return a;
+}
+
 /* Scores of blocks [lo, hi) of one KV head: s[b - lo]. qa: the head's nq query vectors as
- * [q, alpha |q|] (2d floats each); bnd: the head's summaries, 2d floats per block. Eight blocks
+ * [q, alpha |q|] (2d floats each); bnd: the head's summaries, 2d float16 values per block. Eight blocks
  * at a time per query (`dot8`), the rest one by one. */
-static void score_head(const float *qa, int nq, int d, const float *bnd, long lo, long hi,
+static void score_head(const float *qa, int nq, int d, const _Float16 *bnd, long lo, long hi,
                        float *s) {
     const int w = 2 * d;
     long b = lo;
@@ -114,7 +143,7 @@ static void score_head(const float *qa, int nq, int d, const float *bnd, long lo
             float best[8], x[8];
             for (int k = 0; k < 8; k++) best[k] = -INFINITY;
             for (int j = 0; j < nq; j++) {
-                dot8(qa + (long)j * w, bnd + b * w, w, 1.0f, x);
+                dot8h(qa + (long)j * w, bnd + b * w, w, 1.0f, x);
                 for (int k = 0; k < 8; k++) best[k] = x[k] > best[k] ? x[k] : best[k];
             }
             for (int k = 0; k < 8; k++) s[b - lo + k] = best[k];
@@ -122,18 +151,18 @@ static void score_head(const float *qa, int nq, int d, const float *bnd, long lo
     for (; b < hi; b++) {
         float best = -INFINITY;
         for (int j = 0; j < nq; j++) {
-            const float acc = dot1(qa + (long)j * w, bnd + b * w, w);
+            const float acc = dot1h(qa + (long)j * w, bnd + b * w, w);
             best = acc > best ? acc : best;
         }
         s[b - lo] = best;
     }
 }
 
-/* q [rows, hq, d] float32 (hq = hkv * group); bounds: KV head h's summaries at
+/* q [rows, hq, d] float32 (hq = hkv * group); bounds (float16): KV head h's summaries at
  * bounds + h * head_stride, block b at + b * 2d. Writes out [hkv, lo + room + (end - hi)]
  * int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates [lo, hi),
  * then the window hi..end-1. Returns 0, or -1 for arguments out of its limits (or no memory). */
-int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const float *bounds,
+int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const _Float16 *bounds,
                   long head_stride, long lo, long hi, long room, long end, float alpha,
                   int64_t *out, int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group, w = 2 * d;

@@ -57,13 +57,13 @@ def choose_blocks(
     """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
     candidates of [lo, hi) whose score is largest (in ascending order), then the window
     hi..end-1. q: the step's queries [rows, Hq, D] float32; bounds: the layer's summaries
-    [Hkv, blocks, 2D] float32 (centre, half-range), rows contiguous. The score of a block: the
+    [Hkv, blocks, 2D] float16 (centre, half-range), rows contiguous. The score of a block: the
     largest over the group's queries of q . centre + alpha |q| . half-range."""
     lib = _lib()
     rows, hq, d = q.shape
     h = bounds.shape[0]
-    if q.dtype != torch.float32 or bounds.dtype != torch.float32:
-        raise ValueError("choose_blocks takes float32 queries and summaries")
+    if q.dtype != torch.float32 or bounds.dtype != torch.float16:
+        raise ValueError("choose_blocks takes float32 queries and float16 summaries")
     if bounds.stride(2) != 1 or bounds.stride(1) != 2 * d or bounds.shape[2] != 2 * d:
         raise ValueError("the summaries' blocks must be rows of 2 x head dim contiguous floats")
     q = q.contiguous()

@@ -337,6 +337,13 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
     }
 }
 
+/* Item t (KV head t / parts, its part t % parts of `per` blocks) reads kaddr[first, end), where
+ * first = (t / parts) * nb + (t % parts) * per; this is end (a head's last part may be short). */
+static inline long item_end(long t, int parts, long per, long nb) {
+    const long end = t / parts * nb + (t % parts + 1) * per, head_end = (t / parts + 1) * nb;
+    return end < head_end ? end : head_end;
+}
+
 /* out [T, hq, d] = attention of q [T, hq, d] over nb blocks per KV head: the sequence's
  * blocks blocks[h, b] (positions in its block list; block p holds positions p * bs .. + bs - 1),
  * found in place where[p] (0 when where is NULL) at block index ids[p] there. Place g is a
@@ -373,20 +380,18 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const long t0 = items * tid / nt, t1 = items * (tid + 1) / nt;
-        const long last = t1 > t0 ? ((t1 - 1) / parts) * nb
-                                        + ((t1 - 1) % parts + 1) * per : 0;
+        const long stop = t1 > t0 ? item_end(t1 - 1, parts, per, nb) : 0; /* the run's end */
         float *s = buf + items * stride + (long)tid * bs;
         for (long t = t0; t < t1; t++) {
             const int h = (int)(t / parts);
-            const long b0 = (t % parts) * per, b1 = b0 + per < nb ? b0 + per : nb;
+            const long first = (long)h * nb + (t % parts) * per, end = item_end(t, parts, per, nb);
             float *m = buf + t * stride, *l = m + nq, *acc = l + nq;
-            if (b0 >= b1) {
+            if (first >= end) {
                 for (int i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
                 continue;
             }
-            const long first = (long)h * nb + b0, stop = (last < (long)hkv * nb ? last : (long)hkv * nb);
             attend_range(q, T, hq, hkv, d, bs, kaddr + first, vaddr + first, blocks + first,
-                         b1 - b0, stop - first, past, scale, h, m, l, acc, s);
+                         end - first, stop - first, past, scale, h, m, l, acc, s);
         }
     }
     for (int h = 0; h < hkv; h++)

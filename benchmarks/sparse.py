@@ -3,9 +3,9 @@ perplexity at a long context, passkey with every development text as haystack, d
 
 Perplexity: each development text's first `--tokens` tokens (the protocol of docs/protocol.md:
 prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
-through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value), and,
-at the same number of tokens attended, `learned_prune` (kept ratio = share), the `streaming`
-scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention
+through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value and
+`--summary-tokens` size), and, at the same number of tokens attended, `learned_prune` (kept
+ratio = share), the `streaming` scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention
 (about the best a choice of whole blocks can do; not a method). A text shorter than
 `--tokens` is measured at its own length (said in the table). Passkey: each text as the
 haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), `full` against
@@ -22,6 +22,7 @@ tokens attended.
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle learned_prune streaming] [--range-weights 1 0.5 0]
+        [--summary-tokens 16 4 2]
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ TEXTS = sorted(p for p in (ROOT / "benchmarks" / "texts").iterdir() if p.name !=
 METHODS = ("sparse", "oracle", "learned_prune", "streaming")
 
 
-def methods(share: float, context: int, weights: tuple[float, ...] = (),
+def methods(share: float, context: int, variants: tuple[dict, ...] = (),
             wanted: tuple[str, ...] = METHODS) -> dict[str, tuple[str, dict]]:  # fmt: skip
     """The caches compared at `share` of the context attended: name -> (strategy, options).
     The sparse budget is `share` of the context in tokens (Quest's token budget: positions
-    before it read everything), at its default `range_weight` and at each of `weights`; the
-    oracle is `sparse` choosing by true attention (`Oracle`); the pruned caches keep `share`
-    of the tokens seen."""
+    before it read everything), at its default options and with each of `variants` (options
+    over the defaults, e.g. {"summary_tokens": 16, "range_weight": 0.25}); the oracle is
+    `sparse` choosing by true attention (`Oracle`); the pruned caches keep `share` of the
+    tokens seen."""
     budget = {"budget_tokens": int(share * context)}
     out = {
         f"sparse@{share:g}": ("dense+resident+sparse", budget),
@@ -68,10 +70,13 @@ def methods(share: float, context: int, weights: tuple[float, ...] = (),
     }
     out = {k: v for k, v in out.items() if k.split("@")[0] in wanted}
     if "sparse" in wanted:
-        for w in weights:
-            out[f"sparse(w={w:g})@{share:g}"] = ("dense+resident+sparse",
-                                                  {**budget, "range_weight": w})  # fmt: skip
+        for v in variants:
+            name = ",".join(f"{_SHORT.get(k, k)}={x:g}" for k, x in v.items())
+            out[f"sparse({name})@{share:g}"] = ("dense+resident+sparse", {**budget, **v})
     return out
+
+
+_SHORT = {"range_weight": "w", "summary_tokens": "s"}
 
 
 class Oracle:
@@ -115,7 +120,7 @@ class Oracle:
 
 
 def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
-             weights: tuple[float, ...] = (), wanted: tuple[str, ...] = METHODS
+             variants: tuple[dict, ...] = (), wanted: tuple[str, ...] = METHODS
              ) -> list[dict]:  # fmt: skip
     spec = model.kv_spec()
     rows = []
@@ -127,7 +132,7 @@ def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
         rows.append({"text": path.name, "tokens": n, "method": "full", "share": 1.0,
                      "ppl": base, "change_%": 0.0})  # fmt: skip
         for share in shares:
-            for label, (name, opts) in methods(share, n, weights, wanted).items():
+            for label, (name, opts) in methods(share, n, variants, wanted).items():
                 opts = dict(opts)
                 oracle = opts.pop("oracle", False)
                 kv = kvstrategies.create(name, spec, options=opts)
@@ -333,13 +338,11 @@ def main() -> None:
                     default=["sparse", "learned_prune", "streaming"],
                     help="what the PPL section compares with full (oracle: sparse choosing "
                     "by the true attention: a reference, not a method)")  # fmt: skip
-    ap.add_argument(
-        "--range-weights",
-        type=float,
-        nargs="*",
-        default=[],
-        help="PPL: sparse also at each of these range_weight values",
-    )
+    ap.add_argument("--range-weights", type=float, nargs="*", default=[],
+                    help="PPL: sparse also at each of these range_weight values")
+    ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
+                    help="PPL: sparse also with summaries of each of these many tokens (at "
+                    "each --range-weights value, or the default)")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
@@ -360,8 +363,12 @@ def main() -> None:
         report("sparse_passkey", rows, ["text", "length", "full", "sparse", "full_depths",
                                         "sparse_depths"], extra)  # fmt: skip
     if "ppl" not in args.skip:
-        rows = ppl_rows(model, tok, texts, args.tokens, args.shares,
-                        tuple(args.range_weights), tuple(args.methods))  # fmt: skip
+        variants = [{"range_weight": w} for w in args.range_weights]
+        if args.summary_tokens:
+            variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
+                        for v in variants or [{}]]  # fmt: skip
+        rows = ppl_rows(model, tok, texts, args.tokens, args.shares, tuple(variants),
+                        tuple(args.methods))  # fmt: skip
         report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",
                                     "blocks_read"], extra)  # fmt: skip
         worst = {}

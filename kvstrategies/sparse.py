@@ -1,16 +1,19 @@
 """Dynamic sparse attention: every token keeps its KV; each step reads only the blocks its
 queries need (the `sparse` selection, issue 35).
 
-Quest's rule (Tang et al., ICML 2024), for any model, without training: per block, layer and
-KV head the selection keeps the per-channel minimum and maximum of its keys. For a query q the
-largest q.k any key of the block can give is sum_d max(q_d min_d, q_d max_d) = q.c + |q|.r,
-with c the channels' centre and r their half-range. A block is scored q.c + w |q|.r with
-`range_weight` w: 1 is Quest's bound; the default 0.25 lost less PPL than the bound on every
-development text (the bound over-rates blocks whose channels range widely). Per step, layer
-and KV head, the group's query heads (and, for a chunk of several tokens, all its queries)
-choose together: a block takes its largest score over them. The choice is the registry op
-`sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else `choose_torch`): one call per sequence
-and layer.
+Quest's rule (Tang et al., ICML 2024), for any model, without training, made finer: per layer
+and KV head the selection summarizes each block's keys in runs of `summary_tokens` tokens (2
+by default: 8 summaries to a 16-token block). A summary is its keys' per-channel centre c (the
+midpoint of their minimum and maximum) and, when `range_weight` w > 0, their half-range r. For
+a query q the largest q.k any of its keys can give is at most q.c + |q|.r; a summary is scored
+q.c + w |q|.r (w = 1: Quest's bound) and a block by its best summary. Quest summarizes a whole
+block with w = 1. What the development texts measured (BENCHMARKS.md): at the same bytes,
+finer summaries of the centre alone estimate a block's attention better than coarser ones
+with their range, and summaries of 2 tokens, w = 0, came nearest to choosing by the true
+attention. Per step, layer and KV head, the group's query heads (and, for a chunk of several
+tokens, all its queries) choose together: a block takes its largest score over them. The
+choice is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
+`choose_torch`): one call per sequence and layer.
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
@@ -22,14 +25,13 @@ a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chun
 the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
 scores (a chunk's queries choose together, as a small decode batch does).
 
-The summaries are kept here per sequence, on the device: each block's per-channel key minimum
-and maximum (float32, [layers, KV heads, blocks, head dim] each) and, what choosing reads every
-step, its centre and half-range in float16 (half the bytes; the half-range rounded up, so
-Quest's bound stays a bound for keys within float16's range). They are computed after each
-step from the step's keys as they were appended (for a packed format: before packing), and,
-for blocks a sequence did not write (a shared or persisted prefix), once from the format's
-stored keys. They follow the sequence, not its
-blocks, so moves between tiers and swapping leave them valid.
+The summaries are kept here per sequence, on the device, in float16 ([layers, KV heads,
+summaries, head dim] centres, then as many half-ranges when w > 0; the half-range rounded up,
+so Quest's bound stays a bound for keys within float16's range), with the float32 minimum and
+maximum of the one summary still filling. They are computed after each step from the step's
+keys as they were appended (for a packed format: before packing), and, for blocks a sequence
+did not write (a shared or persisted prefix), once from the format's stored keys. They follow
+the sequence, not its blocks, so moves between tiers and swapping leave them valid.
 
 Every format reads only the chosen blocks: the dense format gathers them from the arenas, the
 packed ones (hybrid, int8) gather their records for the same attention kernel. Tiered, the
@@ -86,8 +88,11 @@ class SparseSelection(Selection):
         Option("recent_window", int, 16, "newest stored tokens always read", low=0),
         Option("dense_layers", int, 2, "first layers that read everything (their attention is "
                "the least sparse; Quest: 2)", low=0),
-        Option("range_weight", float, 0.25, "weight of a block's key range in its score: 1 is "
-               "Quest's upper bound of q.k, 0 the block's centre alone", low=0, high=1),
+        Option("summary_tokens", int, 2, "tokens per key summary (a block's score is its "
+               "summaries' best; fewer tokens: a finer estimate, more bytes to read)", low=1),
+        Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
+               "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
+               low=0, high=1),
         Option("prefill_tokens", int, 64, "a step of more new tokens than this for a sequence, "
                "or a prompt chunk that more of the prompt follows, reads everything (prefill)",
                low=0),
@@ -98,11 +103,16 @@ class SparseSelection(Selection):
     def __init__(self, pool, spec, opts: dict[str, Any], fmt, label: str) -> None:
         super().__init__(pool, spec, opts, fmt, label)
         self.bs = pool.block_size
-        self._mins: dict[int, torch.Tensor] = {}  # seq -> [L, Hkv, blocks, D] float32
-        self._maxs: dict[int, torch.Tensor] = {}
-        # seq -> [L, Hkv, blocks, 2D]: the channels' centre, then their half-range (scoring
-        # is then one matmul of [q, |q|] with it)
+        # Each block's tokens are summarized in runs of `summary_tokens` (`parts` per block,
+        # the last one shorter where they do not divide the block)
+        self.sub = min(self.opts["summary_tokens"], self.bs)
+        self.parts = -(-self.bs // self.sub)
+        # seq -> [L, Hkv, summaries, 2D or D] float16: per summary the channels' centre, then
+        # (range_weight > 0) their half-range; scoring is one matmul of [q, w |q|] with it
         self._bounds: dict[int, torch.Tensor] = {}
+        # seq -> the float32 minimum and maximum [2, L, Hkv, D] of the summary its newest
+        # token is in (still filling: the next step's keys update it)
+        self._open: dict[int, torch.Tensor] = {}
         self._known: dict[int, int] = {}  # seq -> tokens summarized
         self._keys: list[torch.Tensor | None] = [None] * spec.num_layers  # the step's keys
         self._unseen: dict[int, int] = {}  # batch index -> first stored token not summarized
@@ -150,7 +160,7 @@ class SparseSelection(Selection):
                 continue
             read = self.operators["sparse.choose"](
                 q[step.batch.rows(i)].float(), self._bounds[sid][layer], plan.lo, plan.hi,
-                plan.room, plan.end, self.opts["range_weight"],
+                plan.room, plan.end, self.opts["range_weight"], self.parts,
             )  # fmt: skip
             self._count(sid, layer, read[:, plan.lo : plan.lo + plan.room], plan)
             out.append(read)
@@ -182,7 +192,7 @@ class SparseSelection(Selection):
         return [None if r is None else set(r.unique().tolist()) for r in recent]
 
     def forget(self, seq_id: int) -> None:
-        for d in (self._mins, self._maxs, self._bounds, self._known, self._last, self._recent):
+        for d in (self._open, self._bounds, self._known, self._last, self._recent):
             d.pop(seq_id, None)
 
     def before_step(self, batch: StepBatch) -> None:
@@ -200,8 +210,8 @@ class SparseSelection(Selection):
             # of the blocks chosen at a step, the share chosen at the step before too
             "selection_stability": c["repeat_blocks"] / c["chosen_blocks"]
             if c["chosen_blocks"] else None,
-            "summary_bytes": sum(m.nbytes * 2 + self._bounds[sid].nbytes
-                                 for sid, m in self._mins.items()),
+            "summary_bytes": sum(b.nbytes + self._open[sid].nbytes
+                                 for sid, b in self._bounds.items()),
             "kernels": self.operators.report(),
         }  # fmt: skip
 
@@ -249,45 +259,56 @@ class SparseSelection(Selection):
 
     # ---- summaries ---------------------------------------------------------------------------
 
-    def _grow(self, sid: int, blocks: int, device: torch.device) -> None:
-        have = self._mins.get(sid)
-        if have is not None and have.shape[2] >= blocks:
+    def _index(self, token: int) -> int:
+        """The summary token `token` is in."""
+        return token // self.bs * self.parts + token % self.bs // self.sub
+
+    def _grow(self, sid: int, summaries: int, device: torch.device) -> None:
+        have = self._bounds.get(sid)
+        if have is not None and have.shape[2] >= summaries:
             return
-        cap = max(blocks, 2 * (have.shape[2] if have is not None else 4))
-        shape = (self.spec.num_layers, self.spec.num_kv_heads, cap, self.spec.head_dim)
-        mins = torch.full(shape, float("inf"), device=device)
-        maxs = torch.full(shape, float("-inf"), device=device)
-        bounds = torch.zeros(*shape[:3], 2 * shape[3], dtype=torch.float16, device=device)
+        cap = max(summaries, 2 * (have.shape[2] if have is not None else 4 * self.parts))
+        spec = self.spec
+        width = spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
+        bounds = torch.zeros(spec.num_layers, spec.num_kv_heads, cap, width,
+                             dtype=torch.float16, device=device)  # fmt: skip
         if have is not None:
-            n = have.shape[2]
-            mins[:, :, :n], maxs[:, :, :n] = have, self._maxs[sid]
-            bounds[:, :, :n] = self._bounds[sid]
-        self._mins[sid], self._maxs[sid], self._bounds[sid] = mins, maxs, bounds
+            bounds[:, :, : have.shape[2]] = have
+        else:
+            self._open[sid] = torch.empty(
+                2, spec.num_layers, spec.num_kv_heads, spec.head_dim, device=device
+            )
+        self._bounds[sid] = bounds
 
     def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
-        """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the block summaries (of
-        every layer, or of `layer` alone with k [1, n, Hkv, D])."""
+        """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the summaries (of every
+        layer, or of `layer` alone with k [1, n, Hkv, D])."""
         n = k.shape[1]
         if not n:
             return
-        bs = self.bs
-        self._grow(sid, -(-(start + n) // bs), k.device)
-        mins, maxs, bounds = self._mins[sid], self._maxs[sid], self._bounds[sid]
+        first, last = self._index(start), self._index(start + n - 1)
+        self._grow(sid, last + 1, k.device)
+        bounds, opened = self._bounds[sid], self._open[sid]
         if layer is not None:
-            mins, maxs = mins[layer : layer + 1], maxs[layer : layer + 1]
-            bounds = bounds[layer : layer + 1]
-        first, last = start // bs, (start + n - 1) // bs
-        if first == last:  # one block (every decode step): one reduction
-            mins[:, :, first] = torch.minimum(mins[:, :, first], k.amin(1))
-            maxs[:, :, first] = torch.maximum(maxs[:, :, first], k.amax(1))
+            bounds, opened = bounds[layer : layer + 1], opened[:, layer : layer + 1]
+        count = last - first + 1
+        mins = torch.full((k.shape[0], k.shape[2], count, k.shape[3]), float("inf"),
+                          device=k.device)  # fmt: skip
+        maxs = torch.full_like(mins, float("-inf"))
+        if start and self._index(start - 1) == first:  # the open summary goes on filling
+            mins[:, :, 0], maxs[:, :, 0] = opened[0], opened[1]
+        if count == 1:  # one summary (most decode steps): one reduction
+            mins[:, :, 0] = torch.minimum(mins[:, :, 0], k.amin(1))
+            maxs[:, :, 0] = torch.maximum(maxs[:, :, 0], k.amax(1))
         else:
-            idx = (torch.arange(start, start + n, device=k.device) // bs).view(1, 1, n, 1)
-            idx = idx.expand(k.shape[0], k.shape[2], n, k.shape[3])
+            pos = torch.arange(start, start + n, device=k.device)
+            idx = pos // self.bs * self.parts + pos % self.bs // self.sub - first
+            idx = idx.view(1, 1, n, 1).expand(k.shape[0], k.shape[2], n, k.shape[3])
             kt = k.transpose(1, 2)  # [L, Hkv, n, D]
             mins.scatter_reduce_(2, idx, kt, "amin")
             maxs.scatter_reduce_(2, idx, kt, "amax")
-        lo, hi, d = first, last + 1, mins.shape[-1]
-        _store_bounds(bounds[:, :, lo:hi], mins[:, :, lo:hi], maxs[:, :, lo:hi], d)
+        opened[0], opened[1] = mins[:, :, -1], maxs[:, :, -1]
+        _store_bounds(bounds[:, :, first : last + 1], mins, maxs, self.spec.head_dim)
         if layer is None:
             self._known[sid] = start + n
 
@@ -306,12 +327,16 @@ _HALF_MAX = 65504.0
 
 
 def _store_bounds(out: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, d: int) -> None:
-    """Write blocks' centre and half-range (float32 `mins`, `maxs`) into the float16 summaries
-    `out` [..., 2d]: half the bytes for `sparse.choose` to read every step. The half-range is
-    widened by what rounding took from the centre and rounded up, so that q . c + |q| . r stays
-    an upper bound of q . k over the block (range_weight = 1)."""
+    """Write summaries' centre and half-range (float32 `mins`, `maxs`) into the float16 `out`
+    [..., 2d] (or their centre alone, `out` [..., d]): half the bytes for `sparse.choose` to
+    read every step. The half-range is widened by what rounding took from the centre and
+    rounded up, so that q . c + |q| . r stays an upper bound of q . k over the tokens
+    summarized (range_weight = 1)."""
     c = (maxs + mins).mul_(0.5).clamp_(-_HALF_MAX, _HALF_MAX)
     half_c = c.to(torch.float16)
+    if out.shape[-1] == d:
+        out.copy_(half_c)
+        return
     r = (maxs - mins).mul_(0.5).add_((c - half_c.float()).abs_())
     # rounding to nearest takes off at most 2^-11 of a normal float16 and 2^-25 of a subnormal
     r.mul_(1 + 2**-10).add_(2**-24).clamp_(max=_HALF_MAX)
@@ -323,19 +348,22 @@ def _store_bounds(out: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, d: 
 
 
 def choose_torch(
-    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float
+    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
+    parts: int = 1,
 ) -> torch.Tensor:
     """Per KV head the blocks a step reads, [Hkv, lo + room + (end - hi)]: the sinks [0, lo),
     the `room` candidates of [lo, hi) with the largest score for any of the group's queries
-    (q [rows, Hq, D]; bounds [Hkv, blocks, 2D] float16: centre, half-range), in ascending
-    order, then the window [hi, end). The score: q . centre + alpha |q| . half-range (alpha =
-    1: Quest's upper bound of q . k over the block). The reference `unikv/kernels/sparse.c`
-    must agree with."""
-    h = bounds.shape[0]
+    (q [rows, Hq, D]; bounds [Hkv, blocks x parts, 2D or D] float16: per summary the centre,
+    then the half-range or nothing), in ascending order, then the window [hi, end). A
+    summary's score: q . centre + alpha |q| . half-range (alpha = 1: Quest's upper bound of
+    q . k over its tokens); a block's: its summaries' largest. The reference
+    `unikv/kernels/sparse.c` must agree with."""
+    h, _, w = bounds.shape
     t, hq, d = q.shape
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-    qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1)  # [Hkv, rows x group, 2D]
-    score = (qq @ bounds[:, lo:hi].float().transpose(1, 2)).amax(1)
+    qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1) if w == 2 * d else qg  # [Hkv, R, w]
+    cand = bounds[:, lo * parts : hi * parts].float()
+    score = (qq @ cand.transpose(1, 2)).amax(1).view(h, hi - lo, parts).amax(-1)
     chosen = score.topk(room, dim=-1, sorted=False).indices.sort(dim=-1).values.add_(lo)
     dev = bounds.device
     return torch.cat([torch.arange(lo, device=dev).expand(h, -1), chosen,

@@ -78,17 +78,41 @@ def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth):
     s.close()
 
 
-def test_the_bound_is_never_below_a_blocks_true_largest_score():
-    s = build(budget_tokens=64)
+@pytest.mark.parametrize("sub", [16, 4, 5])
+def test_the_bound_is_never_below_a_blocks_true_largest_score(sub):
+    """range_weight 1: a block's score (its summaries' best) is Quest's upper bound of q . k
+    over its keys, with summaries of a whole block, of 4 tokens, and of 5 (a block of 16 in
+    runs of 5, 5, 5 and 1)."""
+    s = build(budget_tokens=64, range_weight=1.0, summary_tokens=sub)
+    parts = -(-BS // sub)
     k = torch.randn(LAYERS, 300, HEADS, DIM)
     step(s, 0, k, torch.randn(LAYERS, 300, HEADS * GROUP, DIM), more_prompt=True)
     sel = s.selection
     q = torch.randn(HEADS, DIM)
+    blocks = 300 // BS
     for layer in range(LAYERS):
-        bounds = sel._bounds[0][layer, :, : 300 // BS].float()  # full blocks: [H, B, 2D]
-        ub = (torch.cat([q, q.abs()], -1).unsqueeze(1) * bounds).sum(-1)  # [H, B]
-        true = torch.einsum("hd,bthd->hbt", q, k[layer, : 300 // BS * BS].view(-1, BS, HEADS, DIM))
+        bounds = sel._bounds[0][layer, :, : blocks * parts].float()  # full blocks: [H, S, 2D]
+        ub = (torch.cat([q, q.abs()], -1).unsqueeze(1) * bounds).sum(-1)  # [H, S]
+        ub = ub.view(HEADS, blocks, parts).amax(-1)
+        true = torch.einsum("hd,bthd->hbt", q, k[layer, : blocks * BS].view(-1, BS, HEADS, DIM))
         assert (ub >= true.amax(-1) - 1e-4).all()
+    s.close()
+
+
+def test_a_summary_of_a_few_tokens_is_their_centre():
+    """The default summaries: per run of `summary_tokens` keys (across step boundaries: a
+    decode step adds one token to the open run) the midpoint of their per-channel minimum
+    and maximum, in float16, and nothing else."""
+    s = build(budget_tokens=64, summary_tokens=4)
+    k = torch.randn(LAYERS, 40, HEADS, DIM)
+    step(s, 0, k[:, :37], torch.randn(LAYERS, 37, HEADS * GROUP, DIM), more_prompt=True)
+    for t in range(37, 40):  # one token a step, into the open summary [36, 40)
+        step(s, 0, k[:, t : t + 1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
+    runs = k.view(LAYERS, 10, 4, HEADS, DIM)
+    want = ((runs.amin(2) + runs.amax(2)) / 2).transpose(1, 2).half()  # [L, H, 10, D]
+    got = s.selection._bounds[0][:, :, :10]
+    assert got.shape[-1] == DIM  # the centre alone
+    assert torch.equal(got, want)
     s.close()
 
 
@@ -128,7 +152,8 @@ def test_an_attached_prefix_is_summarized_from_the_stored_keys():
         assert torch.equal(s.selection.last_read[layer][0].sort(-1).values, first[layer])
         assert torch.allclose(out0[layer], out1[layer], atol=1e-6)
     blocks = 320 // BS
-    assert torch.allclose(s.selection._mins[1][:, :, :blocks], s.selection._mins[0][:, :, :blocks])
+    got, want = s.selection._bounds[1][:, :, :blocks], s.selection._bounds[0][:, :, :blocks]
+    assert torch.equal(got, want)
     s.close()
 
 
@@ -325,14 +350,15 @@ def test_a_packed_format_falls_back_where_one_sink_mask_cannot_serve_every_head(
     s.close()
 
 
-def _distinct_scores(rows, hq, h, d, blocks, seed=0):
-    """Queries and float16 summaries whose scores are multiples of 1/4 (exact in any
-    summation order), channel 0 setting them 320 apart (20 x multiples of 16, exact in
-    float16), more than the other channels add: no ties."""
+def _distinct_scores(rows, hq, h, d, blocks, seed=0, width=2):
+    """Queries and float16 summaries ([h, blocks, width x d]: centre and half-range, or the
+    centre alone) whose scores are multiples of 1/4 (exact in any summation order), channel
+    0 setting them 320 apart (20 x multiples of 16, exact in float16 below 32768), more than
+    the other channels add: no ties."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-1, 2, (rows, hq, d), generator=g).float()
     q[..., 0] = 20.0
-    b = torch.randint(-1, 2, (h, blocks, 2 * d), generator=g).float()
+    b = torch.randint(-1, 2, (h, blocks, width * d), generator=g).float()
     b[..., d:] = b[..., d:].abs()
     b[:, :, 0] = 16.0 * torch.stack([torch.randperm(blocks, generator=g) for _ in range(h)])
     return q, b.half()
@@ -343,21 +369,23 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
     """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`): the sinks, the best
     blocks per KV head in ascending order, the window; one and several query rows (a scored
     chunk; 300 query vectors), no room, every candidate, and enough blocks that two threads
-    score them."""
+    score them; summaries of whole blocks and of half blocks (a block's score: its best),
+    with the half-range or the centre alone."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.sparse import choose_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
     h, group, d, blocks = 3, 3, 64, 720
-    for alpha in (1.0, 0.25, 0.0):
-        q, b = _distinct_scores(rows, h * group, h, d, blocks)
+    for alpha, parts, width in ((1.0, 1, 2), (0.25, 1, 2), (0.0, 1, 2), (0.25, 2, 2),
+                                (0.0, 2, 1), (0.0, 1, 1)):  # fmt: skip
+        q, b = _distinct_scores(rows, h * group, h, d, blocks * parts, width=width)
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            args = (q, b, 1, 701, room, 705, alpha)  # sinks [0, 1), window [701, 705)
+            args = (q, b, 1, 701, room, 705, alpha, parts)  # sinks [0, 1), window [701, 705)
             got, want = kernels.choose_blocks(*args), choose_torch(*args)
             assert got.shape == (h, 1 + room + 4)
-            assert torch.equal(got, want), (alpha, threads)
+            assert torch.equal(got, want), (alpha, parts, width, threads)
     torch.set_num_threads(2)
     # random floats (seeded: no two scores within rounding of the cut); a head dim whose
     # summary rows are not whole vectors of 8 (30: one block at a time) and one that is
@@ -367,6 +395,8 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
         b = torch.randn(h, blocks, 2 * d, generator=g)
         b[..., d:] = b[..., d:].abs()
         args = (q, b.half(), 2, 600, 50, 610, 0.25)
+        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
+        args = (q, b[..., :d].half().contiguous(), 2, 300, 50, 305, 0.0, 2)  # centres, halves
         assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
     with pytest.raises(ValueError, match="refused"):
         kernels.choose_blocks(q, b.half(), 2, 600, 599, 610, 0.25)  # more room than candidates

@@ -11,11 +11,12 @@
  * fixed cost was 9-11% of a decode step at 8K tokens. Here it is one call that reads the
  * summaries once.
  *
- * The score of block b for KV head h: the largest, over the group's query heads g and the
- * step's query rows r, of q . c_b + alpha |q| . r_b, where c_b and r_b are the block's
- * per-channel key centre and half-range (`bounds`: [c, r] per block, 2d float16 values).
- * alpha = 1 is Quest's upper bound of q . k over the block; smaller alpha weighs the centre
- * more.
+ * The score of block b for KV head h: the largest, over the block's summaries (`parts` per
+ * block: each summarizes a run of its tokens), the group's query heads g and the step's query
+ * rows r, of q . c + alpha |q| . r, where c and r are the summary's per-channel key centre and
+ * half-range (`bounds`: per summary [c, r], 2d float16 values, or [c] alone, d values, when
+ * the score is the centre's). alpha = 1 is Quest's upper bound of q . k over the tokens
+ * summarized; smaller alpha weighs the centre more.
  *
  * Top-k: a quickselect finds the room-th largest score per head; the blocks above it, and
  * as many of those equal to it as there is room for, are taken in block order, so the chosen
@@ -131,12 +132,11 @@ static inline float dot1h(const float *qv, const _Float16 *kj, int d) {
     return a;
 }
 
-/* Scores of blocks [lo, hi) of one KV head: s[b - lo]. qa: the head's nq query vectors as
- * [q, alpha |q|] (2d floats each); bnd: the head's summaries, 2d float16 values per block. Eight blocks
- * at a time per query (`dot8`), the rest one by one. */
-static void score_head(const float *qa, int nq, int d, const _Float16 *bnd, long lo, long hi,
+/* Scores of summaries [lo, hi) of one KV head: s[b - lo]. qa: the head's nq query vectors as
+ * [q, alpha |q|] (w = 2d floats each) or [q] (w = d); bnd: the head's summaries, w float16
+ * values each. Eight summaries at a time per query (`dot8`), the rest one by one. */
+static void score_head(const float *qa, int nq, int w, const _Float16 *bnd, long lo, long hi,
                        float *s) {
-    const int w = 2 * d;
     long b = lo;
     if (w % 8 == 0)
         for (; b + 8 <= hi; b += 8) {
@@ -159,46 +159,56 @@ static void score_head(const float *qa, int nq, int d, const _Float16 *bnd, long
 }
 
 /* q [rows, hq, d] float32 (hq = hkv * group); bounds (float16): KV head h's summaries at
- * bounds + h * head_stride, block b at + b * 2d. Writes out [hkv, lo + room + (end - hi)]
- * int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates [lo, hi),
+ * bounds + h * head_stride, `parts` per block, `w` values each (2d: centre and half-range; d:
+ * the centre alone), block b's first at + b * parts * w. Writes out [hkv, lo + room + (end -
+ * hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates [lo, hi),
  * then the window hi..end-1. Returns 0, or -1 for arguments out of its limits (or no memory). */
 int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const _Float16 *bounds,
-                  long head_stride, long lo, long hi, long room, long end, float alpha,
-                  int64_t *out, int threads) {
-    const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group, w = 2 * d;
-    const long n = hi - lo, width = lo + room + (end - hi);
-    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || lo < 0 || n < 0 ||
-        room < 0 || room > n || end < hi)
+                  long head_stride, int parts, int w, long lo, long hi, long room, long end,
+                  float alpha, int64_t *out, int threads) {
+    const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group;
+    const long n = hi - lo, width = lo + room + (end - hi), ns = n * parts;
+    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d) || parts <= 0 ||
+        lo < 0 || n < 0 || room < 0 || room > n || end < hi)
         return -1;
-    float *qa = malloc(sizeof(float) * ((size_t)hkv * nq * w + 2 * (size_t)hkv * n + 1));
+    float *qa = malloc(sizeof(float) *
+                       ((size_t)hkv * nq * w + (size_t)hkv * ns + 2 * (size_t)n + 1));
     if (!qa) return -1;
     for (int h = 0; h < hkv; h++)
         for (int r = 0; r < rows; r++)
             for (int g = 0; g < group; g++) {
                 const float *src = q + ((long)r * hq + h * group + g) * d;
                 float *dst = qa + ((long)h * nq + r * group + g) * w;
-                for (int i = 0; i < d; i++) {
-                    dst[i] = src[i];
-                    dst[d + i] = alpha * fabsf(src[i]);
-                }
+                for (int i = 0; i < d; i++) dst[i] = src[i];
+                if (w > d)
+                    for (int i = 0; i < d; i++) dst[d + i] = alpha * fabsf(src[i]);
             }
-    float *s = qa + (long)hkv * nq * w, *tmp = s + (long)hkv * n;
-    /* Scoring in chunks of 64 blocks over the threads; top-k per head. A small layer runs on
-     * one thread (the fork costs more than it saves). */
-    const long chunk = 64, chunks = (n + chunk - 1) / chunk;
-    const int team = (long)nq * n * w < (1L << 16) ? 1 : threads;
+    float *ss = qa + (long)hkv * nq * w, *s = ss + (long)hkv * ns, *tmp = s + n;
+    /* Scoring in chunks of 64 summaries over the threads; per head a block's score is its
+     * summaries' largest, then top-k. A small layer runs on one thread (the fork costs more
+     * than it saves). */
+    const long chunk = 64, chunks = (ns + chunk - 1) / chunk;
+    const int team = (long)nq * ns * w < (1L << 16) ? 1 : threads;
 #pragma omp parallel for num_threads(team) schedule(static)
     for (long t = 0; t < hkv * chunks; t++) {
-        const long h = t / chunks, b0 = lo + (t % chunks) * chunk;
-        const long b1 = b0 + chunk < hi ? b0 + chunk : hi;
-        score_head(qa + h * nq * w, nq, d, bounds + h * head_stride, b0, b1, s + h * n + b0 - lo);
+        const long h = t / chunks, b0 = lo * parts + (t % chunks) * chunk;
+        const long b1 = b0 + chunk < hi * parts ? b0 + chunk : hi * parts;
+        score_head(qa + h * nq * w, nq, w, bounds + h * head_stride, b0, b1,
+                   ss + h * ns + b0 - lo * parts);
     }
     for (int h = 0; h < hkv; h++) {
         int64_t *o = out + h * width;
         for (long b = 0; b < lo; b++) o[b] = b;
         for (long b = hi; b < end; b++) o[lo + room + b - hi] = b;
         if (!room) continue;
-        const float *sh = s + h * n;
+        const float *sp = ss + h * ns;
+        float *sh = s;
+        for (long b = 0; b < n; b++) {
+            float best = sp[b * parts];
+            for (int p = 1; p < parts; p++)
+                best = sp[b * parts + p] > best ? sp[b * parts + p] : best;
+            sh[b] = best;
+        }
         memcpy(tmp, sh, sizeof(float) * n);
         const float thr = kth_largest(tmp, n, room);
         long above = 0; /* blocks above the threshold: all taken; of those equal to it, the

@@ -30,7 +30,7 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, lng, lng, lng, lng, f, p, i]
+    lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, i, i, lng, lng, lng, lng, f, p, i]
     lib.sparse_choose.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
@@ -52,25 +52,29 @@ def _lib() -> ctypes.CDLL:
 
 
 def choose_blocks(
-    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float
+    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
+    parts: int = 1,
 ) -> torch.Tensor:
     """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
     candidates of [lo, hi) whose score is largest (in ascending order), then the window
     hi..end-1. q: the step's queries [rows, Hq, D] float32; bounds: the layer's summaries
-    [Hkv, blocks, 2D] float16 (centre, half-range), rows contiguous. The score of a block: the
-    largest over the group's queries of q . centre + alpha |q| . half-range."""
+    [Hkv, blocks x parts, 2D or D] float16 (centre and half-range, or the centre alone), rows
+    contiguous, `parts` per block. The score of a block: the largest over its summaries and the
+    group's queries of q . centre + alpha |q| . half-range."""
     lib = _lib()
     rows, hq, d = q.shape
-    h = bounds.shape[0]
+    h, _, w = bounds.shape
     if q.dtype != torch.float32 or bounds.dtype != torch.float16:
         raise ValueError("choose_blocks takes float32 queries and float16 summaries")
-    if bounds.stride(2) != 1 or bounds.stride(1) != 2 * d or bounds.shape[2] != 2 * d:
-        raise ValueError("the summaries' blocks must be rows of 2 x head dim contiguous floats")
+    if bounds.stride(2) != 1 or bounds.stride(1) != w or w not in (d, 2 * d):
+        raise ValueError("the summaries must be contiguous rows of 2 x head dim (or head dim)")
+    if bounds.shape[1] < hi * parts:
+        raise ValueError(f"{bounds.shape[1]} summaries do not cover {hi} blocks of {parts}")
     q = q.contiguous()
     out = torch.empty(h, lo + room + (end - hi), dtype=torch.int64)
     rc = lib.sparse_choose(
-        q.data_ptr(), rows, hq, h, d, bounds.data_ptr(), bounds.stride(0), lo, hi, room, end,
-        alpha, out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), rows, hq, h, d, bounds.data_ptr(), bounds.stride(0), parts, w, lo, hi,
+        room, end, alpha, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise ValueError(

@@ -5,19 +5,19 @@ Perplexity: each development text's first `--tokens` tokens (the protocol of doc
 prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
 through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value and
 `--summary-tokens` size), and, at the same number of tokens attended, `learned_prune` (kept
-ratio = share), the `streaming` scorer and, with `--methods ... oracle`, `sparse` choosing its blocks by the true attention
-(about the best a choice of whole blocks can do; not a method). A text shorter than
-`--tokens` is measured at its own length (said in the table). Passkey: each text as the
-haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth), `full` against
-`sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens prefilled, then
-`--decode-steps` decode steps per case, cases interleaved, medians: the whole step, the
-attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's own share
-(scoring and top-k); the cases: `full`, `sparse` resident, and `sparse` over the tiered
-placement with the newest share of the context on the device tier and every older token on the
-host tier (each step reads the chosen blocks where they live), with the device tier's KV
-bytes; and for each packed `--formats` its whole cache against its sparse selection (the
-kernel over the chosen blocks' records). `--chart PNG` draws PPL change against the share of
-tokens attended.
+ratio = share), the `streaming` scorer and, with `--methods ... oracle`, `sparse` choosing its
+blocks by the true attention (about the best a choice of whole blocks can do; not a method). A
+text shorter than `--tokens` is measured at its own length (said in the table). Passkey: each
+text as the haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth),
+`full` against `sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens
+prefilled, then `--decode-steps` decode steps per case, cases interleaved, medians: the whole
+step, the attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's
+own share (scoring and top-k); the cases: `full`, `sparse` resident, and `sparse` over the
+tiered placement with the newest share of the context on the device tier and every older token
+on the host tier (each step reads the chosen blocks where they live), with the device tier's KV
+bytes (and the summaries' beside them); and for each packed `--formats` its whole cache against
+its sparse selection (the kernel over the chosen blocks' records). `--chart PNG` draws PPL
+change against the share of tokens attended.
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
@@ -272,6 +272,8 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
             "blocks_read": kvs[label].selection.stats().get("blocks_read_share"),
             "stability": kvs[label].selection.stats().get("selection_stability"),
             "device_kv_mib": _device_bytes(kvs[label]) / 2**20,
+            # the selection's summaries, held on the device beside the device tier's KV
+            "summary_mib": kvs[label].selection.stats().get("summary_bytes", 0) / 2**20,
             "ssd_rows": _ssd_rows(kvs[label]),
         })  # fmt: skip
     for kv in kvs.values():
@@ -339,7 +341,7 @@ def main() -> None:
                     help="what the PPL section compares with full (oracle: sparse choosing "
                     "by the true attention: a reference, not a method)")  # fmt: skip
     ap.add_argument("--range-weights", type=float, nargs="*", default=[],
-                    help="PPL: sparse also at each of these range_weight values")
+                    help="PPL: sparse also at each of these range_weight values")  # fmt: skip
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
                     help="PPL: sparse also with summaries of each of these many tokens (at "
                     "each --range-weights value, or the default)")  # fmt: skip
@@ -356,7 +358,7 @@ def main() -> None:
                                        "select_ms",
                                        "step_speedup", "attend_speedup", "select_share_of_step",
                                        "blocks_read", "stability", "device_kv_mib",
-                                       "ssd_rows"],
+                                       "summary_mib", "ssd_rows"],
                extra)  # fmt: skip
     if "passkey" not in args.skip:
         rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share)

@@ -388,16 +388,17 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
             assert torch.equal(got, want), (alpha, parts, width, threads)
     torch.set_num_threads(2)
     # random floats (seeded: no two scores within rounding of the cut); a head dim whose
-    # summary rows are not whole vectors of 8 (30: one block at a time) and one that is
+    # summary rows are not whole vectors of 8 (30: one block at a time) and one that is; GQA
+    # groups that leave one or two queries after the kernel's threes (2 and 4 per KV head)
     g = torch.Generator().manual_seed(3)
-    for d in (64, 30):
+    for d, group in ((64, 3), (30, 3), (64, 2), (64, 4)):
         q = torch.randn(rows, h * group, d, generator=g)
         b = torch.randn(h, blocks, 2 * d, generator=g)
         b[..., d:] = b[..., d:].abs()
         args = (q, b.half(), 2, 600, 50, 610, 0.25)
-        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
+        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), (d, group)
         args = (q, b[..., :d].half().contiguous(), 2, 300, 50, 305, 0.0, 2)  # centres, halves
-        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), d
+        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), (d, group)
     with pytest.raises(ValueError, match="refused"):
         kernels.choose_blocks(q, b.half(), 2, 600, 599, 610, 0.25)  # more room than candidates
     with pytest.raises(ValueError, match="float16 summaries"):

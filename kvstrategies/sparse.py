@@ -350,7 +350,7 @@ def _store_bounds(out: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, d: 
 def choose_torch(
     q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
     parts: int = 1,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Per KV head the blocks a step reads, [Hkv, lo + room + (end - hi)]: the sinks [0, lo),
     the `room` candidates of [lo, hi) with the largest score for any of the group's queries
     (q [rows, Hq, D]; bounds [Hkv, blocks x parts, 2D or D] float16: per summary the centre,

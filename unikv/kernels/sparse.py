@@ -54,7 +54,7 @@ def _lib() -> ctypes.CDLL:
 def choose_blocks(
     q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
     parts: int = 1,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
     candidates of [lo, hi) whose score is largest (in ascending order), then the window
     hi..end-1. q: the step's queries [rows, Hq, D] float32; bounds: the layer's summaries

@@ -104,7 +104,8 @@ class Oracle:
     def report(self) -> dict:
         return {}
 
-    def choose(self, q, bounds, lo, hi, room, end, alpha):
+    def choose(self, q, bounds, lo, hi, room, end, alpha, parts=1):
+        # `sparse.choose`'s arguments; the summaries (bounds, alpha, parts) go unread
         h, bs = bounds.shape[0], self.kv.pool.block_size
         t, hq, d = q.shape
         k = self.kv.format.read(self.layer)[0][0].float()  # [Hkv, T, D]: one sequence

@@ -259,8 +259,8 @@ class SparseSelection(Selection):
 
     # ---- summaries ---------------------------------------------------------------------------
 
-    def _index(self, token: int) -> int:
-        """The summary token `token` is in."""
+    def _index(self, token):
+        """The summary token `token` is in (an int, or a tensor of them)."""
         return token // self.bs * self.parts + token % self.bs // self.sub
 
     def _grow(self, sid: int, summaries: int, device: torch.device) -> None:
@@ -291,18 +291,19 @@ class SparseSelection(Selection):
         bounds, opened = self._bounds[sid], self._open[sid]
         if layer is not None:
             bounds, opened = bounds[layer : layer + 1], opened[:, layer : layer + 1]
-        count = last - first + 1
-        mins = torch.full((k.shape[0], k.shape[2], count, k.shape[3]), float("inf"),
-                          device=k.device)  # fmt: skip
-        maxs = torch.full_like(mins, float("-inf"))
-        if start and self._index(start - 1) == first:  # the open summary goes on filling
-            mins[:, :, 0], maxs[:, :, 0] = opened[0], opened[1]
-        if count == 1:  # one summary (most decode steps): one reduction
-            mins[:, :, 0] = torch.minimum(mins[:, :, 0], k.amin(1))
-            maxs[:, :, 0] = torch.maximum(maxs[:, :, 0], k.amax(1))
+        goes_on = start and self._index(start - 1) == first  # the open summary fills on
+        if first == last:  # one summary (most decode steps): one reduction
+            mins, maxs = k.amin(1), k.amax(1)
+            if goes_on:
+                mins, maxs = torch.minimum(mins, opened[0]), torch.maximum(maxs, opened[1])
+            mins, maxs = mins.unsqueeze(2), maxs.unsqueeze(2)  # [L, Hkv, 1, D]
         else:
-            pos = torch.arange(start, start + n, device=k.device)
-            idx = pos // self.bs * self.parts + pos % self.bs // self.sub - first
+            shape = (k.shape[0], k.shape[2], last - first + 1, k.shape[3])
+            mins = torch.full(shape, float("inf"), device=k.device)
+            maxs = torch.full_like(mins, float("-inf"))
+            if goes_on:
+                mins[:, :, 0], maxs[:, :, 0] = opened[0], opened[1]
+            idx = self._index(torch.arange(start, start + n, device=k.device)) - first
             idx = idx.view(1, 1, n, 1).expand(k.shape[0], k.shape[2], n, k.shape[3])
             kt = k.transpose(1, 2)  # [L, Hkv, n, D]
             mins.scatter_reduce_(2, idx, kt, "amin")

@@ -86,9 +86,9 @@ class Oracle:
     blocks per step can do, not a method: it reads the whole cache to choose."""
 
     def __init__(self, kv) -> None:
-        from unikv.kvstrategies.sparse import choose_torch
+        from unikv.kvstrategies.sparse import pick_blocks
 
-        self.kv, self.layer, self._torch = kv, 0, choose_torch
+        self.kv, self.layer, self._pick = kv, 0, pick_blocks
         sel = kv.selection
         reads = sel.reads
 
@@ -104,20 +104,16 @@ class Oracle:
     def report(self) -> dict:
         return {}
 
-    def choose(self, q, bounds, lo, hi, room, end, alpha, parts=1):
-        # `sparse.choose`'s arguments; the summaries (bounds, alpha, parts) go unread
-        h, bs = bounds.shape[0], self.kv.pool.block_size
+    def choose(self, q, codes, scales, lo, hi, room, end, alpha, parts=1):
+        # `sparse.choose`'s arguments; the summaries (codes, scales, alpha, parts) go unread
+        h, bs = codes.shape[0], self.kv.pool.block_size
         t, hq, d = q.shape
         k = self.kv.format.read(self.layer)[0][0].float()  # [Hkv, T, D]: one sequence
         qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
         p = torch.softmax(qg @ k.transpose(1, 2) * self.kv.spec.scale, -1)  # [Hkv, R, T]
         nb = p.shape[-1] // bs
         mass = p[..., : nb * bs].reshape(h, p.shape[1], nb, bs).sum((1, 3))[:, lo:hi]
-        fake = torch.zeros(h, hi, 2 * d)  # scores = the mass, through the reference's top-k
-        fake[:, lo:hi, 0] = mass
-        one = torch.zeros(1, hq, d)
-        one[..., 0] = 1.0
-        return self._torch(one, fake, lo, hi, room, end, 0.0)
+        return self._pick(mass, lo, hi, room, end)
 
 
 def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],

@@ -25,13 +25,15 @@ a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chun
 the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
 scores (a chunk's queries choose together, as a small decode batch does).
 
-The summaries are kept here per sequence, on the device, in float16 ([layers, KV heads,
-summaries, head dim] centres, then as many half-ranges when w > 0; the half-range rounded up,
-so Quest's bound stays a bound for keys within float16's range), with the float32 minimum and
-maximum of the one summary still filling. They are computed after each step from the step's
-keys as they were appended (for a packed format: before packing), and, for blocks a sequence
-did not write (a shared or persisted prefix), once from the format's stored keys. They follow
-the sequence, not its blocks, so moves between tiers and swapping leave them valid.
+The summaries are kept here per sequence, on the device, as int8 codes with one float32
+scale per summary ([layers, KV heads, summaries, head dim] centres, then as many half-ranges
+when w > 0, in the kernel's tiles of 16 summaries; the half-range widened by the centre's
+rounding and rounded up, so Quest's bound stays a bound), with the float32 minimum and
+maximum of the one summary still filling. Scoring quantizes the queries to int8 too: an
+integer dot per summary. They are computed after each step from the step's keys as they
+were appended (for a packed format: before packing), and, for blocks a sequence did not
+write (a shared or persisted prefix), once from the format's stored keys. They follow the
+sequence, not its blocks, so moves between tiers and swapping leave them valid.
 
 Every format reads only the chosen blocks: the dense format gathers them from the arenas, the
 packed ones (hybrid, int8) gather their records for the same attention kernel. Tiered, the
@@ -103,13 +105,18 @@ class SparseSelection(Selection):
     def __init__(self, pool, spec, opts: dict[str, Any], fmt, label: str) -> None:
         super().__init__(pool, spec, opts, fmt, label)
         self.bs = pool.block_size
+        if spec.head_dim % 4:  # the choice kernel's tiles hold 4 channels at a time
+            raise ValueError(f"the sparse selection needs a head dim divisible by 4, not "
+                             f"{spec.head_dim}")  # fmt: skip
         # Each block's tokens are summarized in runs of `summary_tokens` (`parts` per block,
         # the last one shorter where they do not divide the block)
         self.sub = min(self.opts["summary_tokens"], self.bs)
         self.parts = -(-self.bs // self.sub)
-        # seq -> [L, Hkv, summaries, 2D or D] float16: per summary the channels' centre, then
-        # (range_weight > 0) their half-range; scoring is one matmul of [q, w |q|] with it
-        self._bounds: dict[int, torch.Tensor] = {}
+        # seq -> [L, Hkv, summaries, 2D or D] int8: per summary the channels' centre, then
+        # (range_weight > 0) their half-range, as codes; and [L, Hkv, summaries] float32: each
+        # summary's scale (its values: codes x scale). Scoring dots [q, w |q|] with them.
+        self._codes: dict[int, torch.Tensor] = {}
+        self._scales: dict[int, torch.Tensor] = {}
         # seq -> the float32 minimum and maximum [2, L, Hkv, D] of the summary its newest
         # token is in (still filling: the next step's keys update it)
         self._open: dict[int, torch.Tensor] = {}
@@ -159,10 +166,10 @@ class SparseSelection(Selection):
                 out.append(None)
                 continue
             read = self.operators["sparse.choose"](
-                q[step.batch.rows(i)].float(), self._bounds[sid][layer], plan.lo, plan.hi,
-                plan.room, plan.end, self.opts["range_weight"], self.parts,
+                q[step.batch.rows(i)].float(), self._codes[sid][layer], self._scales[sid][layer],
+                plan.lo, plan.hi, plan.room, plan.end, self.opts["range_weight"], self.parts,
             )  # fmt: skip
-            self._count(sid, layer, read[:, plan.lo : plan.lo + plan.room], plan)
+            self._count(sid, layer, read, plan)
             out.append(read)
             self._recent.setdefault(sid, [None] * self.spec.num_layers)[layer] = out[-1]
         self.last_read[layer] = out
@@ -192,7 +199,7 @@ class SparseSelection(Selection):
         return [None if r is None else set(r.unique().tolist()) for r in recent]
 
     def forget(self, seq_id: int) -> None:
-        for d in (self._open, self._bounds, self._known, self._last, self._recent):
+        for d in (self._open, self._codes, self._scales, self._known, self._last, self._recent):
             d.pop(seq_id, None)
 
     def before_step(self, batch: StepBatch) -> None:
@@ -210,8 +217,8 @@ class SparseSelection(Selection):
             # of the blocks chosen at a step, the share chosen at the step before too
             "selection_stability": c["repeat_blocks"] / c["chosen_blocks"]
             if c["chosen_blocks"] else None,
-            "summary_bytes": sum(b.nbytes + self._open[sid].nbytes
-                                 for sid, b in self._bounds.items()),
+            "summary_bytes": sum(c.nbytes + self._scales[sid].nbytes + self._open[sid].nbytes
+                                 for sid, c in self._codes.items()),
             "kernels": self.operators.report(),
         }  # fmt: skip
 
@@ -241,15 +248,17 @@ class SparseSelection(Selection):
             read_blocks=lo + room + (-(-past // bs) - window),
         )  # fmt: skip
 
-    def _count(self, sid: int, layer: int, chosen: torch.Tensor, plan: _Plan) -> None:
-        """Blocks read against blocks stored, and how many of the chosen blocks the step
-        before chose too (how stable selections are: what a prefetch can count on)."""
+    def _count(self, sid: int, layer: int, read: torch.Tensor, plan: _Plan) -> None:
+        """Blocks read against blocks stored, and how many of the blocks chosen (`read`'s
+        between the sinks and the window) the step before chose too (how stable selections
+        are: what a prefetch can count on)."""
         c = self.counts
         c["sparse_reads"] += 1
         c["blocks_read"] += plan.read_blocks
         c["blocks_stored"] += plan.stored_blocks
         if layer != self.spec.num_layers // 2:  # stability is sampled at the middle layer
             return
+        chosen = read[:, plan.lo : plan.lo + plan.room]
         prev = self._last.get(sid)
         if prev is not None and prev.shape == chosen.shape:
             same = (chosen.unsqueeze(-1) == prev.unsqueeze(-2)).any(-1)  # per KV head (any order)
@@ -264,21 +273,25 @@ class SparseSelection(Selection):
         return token // self.bs * self.parts + token % self.bs // self.sub
 
     def _grow(self, sid: int, summaries: int, device: torch.device) -> None:
-        have = self._bounds.get(sid)
+        have = self._scales.get(sid)
         if have is not None and have.shape[2] >= summaries:
             return
         cap = max(summaries, 2 * (have.shape[2] if have is not None else 4 * self.parts))
+        cap = -(-cap // kernels.TILE) * kernels.TILE  # whole tiles
         spec = self.spec
         width = spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
-        bounds = torch.zeros(spec.num_layers, spec.num_kv_heads, cap, width,
-                             dtype=torch.float16, device=device)  # fmt: skip
+        shape = (spec.num_layers, spec.num_kv_heads)
+        codes = torch.zeros(*shape, cap // kernels.TILE, width // 4, kernels.TILE, 4,
+                            dtype=torch.int8, device=device)  # fmt: skip
+        scales = torch.zeros(*shape, cap, device=device)
         if have is not None:
-            bounds[:, :, : have.shape[2]] = have
+            codes[:, :, : self._codes[sid].shape[2]] = self._codes[sid]
+            scales[:, :, : have.shape[2]] = have
         else:
             self._open[sid] = torch.empty(
                 2, spec.num_layers, spec.num_kv_heads, spec.head_dim, device=device
             )
-        self._bounds[sid] = bounds
+        self._codes[sid], self._scales[sid] = codes, scales
 
     def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
         """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the summaries (of every
@@ -288,9 +301,10 @@ class SparseSelection(Selection):
             return
         first, last = self._index(start), self._index(start + n - 1)
         self._grow(sid, last + 1, k.device)
-        bounds, opened = self._bounds[sid], self._open[sid]
+        codes, scales, opened = self._codes[sid], self._scales[sid], self._open[sid]
         if layer is not None:
-            bounds, opened = bounds[layer : layer + 1], opened[:, layer : layer + 1]
+            codes, scales = codes[layer : layer + 1], scales[layer : layer + 1]
+            opened = opened[:, layer : layer + 1]
         goes_on = start and self._index(start - 1) == first  # the open summary fills on
         if first == last:  # one summary (most decode steps): one reduction
             mins, maxs = k.amin(1), k.amax(1)
@@ -309,9 +323,22 @@ class SparseSelection(Selection):
             mins.scatter_reduce_(2, idx, kt, "amin")
             maxs.scatter_reduce_(2, idx, kt, "amax")
         opened[0], opened[1] = mins[:, :, -1], maxs[:, :, -1]
-        _store_bounds(bounds[:, :, first : last + 1], mins, maxs, self.spec.head_dim)
+        c, scales[:, :, first : last + 1] = _summaries(mins, maxs, self.opts["range_weight"] > 0)
+        # into the tiles: summary i is row i % 16 of tile i // 16, 4 channels at a time
+        c = c.unflatten(-1, (-1, 4))  # [L, Hkv, n, w / 4, 4]
+        rows = codes.transpose(3, 4)  # [L, Hkv, tiles, 16, w / 4, 4] (a view)
+        if first == last:
+            rows[:, :, first // kernels.TILE, first % kernels.TILE] = c[:, :, 0]
+        else:
+            i = torch.arange(first, last + 1, device=k.device)
+            rows[:, :, i // kernels.TILE, i % kernels.TILE] = c
         if layer is None:
             self._known[sid] = start + n
+
+    def summaries(self, sid: int) -> torch.Tensor:
+        """Sequence `sid`'s summaries as the scores see them, [L, Hkv, summaries, 2D or D]
+        float32 (codes x scale; unfilled ones are zeros)."""
+        return kernels.untile(self._codes[sid]).float() * self._scales[sid].unsqueeze(-1)
 
     def _summarize_stored(self, layer: int) -> None:
         """Summaries of `layer`'s stored tokens this selection did not see written (an
@@ -324,49 +351,70 @@ class SparseSelection(Selection):
             self._add(sid, k, have, layer)
 
 
-_HALF_MAX = 65504.0
+QMAX = 63  # a query code's largest magnitude (unikv/kernels/sparse.c says why)
 
 
-def _store_bounds(out: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, d: int) -> None:
-    """Write summaries' centre and half-range (float32 `mins`, `maxs`) into the float16 `out`
-    [..., 2d] (or their centre alone, `out` [..., d]): half the bytes for `sparse.choose` to
-    read every step. The half-range is widened by what rounding took from the centre and
-    rounded up, so that q . c + |q| . r stays an upper bound of q . k over the tokens
-    summarized (range_weight = 1)."""
-    c = (maxs + mins).mul_(0.5).clamp_(-_HALF_MAX, _HALF_MAX)
-    half_c = c.to(torch.float16)
-    if out.shape[-1] == d:
-        out.copy_(half_c)
-        return
-    r = (maxs - mins).mul_(0.5).add_((c - half_c.float()).abs_())
-    # rounding to nearest takes off at most 2^-11 of a normal float16 and 2^-25 of a subnormal
-    r.mul_(1 + 2**-10).add_(2**-24).clamp_(max=_HALF_MAX)
-    out[..., :d] = half_c
-    out[..., d:] = r
+def _summaries(
+    mins: torch.Tensor, maxs: torch.Tensor, ranged: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summaries' centre and half-range (from float32 `mins`, `maxs` [..., D]) as int8 codes
+    [..., 2D] and one float32 scale each ([...]), or their centre alone (`ranged` False:
+    codes [..., D]): a quarter of float32's bytes for `sparse.choose` to read every step. The
+    centre is rounded to the nearest code, which moves it by at most half a scale; the
+    half-range grows by that and is rounded up, so that q . c + |q| . r stays an upper bound
+    of q . k over the tokens summarized (range_weight = 1), at any magnitude."""
+    c = (maxs + mins).mul_(0.5)
+    top = c.abs().amax(-1) / 127
+    if ranged:
+        r = (maxs - mins).mul_(0.5)
+        top = torch.maximum(top, r.amax(-1) / 126)  # room for r + scale / 2, rounded up
+    div = torch.where(top > 0, top, 1.0).unsqueeze(-1)
+    codes = (c / div).round_().clamp_(-127, 127)
+    if ranged:  # 0.501: a margin for float32's rounding of r / scale
+        codes = torch.cat([codes, (r / div).add_(0.501).ceil_().clamp_(0, 127)], -1)
+    return codes.to(torch.int8), top
+
+
+def quantize_queries(qa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query vectors [..., w] as integral float codes in [-QMAX, QMAX] and one scale each
+    ([..., 1]: their largest magnitude / QMAX), rounded half to even: what the C kernel
+    computes, so that both score alike bit for bit."""
+    scale = qa.abs().amax(-1, keepdim=True) / QMAX
+    codes = torch.where(scale > 0, qa / scale, 0.0).round_().clamp_(-QMAX, QMAX)
+    return codes, scale
 
 
 # ---- the choice as a registry op: the C kernel (`unikv/kernels/sparse.c`), else PyTorch ----
 
 
 def choose_torch(
-    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
-    parts: int = 1,
+    q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, room: int,
+    end: int, alpha: float, parts: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """Per KV head the blocks a step reads, [Hkv, lo + room + (end - hi)]: the sinks [0, lo),
     the `room` candidates of [lo, hi) with the largest score for any of the group's queries
-    (q [rows, Hq, D]; bounds [Hkv, blocks x parts, 2D or D] float16: per summary the centre,
-    then the half-range or nothing), in ascending order, then the window [hi, end). A
-    summary's score: q . centre + alpha |q| . half-range (alpha = 1: Quest's upper bound of
-    q . k over its tokens); a block's: its summaries' largest. The reference
-    `unikv/kernels/sparse.c` must agree with."""
-    h, _, w = bounds.shape
+    (q [rows, Hq, D]; codes: int8 tiles of [Hkv, summaries, 2D or D], per summary the centre,
+    then the half-range or nothing; scales [Hkv, summaries]), in ascending order, then the
+    window [hi, end). A summary's score: q . centre + alpha |q| . half-range (alpha = 1:
+    Quest's upper bound of q . k over its tokens), with q quantized as `quantize_queries`
+    does; a block's: its summaries' largest. The reference `unikv/kernels/sparse.c` must
+    agree with, bit for bit: every dot of codes is an exact integer in float32."""
+    codes = kernels.untile(codes)  # [Hkv, S, w]
+    h, _, w = codes.shape
     t, hq, d = q.shape
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
     qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1) if w == 2 * d else qg  # [Hkv, R, w]
-    cand = bounds[:, lo * parts : hi * parts].float()
-    score = (qq @ cand.transpose(1, 2)).amax(1).view(h, hi - lo, parts).amax(-1)
+    qc, qs = quantize_queries(qq)
+    cand = codes[:, lo * parts : hi * parts].float()
+    score = (qc @ cand.transpose(1, 2)).mul_(qs).amax(1) * scales[:, lo * parts : hi * parts]
+    return pick_blocks(score.view(h, hi - lo, parts).amax(-1), lo, hi, room, end)
+
+
+def pick_blocks(score: torch.Tensor, lo: int, hi: int, room: int, end: int) -> torch.Tensor:
+    """Per KV head the sinks [0, lo), the `room` candidates with the largest `score` ([Hkv,
+    hi - lo]: candidates [lo, hi)) in ascending order, then the window [hi, end)."""
+    h, dev = score.shape[0], score.device
     chosen = score.topk(room, dim=-1, sorted=False).indices.sort(dim=-1).values.add_(lo)
-    dev = bounds.device
     return torch.cat([torch.arange(lo, device=dev).expand(h, -1), chosen,
                       torch.arange(hi, end, device=dev).expand(h, -1)], dim=1)  # fmt: skip
 

@@ -275,10 +275,10 @@ def _example(op: str):
         blocks = torch.tensor([[0, 2, 4], [0, 3, 4]])
         ids = torch.tensor([5, 1, 7, 0, 3])  # per block of the sequence: where in the arena
         return (torch.randn(2, 4, 32, generator=g), [arena], None, ids, blocks, 16, 70, 0.2), 1e-5
-    if op == "sparse.choose":  # scores apart by 100s: every summation order chooses the same
-        from tests.test_sparse import _distinct_scores
+    if op == "sparse.choose":  # integer dots of int8 codes: every implementation's scores alike
+        from tests.test_sparse import _summaries_and_queries
 
-        return (*_distinct_scores(2, 6, 2, 32, 90), 1, 85, 20, 87, 0.25), 0.0
+        return (*_summaries_and_queries(2, 6, 2, 32, 90), 1, 85, 20, 87, 0.25), 0.0
     if op in ("layer.qkv", "layer.out"):
         m = _tiny_llama()
         if op == "layer.qkv":

@@ -91,7 +91,7 @@ def test_the_bound_is_never_below_a_blocks_true_largest_score(sub):
     q = torch.randn(HEADS, DIM)
     blocks = 300 // BS
     for layer in range(LAYERS):
-        bounds = sel._bounds[0][layer, :, : blocks * parts].float()  # full blocks: [H, S, 2D]
+        bounds = sel.summaries(0)[layer, :, : blocks * parts]  # full blocks: [H, S, 2D]
         ub = (torch.cat([q, q.abs()], -1).unsqueeze(1) * bounds).sum(-1)  # [H, S]
         ub = ub.view(HEADS, blocks, parts).amax(-1)
         true = torch.einsum("hd,bthd->hbt", q, k[layer, : blocks * BS].view(-1, BS, HEADS, DIM))
@@ -102,36 +102,46 @@ def test_the_bound_is_never_below_a_blocks_true_largest_score(sub):
 def test_a_summary_of_a_few_tokens_is_their_centre():
     """The default summaries: per run of `summary_tokens` keys (across step boundaries: a
     decode step adds one token to the open run) the midpoint of their per-channel minimum
-    and maximum, in float16, and nothing else."""
+    and maximum, as int8 codes with one scale (their largest magnitude / 127), and nothing
+    else."""
     s = build(budget_tokens=64, summary_tokens=4)
     k = torch.randn(LAYERS, 40, HEADS, DIM)
     step(s, 0, k[:, :37], torch.randn(LAYERS, 37, HEADS * GROUP, DIM), more_prompt=True)
     for t in range(37, 40):  # one token a step, into the open summary [36, 40)
         step(s, 0, k[:, t : t + 1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
     runs = k.view(LAYERS, 10, 4, HEADS, DIM)
-    want = ((runs.amin(2) + runs.amax(2)) / 2).transpose(1, 2).half()  # [L, H, 10, D]
-    got = s.selection._bounds[0][:, :, :10]
+    want = ((runs.amin(2) + runs.amax(2)) / 2).transpose(1, 2)  # [L, H, 10, D]
+    sel = s.selection
+    assert sel._codes[0].dtype == torch.int8
+    got = sel.summaries(0)[:, :, :10]
     assert got.shape[-1] == DIM  # the centre alone
-    assert torch.equal(got, want)
+    scale = want.abs().amax(-1, keepdim=True) / 127
+    assert torch.allclose(sel._scales[0][:, :, :10], scale[..., 0])
+    assert ((got - want).abs() <= scale * 0.5001).all()  # to the nearest code
+    assert not torch.equal(got, torch.zeros_like(got))
     s.close()
 
 
-def test_float16_summaries_still_cover_every_key():
-    """The summaries choosing reads are float16 (half the bytes of float32): per channel the
-    stored centre c and half-range r must still span the block's keys, c - r <= min and
-    c + r >= max, at every magnitude (subnormal, ordinary, near float16's largest), so that
-    Quest's score stays an upper bound."""
-    from unikv.kvstrategies.sparse import _store_bounds
+def test_int8_summaries_still_cover_every_key():
+    """The summaries choosing reads are int8 codes with a float32 scale each (a quarter of
+    float32's bytes): per channel the stored centre c and half-range r must still span the
+    summary's keys, c - r <= min and c + r >= max, at every magnitude (tiny, ordinary, huge)
+    and with channels of very different sizes in one summary, so that Quest's score stays an
+    upper bound."""
+    from unikv.kvstrategies.sparse import _summaries
 
     g = torch.Generator().manual_seed(0)
-    for scale in (1e-6, 1e-2, 1.0, 300.0, 1e4):  # keys within float16 range (|k| < 65504)
+    for scale in (1e-6, 1e-2, 1.0, 300.0, 1e4, 1e30):
         a = torch.randn(4, 7, 64, generator=g) * scale
         b = a + torch.rand(4, 7, 64, generator=g) * scale
-        out = torch.empty(4, 7, 128, dtype=torch.float16)
-        _store_bounds(out, a.clone(), b.clone(), 64)
-        c, r = out[..., :64].double(), out[..., 64:].double()
+        a[0, 0, 5], b[0, 0, 5] = -1e3 * scale, 1e3 * scale  # one channel dwarfs the rest
+        a[1, 1], b[1, 1] = 0.0, 0.0  # a summary of zero keys
+        codes, scales = _summaries(a.clone(), b.clone(), ranged=True)
+        assert codes.dtype == torch.int8 and codes.shape == (4, 7, 128)
+        c = codes[..., :64].double() * scales.double().unsqueeze(-1)
+        r = codes[..., 64:].double() * scales.double().unsqueeze(-1)
         assert (c - r <= a.double()).all() and (c + r >= b.double()).all(), scale
-        assert torch.isfinite(out).all()
+        assert torch.isfinite(scales).all()
 
 
 def test_an_attached_prefix_is_summarized_from_the_stored_keys():
@@ -152,7 +162,7 @@ def test_an_attached_prefix_is_summarized_from_the_stored_keys():
         assert torch.equal(s.selection.last_read[layer][0].sort(-1).values, first[layer])
         assert torch.allclose(out0[layer], out1[layer], atol=1e-6)
     blocks = 320 // BS
-    got, want = s.selection._bounds[1][:, :, :blocks], s.selection._bounds[0][:, :, :blocks]
+    got, want = s.selection.summaries(1)[:, :, :blocks], s.selection.summaries(0)[:, :, :blocks]
     assert torch.equal(got, want)
     s.close()
 
@@ -350,73 +360,96 @@ def test_a_packed_format_falls_back_where_one_sink_mask_cannot_serve_every_head(
     s.close()
 
 
-def _distinct_scores(rows, hq, h, d, blocks, seed=0, width=2):
-    """Queries and float16 summaries ([h, blocks, width x d]: centre and half-range, or the
-    centre alone) whose scores are multiples of 1/4 (exact in any summation order), channel
-    0 setting them 320 apart (20 x multiples of 16, exact in float16 below 32768), more than
-    the other channels add: no ties."""
+def _summaries_and_queries(rows, hq, h, d, summaries, seed=0, width=2):
+    """Queries [rows, hq, d] and random summaries for `sparse.choose`: int8 codes in tiles
+    ([h, summaries rounded up to 16, width x d]: centre and half-range, or the centre alone)
+    and a float32 scale each. The kernel and the reference compute the same scores bit for
+    bit (integer dots); random scales leave no two equal."""
+    from unikv.kernels.sparse import TILE, tile
+
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-1, 2, (rows, hq, d), generator=g).float()
-    q[..., 0] = 20.0
-    b = torch.randint(-1, 2, (h, blocks, width * d), generator=g).float()
-    b[..., d:] = b[..., d:].abs()
-    b[:, :, 0] = 16.0 * torch.stack([torch.randperm(blocks, generator=g) for _ in range(h)])
-    return q, b.half()
+    n = -(-summaries // TILE) * TILE
+    q = torch.randn(rows, hq, d, generator=g) * 3
+    codes = torch.randint(-127, 128, (h, n, width * d), generator=g, dtype=torch.int8)
+    codes[..., d:] = codes[..., d:].abs()  # a half-range is not negative
+    return q, tile(codes), torch.rand(h, n, generator=g) + 0.01
 
 
 @pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
 def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
-    """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`): the sinks, the best
-    blocks per KV head in ascending order, the window; one and several query rows (a scored
-    chunk; 300 query vectors), no room, every candidate, and enough blocks that two threads
-    score them; summaries of whole blocks and of half blocks (a block's score: its best),
-    with the half-range or the centre alone."""
+    """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`), bit for bit: the
+    sinks, the best blocks per KV head in ascending order, the window; one and several query
+    rows (a scored chunk; 300 query vectors), no room, every candidate, and enough blocks that
+    two threads score them; summaries of whole blocks, of half blocks and of 5 parts (a
+    block's score: its best; candidates that start and end inside a tile of 16 summaries),
+    with the half-range or the centre alone; head dims of whole vectors and not (36), and GQA
+    groups that leave the kernel's passes of 4 queries part full (1, 2, 3)."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.sparse import choose_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
-    h, group, d, blocks = 3, 3, 64, 720
-    for alpha, parts, width in ((1.0, 1, 2), (0.25, 1, 2), (0.0, 1, 2), (0.25, 2, 2),
-                                (0.0, 2, 1), (0.0, 1, 1)):  # fmt: skip
-        q, b = _distinct_scores(rows, h * group, h, d, blocks * parts, width=width)
+    h, blocks = 3, 720
+    cases = ((1.0, 1, 2, 64, 3), (0.25, 1, 2, 64, 3), (0.0, 1, 2, 64, 3), (0.25, 2, 2, 64, 3),
+             (0.0, 2, 1, 64, 3), (0.0, 8, 1, 64, 3), (0.0, 5, 1, 36, 2), (0.5, 2, 2, 36, 1),
+             (0.0, 1, 1, 128, 4))  # alpha, parts, width, head dim, group  # fmt: skip
+    for alpha, parts, width, d, group in cases:
+        q, codes, scales = _summaries_and_queries(rows, h * group, h, d, blocks * parts,
+                                                  width=width)  # fmt: skip
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            args = (q, b, 1, 701, room, 705, alpha, parts)  # sinks [0, 1), window [701, 705)
+            args = (q, codes, scales, 1, 701, room, 705, alpha, parts)  # window [701, 705)
             got, want = kernels.choose_blocks(*args), choose_torch(*args)
             assert got.shape == (h, 1 + room + 4)
-            assert torch.equal(got, want), (alpha, parts, width, threads)
+            assert torch.equal(got, want), (alpha, parts, width, d, group, threads)
     torch.set_num_threads(2)
-    # random floats (seeded: no two scores within rounding of the cut); a head dim whose
-    # summary rows are not whole vectors of 8 (30: one block at a time) and one that is; GQA
-    # groups that leave one or two queries after the kernel's threes (2 and 4 per KV head)
-    g = torch.Generator().manual_seed(3)
-    for d, group in ((64, 3), (30, 3), (64, 2), (64, 4)):
-        q = torch.randn(rows, h * group, d, generator=g)
-        b = torch.randn(h, blocks, 2 * d, generator=g)
-        b[..., d:] = b[..., d:].abs()
-        args = (q, b.half(), 2, 600, 50, 610, 0.25)
-        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), (d, group)
-        args = (q, b[..., :d].half().contiguous(), 2, 300, 50, 305, 0.0, 2)  # centres, halves
-        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args)), (d, group)
+    q, codes, scales = _summaries_and_queries(rows, 9, 3, 64, 720)
     with pytest.raises(ValueError, match="refused"):
-        kernels.choose_blocks(q, b.half(), 2, 600, 599, 610, 0.25)  # more room than candidates
-    with pytest.raises(ValueError, match="float16 summaries"):
-        kernels.choose_blocks(q, b, 2, 600, 50, 610, 0.25)
+        kernels.choose_blocks(q, codes, scales, 2, 600, 599, 610, 0.25)  # more room than blocks
+    with pytest.raises(ValueError, match="int8 summaries"):
+        kernels.choose_blocks(q, codes.float(), scales, 2, 600, 50, 610, 0.25)
+    with pytest.raises(ValueError, match="do not cover"):
+        kernels.choose_blocks(q, codes, scales, 2, 600, 50, 610, 0.25, 2)
+
+
+def test_queries_are_quantized_alike_in_the_kernel_and_the_reference():
+    """The choice's one approximation beyond the summaries: each query vector as int8 codes
+    within [-63, 63] and one scale. A query whose codes round half to even and one of mixed
+    magnitudes choose in the kernel what they choose in the reference, and the
+    reference's codes are within half a scale of the query; a zero query's codes are zeros."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import QMAX, choose_torch, quantize_queries
+
+    q = torch.randn(2, 3, 64) * torch.logspace(-3, 3, 64)
+    codes, scale = quantize_queries(q)
+    assert codes.abs().max() == QMAX and torch.equal(codes, codes.round())
+    assert ((codes * scale - q).abs() <= scale * 0.5001).all()
+    zero, zscale = quantize_queries(torch.zeros(1, 8))
+    assert torch.equal(zero, torch.zeros(1, 8)) and zscale.item() == 0.0
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    _, c, sc = _summaries_and_queries(1, 3, 1, 64, 64 * 4)
+    halves = torch.zeros(1, 3, 64)
+    halves[..., 0], halves[..., 1:4] = 63.0, torch.tensor([0.5, 1.5, -2.5])  # ties: to even
+    for qq in (q[:1], halves):  # (a zero query scores every block 0: all ties)
+        args = (qq, c, sc, 0, 64, 8, 64, 0.0, 4)
+        assert torch.equal(kernels.choose_blocks(*args), choose_torch(*args))
 
 
 def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
     """range_weight 1 is Quest's bound; 0 scores a block by its channels' centre alone: a block
     of one outlier key and a block of keys all moderately aligned swap places."""
+    from unikv.kernels.sparse import tile
     from unikv.kvstrategies.sparse import choose_torch
 
     d = 4
     q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
-    b = torch.zeros(1, 3, 2 * d)
-    b[0, 1, 0], b[0, 1, d] = 1.0, 3.0  # one key at 4, the rest at -2: centre 1, range 3
-    b[0, 2, 0], b[0, 2, d] = 2.0, 0.5  # every key near 2: centre 2, range 0.5
-    assert choose_torch(q, b, 0, 3, 1, 3, 1.0)[0].tolist() == [1]  # bound: 4 against 2.5
-    assert choose_torch(q, b, 0, 3, 1, 3, 0.0)[0].tolist() == [2]  # centre: 1 against 2
+    codes = torch.zeros(1, 16, 2 * d, dtype=torch.int8)  # a tile of 16 summaries, scale 1/2
+    codes[0, 1, 0], codes[0, 1, d] = 2, 6  # one key at 4, the rest at -2: centre 1, range 3
+    codes[0, 2, 0], codes[0, 2, d] = 4, 1  # every key near 2: centre 2, range 0.5
+    b, scales = tile(codes), torch.full((1, 16), 0.5)
+    assert choose_torch(q, b, scales, 0, 3, 1, 3, 1.0)[0].tolist() == [1]  # bound: 4 vs 2.5
+    assert choose_torch(q, b, scales, 0, 3, 1, 3, 0.0)[0].tolist() == [2]  # centre: 1 vs 2
 
 
 @pytest.mark.parametrize("d,bs", [(64, 16), (40, 12), (128, 16)])

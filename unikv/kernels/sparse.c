@@ -14,9 +14,10 @@
  * The score of block b for KV head h: the largest, over the block's summaries (`parts` per
  * block: each summarizes a run of its tokens), the group's query heads g and the step's query
  * rows r, of q . c + alpha |q| . r, where c and r are the summary's per-channel key centre and
- * half-range (`bounds`: per summary [c, r], 2d float16 values, or [c] alone, d values, when
- * the score is the centre's). alpha = 1 is Quest's upper bound of q . k over the tokens
- * summarized; smaller alpha weighs the centre more.
+ * half-range (per summary [c, r], 2d int8 codes, or [c] alone, d codes, when the score is the
+ * centre's; and one float32 scale). alpha = 1 is Quest's upper bound of q . k over the tokens
+ * summarized; smaller alpha weighs the centre more. The queries are quantized to int8 here
+ * (see "choosing" below).
  *
  * Top-k: a quickselect finds the room-th largest score per head; the blocks above it, and
  * as many of those equal to it as there is room for, are taken in block order, so the chosen
@@ -71,52 +72,35 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
-/* Eight float16 summaries as floats, converted on load: F16C's vcvtph2ps where the
- * instruction set has it (GCC 12 converts a _Float16 vector one element at a time when
- * AVX512-FP16 is on), else the compiler's conversion. */
-#ifdef __F16C__
-#include <immintrin.h>
-static inline __attribute__((always_inline)) v8 load8h(const _Float16 *p) {
-    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-#else
-typedef _Float16 v8h __attribute__((vector_size(16)));
-static inline __attribute__((always_inline)) v8 load8h(const _Float16 *p) {
-    v8h x;
-    memcpy(&x, p, sizeof x);
-    return __builtin_convertvector(x, v8);
-}
-#endif
-
 /* s[0..8) = q . k for the 8 keys in rows kj, kj + d, ... (d % 8 == 0): eight independent sums
  * (one sum's chain of dependent adds is what bounds a dot product at a time), then one
- * transpose-and-add of the eight vectors instead of eight horizontal sums. `dot8` reads float
- * rows (keys), `dot8h` float16 rows (summaries). */
-#define DOT8(name, T, LOAD)                                                                       \
-    static inline void name(const float *qv, const T *kj, int d, float scale, float *s) {        \
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};        \
-        for (int c = 0; c < d; c += 8) {                                                          \
-            const v8 x = load8(qv + c);                                                           \
-            a0 += x * LOAD(kj + c);                                                               \
-            a1 += x * LOAD(kj + d + c);                                                           \
-            a2 += x * LOAD(kj + 2 * d + c);                                                       \
-            a3 += x * LOAD(kj + 3 * d + c);                                                       \
-            a4 += x * LOAD(kj + 4 * d + c);                                                       \
-            a5 += x * LOAD(kj + 5 * d + c);                                                       \
-            a6 += x * LOAD(kj + 6 * d + c);                                                       \
-            a7 += x * LOAD(kj + 7 * d + c);                                                       \
-        }                                                                                         \
-        const v8 b0 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15); \
-        const v8 b1 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15); \
-        const v8 b2 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15); \
-        const v8 b3 = SHUF(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15); \
-        const v8 c0 = SHUF(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15); \
-        const v8 c1 = SHUF(b2, b3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b2, b3, 2, 3, 10, 11, 6, 7, 14, 15); \
-        const v8 r = SHUF(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15); \
-        store8(s, r * scale);                                                                     \
+ * transpose-and-add of the eight vectors (`sum8x8`) instead of eight horizontal sums. */
+static inline __attribute__((always_inline)) v8 sum8x8(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5,
+                                                       v8 a6, v8 a7) {
+    const v8 b0 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 b1 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 b2 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 b3 = SHUF(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8 c0 = SHUF(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8 c1 = SHUF(b2, b3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(b2, b3, 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline void dot8(const float *qv, const float *kj, int d, float scale, float *s) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    for (int c = 0; c < d; c += 8) {
+        const v8 x = load8(qv + c);
+        a0 += x * load8(kj + c);
+        a1 += x * load8(kj + d + c);
+        a2 += x * load8(kj + 2 * d + c);
+        a3 += x * load8(kj + 3 * d + c);
+        a4 += x * load8(kj + 4 * d + c);
+        a5 += x * load8(kj + 5 * d + c);
+        a6 += x * load8(kj + 6 * d + c);
+        a7 += x * load8(kj + 7 * d + c);
     }
-DOT8(dot8, float, load8)
-DOT8(dot8h, _Float16, load8h)
+    store8(s, sum8x8(a0, a1, a2, a3, a4, a5, a6, a7) * scale);
+}
 
 static inline float dot1(const float *qv, const float *kj, int d) {
     float a = 0.0f;
@@ -125,83 +109,191 @@ static inline float dot1(const float *qv, const float *kj, int d) {
     return a;
 }
 
-static inline float dot1h(const float *qv, const _Float16 *kj, int d) {
-    float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-    for (int c = 0; c < d; c++) a += qv[c] * (float)kj[c];
-    return a;
+/* ---- choosing: int8 summaries against int8 queries -----------------------------------------
+ *
+ * A summary is w int8 codes and one float32 scale (its values: codes x scale); a query vector
+ * [q, alpha |q|] is quantized here to codes in [-63, 63] with one scale (its largest magnitude
+ * / 63, rounded half to even as torch.round). The integer dot of the codes is exact, so every
+ * instruction set and the PyTorch reference compute the same score bit for bit: float(dot) x
+ * the query's scale, the largest over the group's queries, x the summary's scale. Why int8:
+ * float16 summaries took 4.1 ms of an 8K step (11.7%), most of it converting them to float;
+ * int8 codes are half the bytes and multiply without conversion.
+ *
+ * Layout: summaries in tiles of 16, a tile [w / 4][16][4]: for each 4 channels, the 16
+ * summaries' 4 codes side by side. One vpdpbusd then adds 4 channels of 16 summaries against
+ * one query's 4 codes (broadcast): each lane is one summary's dot, with no horizontal sums (a
+ * summary per row would need one per summary and query, more work than the dot itself).
+ *
+ * The instructions multiply unsigned by signed bytes (vpdpbusd; vpmaddubsw on AVX2), so the
+ * codes are read as c + 128 (one xor) and 128 times the query's code sum is taken off. On AVX2
+ * a pair of products sums to int16: (c + 128) q lies within 255 x 63, two of them within int16;
+ * that is why the query's codes stop at 63. */
+#define QMAX 63
+#define TILE 16 /* summaries per tile */
+#define QT 4    /* queries per pass over a tile (the query codes are padded to a multiple) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define CHOOSE_ISA 2
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define CHOOSE_ISA 1
+#else
+#define CHOOSE_ISA 0
+#endif
+
+int sparse_choose_isa(void) { return CHOOSE_ISA; }
+
+/* best[k] = the largest of best[k] and, over the queries u < nu (of QT: qc + u * w their
+ * codes, qs[u] their scales, xq[u] 128 x their code sums), float(dot of codes) x qs[u], for
+ * the 16 summaries k of one tile. */
+static inline void tile_best(const int8_t *qc, const float *qs, const int *xq, int nu, int w,
+                             const int8_t *tile, float *best) {
+#if CHOOSE_ISA == 2
+    __m512i acc[QT];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int u = 0; u < QT; u++) acc[u] = _mm512_setzero_si512();
+    for (int c = 0; c < w; c += 4) {
+        const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(tile + c * TILE), flip);
+#pragma GCC unroll 4
+        for (int u = 0; u < QT; u++) {
+            int32_t q4;
+            memcpy(&q4, qc + (long)u * w + c, 4);
+            acc[u] = _mm512_dpbusd_epi32(acc[u], x, _mm512_set1_epi32(q4));
+        }
+    }
+    __m512 m = _mm512_loadu_ps(best);
+#pragma GCC unroll 4
+    for (int u = 0; u < QT; u++)
+        if (u < nu)
+            m = _mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u], _mm512_set1_epi32(xq[u]))),
+                                            _mm512_set1_ps(qs[u])), m);
+    _mm512_storeu_ps(best, m);
+#elif CHOOSE_ISA == 1
+    __m256i acc[QT][2];
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int u = 0; u < QT; u++) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+    for (int c = 0; c < w; c += 4) {
+        const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE)), flip);
+        const __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE + 32)), flip);
+#pragma GCC unroll 4
+        for (int u = 0; u < QT; u++) {
+            int32_t q4;
+            memcpy(&q4, qc + (long)u * w + c, 4);
+            const __m256i y = _mm256_set1_epi32(q4);
+            acc[u][0] = _mm256_add_epi32(acc[u][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x0, y), ones));
+            acc[u][1] = _mm256_add_epi32(acc[u][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x1, y), ones));
+        }
+    }
+    __m256 m0 = _mm256_loadu_ps(best), m1 = _mm256_loadu_ps(best + 8);
+#pragma GCC unroll 4
+    for (int u = 0; u < QT; u++)
+        if (u < nu) {
+            const __m256i x = _mm256_set1_epi32(xq[u]);
+            const __m256 f = _mm256_set1_ps(qs[u]);
+            m0 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][0], x)), f), m0);
+            m1 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][1], x)), f), m1);
+        }
+    _mm256_storeu_ps(best, m0);
+    _mm256_storeu_ps(best + 8, m1);
+#else /* the plain sum of c q: the same integer */
+    (void)xq;
+    for (int u = 0; u < nu; u++)
+        for (int k = 0; k < TILE; k++) {
+            int a = 0;
+            for (int c = 0; c < w; c += 4)
+                for (int i = 0; i < 4; i++) a += (int)qc[(long)u * w + c + i] * tile[c * TILE + k * 4 + i];
+            const float v = (float)a * qs[u];
+            best[k] = v > best[k] ? v : best[k];
+        }
+#endif
 }
 
-/* Scores of summaries [lo, hi) of one KV head: s[b - lo]. qa: the head's nq query vectors as
- * [q, alpha |q|] (w = 2d floats each) or [q] (w = d); bnd: the head's summaries, w float16
- * values each. Eight summaries at a time per query (`dot8`), the rest one by one. */
-static void score_head(const float *qa, int nq, int w, const _Float16 *bnd, long lo, long hi,
-                       float *s) {
-    long b = lo;
-    if (w % 8 == 0)
-        for (; b + 8 <= hi; b += 8) {
-            float best[8], x[8];
-            for (int k = 0; k < 8; k++) best[k] = -INFINITY;
-            for (int j = 0; j < nq; j++) {
-                dot8h(qa + (long)j * w, bnd + b * w, w, 1.0f, x);
-                for (int k = 0; k < 8; k++) best[k] = x[k] > best[k] ? x[k] : best[k];
-            }
-            for (int k = 0; k < 8; k++) s[b - lo + k] = best[k];
-        }
-    for (; b < hi; b++) {
-        float best = -INFINITY;
-        for (int j = 0; j < nq; j++) {
-            const float acc = dot1h(qa + (long)j * w, bnd + b * w, w);
-            best = acc > best ? acc : best;
-        }
-        s[b - lo] = best;
+/* Scores of the summaries in tiles [t0, t1) of one KV head: s[i] for summary t0 * TILE + i.
+ * qc: the head's query codes (nq rounded up to QT, w each), qs their scales, xq 128 x their
+ * code sums; tiles: the head's; scales: one per summary. */
+static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq, int w,
+                        const int8_t *tiles, const float *scales, long t0, long t1, float *s) {
+    for (long t = t0; t < t1; t++) {
+        float *o = s + (t - t0) * TILE;
+        for (int k = 0; k < TILE; k++) o[k] = -INFINITY;
+        for (int j = 0; j < nq; j += QT)
+            tile_best(qc + (long)j * w, qs + j, xq + j, nq - j < QT ? nq - j : QT, w,
+                      tiles + t * TILE * w, o);
+        for (int k = 0; k < TILE; k++) o[k] *= scales[t * TILE + k];
     }
 }
 
-/* q [rows, hq, d] float32 (hq = hkv * group); bounds (float16): KV head h's summaries at
- * bounds + h * head_stride, `parts` per block, `w` values each (2d: centre and half-range; d:
- * the centre alone), block b's first at + b * parts * w. Writes out [hkv, lo + room + (end -
- * hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates [lo, hi),
- * then the window hi..end-1. Returns 0, or -1 for arguments out of its limits (or no memory). */
-int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const _Float16 *bounds,
-                  long head_stride, int parts, int w, long lo, long hi, long room, long end,
-                  float alpha, int64_t *out, int threads) {
-    const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group;
-    const long n = hi - lo, width = lo + room + (end - hi), ns = n * parts;
-    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d) || parts <= 0 ||
-        lo < 0 || n < 0 || room < 0 || room > n || end < hi)
+/* q [rows, hq, d] float32 (hq = hkv * group); codes (int8) and scales (float32): KV head h's
+ * summaries at codes + h * head_stride, in tiles of 16 (`w` codes each, w % 4 == 0: 2d,
+ * centre and half-range, or d, the centre alone; `parts` per block, block b's first is
+ * summary b * parts) and their scales at scales + h * scale_stride. Writes out [hkv, lo + room
+ * + (end - hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates
+ * [lo, hi), then the window hi..end-1. Returns 0, or -1 for arguments out of its limits (or
+ * no memory). w <= 1024 keeps every integer dot exact as a float. */
+int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
+                  const float *scales, long head_stride, long scale_stride, int parts, int w,
+                  long lo, long hi, long room, long end, float alpha, int64_t *out, int threads) {
+    const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group, nqp = (nq + QT - 1) / QT * QT;
+    const long n = hi - lo, width = lo + room + (end - hi);
+    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d) || w % 4 ||
+        w > 1024 || parts <= 0 || lo < 0 || n < 0 || room < 0 || room > n || end < hi)
         return -1;
-    float *qa = malloc(sizeof(float) *
-                       ((size_t)hkv * nq * w + (size_t)hkv * ns + 2 * (size_t)n + 1));
-    if (!qa) return -1;
+    /* the tiles that hold summaries [lo * parts, hi * parts), scored whole */
+    const long s0 = lo * parts, t0 = s0 / TILE, t1 = (hi * parts + TILE - 1) / TILE;
+    const long nt = n ? t1 - t0 : 0, ns = nt * TILE, nqs = (long)hkv * nqp;
+    float *qs = malloc(sizeof(float) * (nqs + (size_t)hkv * ns + 2 * (size_t)n + 1 + w) +
+                       sizeof(int) * nqs + (size_t)nqs * w);
+    if (!qs) return -1;
+    float *ss = qs + nqs, *s = ss + (long)hkv * ns, *tmp = s + n, *qa = tmp + n + 1;
+    int *xq = (int *)(qa + w);
+    int8_t *qc = (int8_t *)(xq + nqs);
+    memset(qc, 0, (size_t)nqs * w); /* the padding queries: codes 0 */
+    memset(xq, 0, sizeof(int) * nqs);
+    /* Each query vector [q, alpha |q|] as codes in [-QMAX, QMAX] and one scale (torch's order of
+     * operations: the scale is amax / QMAX, a code round(x / scale), half to even) */
     for (int h = 0; h < hkv; h++)
         for (int r = 0; r < rows; r++)
             for (int g = 0; g < group; g++) {
                 const float *src = q + ((long)r * hq + h * group + g) * d;
-                float *dst = qa + ((long)h * nq + r * group + g) * w;
-                for (int i = 0; i < d; i++) dst[i] = src[i];
-                if (w > d)
-                    for (int i = 0; i < d; i++) dst[d + i] = alpha * fabsf(src[i]);
+                const long j = (long)h * nqp + r * group + g;
+                float amax = 0.0f;
+                for (int i = 0; i < w; i++) {
+                    qa[i] = i < d ? src[i] : alpha * fabsf(src[i - d]);
+                    const float m = fabsf(qa[i]);
+                    amax = m > amax ? m : amax;
+                }
+                const float scale = amax / (float)QMAX;
+                int sum = 0;
+                for (int i = 0; i < w; i++) {
+                    float c = scale > 0.0f ? rintf(qa[i] / scale) : 0.0f;
+                    c = c > QMAX ? QMAX : c < -QMAX ? -QMAX : c;
+                    qc[j * w + i] = (int8_t)c;
+                    sum += (int)c;
+                }
+                qs[j] = scale;
+                xq[j] = 128 * sum;
             }
-    float *ss = qa + (long)hkv * nq * w, *s = ss + (long)hkv * ns, *tmp = s + n;
-    /* Scoring in chunks of 64 summaries over the threads; per head a block's score is its
+    /* Scoring in chunks of 4 tiles over the threads; per head a block's score is its
      * summaries' largest, then top-k. A small layer runs on one thread (the fork costs more
      * than it saves). */
-    const long chunk = 64, chunks = (ns + chunk - 1) / chunk;
-    const int team = (long)nq * ns * w < (1L << 16) ? 1 : threads;
+    const long chunk = 4, chunks = (nt + chunk - 1) / chunk;
+    const int team = (long)nq * ns * w < (1L << 17) ? 1 : threads;
 #pragma omp parallel for num_threads(team) schedule(static)
-    for (long t = 0; t < hkv * chunks; t++) {
-        const long h = t / chunks, b0 = lo * parts + (t % chunks) * chunk;
-        const long b1 = b0 + chunk < hi * parts ? b0 + chunk : hi * parts;
-        score_head(qa + h * nq * w, nq, w, bounds + h * head_stride, b0, b1,
-                   ss + h * ns + b0 - lo * parts);
+    for (long c = 0; c < hkv * chunks; c++) {
+        const long h = c / chunks, a = t0 + (c % chunks) * chunk;
+        const long b = a + chunk < t1 ? a + chunk : t1;
+        score_tiles(qc + h * nqp * w, qs + h * nqp, xq + h * nqp, nq, w, codes + h * head_stride,
+                    scales + h * scale_stride, a, b, ss + h * ns + (a - t0) * TILE);
     }
     for (int h = 0; h < hkv; h++) {
         int64_t *o = out + h * width;
         for (long b = 0; b < lo; b++) o[b] = b;
         for (long b = hi; b < end; b++) o[lo + room + b - hi] = b;
         if (!room) continue;
-        const float *sp = ss + h * ns;
+        const float *sp = ss + h * ns + (s0 - t0 * TILE); /* summary lo * parts */
         float *sh = s;
         for (long b = 0; b < n; b++) {
             float best = sp[b * parts];
@@ -218,7 +310,7 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const _Float
         for (long b = 0; b < n && k < room; b++)
             if (sh[b] > thr || (sh[b] == thr && equal-- > 0)) o[lo + k++] = lo + b;
     }
-    free(qa);
+    free(qs);
     return 0;
 }
 

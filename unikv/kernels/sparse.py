@@ -30,7 +30,7 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    lib.sparse_choose.argtypes = [p, i, i, i, i, p, lng, i, i, lng, lng, lng, lng, f, p, i]
+    lib.sparse_choose.argtypes = [p, i, i, i, i, p, p, lng, lng, i, i, lng, lng, lng, lng, f, p, i]
     lib.sparse_choose.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
@@ -51,30 +51,51 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+TILE = 16  # summaries per tile (sparse.c's layout)
+
+
+def tile(codes: torch.Tensor) -> torch.Tensor:
+    """Summaries' codes [..., S, w] (S % 16 == 0, w % 4 == 0) in the layout `sparse_choose`
+    reads: tiles of 16 summaries, each [w / 4, 16, 4] (4 channels of the 16 side by side)."""
+    *lead, n, w = codes.shape
+    return codes.reshape(*lead, n // TILE, TILE, w // 4, 4).transpose(-3, -2).contiguous()
+
+
+def untile(tiles: torch.Tensor) -> torch.Tensor:
+    """`tile`'s inverse: [..., S / 16, w / 4, 16, 4] -> [..., S, w] (a copy)."""
+    *lead, g, c, t, four = tiles.shape
+    return tiles.transpose(-3, -2).reshape(*lead, g * t, c * four)
+
+
 def choose_blocks(
-    q: torch.Tensor, bounds: torch.Tensor, lo: int, hi: int, room: int, end: int, alpha: float,
-    parts: int = 1,
+    q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, room: int,
+    end: int, alpha: float, parts: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
     candidates of [lo, hi) whose score is largest (in ascending order), then the window
-    hi..end-1. q: the step's queries [rows, Hq, D] float32; bounds: the layer's summaries
-    [Hkv, blocks x parts, 2D or D] float16 (centre and half-range, or the centre alone), rows
-    contiguous, `parts` per block. The score of a block: the largest over its summaries and the
-    group's queries of q . centre + alpha |q| . half-range."""
+    hi..end-1. q: the step's queries [rows, Hq, D] float32; codes: the layer's summaries, int8
+    in tiles ([Hkv, S / 16, w / 4, 16, 4], `tile`; w: 2D, centre and half-range, or D, the
+    centre alone), `parts` per block; scales [Hkv, S] float32, one per summary. The score of a
+    block: the largest over its summaries and the group's queries of q . centre + alpha |q| .
+    half-range, with q quantized to int8 as `kvstrategies.sparse.quantize_queries` does."""
     lib = _lib()
     rows, hq, d = q.shape
-    h, _, w = bounds.shape
-    if q.dtype != torch.float32 or bounds.dtype != torch.float16:
-        raise ValueError("choose_blocks takes float32 queries and float16 summaries")
-    if bounds.stride(2) != 1 or bounds.stride(1) != w or w not in (d, 2 * d):
-        raise ValueError("the summaries must be contiguous rows of 2 x head dim (or head dim)")
-    if bounds.shape[1] < hi * parts:
-        raise ValueError(f"{bounds.shape[1]} summaries do not cover {hi} blocks of {parts}")
+    h, g, c, t, four = codes.shape
+    w = 4 * c
+    if q.dtype != torch.float32 or codes.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise ValueError("choose_blocks takes float32 queries, int8 summaries, float32 scales")
+    if (t, four) != (TILE, 4) or w not in (d, 2 * d) or w > 1024 or not codes[0].is_contiguous():
+        raise ValueError("the summaries must be tiles of 16 rows of 2 x head dim (or head dim)")
+    if scales.stride(1) != 1 or scales.shape != (h, g * TILE):
+        raise ValueError("the scales must be contiguous rows, one per summary")
+    if g * TILE < hi * parts:
+        raise ValueError(f"{g * TILE} summaries do not cover {hi} blocks of {parts}")
     q = q.contiguous()
     out = torch.empty(h, lo + room + (end - hi), dtype=torch.int64)
     rc = lib.sparse_choose(
-        q.data_ptr(), rows, hq, h, d, bounds.data_ptr(), bounds.stride(0), parts, w, lo, hi,
-        room, end, alpha, out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), rows, hq, h, d, codes.data_ptr(), scales.data_ptr(), codes.stride(0),
+        scales.stride(0), parts, w, lo, hi, room, end, alpha, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise ValueError(

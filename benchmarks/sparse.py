@@ -76,7 +76,7 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
     return out
 
 
-_SHORT = {"range_weight": "w", "summary_tokens": "s"}
+_SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense"}
 
 
 class Oracle:
@@ -342,6 +342,9 @@ def main() -> None:
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
                     help="PPL: sparse also with summaries of each of these many tokens (at "
                     "each --range-weights value, or the default)")  # fmt: skip
+    ap.add_argument("--dense-layers", type=int, nargs="*", default=[],
+                    help="PPL: sparse also with each of these many first layers reading "
+                    "everything (with each variant above, or the defaults)")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
@@ -365,6 +368,9 @@ def main() -> None:
         variants = [{"range_weight": w} for w in args.range_weights]
         if args.summary_tokens:
             variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
+                        for v in variants or [{}]]  # fmt: skip
+        if args.dense_layers:
+            variants = [{"dense_layers": n, **v} for n in args.dense_layers
                         for v in variants or [{}]]  # fmt: skip
         rows = ppl_rows(model, tok, texts, args.tokens, args.shares, tuple(variants),
                         tuple(args.methods))  # fmt: skip

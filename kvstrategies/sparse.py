@@ -117,6 +117,9 @@ class SparseSelection(Selection):
         # summary's scale (its values: codes x scale). Scoring dots [q, w |q|] with them.
         self._codes: dict[int, torch.Tensor] = {}
         self._scales: dict[int, torch.Tensor] = {}
+        # seq -> both as lists of per-layer views (indexing a list costs less than a tensor,
+        # and the choice runs per layer)
+        self._layers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         # seq -> the float32 minimum and maximum [2, L, Hkv, D] of the summary its newest
         # token is in (still filling: the next step's keys update it)
         self._open: dict[int, torch.Tensor] = {}
@@ -165,9 +168,10 @@ class SparseSelection(Selection):
                 self._recent.pop(sid, None)
                 out.append(None)
                 continue
+            codes, scales = self._layers[sid]
             read = self.operators["sparse.choose"](
-                q[step.batch.rows(i)].float(), self._codes[sid][layer], self._scales[sid][layer],
-                plan.lo, plan.hi, plan.room, plan.end, self.opts["range_weight"], self.parts,
+                q[step.batch.rows(i)].float(), codes[layer], scales[layer], plan.lo, plan.hi,
+                plan.room, plan.end, self.opts["range_weight"], self.parts,
             )  # fmt: skip
             self._count(sid, layer, read, plan)
             out.append(read)
@@ -199,7 +203,8 @@ class SparseSelection(Selection):
         return [None if r is None else set(r.unique().tolist()) for r in recent]
 
     def forget(self, seq_id: int) -> None:
-        for d in (self._open, self._codes, self._scales, self._known, self._last, self._recent):
+        for d in (self._open, self._codes, self._scales, self._layers, self._known, self._last,
+                  self._recent):  # fmt: skip
             d.pop(seq_id, None)
 
     def before_step(self, batch: StepBatch) -> None:
@@ -292,6 +297,7 @@ class SparseSelection(Selection):
                 2, spec.num_layers, spec.num_kv_heads, spec.head_dim, device=device
             )
         self._codes[sid], self._scales[sid] = codes, scales
+        self._layers[sid] = (list(codes.unbind(0)), list(scales.unbind(0)))
 
     def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
         """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the summaries (of every

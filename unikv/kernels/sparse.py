@@ -84,7 +84,7 @@ def choose_blocks(
     w = 4 * c
     if q.dtype != torch.float32 or codes.dtype != torch.int8 or scales.dtype != torch.float32:
         raise ValueError("choose_blocks takes float32 queries, int8 summaries, float32 scales")
-    if (t, four) != (TILE, 4) or w not in (d, 2 * d) or w > 1024 or not codes[0].is_contiguous():
+    if (t, four) != (TILE, 4) or w not in (d, 2 * d) or w > 1024 or not codes.is_contiguous():
         raise ValueError("the summaries must be tiles of 16 rows of 2 x head dim (or head dim)")
     if scales.stride(1) != 1 or scales.shape != (h, g * TILE):
         raise ValueError("the scales must be contiguous rows, one per summary")

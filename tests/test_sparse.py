@@ -412,7 +412,7 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
         kernels.choose_blocks(q, codes, scales, 2, 600, 50, 610, 0.25, 2)
 
 
-def test_queries_are_quantized_alike_in_the_kernel_and_the_reference():
+def test_queries_are_quantized_alike_in_the_kernel_and_the_reference(isa):
     """The choice's one approximation beyond the summaries: each query vector as int8 codes
     within [-63, 63] and one scale. A query whose codes round half to even and one of mixed
     magnitudes choose in the kernel what they choose in the reference, and the

@@ -142,8 +142,6 @@ static inline float dot1(const float *qv, const float *kj, int d) {
 #define CHOOSE_ISA 0
 #endif
 
-int sparse_choose_isa(void) { return CHOOSE_ISA; }
-
 /* best[k] = the largest of best[k] and, over the queries u < nu (of QT: qc + u * w their
  * codes, qs[u] their scales, xq[u] 128 x their code sums), float(dot of codes) x qs[u], for
  * the 16 summaries k of one tile. */

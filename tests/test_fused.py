@@ -112,6 +112,26 @@ def test_a_native_call_that_raises_falls_back_and_is_reported(model_path, monkey
     assert report["candidates"] == ["native", "ops"]
 
 
+def test_a_bad_position_raises_without_switching_the_native_layer_off(model):
+    """A position past the RoPE table makes both ways of the layer raise: the call is at
+    fault, so the error reaches the caller and the native layer keeps serving later calls."""
+    from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
+
+    c = model.cfg
+
+    def step(pos: int):
+        kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+        return model.forward(torch.tensor([5]), torch.tensor([pos]), kv, StepBatch([0], [1]))
+
+    with pytest.raises(IndexError):
+        step(c.context_length + 10)
+    report = model.operators.report()
+    assert report["layer.qkv"]["active"] == "native", report["layer.qkv"]
+    assert "switched_off" not in report["layer.qkv"]
+    assert torch.isfinite(step(3)).all()
+    assert model.operators.report()["layer.qkv"]["active"] == "native"
+
+
 def _decode(m, ids, ops: bool):
     from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 

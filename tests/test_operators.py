@@ -191,11 +191,21 @@ def test_no_switch_to_a_known_slower_implementation():
     assert b.active.name == "fast" and b.report()["fallbacks"] == 0
 
 
-def test_the_reference_raising_reaches_the_caller():
-    clock = Clock()
-    b = Breaker("test.op", _impls(clock, {"fast": 1, "ref": 1}, {"fast", "ref"}), SETTINGS, clock)
+def test_the_reference_raising_reaches_the_caller_and_blames_the_call():
+    """When the reference raises too, the call was at fault (a bad argument), not the kernel:
+    the reference's error reaches the caller and the kernel stays in service for the next."""
+    clock, fail = Clock(), {"fast", "ref"}
+    b = Breaker("test.op", _impls(clock, {"fast": 1, "ref": 1}, fail), SETTINGS, clock)
     with pytest.raises(RuntimeError, match="ref broke"):
         b(torch.tensor(1.0))
+    assert b.active.name == "fast"
+    report = b.report()
+    assert report["fallbacks"] == 0 and "switched_off" not in report and "problem" not in report
+    fail.clear()
+    assert b(torch.tensor(1.0)) == 2 and b.active.name == "fast"
+    fail.add("fast")  # the kernel alone raising is still the kernel's fault
+    assert b(torch.tensor(1.0)) == 2 and b.active.name == "ref"
+    assert "fast switched off (raised RuntimeError: fast broke)" in b.report()["problem"]
 
 
 def test_choice_per_device_and_unknown_op():

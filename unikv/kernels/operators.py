@@ -28,7 +28,8 @@ calls of each shape bucket (after one warm-up call): measured when the model fir
 warm-up. Each transition is logged once and counted. After `cooldown_s` the switched-off
 implementation is re-probed: it serves again, timed on every call, and is restored after a window
 back within budget (or switched off again). The last implementation (the reference) is never
-switched off: if it raises, the error goes to the caller.
+switched off: if it raises, the error goes to the caller, and the implementations that raised on
+the same call before it are put back (the call was at fault, not they).
 
 Timing is injectable (`clock`) so tests never read the wall clock. Overhead, measured with a
 micro-benchmark (200,000 calls of a no-op through a healthy breaker against direct calls, 2
@@ -410,11 +411,26 @@ class Breaker:
         return True
 
     def _failed(self, i: int, e: Exception, args: tuple) -> Any:
-        """Implementation i raised on `args`: switch it off and re-run the call on the next."""
-        self._states[i].failures += 1
+        """Implementation i raised on `args`: switch it off and re-run the call on the next.
+        If every later implementation raises too (the reference included), the arguments are
+        at fault, not i: i is put back as it was and the reference's error goes to the caller
+        (one bad call, say a position past the model's RoPE table, must not switch a kernel
+        off for every later call)."""
+        s = self._states[i]
+        before = (s.open_until, s.probing, s.reason, s.fallbacks, self._degraded, self._active)
+        s.failures += 1
         if not self._switch_off(i, f"raised {type(e).__name__}: {e}"):
             raise e
-        return self._timed(args)
+        try:
+            return self._timed(args)
+        except Exception:
+            s.open_until, s.probing, s.reason, s.fallbacks, self._degraded, active = before
+            s.failures -= 1
+            self._use(active)
+            log.info("operator %s: every implementation refused the call (%s raised %s: %s); "
+                     "%s kept in service", self.op, s.impl.name, type(e).__name__, e,
+                     s.impl.name)  # fmt: skip
+            raise
 
     def report(self) -> dict:
         """The active implementation, the candidates, and each one's fallback counts."""

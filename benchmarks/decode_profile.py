@@ -7,7 +7,8 @@ to the part of the step its innermost unikv frame belongs to: `kvstrategies/` is
 append and attend), `engine/linear.py`'s matmuls and norm, the model's RoPE table, sampling
 (the argmax), and the rest of the tensor ops (residual adds, SiLU, splits, views). The matmul
 C kernel (`unikv/kernels/gemv.c`, called through ctypes) is no torch op: its time is the self
-time of the Python functions in `unikv/kernels/gemv.py` that call it. The profiler costs
+time of the Python functions in `unikv/kernels/gemv.py` that call it (and the attention kernel's,
+`unikv/kernels/sparse.c`, of those in `unikv/kernels/sparse.py`). The profiler costs
 microseconds per op, so the step's wall time is also measured without it; "python" is that wall
 time minus the ops' share of the profiled run, scaled to the unprofiled one.
 
@@ -65,6 +66,8 @@ RULES = [
 ]
 # The Python frames that call the matmul C kernel (unikv/kernels/gemv.c).
 C_KERNEL = "unikv/kernels/gemv.py("
+# ... and the attention C kernel (unikv/kernels/sparse.c: a decode step's whole-cache attention)
+ATTENTION_KERNEL = "unikv/kernels/sparse.py("
 LAYER_CALLS = (": layer_qkv", ": layer_out")  # ... and gemv.c's whole-layer calls (engine/fused.py)
 
 
@@ -195,6 +198,10 @@ def main() -> None:
             part = "layer (gemv.c)" if e.name.endswith(LAYER_CALLS) else "matmul"
             spent[part] += t
             ops[f"gemv.c {part} (ctypes)"] += t
+            continue
+        if t > 0 and ATTENTION_KERNEL in e.name:
+            spent["attention"] += t
+            ops["sparse.c attention (ctypes)"] += t
             continue
         if t <= 0 or e.name.startswith("ProfilerStep") or is_python(e):
             continue

@@ -68,6 +68,7 @@ class DenseFormat(Format):
         # else gathered and attended by PyTorch
         self.operators = OperatorSet(pool.device)
         self._in_place = arena.dtype == torch.float32 and not spec.latent
+        self._cpu = arena.device.type == "cpu"  # where sparse.c runs
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -76,6 +77,15 @@ class DenseFormat(Format):
         pool, bs, batch = self.pool, self.pool.block_size, step.batch
         seqs = list(zip(batch.seq_ids, step.past, batch.query_lens, strict=True))
         self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
+        # A decode step (a few new tokens per sequence) reads every block in place through
+        # `attention.blocks`, as a sparse selection's chosen ones: one C call per sequence and
+        # layer, where PyTorch's attention costs more in dispatch and reads slower
+        # (BENCHMARKS.md, "Decode attention in one C call")
+        self._every: list[torch.Tensor] | None = None
+        if self._in_place and self._cpu and max(batch.query_lens) <= DECODE_ROWS:
+            h = self.spec.num_kv_heads
+            self._every = [torch.arange(-(-(p + n) // bs)).expand(h, -1).contiguous()
+                           for _, p, n in seqs]  # fmt: skip
         if step.groups is None:
             # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
             self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
@@ -130,6 +140,8 @@ class DenseFormat(Format):
             a[1].index_copy_(1, self._new_slots, v.transpose(0, 1).to(a.dtype))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self._every is not None and q.dtype == torch.float32:
+            return self.attend_tokens(layer, q, self.step, self._every)
         out = q.new_empty(*q.shape[:2], self.spec.v_dim)
         for i, pieces in enumerate(self._kv_pieces(layer)):
             pieces = [self._cast(p, q.dtype) for p in pieces]
@@ -287,6 +299,10 @@ class Fp16Format(DenseFormat):
     tolerance, lossless = 2**-8, False
 
 
+# A step of at most this many new tokens per sequence is attended by the C kernel over every
+# block (`DenseFormat.prepare`); more rows are a prefill's, which PyTorch's flash attention
+# computes faster (its work grows with the rows, the C kernel's reads do not).
+DECODE_ROWS = 4
 LONG_RUN_SLOTS = 128  # a run of at least this many slots is attended in place, never copied
 
 

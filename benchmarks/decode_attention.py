@@ -9,13 +9,19 @@ For each `--contexts` length one sequence is prefilled through `full` (float32 K
 whole step and of the strategy's `attend` (all layers) are printed with their ratios, beside the
 CPU model and the instruction sets the kernels use.
 
+`--ppl N` instead scores each development text's first N tokens one token per step (every
+step a decode step, so every attention call is the kernel's under the new path) through both
+paths, and prints the perplexities and their relative difference (issue 34: within 0.01% for
+`full` at float32).
+
     python benchmarks/decode_attention.py [--contexts 64 1024 4096 8000] [--steps 16]
-        [--rounds 5] [--weights native]
+        [--rounds 5] [--weights native] [--ppl 512]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -35,6 +41,28 @@ from unikv.kvstrategies import full  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
 PATHS = {"pytorch": 0, "c": full.DECODE_ROWS}  # label -> DECODE_ROWS
+TEXTS = sorted(p for p in (Path(__file__).resolve().parent / "texts").glob("*") if p.suffix in
+               (".txt", ".md") and p.name != "README.md")  # fmt: skip
+
+
+def decode_ppl(model, tok, text: Path, tokens: int) -> dict:
+    """Perplexity of the text's first `tokens` tokens fed one per step through `full`, by each
+    path (the first token is only read)."""
+    ids = tok.encode(text.read_text(encoding="utf-8"))[:tokens]
+    out: dict = {"text": text.name, "tokens": len(ids)}
+    for label, rows in PATHS.items():
+        full.DECODE_ROWS = rows
+        kv = build(model, tok, "full")
+        nll = 0.0
+        for i in range(len(ids) - 1):
+            logits = model.forward(torch.tensor([ids[i]]), torch.tensor([i]), kv,
+                                   StepBatch([0], [1]))  # fmt: skip
+            nll -= torch.log_softmax(logits[0].double(), -1)[ids[i + 1]].item()
+        kv.close()
+        out[f"{label}_ppl"] = math.exp(nll / (len(ids) - 1))
+    full.DECODE_ROWS = PATHS["c"]
+    out["difference"] = f"{out['c_ppl'] / out['pytorch_ppl'] - 1:+.5%}"
+    return out
 
 
 def measure(model, tok, context: int, steps: int, rounds: int) -> dict:
@@ -89,9 +117,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--weights", default="native")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ppl", type=int, default=0, help="score N tokens per text one per step")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2", progress=False, weights=args.weights)
+    if args.ppl:
+        rows = [decode_ppl(model, tok, t, args.ppl) for t in TEXTS]
+        print(f"{cpu_name()}, kernels {ckernels.isa()}; {args.weights} weights, `full`, "
+              f"{args.ppl} tokens a text, one per step")  # fmt: skip
+        report("decode_attention_ppl", rows, ["text", "tokens", "pytorch_ppl", "c_ppl",
+                                              "difference"], {"cpu": cpu_name()})  # fmt: skip
+        return
     room = model.cfg.context_length - (args.rounds + 1) * len(PATHS) * args.steps
     rows = [measure(model, tok, min(c, room), args.steps, args.rounds) for c in args.contexts]
     print(f"{cpu_name()}, kernels {ckernels.isa()}, torch "

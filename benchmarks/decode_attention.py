@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, prefill  # noqa: E402
+from benchmarks.sparse import TEXTS  # noqa: E402  (the development texts)
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import native as ckernels  # noqa: E402
 from unikv.kernels.operators import summary  # noqa: E402
@@ -41,8 +42,6 @@ from unikv.kvstrategies import full  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
 PATHS = {"pytorch": 0, "c": full.DECODE_ROWS}  # label -> DECODE_ROWS
-TEXTS = sorted(p for p in (Path(__file__).resolve().parent / "texts").glob("*") if p.suffix in
-               (".txt", ".md") and p.name != "README.md")  # fmt: skip
 
 
 def decode_ppl(model, tok, text: Path, tokens: int) -> dict:

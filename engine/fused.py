@@ -22,11 +22,14 @@ through the ops path inside the same call, so the caller never sees the differen
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
 from unikv.kernels import gemv
 from unikv.kernels.operators import FnImplementation, register
+from unikv.kvstrategies.kv import NativeStep
 
 from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
 from .quantized import K_FORMATS
@@ -137,6 +140,57 @@ def out_native(model, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Ten
     return out_ops(model, li, x, attn) if got is None else got
 
 
+def layers_python(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    """The step's rows x [N, hidden] through every layer in turn (`model._layer`: `layer.qkv`,
+    the KV seam's `append` and `attend`, `layer.out`): the reference of `model.layers`."""
+    for li in range(model.cfg.num_layers):
+        x = model._layer(li, x, positions, kv)
+    return x
+
+
+def layers_native(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    """Every layer in one call into gemv.c (`decode_layers`) when the cache describes the step
+    as plain arenas (`KVCache.native_step`: a decode step of a resident float32 `full` cache)
+    and every layer has its native description; else `layers_python`, in the same call."""
+    plan = kv.native_step() if positions.dtype == torch.int64 else None
+    layers = None if plan is None else _all_usable(model, x)
+    got = None
+    if layers is not None:
+        got = gemv.decode_layers(layers, _kv_step(plan), x.contiguous(), positions.contiguous())
+    return layers_python(model, x, positions, kv) if got is None else got
+
+
+def _all_usable(model, x: torch.Tensor):
+    """A ctypes array of every layer's gemv.Layer (cached while they stay the same), or None
+    when one of them cannot take x."""
+    layers = [_usable(model, li, x) for li in range(model.cfg.num_layers)]
+    if any(layer is None for layer in layers):
+        return None
+    key = tuple(id(layer) for layer in layers)
+    cached = model.__dict__.get("_native_stack")
+    if cached is None or cached[0] != key:
+        array = (ctypes.POINTER(gemv.Layer) * len(layers))(*map(ctypes.pointer, layers))
+        cached = model.__dict__["_native_stack"] = (key, array, layers)
+    return cached[1]
+
+
+def _kv_step(plan: NativeStep) -> gemv.KVStep:
+    """gemv.c's kv_step_t of `plan` (its arrays kept alive on the struct)."""
+
+    def int64s(values):
+        return (ctypes.c_int64 * len(values))(*values)
+
+    keep = [int64s(plan.rows), int64s(plan.past), int64s([b.shape[1] for b in plan.blocks]),
+            int64s([t.data_ptr() for t in plan.ids]),
+            int64s([b.data_ptr() for b in plan.blocks])]  # fmt: skip
+    step = gemv.KVStep(
+        plan.attend, plan.base, plan.layer_bytes, plan.slots, plan.block_size, len(plan.past),
+        plan.scale, plan.new_slots.data_ptr(), *map(ctypes.addressof, keep),
+    )  # fmt: skip
+    step._keep = (keep, plan)  # the arrays and tensors it points into
+    return step
+
+
 def _available(device: torch.device, owner: object) -> str | None:
     if device.type != "cpu":
         return "a CPU kernel"
@@ -145,10 +199,19 @@ def _available(device: torch.device, owner: object) -> str | None:
     return gemv.unavailable()
 
 
+def _available_stack(device: torch.device, owner: object) -> str | None:
+    if getattr(owner, "_qkv", None) is None:  # DeepSeek: MLA and MoE layers of its own
+        return "Llama layers only"
+    return _available(device, owner)
+
+
 def _register() -> None:
     for op, native, ops in (("layer.qkv", qkv_native, qkv_ops), ("layer.out", out_native, out_ops)):
         register(FnImplementation(op, "native", native, ("cpu",), _available), 5)
         register(FnImplementation(op, "ops", ops, ("*",)), 90, reference=True)
+    op = "model.layers"
+    register(FnImplementation(op, "native", layers_native, ("cpu",), _available_stack), 5)
+    register(FnImplementation(op, "python", layers_python, ("*",)), 90, reference=True)
 
 
 _register()

@@ -13,7 +13,7 @@ import torch
 from unikv.kernels.operators import OperatorSet
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
 
-from . import fused  # noqa: F401  (registers layer.qkv and layer.out)
+from . import fused  # noqa: F401  (registers layer.qkv, layer.out and model.layers)
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm
 from .report import ModelReport, WeightFormat
@@ -87,6 +87,9 @@ class LlamaModel:
         self.operators = OperatorSet(self.device, owner=self)
         self._rms, self._rope = self.operators["rmsnorm"], self.operators["rope"]
         self._qkv, self._out = self._layer_ops()
+        # Every layer of a step: one native call for a decode step over a cache that describes
+        # itself as plain arenas (engine.fused), else `_layer` one after the other.
+        self._stack = self.operators["model.layers"]
 
         def lin(*names: str, prepare: bool = True):
             # A weight in a format with a native kernel stays packed (engine.linear).
@@ -161,8 +164,7 @@ class LlamaModel:
         x = self.embed.rows(tokens)  # [N, H]
         kv.begin_step(batch)
         try:
-            for li in range(cfg.num_layers):
-                x = self._layer(li, x, positions, kv)
+            x = self._stack(self, x, positions, kv)
             # The logits before the commit: a failure here rolls the step back too, so the
             # engine may run the requests again (nothing is appended twice).
             if kv.wants_token_logprobs:

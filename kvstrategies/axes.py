@@ -30,7 +30,7 @@ import torch
 from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
 from unikv.memory.tiers import StoreTier
 
-from .kv import KVSpec, StepBatch, attention_one, block_tokens, take_tokens
+from .kv import KVSpec, NativeStep, StepBatch, attention_one, block_tokens, take_tokens
 from .options import Option
 
 T = TypeVar("T")
@@ -199,6 +199,11 @@ class Format(ABC):
         """What the memory report shows of this format."""
         return {}
 
+    def native_step(self, step: Step) -> NativeStep | None:
+        """`step` (prepared) as `KVCache.native_step` describes it, or None (this default):
+        only a format whose every layer is one plain float32 arena can say yes."""
+        return None
+
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
         """`attend` over the blocks a selection chose (`Selection.reads`): per batch sequence
@@ -253,6 +258,10 @@ class _Axis:
     help: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
     contract_options: ClassVar[dict[str, Any]] = {}
+    # Whether its per-layer hooks (a placement's `reading`, a selection's `appended`, `reads`
+    # and `attended`) must run; False where they do nothing, so that a native decode graph may
+    # run a step's layers without them (`KVCache.native_step`).
+    layer_hooks: ClassVar[bool] = True
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any],
                  fmt: Format, label: str) -> None:  # fmt: skip

@@ -24,7 +24,7 @@ from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 from unikv.memory.tiers import TierKind
 
 from .axes import FORMATS, Format, Step
-from .kv import KVSpec, attention_one, attention_runs
+from .kv import KVSpec, NativeStep, attention_one, attention_runs
 from .options import Option
 
 
@@ -69,6 +69,9 @@ class DenseFormat(Format):
         self.operators = OperatorSet(pool.device)
         self._in_place = arena.dtype == torch.float32 and not spec.latent
         self._cpu = arena.device.type == "cpu"  # where sparse.c runs
+        # `native_step`: layer l's [P, Hkv, slots, D] arena lies l * this many bytes on
+        self._layer_bytes = arena.stride(0) * arena.element_size()
+        self._native = self._in_place and all(a.is_contiguous() for a in self._layers)
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -102,6 +105,20 @@ class DenseFormat(Format):
             s, e = runs[-1]
             runs[-1] = (s, e - (-(-total // bs) * bs - total))
             self._pieces.append(pieces)
+
+    def native_step(self, step: Step) -> NativeStep | None:
+        # A decode step of a resident float32 cache whose C attention serves: every layer's
+        # arena is one [P, Hkv, slots, D] array, `layer_bytes` after the one before.
+        if self._every is None or step.groups is not None or not self._native:
+            return None
+        if self.operators["attention.blocks"].active.name != "c":
+            return None  # not built here, or switched off: PyTorch's attention, layer by layer
+        a = self._layers[0]
+        return NativeStep(
+            kernels.attend_address(), a.data_ptr(), self._layer_bytes, a.shape[2],
+            self.pool.block_size, self.scale, self._new_slots, step.batch.offsets, step.past,
+            [self._places(i)[1] for i in range(len(self._every))], self._every,
+        )  # fmt: skip
 
     def _kv_pieces(self, layer: int, count: bool = True) -> list[list[torch.Tensor]]:
         """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views

@@ -113,6 +113,32 @@ class KVSpec:
         return self.num_layers * self.num_kv_heads * per_head
 
 
+@dataclass(frozen=True, slots=True)
+class NativeStep:
+    """One step's KV cache as plain memory, for every layer at once (`KVCache.native_step`).
+
+    Layer l's keys and values are one float32 array [2, Hkv, slots, D] (K, then V) at address
+    `base + l * layer_bytes`; token slot s of a head holds one token (block b holds slots
+    b * block_size ..). Row r of the step writes its key and value at slot `new_slots[r]`; then
+    each sequence's queries attend its blocks `blocks[i]` [Hkv, B] (positions in its block list,
+    every one of them), block position p lying at block index `ids[i][p]` of the arena, seeing
+    positions up to `past[i]` + its row. `attend` is the address of the C function that does
+    that attention (`unikv/kernels/sparse.c`'s `sparse_attend`: its signature and numbers).
+    The tensors are the cache's and live until `end_step`."""
+
+    attend: int
+    base: int
+    layer_bytes: int
+    slots: int
+    block_size: int
+    scale: float
+    new_slots: torch.Tensor  # int64 [N]
+    rows: list[int]  # each sequence's first row in the packed tensors, then N
+    past: list[int]
+    ids: list[torch.Tensor]  # per sequence, int64 [blocks]
+    blocks: list[torch.Tensor]  # per sequence, int64 [Hkv, B]
+
+
 class KVCache(ABC):
     """The model-facing side: stores one step's keys/values per layer and attends over them."""
 
@@ -144,6 +170,13 @@ class KVCache(ABC):
         self, batch: StepBatch, tokens: torch.Tensor, logprobs: torch.Tensor
     ) -> None:
         """The step's token ids [N] and each row's next-token log-probabilities [N, V]."""
+        return None
+
+    def native_step(self) -> NativeStep | None:
+        """The step begun by `begin_step`, described for a native decode graph that writes and
+        attends every layer in one call (`NativeStep`), or None (this default): the model then
+        calls `append` and `attend` layer by layer. A cache describes a step only where those
+        calls would do nothing but what the description says (no per-layer bookkeeping)."""
         return None
 
 

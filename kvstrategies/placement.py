@@ -26,6 +26,7 @@ class ResidentPlacement(Placement):
 
     name = "resident"
     help = "every block on the device tier"
+    layer_hooks = False  # every block is read where it is: nothing to stage per layer
 
     def _attach_stored(self, seq_id: int, first: int, hashes: list[bytes]) -> int:
         """Attach the stored blocks, then load them into device blocks (read once, here,

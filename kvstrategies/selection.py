@@ -14,3 +14,4 @@ class AllSelection(Selection):
 
     name = "all"
     help = "every token keeps its KV"
+    layer_hooks = False  # nothing to observe or choose

@@ -31,7 +31,7 @@ import torch
 from unikv.memory.pool import BlockLayout, Reservation, UnifiedMemoryPool
 
 from .axes import PERSIST_OPTIONS, Format, Placement, Selection, Step
-from .kv import KVCache, KVMemory, KVReport, KVSpec, StepBatch
+from .kv import KVCache, KVMemory, KVReport, KVSpec, NativeStep, StepBatch
 from .options import Option, validate
 
 
@@ -187,6 +187,12 @@ class KVStrategy(KVCache, KVMemory):
             out = self.format.attend_tokens(layer, q, self._step, chosen)
         self.selection.attended(layer, q)
         return out
+
+    def native_step(self) -> NativeStep | None:
+        # The format describes its arenas; the other two axes must have nothing to do per layer.
+        if self._step is None or self.selection.layer_hooks or self.placement.layer_hooks:
+            return None
+        return self.format.native_step(self._step)
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values as attention sees them, per batch sequence (`Format.read`)."""

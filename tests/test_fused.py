@@ -166,3 +166,120 @@ def test_decode_through_the_native_layer_keeps_the_ppl(
     lp_ref, lp = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     change = math.exp(-lp[:-1].gather(1, target).mean() + lp_ref[:-1].gather(1, target).mean()) - 1
     assert abs(change) < 1e-4, f"PPL changed by {change:.5%}"
+
+
+# ---- every layer of a decode step in one call (fused.layers_native, gemv.c's decode_layers) ----
+
+# Two prompts written a chunk at a time in turn (their blocks interleave in the arena), then
+# decode steps of 1 to 4 rows per sequence, one of 5 (a chunk: layer by layer) and one of one.
+SCHEDULE = [{0: 20}, {1: 9}, {0: 17}, {1: 30}, {0: 1, 1: 1}, {0: 2, 1: 1}, {0: 4, 1: 3},
+            {0: 1, 1: 4}, {0: 5, 1: 1}, {1: 1}]  # fmt: skip
+
+
+def _serve(m, strategy: str, stack, schedule=SCHEDULE) -> torch.Tensor:
+    """Every step of `schedule` ({sequence: new tokens}) through `m.forward` over a new
+    `strategy` cache, with `stack` as the model's `model.layers`: all the steps' logits."""
+    from unikv import kvstrategies
+    from unikv.kvstrategies.kv import StepBatch
+    from unikv.settings.config import PoolConfig, TierConfig
+
+    cfg = PoolConfig(block_size=16, tiers=(TierConfig("device", 32 << 20),))
+    kv = kvstrategies.create(strategy, m.kv_spec(), cfg)
+    g, done, out, saved = torch.Generator().manual_seed(0), {}, [], m._stack
+    m._stack = stack
+    try:
+        for step in schedule:
+            seqs, lens = list(step), list(step.values())
+            for sid, n in step.items():
+                assert kv.reserve(sid, n)
+            pos = torch.cat([torch.arange(done.get(s, 0), done.get(s, 0) + n)
+                             for s, n in step.items()])  # fmt: skip
+            toks = torch.randint(0, m.cfg.vocab_size, (sum(lens),), generator=g)
+            out.append(m.forward(toks, pos, kv, StepBatch(seqs, lens)))
+            done.update({s: done.get(s, 0) + n for s, n in step.items()})
+    finally:
+        m._stack = saved
+        kv.close()
+    return torch.cat(out)
+
+
+def _spy(monkeypatch) -> list[int]:
+    """The rows of every step gemv.c's decode_layers served (not refused) from now on."""
+    served, real = [], gemv.decode_layers
+
+    def spy(layers, kv, x, positions):
+        got = real(layers, kv, x, positions)
+        if got is not None:
+            served.append(x.shape[0])
+        return got
+
+    monkeypatch.setattr(gemv, "decode_layers", spy)
+    return served
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0", "Q4_1", "Q4_K"])
+def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, monkeypatch):
+    """Same logits as `layers_python` (the same kernels: gemv.c's layer calls and sparse.c's
+    attention, called from C), for decode steps of 1-4 rows a sequence, two sequences whose
+    blocks interleave; float32 weights (at most gemv.MAX_ROWS rows in all) and packed ones
+    (any number). Prompt chunks and steps of more rows go layer by layer."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype)
+    served = _spy(monkeypatch)
+    got = _serve(m, "full", fused.layers_native)
+    want = _serve(m, "full", fused.layers_python)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert _rel(got, want) < 1e-6, _rel(got, want)
+    if qtype is None:
+        assert served == [2, 3, 1]  # (1, 1), (2, 1) and (1,): 7 and 5 rows exceed gemv's 4
+    else:
+        assert served == [2, 3, 7, 5, 1]
+    assert m.operators.report()["model.layers"]["active"] == "native"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["fp16+resident+all", "dense+resident+sparse", "hybrid_fp16_int4", "hierarchical_offload"],
+)
+def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, monkeypatch):
+    """float16 K/V, a sparse selection (it chooses per layer), packed K/V and a tiered
+    placement do not describe their steps as plain arenas: the step goes layer by layer."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama()
+    served = _spy(monkeypatch)
+    assert torch.isfinite(_serve(m, strategy, fused.layers_native, SCHEDULE[:6])).all()
+    assert served == []
+
+
+def test_a_refused_step_runs_layer_by_layer_and_a_bad_position_raises(monkeypatch):
+    """gemv.c refusing the step (here: injected) leaves the step to the layer-by-layer path,
+    with the same logits; a position past the RoPE table makes both ways raise, and the
+    native step keeps serving later steps (the call was at fault)."""
+    from tests.test_operators import _decode_step, _tiny_llama
+
+    m = _tiny_llama()
+    want = _serve(m, "full", fused.layers_python)
+    monkeypatch.setattr(gemv, "decode_layers", lambda *a: None)
+    assert torch.equal(_serve(m, "full", fused.layers_native), want)
+    monkeypatch.undo()
+    served = _spy(monkeypatch)
+    m, x, positions, kv = _decode_step(m)
+    with pytest.raises(IndexError):
+        m._stack(m, x, positions + m.cfg.context_length, kv)
+    report = m.operators.report()["model.layers"]
+    assert report["active"] == "native" and "switched_off" not in report
+    assert torch.isfinite(m._stack(m, x, positions, kv)).all() and served == [3]
+
+
+@pytest.mark.parametrize("weights", ["float32", "native"])
+def test_the_real_model_decodes_in_one_call_per_step(weights, model, native_model, monkeypatch):
+    """SmolLM2 over a `full` cache: a 12-token prompt, then 12 steps of one token each, every
+    one served by decode_layers, with the layer-by-layer path's logits."""
+    m = model if weights == "float32" else native_model
+    schedule = [{0: 12}] + [{0: 1}] * 12
+    served = _spy(monkeypatch)
+    got = _serve(m, "full", fused.layers_native, schedule)
+    want = _serve(m, "full", fused.layers_python, schedule)
+    assert served == [1] * 12 and _rel(got, want) < 1e-6

@@ -294,7 +294,27 @@ def _example(op: str):
         if op == "layer.qkv":
             return (m, 1, x[:3], torch.tensor([0, 7, 63])), 1e-5
         return (m, 1, x[:3], torch.randn(3, 4, 32)), 1e-5
+    if op == "model.layers":  # a decode step of two sequences (1 and 2 rows) over a full cache
+        return _decode_step(_tiny_llama()), 1e-5
     return None, 0.0
+
+
+def _decode_step(m):
+    """(m, x, positions, kv) of a decode step begun over a `full` cache that holds two prompts
+    (20 and 9 tokens, written in turn): rows 1 and 2 of random hidden states."""
+    from unikv import kvstrategies
+    from unikv.kvstrategies.kv import StepBatch
+    from unikv.settings.config import PoolConfig, TierConfig
+
+    cfg = PoolConfig(block_size=16, tiers=(TierConfig("device", 8 << 20),))
+    kv = kvstrategies.create("full", m.kv_spec(), cfg)
+    for sid, n in ((0, 20), (1, 9)):
+        kv.reserve(sid, n)
+        m.forward(torch.randint(0, 64, (n,)), torch.arange(n), kv, StepBatch([sid], [n]))
+    kv.reserve(0, 1), kv.reserve(1, 2)
+    kv.begin_step(StepBatch([0, 1], [1, 2]))
+    x = torch.randn(3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    return m, x, torch.tensor([20, 9, 10]), kv
 
 
 def _tiny_llama(qtype: str | None = None):

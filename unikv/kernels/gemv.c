@@ -1090,3 +1090,83 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
     free(h);
     return rc;
 }
+
+/* ---- a whole decode step: every layer in one call --------------------------------------------
+ *
+ * engine/fused.py's `decode.step` calls this when the step's KV cache describes itself as plain
+ * float32 arenas (`kv_step_t`, from the strategy's `native_step`): the layers' dense parts
+ * (layer_qkv, layer_out), the new keys and values written into their slots, and attention over
+ * each sequence's blocks, with no return to Python in between. Per layer and step that saves
+ * the ctypes calls, torch's index_copy_ and the strategy's Python around its attention (at 64
+ * tokens of context that was more than half of a Q4_1 step). The attention is the strategy's
+ * own kernel, called through `attend` (sparse.c's sparse_attend: the function the per-layer
+ * path calls), so the numbers are those of the per-layer path. */
+typedef int (*attend_fn)(const float *q, int T, int hq, int hkv, int d, int bs,
+                         const int64_t *bases, const int64_t *slots, const int64_t *where,
+                         const int64_t *ids, const int64_t *blocks, long nb, long past,
+                         float scale, float *out, int threads);
+
+typedef struct {
+    attend_fn attend;
+    int64_t base; /* layer 0's [2, hkv, slots, d] float32 arena (K, then V) */
+    int64_t layer_bytes; /* from one layer's arena to the next */
+    int64_t slots; /* token slots per KV head in a layer's arena */
+    int bs, nseq;
+    float scale;
+    const int64_t *new_slots; /* [n]: the slot of each new row's key and value */
+    const int64_t *rows; /* [nseq + 1]: each sequence's first row, then n */
+    const int64_t *past; /* [nseq]: tokens stored before the step */
+    const int64_t *nb; /* [nseq]: blocks each sequence reads (per KV head) */
+    const int64_t *ids; /* [nseq]: addresses of int64 [blocks]: each block's index in the arena */
+    const int64_t *blocks; /* [nseq]: addresses of int64 [hkv, nb]: the blocks read, in order */
+} kv_step_t;
+
+int kv_step_size(void) { return (int)sizeof(kv_step_t); }
+
+/* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer call
+ * refused, the attention refused, no memory): the caller then runs the step layer by layer,
+ * which rewrites every slot this call may have written (the same values). */
+int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
+                  const float *x, int n, const int64_t *pos, float *out, int threads) {
+    if (nlayers < 1 || n < 1 || kv->nseq < 1 || kv->rows[kv->nseq] != n) return -1;
+    const layer_t *L0 = layers[0];
+    const int hq = L0->hq, hkv = L0->hkv, d = L0->d;
+    const long hidden = L0->hidden;
+    float *buf = malloc(sizeof(float) * ((size_t)n * (2 * hq + 2 * hkv) * d + 2 * n * hidden));
+    if (buf == NULL) return -1;
+    float *q = buf, *k = q + (long)n * hq * d, *v = k + (long)n * hkv * d;
+    float *attn = v + (long)n * hkv * d, *a = attn + (long)n * hq * d, *b = a + n * hidden;
+    memcpy(a, x, sizeof(float) * n * hidden);
+    int rc = 0;
+    for (int li = 0; li < nlayers && rc == 0; li++) {
+        const layer_t *L = layers[li];
+        if (L->hq != hq || L->hkv != hkv || L->d != d || L->hidden != hidden) {
+            rc = -1;
+            break;
+        }
+        rc = layer_qkv(L, a, n, pos, q, k, v, threads);
+        if (rc) break;
+        float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < hkv; h++) {
+                const long at = ((long)h * kv->slots + kv->new_slots[i]) * d;
+                memcpy(arena + at, k + ((long)i * hkv + h) * d, sizeof(float) * d);
+                memcpy(arena + (long)hkv * kv->slots * d + at, v + ((long)i * hkv + h) * d,
+                       sizeof(float) * d);
+            }
+        const int64_t base = (int64_t)(intptr_t)arena;
+        for (int s = 0; s < kv->nseq && rc == 0; s++) {
+            const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
+            rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, &base, &kv->slots, NULL,
+                            (const int64_t *)(intptr_t)kv->ids[s],
+                            (const int64_t *)(intptr_t)kv->blocks[s], kv->nb[s], kv->past[s],
+                            kv->scale, attn + r0 * hq * d, threads);
+        }
+        if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
+        float *swap = a;
+        a = b, b = swap;
+    }
+    if (rc == 0) memcpy(out, a, sizeof(float) * n * hidden);
+    free(buf);
+    return rc ? -1 : 0;
+}

@@ -69,6 +69,11 @@ def _load() -> ctypes.CDLL | None:
     lib.layer_qkv.argtypes = [p, p, i, p, p, p, p, i]
     lib.layer_out.argtypes = [p, p, p, i, p, i]
     lib.layer_qkv.restype = lib.layer_out.restype = ctypes.c_int
+    if lib.kv_step_size() != ctypes.sizeof(KVStep):
+        _state["error"] = "gemv.c's kv_step_t and unikv/kernels/gemv.py's KVStep disagree (rebuild)"
+        return None
+    lib.decode_layers.argtypes = [p, i, p, p, i, p, p, i]
+    lib.decode_layers.restype = ctypes.c_int
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -246,5 +251,32 @@ def layer_out(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     rc = _state["lib"].layer_out(  # type: ignore[attr-defined]
         ctypes.byref(layer), x.data_ptr(), attn.data_ptr(), n, out.data_ptr(),
         torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else out
+
+
+# ---- a whole decode step (gemv.c's decode_layers) ----------------------------------------------
+
+
+class KVStep(ctypes.Structure):
+    """gemv.c's kv_step_t: a step's KV cache as plain float32 arenas (`KVCache.native_step`)."""
+
+    _fields_ = [("attend", ctypes.c_void_p), ("base", ctypes.c_int64),
+                ("layer_bytes", ctypes.c_int64), ("slots", ctypes.c_int64),
+                ("bs", ctypes.c_int), ("nseq", ctypes.c_int), ("scale", ctypes.c_float),
+                ("new_slots", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+                ("past", ctypes.c_void_p), ("nb", ctypes.c_void_p), ("ids", ctypes.c_void_p),
+                ("blocks", ctypes.c_void_p)]  # fmt: skip
+
+
+def decode_layers(layers, kv: KVStep, x: torch.Tensor, positions: torch.Tensor):
+    """`x` float32 [N, hidden] at `positions` int64 [N] through every layer of `layers` (a
+    ctypes array of pointers to `Layer`), writing each layer's new keys and values and attending
+    as `kv` describes: the hidden states after the last layer, or None when gemv.c refused (the
+    caller then runs the step layer by layer)."""
+    out = torch.empty_like(x)
+    rc = _state["lib"].decode_layers(  # type: ignore[attr-defined]
+        layers, len(layers), ctypes.byref(kv), x.data_ptr(), x.shape[0], positions.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else out

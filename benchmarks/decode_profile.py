@@ -13,9 +13,12 @@ microseconds per op, so the step's wall time is also measured without it; "pytho
 time minus the ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
-        [--weights float32|native] [--threads 2] [--layer native|ops]
+        [--weights float32|native] [--threads 2] [--layer native|ops] [--step native|layers]
         [--isas avx512,avx2 [--repeats 2]]
 
+`--step layers` runs a decode step layer by layer (gemv.c's two layer calls each, the strategy's
+`append` and `attend` between them) instead of one gemv.c call for every layer (`model.layers`,
+where the strategy describes its step as plain arenas: `full`): the baseline of that call.
 `--layer ops` runs a Llama layer's dense part as torch ops (each matmul, norm and RoPE through
 its registry entry) instead of gemv.c's two layer calls (`engine/fused.py`): the baseline of
 what those calls save.
@@ -25,7 +28,7 @@ over the matmul time), the whole step's (those bytes times tokens/s) against a s
 1 GiB buffer in the same run (issue 34's goal: 85% of it), and the CPU model and instruction
 sets. `--isas` runs the profile once per instruction set in a child process (`UNIKV_ISA` for the
 C kernels and `ATEN_CPU_CAPABILITY` for PyTorch's own, both read at start-up), once more for the
-first with `--layer ops`, plus the PyTorch-only
+first with `--layer ops` and with `--step layers`, plus the PyTorch-only
 baseline (`UNIKV_NO_KERNEL=1`: MKL's or oneDNN's float32 products, whatever the vendor
 dispatch does), interleaved `--repeats` times, one process at a time, and prints the medians.
 """
@@ -125,6 +128,8 @@ def compare(args: argparse.Namespace) -> None:
                       "avx512"}, []) for isa in isas}  # fmt: skip
     # the same kernels with a layer's dense part as torch ops (what the native layer call saves)
     configs[f"{isas[0]}, ops"] = (configs[isas[0]][0], ["--layer", "ops"])
+    # ... and with the two layer calls, layer by layer (what the one-call step saves)
+    configs[f"{isas[0]}, layer by layer"] = (configs[isas[0]][0], ["--step", "layers"])
     configs["pytorch"] = ({"UNIKV_NO_KERNEL": "1"}, [])
     child = [sys.executable, __file__, "--model", args.model, "--weights", args.weights,
              "--context", str(args.context), "--steps", str(args.steps), "--strategy",
@@ -150,11 +155,11 @@ def compare(args: argparse.Namespace) -> None:
     base = table["pytorch"]["tok_s"]
     print(f"{cpu_name()}; {args.weights} weights, {args.strategy}, {args.threads} thread(s), "
           f"median of {args.repeats}")  # fmt: skip
-    print(f"  {'run':12s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s} "
+    print(f"  {'run':22s} {'tok/s':>7s} {'x base':>7s} {'matmul ms':>10s} {'GB/s':>6s} "
           f"{'stream GB/s':>12s} {'step/stream':>12s}")  # fmt: skip
     for name, r in table.items():
         share = r["bandwidth_share"]
-        print(f"  {name:12s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
+        print(f"  {name:22s} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['matmul_ms']:10.2f} "
               f"{r['matmul_gb_s']:6.1f} {r['stream_gb_s']:12.1f} {share:12.0%}")  # fmt: skip
     print(json.dumps({"cpu": cpu_name(), "settings": vars(args), "runs": table}))
 
@@ -171,6 +176,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layer", choices=("native", "ops"), default="native",
                    help="a layer's dense part as two gemv.c calls, or as torch ops")  # fmt: skip
+    p.add_argument("--step", choices=("native", "layers"), default="native",
+                   help="a decode step's layers in one gemv.c call (where the strategy allows: "
+                        "full), or layer by layer")  # fmt: skip
     args = p.parse_args()
     if args.isas:
         compare(args)
@@ -179,6 +187,8 @@ def main() -> None:
     m, tok = load_model(args.model, progress=False, weights=args.weights)
     if args.layer == "ops":  # the baseline: a layer's dense part as torch ops (engine/fused.py)
         m._qkv, m._out = (lambda *a: fused.qkv_ops(*a)), (lambda *a: fused.out_ops(*a))
+    if args.step == "layers" or args.layer == "ops":  # the baseline of the one-call step
+        m._stack = fused.layers_python
     kv = build(m, tok, args.strategy)
     ids = context_ids(tok, args.context)
     first = prefill(m, kv, ids, 0)

@@ -1,0 +1,88 @@
+"""Two builds of the C kernels against each other in one process: the decode step's time.
+
+A change to `unikv/kernels/gemv.c` or `sparse.c` that moves a step by a few percent is lost in
+this machine's drift between two runs (other tenants, clock speed: a step measured 4.5 ms one
+minute and 5.2 ms the next). Here both builds are loaded into one process and alternate round
+by round over the same model and cache: each round prefills `--context` tokens as a new
+sequence, decodes `--steps` greedy steps (through `model.layers`, whichever path the strategy
+takes) and frees it; the medians of the per-step times and their ratio are printed.
+
+Each build is a directory holding its own `gemv.c` and `sparse.c` (a missing one: the
+package's own); `--b` defaults to the package's sources, so
+
+    cp unikv/kernels/gemv.c unikv/kernels/sparse.c /tmp/before/   # then edit the package's
+    python benchmarks/kernel_ab.py --a /tmp/before [--context 32] [--steps 40] [--rounds 10]
+        [--strategy full] [--weights native]
+
+measures an edit against what it replaced (ratio below 1: the edit is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import report  # noqa: E402
+from benchmarks.decode_profile import cpu_name  # noqa: E402
+from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from unikv.engine.loading import load_model  # noqa: E402
+from unikv.kernels import gemv, sparse  # noqa: E402
+
+PACKAGE = Path(gemv.__file__).parent
+
+
+def load_build(folder: Path) -> tuple[dict, dict]:
+    """The kernels of `folder` built and loaded: (gemv's state, sparse's state)."""
+    states = []
+    for module, name in ((gemv, "gemv.c"), (sparse, "sparse.c")):
+        source = folder / name if (folder / name).exists() else PACKAGE / name
+        module.SOURCE, module._state = source, {}
+        if module._load() is None:
+            sys.exit(f"{source}: {module._state.get('error')}")
+        states.append(module._state)
+    return states[0], states[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--a", type=Path, required=True, help="folder of build A's gemv.c / sparse.c")
+    p.add_argument("--b", type=Path, default=PACKAGE, help="build B (default: the package's)")
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=10, help="rounds per build")
+    p.add_argument("--strategy", default="full")
+    p.add_argument("--weights", default="native")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    builds = [load_build(args.a), load_build(args.b)]
+    model, tok = load_model("smollm2", progress=False, weights=args.weights)
+    kv = build(model, tok, args.strategy)
+    ids = context_ids(tok, args.context)
+    times: list[list[float]] = [[], []]
+    try:
+        for r in range(2 * args.rounds + 2):  # the first round of each: warm-up
+            gemv._state, sparse._state = builds[r % 2]
+            first = prefill(model, kv, ids, r)
+            t = decode(model, kv, first, len(ids), args.steps, r) / args.steps
+            kv.free(r)
+            if r >= 2:
+                times[r % 2].append(t)
+    finally:
+        kv.close()
+    a, b = (statistics.median(t) * 1e3 for t in times)
+    rows = [{"build": str(args.a), "ms_per_step": a}, {"build": str(args.b), "ms_per_step": b}]
+    report("kernel_ab", rows, ["build", "ms_per_step"],
+           {"b_over_a": b / a, "cpu": cpu_name(), "settings": vars(args) | {
+               "a": str(args.a), "b": str(args.b)}})  # fmt: skip
+    print(f"B / A = {b / a:.3f} ({cpu_name()})")
+
+
+if __name__ == "__main__":
+    main()

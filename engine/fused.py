@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from unikv.kernels import gemv
 from unikv.kernels.operators import FnImplementation, register
-from unikv.kvstrategies.kv import NativeStep
+from unikv.kvstrategies.kv import NativeChoice, NativeStep
 
 from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
 from .quantized import K_FORMATS
@@ -183,12 +183,37 @@ def _kv_step(plan: NativeStep) -> gemv.KVStep:
     keep = [int64s(plan.rows), int64s(plan.past), int64s([b.shape[1] for b in plan.blocks]),
             int64s([t.data_ptr() for t in plan.ids]),
             int64s([b.data_ptr() for b in plan.blocks])]  # fmt: skip
+    choice = None if plan.choice is None else _choice(plan.choice, keep)
     step = gemv.KVStep(
         plan.attend, plan.base, plan.layer_bytes, plan.slots, plan.block_size, len(plan.past),
-        plan.scale, plan.new_slots.data_ptr(), *map(ctypes.addressof, keep),
+        plan.scale, plan.new_slots.data_ptr(), *map(ctypes.addressof, keep[:5]),
+        None if choice is None else ctypes.addressof(choice),
     )  # fmt: skip
     step._keep = (keep, plan)  # the arrays and tensors it points into
     return step
+
+
+def _choice(c: NativeChoice, keep: list) -> gemv.Choice:
+    """gemv.c's choice_t of `c` (its arrays appended to `keep`)."""
+
+    def int64s(values):
+        keep.append((ctypes.c_int64 * max(len(values), 1))(*values))
+        return ctypes.addressof(keep[-1])
+
+    def each(tensors, what):  # per sequence; 0 for one without a plan (never read)
+        return int64s([0 if t is None else what(t) for t in tensors])
+
+    plans = [v for p in c.plans for v in (p if p is not None else (-1, 0, 0, 0))]
+    choice = gemv.Choice(
+        c.choose, c.first, c.parts, c.width, c.alpha, int64s(plans),
+        each(c.codes, torch.Tensor.data_ptr), each(c.scales, torch.Tensor.data_ptr),
+        each(c.codes, lambda t: t.stride(0) * t.element_size()),
+        each(c.scales, lambda t: t.stride(0) * t.element_size()),
+        each(c.codes, lambda t: t.stride(1)), each(c.scales, lambda t: t.stride(1)),
+        c.out.data_ptr(), int64s(c.at), c.out.stride(0),
+    )  # fmt: skip
+    keep.append(choice)
+    return choice
 
 
 def _available(device: torch.device, owner: object) -> str | None:

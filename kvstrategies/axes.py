@@ -30,7 +30,15 @@ import torch
 from unikv.memory.pool import BlockLayout, UnifiedMemoryPool
 from unikv.memory.tiers import StoreTier
 
-from .kv import KVSpec, NativeStep, StepBatch, attention_one, block_tokens, take_tokens
+from .kv import (
+    KVSpec,
+    NativeChoice,
+    NativeStep,
+    StepBatch,
+    attention_one,
+    block_tokens,
+    take_tokens,
+)
 from .options import Option
 
 T = TypeVar("T")
@@ -204,6 +212,11 @@ class Format(ABC):
         only a format whose every layer is one plain float32 arena can say yes."""
         return None
 
+    def new_keys(self, layer: int) -> torch.Tensor:
+        """The keys the step wrote for `layer`, [N, Hkv, D] (after a native step, for a
+        selection that summarizes them); only formats with a `native_step` have them."""
+        raise NotImplementedError(f"format {self.name!r} takes no native step")
+
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
         """`attend` over the blocks a selection chose (`Selection.reads`): per batch sequence
@@ -260,7 +273,8 @@ class _Axis:
     contract_options: ClassVar[dict[str, Any]] = {}
     # Whether its per-layer hooks (a placement's `reading`, a selection's `appended`, `reads`
     # and `attended`) must run; False where they do nothing, so that a native decode graph may
-    # run a step's layers without them (`KVCache.native_step`).
+    # run a step's layers without them (`KVCache.native_step`). A selection with hooks may
+    # still take that path by describing its choice (`Selection.native_choice`).
     layer_hooks: ClassVar[bool] = True
 
     def __init__(self, pool: UnifiedMemoryPool, spec: KVSpec, opts: dict[str, Any],
@@ -452,6 +466,14 @@ class Selection(_Axis):
 
     def attended(self, layer: int, q: torch.Tensor) -> None:
         """The format attended the step's queries `q` [N, Hq, D] of `layer`."""
+
+    def native_choice(self, step: Step) -> NativeChoice | None:
+        """`step`'s choice of blocks as a native step makes it at every layer (`NativeChoice`),
+        or None (this default): the step then goes layer by layer through `appended`, `reads`
+        and `attended`. A selection that says yes finds, at `after_step`, that none of those
+        was called, and reads back what the step chose (`NativeChoice.out`) and wrote
+        (`Format.new_keys`)."""
+        return None
 
     def after_step(self, step: Step) -> None:
         """The step's tokens are committed."""

@@ -120,6 +120,9 @@ class DenseFormat(Format):
             [self._places(i)[1] for i in range(len(self._every))], self._every,
         )  # fmt: skip
 
+    def new_keys(self, layer: int) -> torch.Tensor:
+        return self._layers[layer][0].index_select(1, self._new_slots).transpose(0, 1)
+
     def _kv_pieces(self, layer: int, count: bool = True) -> list[list[torch.Tensor]]:
         """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views
         into the arenas (and, tiered, the prefetched staged tensors)."""

@@ -137,6 +137,32 @@ class NativeStep:
     past: list[int]
     ids: list[torch.Tensor]  # per sequence, int64 [blocks]
     blocks: list[torch.Tensor]  # per sequence, int64 [Hkv, B]
+    choice: NativeChoice | None = None  # a selection's per-layer choice (None: every block)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeChoice:
+    """A selection's choice of blocks inside a native step (`NativeStep.choice`).
+
+    From layer `first` on, each sequence with a plan (lo, hi, room, end) reads, per KV head, the
+    sink blocks [0, lo), the `room` blocks of [lo, hi) whose summaries score highest for its
+    queries, and the window [hi, end), as `choose` (the address of `unikv/kernels/sparse.c`'s
+    `sparse_choose`: its signature and numbers) picks them from `codes[i]` (int8 summaries
+    [L, Hkv, tiles, width / 4, 16, 4], `parts` per block) and `scales[i]` ([L, Hkv, S]) with
+    weight `alpha` on their ranges; a sequence without a plan, and every layer before `first`,
+    reads every block. The step writes each choice into `out` (int64 [L, row]) at `at[i]`
+    ([Hkv, lo + room + end - hi]), for the selection to account for after the step."""
+
+    choose: int
+    first: int
+    parts: int
+    width: int
+    alpha: float
+    plans: list[tuple[int, int, int, int] | None]
+    codes: list[torch.Tensor | None]
+    scales: list[torch.Tensor | None]
+    out: torch.Tensor
+    at: list[int]
 
 
 class KVCache(ABC):

@@ -57,7 +57,7 @@ from unikv.kernels.operators import FnImplementation, OperatorSet
 from unikv.kernels.operators import register as register_op
 
 from .axes import SELECTIONS, Selection, Step
-from .kv import StepBatch
+from .kv import NativeChoice, StepBatch
 from .options import Option
 
 
@@ -140,6 +140,7 @@ class SparseSelection(Selection):
 
     def prepare(self, step: Step) -> None:
         self._step = step
+        self._native: NativeChoice | None = None  # the choice a native step was given
         self.last_read = [[] for _ in range(self.spec.num_layers)]
         self._plans = [self._plan(step, i) for i in range(len(step.batch.seq_ids))]
         # Stored tokens this selection did not see written (an attached prefix): summarized
@@ -179,8 +180,54 @@ class SparseSelection(Selection):
         self.last_read[layer] = out
         return out if any(x is not None for x in out) else None
 
+    def native_choice(self, step: Step) -> NativeChoice | None:
+        """The step's choice for `gemv.c`'s one-call step: the same plans, summaries and C
+        choice as `reads` makes layer by layer. None while stored tokens wait to be summarized
+        from the format (`_unseen`: per layer, in Python) or the C choice is not serving."""
+        if self._unseen or self.operators["sparse.choose"].active.name != "c":
+            return None
+        h, plans, codes, scales, at, row = self.spec.num_kv_heads, [], [], [], [], 0
+        for i, plan in enumerate(self._plans):
+            sid = step.batch.seq_ids[i]
+            known = plan is not None
+            plans.append((plan.lo, plan.hi, plan.room, plan.end) if known else None)
+            codes.append(self._codes[sid] if known else None)
+            scales.append(self._scales[sid] if known else None)
+            at.append(row)
+            row += h * (plan.lo + plan.room + plan.end - plan.hi) if known else 0
+        width = self.spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
+        self._native = NativeChoice(
+            kernels.choose_address(), self.opts["dense_layers"], self.parts, width,
+            self.opts["range_weight"], plans, codes, scales,
+            torch.empty(self.spec.num_layers, max(row, 1), dtype=torch.int64), at,
+        )  # fmt: skip
+        return self._native
+
+    def _read_back(self, step: Step, choice: NativeChoice) -> list[torch.Tensor]:
+        """After a native step: what `reads` would have recorded layer by layer (counts,
+        stability, `last_read`, `likely`), from the blocks the step chose; the step's keys."""
+        h, layers = self.spec.num_kv_heads, self.spec.num_layers
+        for layer in range(choice.first, layers):
+            out: list[torch.Tensor | None] = []
+            for i, plan in enumerate(self._plans):
+                sid = step.batch.seq_ids[i]
+                if plan is None:
+                    self._recent.pop(sid, None)
+                    out.append(None)
+                    continue
+                width = plan.lo + plan.room + plan.end - plan.hi
+                read = choice.out[layer, choice.at[i] : choice.at[i] + h * width].view(h, width)
+                self._count(sid, layer, read, plan)
+                out.append(read)
+                self._recent.setdefault(sid, [None] * layers)[layer] = read
+            self.last_read[layer] = out
+        return [self.format.new_keys(layer) for layer in range(layers)]
+
     def after_step(self, step: Step) -> None:
         keys = self._keys
+        if self._native is not None and all(k is None for k in keys):  # one native call
+            keys = self._read_back(step, self._native)
+        self._native = None
         self._keys = [None] * self.spec.num_layers
         for i in self._unseen:  # every layer summarized its stored tokens in `reads`
             self._known[step.batch.seq_ids[i]] = step.past[i]

@@ -22,6 +22,7 @@ One decode step, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -189,10 +190,15 @@ class KVStrategy(KVCache, KVMemory):
         return out
 
     def native_step(self) -> NativeStep | None:
-        # The format describes its arenas; the other two axes must have nothing to do per layer.
-        if self._step is None or self.selection.layer_hooks or self.placement.layer_hooks:
+        # The format describes its arenas; the placement must have nothing to do per layer, and
+        # the selection either nothing or a choice it describes (`Selection.native_choice`).
+        if self._step is None or self.placement.layer_hooks:
             return None
-        return self.format.native_step(self._step)
+        plan = self.format.native_step(self._step)
+        if plan is None or not self.selection.layer_hooks:
+            return plan
+        choice = self.selection.native_choice(self._step)
+        return None if choice is None else dataclasses.replace(plan, choice=choice)
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values as attention sees them, per batch sequence (`Format.read`)."""

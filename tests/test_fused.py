@@ -176,15 +176,17 @@ SCHEDULE = [{0: 20}, {1: 9}, {0: 17}, {1: 30}, {0: 1, 1: 1}, {0: 2, 1: 1}, {0: 4
             {0: 1, 1: 4}, {0: 5, 1: 1}, {1: 1}]  # fmt: skip
 
 
-def _serve(m, strategy: str, stack, schedule=SCHEDULE) -> torch.Tensor:
+def _serve(m, strategy: str, stack, schedule=SCHEDULE, options=None, block_size=16,
+           kept: list | None = None) -> torch.Tensor:  # fmt: skip
     """Every step of `schedule` ({sequence: new tokens}) through `m.forward` over a new
-    `strategy` cache, with `stack` as the model's `model.layers`: all the steps' logits."""
+    `strategy` cache, with `stack` as the model's `model.layers`: all the steps' logits (the
+    cache closed, or appended to `kept`)."""
     from unikv import kvstrategies
     from unikv.kvstrategies.kv import StepBatch
     from unikv.settings.config import PoolConfig, TierConfig
 
-    cfg = PoolConfig(block_size=16, tiers=(TierConfig("device", 32 << 20),))
-    kv = kvstrategies.create(strategy, m.kv_spec(), cfg)
+    cfg = PoolConfig(block_size=block_size, tiers=(TierConfig("device", 32 << 20),))
+    kv = kvstrategies.create(strategy, m.kv_spec(), cfg, options)
     g, done, out, saved = torch.Generator().manual_seed(0), {}, [], m._stack
     m._stack = stack
     try:
@@ -199,7 +201,7 @@ def _serve(m, strategy: str, stack, schedule=SCHEDULE) -> torch.Tensor:
             done.update({s: done.get(s, 0) + n for s, n in step.items()})
     finally:
         m._stack = saved
-        kv.close()
+        kv.close() if kept is None else kept.append(kv)
     return torch.cat(out)
 
 
@@ -240,11 +242,11 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
 
 @pytest.mark.parametrize(
     "strategy",
-    ["fp16+resident+all", "dense+resident+sparse", "hybrid_fp16_int4", "hierarchical_offload"],
+    ["fp16+resident+all", "dense+tiered+sparse", "hybrid_fp16_int4", "hierarchical_offload"],
 )
 def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, monkeypatch):
-    """float16 K/V, a sparse selection (it chooses per layer), packed K/V and a tiered
-    placement do not describe their steps as plain arenas: the step goes layer by layer."""
+    """float16 K/V, packed K/V and a tiered placement (it stages blocks per layer) do not
+    describe their steps as plain arenas: the step goes layer by layer."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama()
@@ -283,3 +285,33 @@ def test_the_real_model_decodes_in_one_call_per_step(weights, model, native_mode
     got = _serve(m, "full", fused.layers_native, schedule)
     want = _serve(m, "full", fused.layers_python, schedule)
     assert served == [1] * 12 and _rel(got, want) < 1e-6
+
+
+# A sparse selection small enough to choose on the tiny model: blocks of 4 tokens, a budget of
+# 12 tokens, one sink and one recent token, every layer choosing.
+SPARSE = {"budget_tokens": 12, "sink_tokens": 1, "recent_window": 1, "dense_layers": 0}
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_1"])
+def test_a_sparse_selection_chooses_inside_the_one_call_step(qtype, isa, monkeypatch):
+    """`dense+resident+sparse` describes its choice (`native_choice`): the one-call step
+    chooses and attends as the step layer by layer does, the same logits, the same blocks
+    read at every layer, the same counts and stability, and the summaries of the keys it
+    wrote (later steps choose from them); a layer before `dense_layers` reads everything."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype)
+    for opts in (SPARSE, {**SPARSE, "dense_layers": 1, "range_weight": 0.5}):
+        served = _spy(monkeypatch)
+        got, want = [], []
+        a = _serve(m, "dense+resident+sparse", fused.layers_native, SCHEDULE, opts, 4, got)
+        b = _serve(m, "dense+resident+sparse", fused.layers_python, SCHEDULE, opts, 4, want)
+        assert _rel(a, b) < 1e-6, _rel(a, b)
+        native, ref = got[0].selection, want[0].selection
+        assert served and native.counts == ref.counts and native.counts["sparse_reads"] > 0
+        for layer in range(m.cfg.num_layers):
+            for x, y in zip(native.last_read[layer], ref.last_read[layer], strict=True):
+                assert (x is None and y is None) or torch.equal(x, y), layer
+        for sid in (0, 1):
+            assert torch.equal(native.summaries(sid), ref.summaries(sid))
+        got[0].close(), want[0].close()

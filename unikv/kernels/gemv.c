@@ -1125,6 +1125,29 @@ typedef int (*attend_fn)(const float *q, int T, int hq, int hkv, int d, int bs,
                          const int64_t *ids, const int64_t *blocks, long nb, long past,
                          float scale, float *out, int threads);
 
+/* A sparse selection's choice (sparse.c's sparse_choose: its signature). */
+typedef int (*choose_fn)(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
+                         const float *scales, long head_stride, long scale_stride, int parts,
+                         int w, long lo, long hi, long room, long end, float alpha, int64_t *out,
+                         int threads);
+
+/* Per layer from `first` on, each sequence with a plan (lo >= 0) reads the blocks `choose`
+ * picks from its summaries instead of every block: the sinks [0, lo), `room` of [lo, hi), the
+ * window [hi, end) (sparse.c's sparse_choose), written into out + layer * per_layer + at[s]
+ * ([hkv, lo + room + end - hi]) for the selection to read back after the step. */
+typedef struct {
+    choose_fn choose;
+    int first, parts, w;
+    float alpha;
+    const int64_t *plan; /* [nseq][4]: lo, hi, room, end (lo < 0: the sequence reads all) */
+    const int64_t *codes, *scales; /* [nseq]: layer 0's int8 summaries and float32 scales */
+    const int64_t *codes_layer, *scales_layer; /* [nseq]: bytes from one layer's to the next */
+    const int64_t *head_stride, *scale_stride; /* [nseq]: elements from one KV head's to the next */
+    int64_t *out;
+    const int64_t *at; /* [nseq]: each sequence's place in a layer's part of out */
+    int64_t per_layer;
+} choice_t;
+
 typedef struct {
     attend_fn attend;
     int64_t base; /* layer 0's [2, hkv, slots, d] float32 arena (K, then V) */
@@ -1138,9 +1161,11 @@ typedef struct {
     const int64_t *nb; /* [nseq]: blocks each sequence reads (per KV head) */
     const int64_t *ids; /* [nseq]: addresses of int64 [blocks]: each block's index in the arena */
     const int64_t *blocks; /* [nseq]: addresses of int64 [hkv, nb]: the blocks read, in order */
+    const choice_t *choice; /* NULL: every sequence reads every block at every layer */
 } kv_step_t;
 
 int kv_step_size(void) { return (int)sizeof(kv_step_t); }
+int choice_size(void) { return (int)sizeof(choice_t); }
 
 /* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer call
  * refused, the attention refused, no memory): the caller then runs the step layer by layer,
@@ -1176,10 +1201,24 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
         const int64_t base = (int64_t)(intptr_t)arena;
         for (int s = 0; s < kv->nseq && rc == 0; s++) {
             const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
-            rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, &base, &kv->slots, NULL,
-                            (const int64_t *)(intptr_t)kv->ids[s],
-                            (const int64_t *)(intptr_t)kv->blocks[s], kv->nb[s], kv->past[s],
-                            kv->scale, attn + r0 * hq * d, threads);
+            const int64_t *blocks = (const int64_t *)(intptr_t)kv->blocks[s];
+            long nb = kv->nb[s];
+            const choice_t *c = kv->choice;
+            if (c != NULL && li >= c->first && c->plan[4 * s] >= 0) {
+                const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
+                int64_t *out = c->out + li * c->per_layer + c->at[s];
+                rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
+                               (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
+                               (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
+                               c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
+                               p[2], p[3], c->alpha, out, threads);
+                blocks = out;
+                nb = p[0] + p[2] + (p[3] - p[1]);
+            }
+            if (rc == 0)
+                rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, &base, &kv->slots,
+                                NULL, (const int64_t *)(intptr_t)kv->ids[s], blocks, nb,
+                                kv->past[s], kv->scale, attn + r0 * hq * d, threads);
         }
         if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
         float *swap = a;

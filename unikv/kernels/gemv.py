@@ -69,8 +69,8 @@ def _load() -> ctypes.CDLL | None:
     lib.layer_qkv.argtypes = [p, p, i, p, p, p, p, i]
     lib.layer_out.argtypes = [p, p, p, i, p, i]
     lib.layer_qkv.restype = lib.layer_out.restype = ctypes.c_int
-    if lib.kv_step_size() != ctypes.sizeof(KVStep):
-        _state["error"] = "gemv.c's kv_step_t and unikv/kernels/gemv.py's KVStep disagree (rebuild)"
+    if lib.kv_step_size() != ctypes.sizeof(KVStep) or lib.choice_size() != ctypes.sizeof(Choice):
+        _state["error"] = "gemv.c's kv_step_t / choice_t and gemv.py's KVStep / Choice disagree"
         return None
     lib.decode_layers.argtypes = [p, i, p, p, i, p, p, i]
     lib.decode_layers.restype = ctypes.c_int
@@ -266,7 +266,19 @@ class KVStep(ctypes.Structure):
                 ("bs", ctypes.c_int), ("nseq", ctypes.c_int), ("scale", ctypes.c_float),
                 ("new_slots", ctypes.c_void_p), ("rows", ctypes.c_void_p),
                 ("past", ctypes.c_void_p), ("nb", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-                ("blocks", ctypes.c_void_p)]  # fmt: skip
+                ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p)]  # fmt: skip
+
+
+class Choice(ctypes.Structure):
+    """gemv.c's choice_t: a sparse selection's per-layer choice inside the step."""
+
+    _fields_ = [("choose", ctypes.c_void_p), ("first", ctypes.c_int), ("parts", ctypes.c_int),
+                ("w", ctypes.c_int), ("alpha", ctypes.c_float), ("plan", ctypes.c_void_p),
+                ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("codes_layer", ctypes.c_void_p), ("scales_layer", ctypes.c_void_p),
+                ("head_stride", ctypes.c_void_p), ("scale_stride", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("at", ctypes.c_void_p),
+                ("per_layer", ctypes.c_int64)]  # fmt: skip
 
 
 def decode_layers(layers, kv: KVStep, x: torch.Tensor, positions: torch.Tensor):

@@ -3,8 +3,9 @@
 What lives here: `unavailable()` (why this machine cannot run the kernels, or None),
 `choose_blocks` (one sequence's blocks for one layer: the sinks, the best-scoring candidates
 per KV head, the window) and `attend_blocks` (attention over those blocks, read in place
-wherever each lies: the dense format's arenas, staged tensors), and `attend_address` (the
-same attention for native callers: the decode step of `gemv.c`). What does not: the PyTorch
+wherever each lies: the dense format's arenas, staged tensors), and `choose_address` /
+`attend_address` (the same choice and attention for native callers: the decode step of
+`gemv.c`). What does not: the PyTorch
 references and the registry entries that choose between them (`kvstrategies.sparse`,
 `kvstrategies.full`), the build and its cache (`kernels.native.build`: the same flags, cache
 directory and libgomp as the other kernels).
@@ -50,6 +51,11 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"sparse.c is unavailable: {_state.get('error')}")
     return lib
+
+
+def choose_address() -> int:
+    """The address of `sparse_choose`, for native code that calls it (`gemv.decode_layers`)."""
+    return ctypes.cast(_lib().sparse_choose, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 def attend_address() -> int:

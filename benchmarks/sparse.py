@@ -13,8 +13,8 @@ text as the haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt 
 prefilled, then `--decode-steps` decode steps per case, cases interleaved, medians: the whole
 step, the attention (the strategy's `attend`, all layers) and, for `sparse`, the selection's
 own share (scoring and top-k); the cases: `full` and `sparse` resident (both decoding in one
-C call for every layer, `model.layers`; the attention and choice inside it are those of a
-twin of each stepped layer by layer, the same kernels, where `attend` can be timed), and
+C call for every layer, `model.layers`, where gemv.c times the choice and the attention; and
+a twin of each stepped layer by layer, the same kernels with Python between them), and
 `sparse` over the tiered placement with the newest share of the context on the device tier
 and every older token on the host tier (each step reads the chosen blocks where they live),
 with the device tier's KV bytes (and the summaries' beside them); and for each packed
@@ -48,6 +48,7 @@ from unikv.engine.assembly import store_tiers  # noqa: E402
 from unikv.engine.evaluate import perplexity  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.passkey import passkey  # noqa: E402
+from unikv.kernels import gemv  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
@@ -233,9 +234,8 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
             config,
             "full",
         )
-    # `full` and resident `sparse` decode in one C call for every layer (`model.layers`),
-    # where their `attend` and choice cannot be timed: each has a twin stepped layer by layer
-    # (the same kernels) whose attention and choice stand for them
+    # `full` and resident `sparse` decode in one C call for every layer (`model.layers`): each
+    # has a twin stepped layer by layer (the same kernels, and the Python between them)
     for label in ("full", f"sparse@{share:g}"):
         cases[label + LAYERWISE] = cases[label]
     for fmt in formats:  # a packed format: its own whole-cache attention is the baseline
@@ -259,12 +259,16 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
             t = timers[label]
             for _ in range(steps):
                 t.attend = t.select = 0.0
+                chose, attended = gemv.step_seconds()
                 t0 = time.perf_counter()
                 model.forward(torch.tensor([ids[pos[label] % len(ids)]]),
                               torch.tensor([pos[label]]), kv, StepBatch([0], [1]))  # fmt: skip
                 samples[label]["step"].append(time.perf_counter() - t0)
-                samples[label]["attend"].append(t.attend)
-                samples[label]["select"].append(t.select)
+                # choosing and attending inside a one-call step are timed by gemv.c itself (the
+                # strategy's `attend` includes its choosing, as the one-call step's does here)
+                now = gemv.step_seconds()
+                samples[label]["attend"].append(t.attend or now[0] - chose + now[1] - attended)
+                samples[label]["select"].append(t.select or now[0] - chose)
                 pos[label] += 1
             fetcher = getattr(kv.placement, "prefetcher", None)
             if fetcher is not None:  # its I/O threads must not run into the next case's time
@@ -274,14 +278,7 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
     rows = []
     for label in cases:
         base = cases[label][3]
-        m, f = dict(med[label]), dict(med[base])
-        if not m["attend"] and label + LAYERWISE in med:  # inside the one-call step
-            m["attend"], m["select"] = (
-                med[label + LAYERWISE]["attend"],
-                med[label + LAYERWISE]["select"],
-            )
-        if not f["attend"] and base + LAYERWISE in med:
-            f["attend"] = med[base + LAYERWISE]["attend"]
+        m, f = med[label], med[base]
         rows.append({
             "method": label, "baseline": base, "context": context,
             "step_ms": m["step"] * 1000,

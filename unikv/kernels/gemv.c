@@ -1165,6 +1165,11 @@ typedef struct {
 } kv_step_t;
 
 int kv_step_size(void) { return (int)sizeof(kv_step_t); }
+/* Seconds spent in `choice->choose` and in `attend` by every decode_layers call so far (what
+ * choosing and attention cost inside the step; read by benchmarks/sparse.py). */
+static double choose_seconds, attend_seconds;
+double decode_choose_seconds(void) { return choose_seconds; }
+double decode_attend_seconds(void) { return attend_seconds; }
 int choice_size(void) { return (int)sizeof(choice_t); }
 
 /* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer call
@@ -1207,18 +1212,22 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             if (c != NULL && li >= c->first && c->plan[4 * s] >= 0) {
                 const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
                 int64_t *out = c->out + li * c->per_layer + c->at[s];
+                const double t0 = omp_get_wtime();
                 rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
                                (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
                                (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
                                c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
                                p[2], p[3], c->alpha, out, threads);
+                choose_seconds += omp_get_wtime() - t0;
                 blocks = out;
                 nb = p[0] + p[2] + (p[3] - p[1]);
             }
+            const double t0 = omp_get_wtime();
             if (rc == 0)
                 rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, &base, &kv->slots,
                                 NULL, (const int64_t *)(intptr_t)kv->ids[s], blocks, nb,
                                 kv->past[s], kv->scale, attn + r0 * hq * d, threads);
+            attend_seconds += omp_get_wtime() - t0;
         }
         if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
         float *swap = a;

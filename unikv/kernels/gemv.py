@@ -74,6 +74,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.decode_layers.argtypes = [p, i, p, p, i, p, p, i]
     lib.decode_layers.restype = ctypes.c_int
+    lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -292,3 +293,10 @@ def decode_layers(layers, kv: KVStep, x: torch.Tensor, positions: torch.Tensor):
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else out
+
+
+def step_seconds() -> tuple[float, float]:
+    """Seconds decode_layers has spent (choosing a sparse selection's blocks, attending) so
+    far; zeros where the kernel is not built."""
+    lib = _load()
+    return (0.0, 0.0) if lib is None else (lib.decode_choose_seconds(), lib.decode_attend_seconds())

@@ -162,7 +162,7 @@ def _sensor_line(sensor: Mapping[str, Any] | None) -> str:
 # Why no class selects `sparse` by default (issue 35's figures: BENCHMARKS.md, docs/strategies.md).
 SPARSE_WHY = (
     "opt-in (--kv-selection sparse), not a class default: it keeps every token and reads about "
-    "its budget per decode step (measured 1.4x faster steps than full at 8K context and a 1/8 "
+    "its budget per decode step (measured 1.5x faster steps than full at 8K context and a 1/8 "
     "budget on a CPU), but on SmolLM2 the worst development text loses 0.5% PPL at 1/4 and "
     "1.9% at 1/8, and "
     "its key summaries take 1/15 of a float32 cache's bytes; the low class's pruned hybrid cache "

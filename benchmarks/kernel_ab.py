@@ -39,6 +39,8 @@ PACKAGE = Path(gemv.__file__).parent
 
 def load_build(folder: Path) -> tuple[dict, dict]:
     """The kernels of `folder` built and loaded: (gemv's state, sparse's state)."""
+    if not folder.is_dir():
+        sys.exit(f"kernel_ab: {folder} is not a folder (of gemv.c and/or sparse.c)")
     states = []
     for module, name in ((gemv, "gemv.c"), (sparse, "sparse.c")):
         source = folder / name if (folder / name).exists() else PACKAGE / name

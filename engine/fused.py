@@ -176,29 +176,30 @@ def _all_usable(model, x: torch.Tensor):
 
 def _kv_step(plan: NativeStep) -> gemv.KVStep:
     """gemv.c's kv_step_t of `plan` (its arrays kept alive on the struct)."""
-
-    def int64s(values):
-        return (ctypes.c_int64 * len(values))(*values)
-
-    keep = [int64s(plan.rows), int64s(plan.past), int64s([b.shape[1] for b in plan.blocks]),
-            int64s([t.data_ptr() for t in plan.ids]),
-            int64s([b.data_ptr() for b in plan.blocks])]  # fmt: skip
+    keep: list = []
+    arrays = [_int64s(v, keep) for v in (plan.rows, plan.past, [b.shape[1] for b in plan.blocks],
+              [t.data_ptr() for t in plan.ids], [b.data_ptr() for b in plan.blocks])]  # fmt: skip
     choice = None if plan.choice is None else _choice(plan.choice, keep)
     step = gemv.KVStep(
         plan.attend, plan.base, plan.layer_bytes, plan.slots, plan.block_size, len(plan.past),
-        plan.scale, plan.new_slots.data_ptr(), *map(ctypes.addressof, keep[:5]),
+        plan.scale, plan.new_slots.data_ptr(), *arrays,
         None if choice is None else ctypes.addressof(choice),
     )  # fmt: skip
     step._keep = (keep, plan)  # the arrays and tensors it points into
     return step
 
 
+def _int64s(values, keep: list) -> int:
+    """The address of a new int64 array of `values` (appended to `keep`, which holds it)."""
+    keep.append((ctypes.c_int64 * max(len(values), 1))(*values))
+    return ctypes.addressof(keep[-1])
+
+
 def _choice(c: NativeChoice, keep: list) -> gemv.Choice:
     """gemv.c's choice_t of `c` (its arrays appended to `keep`)."""
 
     def int64s(values):
-        keep.append((ctypes.c_int64 * max(len(values), 1))(*values))
-        return ctypes.addressof(keep[-1])
+        return _int64s(values, keep)
 
     def each(tensors, what):  # per sequence; 0 for one without a plan (never read)
         return int64s([0 if t is None else what(t) for t in tensors])

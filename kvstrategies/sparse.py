@@ -73,6 +73,11 @@ class _Plan:
     stored_blocks: int
     read_blocks: int
 
+    @property
+    def width(self) -> int:
+        """Blocks a KV head reads: the sinks, the chosen and the window."""
+        return self.lo + self.room + self.end - self.hi
+
 
 @SELECTIONS.register
 class SparseSelection(Selection):
@@ -162,6 +167,20 @@ class SparseSelection(Selection):
             self._summarize_stored(layer)
         if layer < self.opts["dense_layers"]:
             return None
+
+        def choose(i: int, sid: int, plan: _Plan) -> torch.Tensor:
+            codes, scales = self._layers[sid]
+            return self.operators["sparse.choose"](
+                q[step.batch.rows(i)].float(), codes[layer], scales[layer], plan.lo, plan.hi,
+                plan.room, plan.end, self.opts["range_weight"], self.parts,
+            )  # fmt: skip
+
+        out = self._record(step, layer, choose)
+        return out if any(x is not None for x in out) else None
+
+    def _record(self, step: Step, layer: int, pick) -> list[torch.Tensor | None]:
+        """Per batch sequence the blocks `layer` reads (`pick(i, sid, plan)` for one with a
+        plan, None for one that reads everything), counted and kept for `likely`."""
         out: list[torch.Tensor | None] = []
         for i, plan in enumerate(self._plans):
             sid = step.batch.seq_ids[i]
@@ -169,16 +188,12 @@ class SparseSelection(Selection):
                 self._recent.pop(sid, None)
                 out.append(None)
                 continue
-            codes, scales = self._layers[sid]
-            read = self.operators["sparse.choose"](
-                q[step.batch.rows(i)].float(), codes[layer], scales[layer], plan.lo, plan.hi,
-                plan.room, plan.end, self.opts["range_weight"], self.parts,
-            )  # fmt: skip
+            read = pick(i, sid, plan)
             self._count(sid, layer, read, plan)
             out.append(read)
-            self._recent.setdefault(sid, [None] * self.spec.num_layers)[layer] = out[-1]
+            self._recent.setdefault(sid, [None] * self.spec.num_layers)[layer] = read
         self.last_read[layer] = out
-        return out if any(x is not None for x in out) else None
+        return out
 
     def native_choice(self, step: Step) -> NativeChoice | None:
         """The step's choice for `gemv.c`'s one-call step: the same plans, summaries and C
@@ -194,7 +209,7 @@ class SparseSelection(Selection):
             codes.append(self._codes[sid] if known else None)
             scales.append(self._scales[sid] if known else None)
             at.append(row)
-            row += h * (plan.lo + plan.room + plan.end - plan.hi) if known else 0
+            row += h * plan.width if known else 0
         width = self.spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
         self._native = NativeChoice(
             kernels.choose_address(), self.opts["dense_layers"], self.parts, width,
@@ -208,19 +223,9 @@ class SparseSelection(Selection):
         stability, `last_read`, `likely`), from the blocks the step chose; the step's keys."""
         h, layers = self.spec.num_kv_heads, self.spec.num_layers
         for layer in range(choice.first, layers):
-            out: list[torch.Tensor | None] = []
-            for i, plan in enumerate(self._plans):
-                sid = step.batch.seq_ids[i]
-                if plan is None:
-                    self._recent.pop(sid, None)
-                    out.append(None)
-                    continue
-                width = plan.lo + plan.room + plan.end - plan.hi
-                read = choice.out[layer, choice.at[i] : choice.at[i] + h * width].view(h, width)
-                self._count(sid, layer, read, plan)
-                out.append(read)
-                self._recent.setdefault(sid, [None] * layers)[layer] = read
-            self.last_read[layer] = out
+            row = choice.out[layer]
+            self._record(step, layer, lambda i, sid, plan, row=row: row[
+                choice.at[i] : choice.at[i] + h * plan.width].view(h, plan.width))  # fmt: skip
         return [self.format.new_keys(layer) for layer in range(layers)]
 
     def after_step(self, step: Step) -> None:

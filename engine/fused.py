@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from unikv.kernels import gemv
+from unikv.kernels.native import int64s as _int64s
 from unikv.kernels.operators import FnImplementation, register
-from unikv.kvstrategies.kv import NativeChoice, NativeStep
+from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
 from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
 from .quantized import K_FORMATS
@@ -150,8 +151,9 @@ def layers_python(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.
 
 def layers_native(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
     """Every layer in one call into gemv.c (`decode_layers`) when the cache describes the step
-    as plain arenas (`KVCache.native_step`: a decode step of a resident float32 `full` cache)
-    and every layer has its native description; else `layers_python`, in the same call."""
+    (`KVCache.native_step`: a decode step of a resident float32 `full` cache as plain arenas,
+    or of a resident packed cache through its own C code) and every layer has its native
+    description; else `layers_python`, in the same call."""
     plan = kv.native_step() if positions.dtype == torch.int64 else None
     layers = None if plan is None else _all_usable(model, x)
     got = None
@@ -174,9 +176,14 @@ def _all_usable(model, x: torch.Tensor):
     return cached[1]
 
 
-def _kv_step(plan: NativeStep) -> gemv.KVStep:
+def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:
     """gemv.c's kv_step_t of `plan` (its arrays kept alive on the struct)."""
     keep: list = []
+    if isinstance(plan, NativeHook):  # the cache's own function per layer
+        step = gemv.KVStep(nseq=len(plan.rows) - 1, rows=_int64s(plan.rows, keep),
+                           own=plan.function, own_ctx=plan.context)  # fmt: skip
+        step._keep = (keep, plan)
+        return step
     arrays = [_int64s(v, keep) for v in (plan.rows, plan.past, [b.shape[1] for b in plan.blocks],
               [t.data_ptr() for t in plan.ids], [b.data_ptr() for b in plan.blocks])]  # fmt: skip
     choice = None if plan.choice is None else _choice(plan.choice, keep)
@@ -187,12 +194,6 @@ def _kv_step(plan: NativeStep) -> gemv.KVStep:
     )  # fmt: skip
     step._keep = (keep, plan)  # the arrays and tensors it points into
     return step
-
-
-def _int64s(values, keep: list) -> int:
-    """The address of a new int64 array of `values` (appended to `keep`, which holds it)."""
-    keep.append((ctypes.c_int64 * max(len(values), 1))(*values))
-    return ctypes.addressof(keep[-1])
 
 
 def _choice(c: NativeChoice, keep: list) -> gemv.Choice:

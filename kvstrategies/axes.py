@@ -33,6 +33,7 @@ from unikv.memory.tiers import StoreTier
 from .kv import (
     KVSpec,
     NativeChoice,
+    NativeHook,
     NativeStep,
     StepBatch,
     attention_one,
@@ -207,9 +208,10 @@ class Format(ABC):
         """What the memory report shows of this format."""
         return {}
 
-    def native_step(self, step: Step) -> NativeStep | None:
-        """`step` (prepared) as `KVCache.native_step` describes it, or None (this default):
-        only a format whose every layer is one plain float32 arena can say yes."""
+    def native_step(self, step: Step) -> NativeStep | NativeHook | None:
+        """`step` (prepared) as `KVCache.native_step` describes it, or None (this default): a
+        format whose every layer is one plain float32 arena (`NativeStep`), or that has C code
+        for a layer's store and attention (`NativeHook`), can say yes."""
         return None
 
     def new_keys(self, layer: int) -> torch.Tensor:

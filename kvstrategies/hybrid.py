@@ -36,6 +36,7 @@ window byte.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from unikv.memory.pool import BLOCKS, ArenaSpec, BlockLayout
 
 from .axes import FORMATS, Format, PrefixState, Step
 from .calibration import METHODS
-from .kv import KVSpec, merge_partials
+from .kv import KVSpec, NativeHook, merge_partials
 from .options import Option
 from .packed import PackedCodec, channel_plan, record
 from .quant import BITS, SCALES
@@ -160,10 +161,10 @@ class PackedFormat(Format):
         self.scale = spec.scale
         self._arena = pool.arena("kv")  # [L, NB, H, REC] uint8
         dev = self._arena.device
-        self._k_order = self.plan.k_order.to(dev)
+        self._k_order = self.plan.k_order.to(dev).contiguous()  # [L, H, D], as C reads them
         self._k_inverse = self.plan.k_order.argsort(-1).to(dev)
         self._v_inverse = self.plan.v_order.argsort(-1).to(dev)
-        self._v_order = self.plan.v_order.to(dev)
+        self._v_order = self.plan.v_order.to(dev).contiguous()
         self._offsets = torch.tensor(self.rec.offsets, dtype=torch.long)
         # Per sequence: fp16 [L, P, H, S + T, D], sinks at [0, S), the block being filled after;
         # P = 2 (K, V), or 1 for a latent cache, where dense[-1] (the "values") is the keys.
@@ -276,6 +277,44 @@ class PackedFormat(Format):
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self._attend(layer, q, None)
+
+    def native_step(self, step: Step) -> NativeHook | None:
+        # A resident step on a CPU whose C kernel serves, in which no block completes
+        # (quantizing one stays in `append`) and each sequence's attention is one kernel call
+        # in `attend_seq` too: `hybrid_attend.c`'s hybrid_layer then does each layer's
+        # `append`, `attend` and end-of-step write in the one-call step, with the same numbers.
+        lib = self.attention.kernel
+        if lib is None or step.groups is not None or self.spec.latent or self.spec.query_group < 1:
+            return None
+        if self.operators["attention.hybrid"].active.name != "c":
+            return None
+        b, g, T, S = step.batch, self.spec.query_group, self.T, self.S
+        tail: list[int] = []
+        sink: list[int] = []
+        for seq, past, n in zip(self._seqs, step.past, b.query_lens, strict=True):
+            if (past + n) // T != past // T or g * n > _KERNEL_MAX_ROWS:
+                return None
+            if g * n * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
+                return None
+            at = S + past - seq.nb * T  # as `_flush` writes them
+            tail += range(at, at + n)
+            sink += [p if p < S else -1 for p in range(past, past + n)]
+        keep: list = []
+        seqs, dense = self._seqs, [self._dense[sid] for sid in b.seq_ids]
+        c = kernels.HybridStep(
+            self._arena.data_ptr(), self._arena.stride(0), self.rec.nbytes,
+            self._offsets.data_ptr(), self.spec.num_kv_heads, g, len(seqs), self.scale,
+            self._k_order.data_ptr(), self._v_order.data_ptr(), kernels.int64s(b.offsets, keep),
+            kernels.int64s([s.ids.data_ptr() for s in seqs], keep),
+            kernels.int64s([s.nb for s in seqs], keep),
+            kernels.int64s([s.mask0 for s in seqs], keep),
+            kernels.int64s([t.data_ptr() for t in dense], keep), S + T,
+            kernels.int64s([s.lo for s in seqs], keep),
+            kernels.int64s([s.hi - s.lo for s in seqs], keep), kernels.int64s(tail, keep),
+            kernels.int64s(sink, keep),
+        )  # fmt: skip
+        hook = kernels.address(lib, "hybrid_layer")
+        return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs, dense))
 
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip

@@ -165,6 +165,24 @@ class NativeChoice:
     at: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class NativeHook:
+    """One step's KV cache as its own C code, for a native decode graph (`KVCache.native_step`,
+    where the cache is not plain float32 arenas: a packed format).
+
+    At every layer the graph calls `function(context, layer, q, k, v, n, out, threads)`
+    (`unikv/kernels/gemv.c`'s layer_fn: its signature and numbers): it stores the step's new
+    keys and values of that layer (float32 [N, Hkv, D] each, after RoPE) and writes the
+    attention of q [N, Hq, D] into out [N, Hq, Dv]; it returns 0, or -1 (refused: the step is
+    then run layer by layer, which rewrites whatever was written). `rows` is each sequence's
+    first row, then N. `context` points into `keep`, which lives until `end_step`."""
+
+    function: int
+    context: int
+    rows: list[int]
+    keep: tuple
+
+
 class KVCache(ABC):
     """The model-facing side: stores one step's keys/values per layer and attends over them."""
 
@@ -198,11 +216,12 @@ class KVCache(ABC):
         """The step's token ids [N] and each row's next-token log-probabilities [N, V]."""
         return None
 
-    def native_step(self) -> NativeStep | None:
+    def native_step(self) -> NativeStep | NativeHook | None:
         """The step begun by `begin_step`, described for a native decode graph that writes and
-        attends every layer in one call (`NativeStep`), or None (this default): the model then
-        calls `append` and `attend` layer by layer. A cache describes a step only where those
-        calls would do nothing but what the description says (no per-layer bookkeeping)."""
+        attends every layer in one call (`NativeStep`: plain arenas; `NativeHook`: the cache's
+        own C code per layer), or None (this default): the model then calls `append` and
+        `attend` layer by layer. A cache describes a step only where those calls would do
+        nothing but what the description says (no per-layer bookkeeping)."""
         return None
 
 

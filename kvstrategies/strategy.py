@@ -32,7 +32,7 @@ import torch
 from unikv.memory.pool import BlockLayout, Reservation, UnifiedMemoryPool
 
 from .axes import PERSIST_OPTIONS, Format, Placement, Selection, Step
-from .kv import KVCache, KVMemory, KVReport, KVSpec, NativeStep, StepBatch
+from .kv import KVCache, KVMemory, KVReport, KVSpec, NativeHook, NativeStep, StepBatch
 from .options import Option, validate
 
 
@@ -189,7 +189,7 @@ class KVStrategy(KVCache, KVMemory):
         self.selection.attended(layer, q)
         return out
 
-    def native_step(self) -> NativeStep | None:
+    def native_step(self) -> NativeStep | NativeHook | None:
         # The format describes its arenas; the placement must have nothing to do per layer, and
         # the selection either nothing or a choice it describes (`Selection.native_choice`).
         if self._step is None or self.placement.layer_hooks:
@@ -197,6 +197,8 @@ class KVStrategy(KVCache, KVMemory):
         plan = self.format.native_step(self._step)
         if plan is None or not self.selection.layer_hooks:
             return plan
+        if not isinstance(plan, NativeStep):  # a choice is made over plain arenas only
+            return None
         choice = self.selection.native_choice(self._step)
         return None if choice is None else dataclasses.replace(plan, choice=choice)
 

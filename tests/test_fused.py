@@ -242,11 +242,12 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
 
 @pytest.mark.parametrize(
     "strategy",
-    ["fp16+resident+all", "dense+tiered+sparse", "hybrid_fp16_int4", "hierarchical_offload"],
-)
+    ["fp16+resident+all", "dense+tiered+sparse", "hybrid+tiered+all", "hierarchical_offload",
+     "hybrid+resident+pruned"],
+)  # fmt: skip
 def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, monkeypatch):
-    """float16 K/V, packed K/V and a tiered placement (it stages blocks per layer) do not
-    describe their steps as plain arenas: the step goes layer by layer."""
+    """float16 K/V, a tiered placement (it stages blocks per layer) and a packed format under a
+    selection with per-layer hooks describe no native step: the step goes layer by layer."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama()
@@ -275,16 +276,63 @@ def test_a_refused_step_runs_layer_by_layer_and_a_bad_position_raises(monkeypatc
     assert torch.isfinite(m._stack(m, x, positions, kv)).all() and served == [3]
 
 
+@pytest.mark.parametrize("strategy", ["hybrid_fp16_int4", "int8+resident+all"])
+@pytest.mark.parametrize("qtype", [None, "Q4_1"])
+def test_a_packed_cache_steps_in_one_call_through_its_own_layer_code(strategy, qtype, isa,
+                                                                     monkeypatch):  # fmt: skip
+    """A packed format describes its step as its own C code per layer (`NativeHook`:
+    hybrid_attend.c's hybrid_layer, the per-layer path's kernel with the same arguments): the
+    same logits as the step layer by layer, the same fp16 side buffers (sinks and tail) and
+    the same packed blocks after every step. A step that completes a block (quantized in
+    Python) goes layer by layer, and so do float32 weights' steps of more than 4 rows."""
+    from tests.test_operators import _tiny_llama
+    from unikv.kvstrategies import hybrid
+    from unikv.kvstrategies.quant import plan_from_scores
+
+    def calibrated(spec, opts):  # a channel order of random scores, other for the values
+        g = torch.Generator().manual_seed(2)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return plan_from_scores(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
+
+    monkeypatch.setattr(hybrid, "channel_plan", calibrated)
+    m = _tiny_llama(qtype)
+    served, kept = _spy(monkeypatch), []
+    got = _serve(m, strategy, fused.layers_native, kept=kept)
+    assert len(served) > 0
+    want = _serve(m, strategy, fused.layers_python, kept=kept)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-6, _rel(got, want)
+    # (0, 20) (1, 9) (0, 17) (1, 30) complete blocks of 16 but (1, 9); then the decode steps
+    # 37+1 39+1, 38+2 40+1, 40+4 41+3, 44+1 44+4 (completes), 45+5 48+1 (completes), 48+1.
+    assert served == ([2, 3, 1] if qtype is None else [9, 2, 3, 7, 1])
+    a, b = (kv.format for kv in kept)
+    for sid in (0, 1):
+        assert torch.equal(a._dense[sid], b._dense[sid])
+        ids = torch.tensor(a.pool.table(sid).block_ids()[:3])
+        assert ids.tolist() == b.pool.table(sid).block_ids()[:3]
+        assert torch.equal(a._arena[:, ids], b._arena[:, ids])
+    for kv in kept:
+        kv.close()
+
+
+@pytest.mark.parametrize("strategy", ["full", "hybrid_fp16_int4"])
 @pytest.mark.parametrize("weights", ["float32", "native"])
-def test_the_real_model_decodes_in_one_call_per_step(weights, model, native_model, monkeypatch):
-    """SmolLM2 over a `full` cache: a 12-token prompt, then 12 steps of one token each, every
-    one served by decode_layers, with the layer-by-layer path's logits."""
+def test_the_real_model_decodes_in_one_call_per_step(weights, strategy, model, native_model,
+                                                     monkeypatch):  # fmt: skip
+    """SmolLM2 (a packed cache with its shipped calibration): a 12-token prompt, then 12 steps
+    of one token each, every one served by decode_layers (a packed cache's: but the step that
+    completes its first block; and its prompt too, on native weights, which take any number of
+    rows), with the layer-by-layer path's logits."""
+    from unikv.kvstrategies.calibration import shipped_path
+
     m = model if weights == "float32" else native_model
     schedule = [{0: 12}] + [{0: 1}] * 12
     served = _spy(monkeypatch)
-    got = _serve(m, "full", fused.layers_native, schedule)
-    want = _serve(m, "full", fused.layers_python, schedule)
-    assert served == [1] * 12 and _rel(got, want) < 1e-6
+    opts = None if strategy == "full" else {"calibration": shipped_path(m.cfg.identity)}
+    got = _serve(m, strategy, fused.layers_native, schedule, opts)
+    want = _serve(m, strategy, fused.layers_python, schedule, opts)
+    packed = strategy != "full"
+    assert served == [12] * (packed and weights == "native") + [1] * (12 - packed)
+    assert _rel(got, want) < 1e-6
 
 
 # A sparse selection small enough to choose on the tiny model: blocks of 4 tokens, a budget of

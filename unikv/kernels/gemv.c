@@ -1132,6 +1132,12 @@ typedef struct {
     int64_t per_layer;
 } choice_t;
 
+/* A cache's own KV work for one layer, in place of the slot writes and `attend` (a packed
+ * format's: hybrid_attend.c's hybrid_layer): store the step's new k, v [n, hkv, d] of `layer`
+ * and write the attention of q [n, hq, d] into out [n, hq, d]; 0, or -1 (refused). */
+typedef int (*layer_fn)(const void *ctx, int layer, const float *q, const float *k,
+                        const float *v, int n, float *out, int threads);
+
 typedef struct {
     attend_fn attend;
     int64_t base; /* layer 0's [2, hkv, slots, d] float32 arena (K, then V) */
@@ -1146,6 +1152,9 @@ typedef struct {
     const int64_t *ids; /* [nseq]: addresses of int64 [blocks]: each block's index in the arena */
     const int64_t *blocks; /* [nseq]: addresses of int64 [hkv, nb]: the blocks read, in order */
     const choice_t *choice; /* NULL: every sequence reads every block at every layer */
+    layer_fn own; /* not NULL: the cache's own layer work, on `own_ctx` (only nseq and rows
+                   * above are read then) */
+    const void *own_ctx;
 } kv_step_t;
 
 int kv_step_size(void) { return (int)sizeof(kv_step_t); }
@@ -1179,6 +1188,15 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
         }
         rc = layer_qkv(L, a, n, pos, q, k, v, threads);
         if (rc) break;
+        if (kv->own != NULL) {
+            const double t0 = omp_get_wtime();
+            rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads);
+            attend_seconds += omp_get_wtime() - t0;
+            if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
+            float *swap = a;
+            a = b, b = swap;
+            continue;
+        }
         float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
         for (int i = 0; i < n; i++)
             for (int h = 0; h < hkv; h++) {

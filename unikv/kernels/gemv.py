@@ -260,14 +260,16 @@ def layer_out(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
 
 
 class KVStep(ctypes.Structure):
-    """gemv.c's kv_step_t: a step's KV cache as plain float32 arenas (`KVCache.native_step`)."""
+    """gemv.c's kv_step_t: a step's KV cache as plain float32 arenas, or as the cache's own
+    function per layer (`own`, on `own_ctx`) (`KVCache.native_step`)."""
 
     _fields_ = [("attend", ctypes.c_void_p), ("base", ctypes.c_int64),
                 ("layer_bytes", ctypes.c_int64), ("slots", ctypes.c_int64),
                 ("bs", ctypes.c_int), ("nseq", ctypes.c_int), ("scale", ctypes.c_float),
                 ("new_slots", ctypes.c_void_p), ("rows", ctypes.c_void_p),
                 ("past", ctypes.c_void_p), ("nb", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-                ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p)]  # fmt: skip
+                ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p),
+                ("own", ctypes.c_void_p), ("own_ctx", ctypes.c_void_p)]  # fmt: skip
 
 
 class Choice(ctypes.Structure):

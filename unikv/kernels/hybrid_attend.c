@@ -418,3 +418,79 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
         free(l_out);
     }
 }
+
+/* ---- one layer of a native decode step ---------------------------------------------------------
+ *
+ * gemv.c's decode_layers runs every layer of a decode step in one call; a cache that is not
+ * plain float32 arenas does its layer's KV work through a function of its own (`layer_fn`
+ * there). This is the packed format's (kvstrategies/hybrid.py `PackedFormat.native_step`): the
+ * step's new keys and values into stored channel order, attention over the packed blocks, the
+ * fp16 side buffer and the new tokens (hybrid_attend above: the call the per-layer path makes,
+ * with the same arguments), then the new tokens into the side buffer as fp16 (what the
+ * per-layer path's end of step writes). The format offers such a step only when no block
+ * completes in it (quantizing a block stays in Python) and each sequence's attention is one
+ * kernel call in the per-layer path too, so both give the same numbers. */
+typedef struct {
+    const uint8_t *arena;  /* layer 0's records: block b, head h at arena + (b * H + h) * rec */
+    int64_t arena_layer;   /* bytes from one layer's records to the next */
+    long rec;
+    const long *off;       /* field offsets in a record */
+    int H, G, nseq;
+    float scale;
+    const int64_t *korder, *vorder; /* layer 0's [H][D] stored channel orders; a layer H*D on */
+    const int64_t *rows;   /* [nseq + 1]: each sequence's first row, then n */
+    const int64_t *blocks; /* [nseq]: addresses of int64 [nb]: its packed blocks in order */
+    const int64_t *nb, *mask0;
+    const int64_t *dense;  /* [nseq]: addresses of its fp16 side buffer [L][2][H][span][D] */
+    int64_t span;          /* token slots per head in a side buffer (sinks + one block) */
+    const int64_t *lo, *na; /* [nseq]: the side buffer's tokens attended: [lo, lo + na) */
+    const int64_t *tail, *sink; /* [n]: each new row's side-buffer slot; its sink slot or -1 */
+} hybrid_step_t;
+
+int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
+
+/* Layer `layer` of the step described by `st`: k, v [n][H][D] (the model's channel order, after
+ * RoPE), q [n][H * G][D]; out [n][H * G][KDV]. Returns 0, or -1 (no memory, or a latent cache,
+ * which this does not serve): the caller then goes layer by layer. */
+int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float *k,
+                 const float *v, int n, float *out, int threads) {
+    enum { D = KD };
+    (void)threads; /* hybrid_attend's parallel region takes the process's OpenMP threads */
+    if (KLAT || st->rows[st->nseq] != n) return -1;
+    const int H = st->H;
+    const long hd = (long)H * D;
+    const int64_t *korder = st->korder + layer * hd, *vorder = st->vorder + layer * hd;
+    float *kp = malloc(sizeof(float) * 2 * n * hd);
+    if (kp == NULL) return -1;
+    float *vp = kp + n * hd;
+    for (long i = 0; i < n; i++) /* stored order: kp[i][h][c] = k[i][h][korder[h][c]] */
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < D; c++) {
+                kp[i * hd + h * D + c] = k[i * hd + h * D + korder[h * D + c]];
+                vp[i * hd + h * D + c] = v[i * hd + h * D + vorder[h * D + c]];
+            }
+    const uint8_t *arena = st->arena + layer * st->arena_layer;
+    const long part = hd * st->span; /* fp16 elements of one part (K or V) of a layer */
+    for (int s = 0; s < st->nseq; s++) {
+        const long r0 = st->rows[s], t = st->rows[s + 1] - r0;
+        _Float16 *kd = (_Float16 *)(intptr_t)st->dense[s] + 2 * part * layer, *vd = kd + part;
+        hybrid_attend(arena, (const int64_t *)(intptr_t)st->blocks[s], (int)st->nb[s],
+                      (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
+                      q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
+                      vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd, vp + r0 * hd,
+                      hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL);
+        for (long i = r0; i < r0 + t; i++)
+            for (int h = 0; h < H; h++)
+                for (int w = 0; w < 2; w++) { /* the tail slot, then the sink slot if any */
+                    const int64_t slot = w ? st->sink[i] : st->tail[i];
+                    if (slot < 0) continue;
+                    const long at = ((long)h * st->span + slot) * D;
+                    for (int c = 0; c < D; c++) {
+                        kd[at + c] = (_Float16)kp[i * hd + h * D + c];
+                        vd[at + c] = (_Float16)vp[i * hd + h * D + c];
+                    }
+                }
+    }
+    free(kp);
+    return 0;
+}

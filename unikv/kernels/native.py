@@ -205,8 +205,36 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
     i, lng, p, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [p, p, i, i, lng, p, i, i, i, p, p, p, f, p, p, i, lng, p, p, lng, i, p, p, p]
     fn.restype = None
+    if lib.hybrid_step_size() != ctypes.sizeof(HybridStep):
+        KERNEL_ERROR = "hybrid_step_t and HybridStep disagree"
+        return None
     _libs[key] = lib
     return lib
+
+
+class HybridStep(ctypes.Structure):
+    """hybrid_attend.c's hybrid_step_t: a packed format's decode step for gemv.c's one-call
+    step, whose every layer calls `hybrid_layer` on it (`PackedFormat.native_step`)."""
+
+    _fields_ = [("arena", ctypes.c_void_p), ("arena_layer", ctypes.c_int64),
+                ("rec", ctypes.c_long), ("off", ctypes.c_void_p), ("H", ctypes.c_int),
+                ("G", ctypes.c_int), ("nseq", ctypes.c_int), ("scale", ctypes.c_float),
+                ("korder", ctypes.c_void_p), ("vorder", ctypes.c_void_p),
+                ("rows", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("nb", ctypes.c_void_p),
+                ("mask0", ctypes.c_void_p), ("dense", ctypes.c_void_p), ("span", ctypes.c_int64),
+                ("lo", ctypes.c_void_p), ("na", ctypes.c_void_p), ("tail", ctypes.c_void_p),
+                ("sink", ctypes.c_void_p)]  # fmt: skip
+
+
+def int64s(values, keep: list) -> int:
+    """The address of a new C int64 array of `values` (appended to `keep`, which holds it)."""
+    keep.append((ctypes.c_int64 * max(len(values), 1))(*values))
+    return ctypes.addressof(keep[-1])
+
+
+def address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of C function `name` in `lib` (for a native step to call)."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 def status(probe: bool = False) -> str:

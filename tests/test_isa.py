@@ -33,6 +33,10 @@ def test_pytorch_dispatch_follows_the_environment():
     "avx2" not in cpu_isas() or os.environ.get("UNIKV_ISA") is not None,
     reason="needs a CPU with AVX2, and a run not already held to one instruction set",
 )
+@pytest.mark.skipif(
+    "avx512" not in cpu_isas(),
+    reason="this CPU's best is AVX2: the whole suite ran those paths already (C and PyTorch)",
+)
 def test_the_model_holds_its_tolerance_on_the_avx2_paths(tmp_path):
     """The packaged model at native weights within 0.1% PPL of float32, its decode through
     both C kernels, the lossless cache equal to full, and every kernel's contract, with AVX-512

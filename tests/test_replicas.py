@@ -132,11 +132,14 @@ def test_logprobs_and_echo_come_back_from_a_replica_whole_and_streamed(cluster):
 
 
 def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
+    """A hot replica serves what it holds and takes nothing new until it cools, then rejoins
+    (short prompts: routing by queue length, as with nothing cached)."""
     url, sensors, *_ = cluster
     name_a, _ = by_rank(url, 0)
+    body = BODY[:160]
     # A long request on A, then A heats up: the request finishes; no new one goes to A.
     with httpx.Client(timeout=120) as http:
-        warm = complete(url, "Heat. " + BODY)
+        warm = complete(url, "Heat. " + body)
         assert warm.headers["x-unikv-replica"] in (name_a, by_rank(url, 1)[0])
         heat(sensors, 0, LIMIT_C + 1)
         wait_until(lambda: replicas(url)[name_a]["cooling"], "replica A to enter cooling", 30)
@@ -144,7 +147,7 @@ def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
         assert a["batch_limit"] == max(1, a["max_batch"] // 2)
         view = http.get(url + "/health").json()
         assert view["status"] == "yellow" and any("cooling" in r for r in view["reasons"])
-        served = {complete(url, f"Cool {i}. " + BODY).headers["x-unikv-replica"] for i in range(4)}
+        served = {complete(url, f"Cool {i}. " + body).headers["x-unikv-replica"] for i in range(4)}
         assert name_a not in served
         metrics = http.get(url + "/metrics").text
         entered = f'unikv_replica_cooling_transitions_total{{direction="enter",replica="{name_a}"}}'
@@ -155,7 +158,7 @@ def test_heat_episode_cools_a_replica_and_it_rejoins(cluster):
         # Rejoined: new prompts reach A again (by queue length when nothing is cached).
         served = set()
         for i in range(6):
-            served.add(complete(url, f"Back {i}. " + BODY).headers["x-unikv-replica"])
+            served.add(complete(url, f"Back {i}. " + body).headers["x-unikv-replica"])
         assert name_a in served
 
 

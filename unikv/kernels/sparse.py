@@ -55,12 +55,12 @@ def _lib() -> ctypes.CDLL:
 
 def choose_address() -> int:
     """The address of `sparse_choose`, for native code that calls it (`gemv.decode_layers`)."""
-    return ctypes.cast(_lib().sparse_choose, ctypes.c_void_p).value  # type: ignore[return-value]
+    return kernels.address(_lib(), "sparse_choose")
 
 
 def attend_address() -> int:
     """The address of `sparse_attend`, for native code that calls it (`gemv.decode_layers`)."""
-    return ctypes.cast(_lib().sparse_attend, ctypes.c_void_p).value  # type: ignore[return-value]
+    return kernels.address(_lib(), "sparse_attend")
 
 
 TILE = 16  # summaries per tile (sparse.c's layout)

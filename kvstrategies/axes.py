@@ -262,7 +262,8 @@ class Format(ABC):
 
     def compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
         """Keep, in each (layer, KV head), tokens lo + rel[layer, head] of [lo, n), moved down
-        to [lo, lo + rel.shape[-1]) (the caller truncates the pool's table)."""
+        to [lo, lo + rel.shape[-1]) (the caller truncates the pool's table). `rel` may be on
+        another device than the format's (a selection ranks tokens on the CPU)."""
         raise NotImplementedError(f"format {self.name!r} cannot compact its tokens")
 
 

@@ -282,6 +282,7 @@ class DenseFormat(Format):
     def compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
         m = lo + rel.shape[-1]
         slots = self.pool.slot_ids(seq_id, lo, n)  # the sinks stay where they are
+        rel = rel.to(slots.device)  # a selection ranks on the CPU; the arena may be a GPU's
         for layer, a in enumerate(self._layers):  # [P, heads, slots, dim]: kept tokens move down
             x = a.index_select(2, slots)  # [P, Hkv, n - lo, D]
             idx = rel[layer][None, :, :, None].expand(x.shape[0], -1, -1, x.shape[-1])

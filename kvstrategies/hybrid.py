@@ -513,7 +513,9 @@ class PackedFormat(Format):
         (layer, head) are dequantized, gathered and quantized again (earlier blocks keep their
         bytes); what no longer fills a block goes to the fp16 side buffer."""
         T, m = self.T, lo + rel.shape[-1]
-        moved = (rel != torch.arange(rel.shape[-1])).flatten(0, 1).any(0).nonzero()
+        rel = rel.to(self._arena.device)  # a selection ranks on the CPU; the arena may not
+        moved = (rel != torch.arange(rel.shape[-1], device=rel.device)).flatten(0, 1).any(0)
+        moved = moved.nonzero()
         first = lo + (int(moved[0]) if len(moved) else rel.shape[-1])  # first changed token
         f, nb = first // T, m // T  # blocks [f, nb) are written again
         ids = _ids(self.pool.table(seq_id).block_ids()[f:nb], self._arena)
@@ -533,8 +535,6 @@ class PackedFormat(Format):
             tail = m - nb * T
             for part, x in zip(dense[layer], (k, v), strict=False):  # a latent cache: keys only
                 part[:, self.S : self.S + tail] = x[:, nb * T : m]
-
-    # ---- sequences and accounting ------------------------------------------------------------
 
     # ---- sequences and accounting ------------------------------------------------------------
 

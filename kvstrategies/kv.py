@@ -382,7 +382,9 @@ def attention_one(
     mask = None
     if t > 1:
         # allowed[t, j] = j <= num_past + t
-        allowed = torch.arange(s).unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)
+        dev = q.device
+        allowed = (torch.arange(s, device=dev).unsqueeze(0)
+                   <= (num_past + torch.arange(t, device=dev)).unsqueeze(1))  # fmt: skip
         mask = allowed.repeat(g, 1)  # [G*T, S]
     if values_in_keys(k, v):
         v = k
@@ -438,9 +440,11 @@ def attention_runs(
         mask = None
         if start + s > num_past + 1 or (t > 1 and start + s > num_past):
             # This piece holds some of the step's own tokens: causal mask, as an additive float.
-            pos = start + torch.arange(s)
-            allowed = pos.unsqueeze(0) <= (num_past + torch.arange(t)).unsqueeze(1)  # [T, S_r]
-            mask = torch.zeros(t, s, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+            pos = start + torch.arange(s, device=q.device)
+            now = num_past + torch.arange(t, device=q.device)
+            allowed = pos.unsqueeze(0) <= now.unsqueeze(1)  # [T, S_r]
+            mask = torch.zeros(t, s, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(~allowed, float("-inf"))
             mask = mask.repeat(g, 1)
         out, lse = _attend_piece(qg, k.unsqueeze(0), v.unsqueeze(0), mask, scale)
         if mask is not None:

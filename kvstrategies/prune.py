@@ -251,7 +251,11 @@ class PrunedSelection(Selection):
             scores = torch.einsum("thd,hsd->hts", qi.float(), kk) * self.spec.scale
             s = kk.shape[1]
             first = past + b.query_lens[i] - t  # position of the first query row kept
-            mask = torch.arange(s)[None, :] > (first + torch.arange(t))[:, None]
+            dev = scores.device
+            mask = (
+                torch.arange(s, device=dev)[None, :]
+                > (first + torch.arange(t, device=dev))[:, None]
+            )
             probs = scores.masked_fill(mask, -math.inf).softmax(-1)  # [Hq, T, S]
             if self.scorer in OBSERVING:
                 seen = probs.mean(1).view(hkv, g, s).amax(1)  # [Hkv, S]

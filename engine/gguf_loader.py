@@ -214,10 +214,9 @@ def load_gguf(
     check_weights(weights)
     reader = open_gguf(path)
     cfg = dataclasses.replace(read_config(reader, path), fingerprint=file_fingerprint(path))
-    # Shapes first, from the tensor table: a damaged size in the metadata or a dimension is
-    # named here, before any tensor is reshaped by it.
-    check_tensors(cfg, {t.name: _Shape(tuple(int(s) for s in reversed(t.shape)))
-                        for t in reader.tensors}, path)  # fmt: skip
+    # Shapes from the tensor table, before any tensor is read: a damaged size in the metadata
+    # or a dimension is named here, not met in a reshape (decoding keeps these shapes).
+    check_shapes(cfg, {t.name: tuple(reversed(t.shape)) for t in reader.tensors}, path)
     tensors = GGUFTensors()
     decoded: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
@@ -241,7 +240,6 @@ def load_gguf(
     if decoded:
         log.info("--weights native: no native kernel for %s; those tensors were decoded once at "
                  "load and run as float", ", ".join(tensors.dequantized))  # fmt: skip
-    check_tensors(cfg, tensors, path)
     return cfg, tensors, reader
 
 
@@ -250,7 +248,8 @@ def decode_tensor(t, shape: tuple[int, ...], cfg: ModelConfig, path: Path) -> np
     rows un-permuted; a `ModelLoadError` if its bytes do not decode to finite values."""
     from gguf import GGMLQuantizationType, quants
 
-    qtype = GGMLQuantizationType(t.tensor_type).name
+    kind = GGMLQuantizationType(t.tensor_type)
+    qtype = kind.name
     try:
         if qtype in QUANT_FORMATS and len(shape) == 2:
             # torch's decode of the native formats: the same float32 values as gguf's numpy
@@ -258,7 +257,7 @@ def decode_tensor(t, shape: tuple[int, ...], cfg: ModelConfig, path: Path) -> np
             blocks = torch.from_numpy(np.array(t.data)).view(shape[0], -1, QUANT_FORMATS[qtype])
             arr = dequantize(QuantizedTensor(qtype, blocks)).numpy()
         else:
-            arr = quants.dequantize(t.data, GGMLQuantizationType(t.tensor_type)).reshape(shape)
+            arr = quants.dequantize(t.data, kind).reshape(shape)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {t.name} is corrupt ({e})") from e
     if ".attn_q." in t.name:
@@ -284,31 +283,25 @@ def _packed(t, qtype: str, shape: tuple[int, int], cfg: ModelConfig, path: Path)
     return q
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    shape: tuple[int, ...]
-
-
-def check_tensors(
+def check_shapes(
     cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
     path: Path,
     display=lambda name: name,
     expected: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
-    """Every tensor the engine needs is present with its shape, or a `ModelLoadError` naming
-    the tensor (as `display` spells it: the file format's own name) and the expected shape.
-    `expected` (name -> shape) defaults to the Llama layout."""
+    """Every tensor the engine needs is present (`shapes`: name -> shape) with its shape, or a
+    `ModelLoadError` naming the tensor (as `display` spells it: the file format's own name) and
+    the expected shape. `expected` (name -> shape) defaults to the Llama layout."""
     if expected is None:
         expected = _llama_shapes(cfg)
     for name, shape in expected.items():
-        got = tensors.get(name)
+        got = shapes.get(name)
         if got is None:
             raise ModelLoadError(f"{path}: missing tensor {display(name)}")
-        if tuple(got.shape) != shape:
-            raise ModelLoadError(
-                f"{path}: tensor {display(name)} has shape {tuple(got.shape)}, want {shape}"
-            )
+        if tuple(got) != shape:
+            raise ModelLoadError(f"{path}: tensor {display(name)} has shape {tuple(got)}, "
+                                 f"want {shape}")  # fmt: skip
 
 
 def _llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

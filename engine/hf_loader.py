@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from . import deepseek
 from .config import ModelConfig, ModelLoadError
-from .gguf_loader import check_tensors, file_fingerprint
+from .gguf_loader import check_shapes, file_fingerprint
 
 ARCHITECTURES = ("LlamaForCausalLM", *deepseek.ARCHITECTURES)
 # HF name (per layer after "model.layers.{i}.") -> the engine's name (after "blk.{i}.")
@@ -161,7 +161,7 @@ def load_hf(
     for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise ModelLoadError(f"{path}: tensor {hf_name(name)} holds non-finite values")
-    check_tensors(cfg, tensors, path, hf_name, wanted)
+    check_shapes(cfg, {k: tuple(t.shape) for k, t in tensors.items()}, path, hf_name, wanted)
     return cfg, tensors
 
 

@@ -796,8 +796,8 @@ INLINE void q4_codes(const uint8_t *p, const int fmt, __m128i *lo, __m128i *hi) 
  * by three vphaddd into one vector of 4 block sums, scaled by the 4 blocks' dw dx in one FMA
  * (no broadcast per block), and the offsets (Q4_1's m, Q4_0's -8 dw) times the blocks' sx in
  * another; the 4 fp16 headers are gathered into one vector. Measured on an AMD EPYC (Zen 1),
- * SmolLM2's 120 layer matrices at 2 threads: 1.22-1.32x the word path for Q4_1, 1.33x for Q4_0
- * (the bytes skip 4 widening micro-ops a block, the sums 4 more). */
+ * SmolLM2's 120 layer matrices at 2 threads, both builds in one process: 1.21-1.24x the word
+ * path for Q4_1, 1.16x for Q4_0 (the bytes skip 4 widening micro-ops a block, the sums 4 more). */
 INLINE void q4_row(const x16_t *restrict a, const uint8_t *restrict w, float *restrict y,
                    long out, const int fmt, const int N) {
     const long bs = block_bytes(fmt), nb = a->nb;

@@ -20,7 +20,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One owner: a pool mutated from a thread other than its engine's compute thread raises (in
 # this process and in the servers and writers the tests start).
 os.environ["UNIKV_CHECK_OWNER"] = "1"
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs a worker per core) the cores are shared: each worker, and
+# the servers and subprocesses its tests start, computes on its share of them.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, os.cpu_count() or 1) // WORKERS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """A test that sets torch's thread count (to check a kernel on 1 and 2 threads) leaves the
+    next test the worker's own."""
+    yield
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(autouse=True)

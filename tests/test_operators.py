@@ -390,7 +390,6 @@ def test_the_k_quant_kernel_equals_gguf_decoding_under_every_isa(fmt, isa):
             x = torch.randn(rows, 512)
             got, want = gemv.gemv_kquant(x, q.blocks.contiguous(), fmt), x @ w.t()
             assert ((got - want).norm() / want.norm()).item() < 1e-5, (threads, rows)
-    torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])

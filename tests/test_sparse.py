@@ -402,7 +402,6 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
             got, want = kernels.choose_blocks(*args), choose_torch(*args)
             assert got.shape == (h, 1 + room + 4)
             assert torch.equal(got, want), (alpha, parts, width, d, group, threads)
-    torch.set_num_threads(2)
     q, codes, scales = _summaries_and_queries(rows, 9, 3, 64, 720)
     with pytest.raises(ValueError, match="refused"):
         kernels.choose_blocks(q, codes, scales, 2, 600, 599, 610, 0.25)  # more room than blocks
@@ -492,7 +491,6 @@ def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows
             got = kernels.attend_blocks(q, read, *args[1:], blocks, bs, past, 0.125)
             want = attend_blocks_torch(q, *args, blocks, bs, past, 0.125)
             assert (got - want).abs().max().item() < 1e-5, (threads, len(args[0]))
-    torch.set_num_threads(2)
 
 
 def test_the_dense_format_attends_the_chosen_blocks_in_place():

@@ -16,7 +16,8 @@ own share (scoring and top-k); the cases: `full` and `sparse` resident (both dec
 C call for every layer, `model.layers`, where gemv.c times the choice and the attention; and
 a twin of each stepped layer by layer, the same kernels with Python between them), and
 `sparse` over the tiered placement with the newest share of the context on the device tier
-and every older token on the host tier (each step reads the chosen blocks where they live),
+and every older token on the host tier (each step reads the chosen blocks where they live, in
+one call too, and its twin layer by layer),
 with the device tier's KV bytes (and the summaries' beside them); and for each packed
 `--formats` its whole cache against its sparse selection (the kernel over the chosen
 blocks' records). `--chart PNG` draws PPL change against the share of tokens attended.
@@ -235,8 +236,9 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
             "full",
         )
     # `full` and resident `sparse` decode in one C call for every layer (`model.layers`): each
-    # has a twin stepped layer by layer (the same kernels, and the Python between them)
-    for label in ("full", f"sparse@{share:g}"):
+    # has a twin stepped layer by layer (the same kernels, and the Python between them); so does
+    # the tiered case, whose host blocks the one-call step reads in place
+    for label in ("full", f"sparse@{share:g}", f"sparse@{share:g} tiered"):
         cases[label + LAYERWISE] = cases[label]
     for fmt in formats:  # a packed format: its own whole-cache attention is the baseline
         cases[fmt] = (f"{fmt}+resident+all", {}, None, fmt)

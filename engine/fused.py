@@ -192,6 +192,10 @@ def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:
         plan.scale, plan.new_slots.data_ptr(), *arrays,
         None if choice is None else ctypes.addressof(choice),
     )  # fmt: skip
+    if plan.places:  # a tiered cache's further arenas, and where each block lies
+        step.nplaces = len(plan.places)
+        step.places = _int64s([v for place in plan.places for v in place], keep)
+        step.where = _int64s([0 if w is None else w.data_ptr() for w in plan.where], keep)
     step._keep = (keep, plan)  # the arrays and tensors it points into
     return step
 

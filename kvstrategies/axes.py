@@ -340,6 +340,12 @@ class Placement(_Axis):
     def place(self, step: Step) -> None:
         """Say where the step's blocks are read (`Step.groups`); none: all on the device."""
 
+    def stages(self, step: Step) -> bool:
+        """Whether `step` (placed) has per-layer work here: blocks staged or read late
+        (`reading`). Where it has none, a native decode graph may run the step's layers in one
+        call (`KVCache.native_step`). By default: `layer_hooks`."""
+        return self.layer_hooks
+
     def reading(self, layer: int, step: Step, chosen: list[torch.Tensor | None] | None) -> None:
         """Attention of `layer` is about to read `chosen` (`Selection.reads`; None: every
         block): a placement that staged only the likely blocks reads the others now."""

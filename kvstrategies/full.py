@@ -107,18 +107,63 @@ class DenseFormat(Format):
             self._pieces.append(pieces)
 
     def native_step(self, step: Step) -> NativeStep | None:
-        # A decode step of a resident float32 cache whose C attention serves: every layer's
-        # arena is one [P, Hkv, slots, D] array, `layer_bytes` after the one before.
-        if self._every is None or step.groups is not None or not self._native:
+        # A decode step of a float32 cache whose C attention serves: every layer's arena is one
+        # [P, Hkv, slots, D] array, `layer_bytes` after the one before. Tiered, the host tier's
+        # arena is read in place the same way; a step that stages blocks goes layer by layer.
+        if self._every is None or not self._native:
             return None
         if self.operators["attention.blocks"].active.name != "c":
             return None  # not built here, or switched off: PyTorch's attention, layer by layer
+        places, where = (), None
+        if step.groups is not None:
+            tiers = self._tier_places(step)
+            if tiers is None:
+                return None
+            places, where = tiers
         a = self._layers[0]
         return NativeStep(
             kernels.attend_address(), a.data_ptr(), self._layer_bytes, a.shape[2],
             self.pool.block_size, self.scale, self._new_slots, step.batch.offsets, step.past,
             [self._places(i)[1] for i in range(len(self._every))], self._every,
+            places=places, where=where,
         )  # fmt: skip
+
+    def _tier_places(self, step: Step):
+        """A tiered step's further arenas for `NativeStep.places` (the host tier's, read in
+        place) and, per sequence, the place of each of its blocks (`NativeStep.where`); None
+        when a block is staged or an arena is not plain memory laid out as the device's."""
+        kinds = {kind for groups in step.groups for kind, _ in groups}
+        if "staged" in kinds or step.in_place[TierKind.DEVICE][0].data_ptr() != (
+            self._layers[0].data_ptr()
+        ):
+            return None
+        others = sorted(kinds - {TierKind.DEVICE})
+        index = {TierKind.DEVICE: 0} | {kind: g + 1 for g, kind in enumerate(others)}
+        places = []
+        for kind in others:
+            views = step.in_place[kind]
+            first, stride = views[0].data_ptr(), self._layer_stride(views)
+            if stride is None or any(
+                v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu"
+                for v in views
+            ):
+                return None
+            places.append((first, stride, views[0].shape[2]))
+        where = []
+        for i, groups in enumerate(step.groups):
+            group = self._places(i)[0]  # per block: its group in `groups`
+            where.append(torch.tensor([index[kind] for kind, _ in groups])[group])
+        return tuple(places), where
+
+    @staticmethod
+    def _layer_stride(views: list[torch.Tensor]) -> int | None:
+        """Bytes from one layer's arena view to the next when they are evenly spaced, else
+        None."""
+        stride = views[1].data_ptr() - views[0].data_ptr() if len(views) > 1 else 0
+        first = views[0].data_ptr()
+        if any(v.data_ptr() != first + layer * stride for layer, v in enumerate(views)):
+            return None
+        return stride
 
     def new_keys(self, layer: int) -> torch.Tensor:
         return self._layers[layer][0].index_select(1, self._new_slots).transpose(0, 1)

@@ -122,9 +122,13 @@ class NativeStep:
     b * block_size ..). Row r of the step writes its key and value at slot `new_slots[r]`; then
     each sequence's queries attend its blocks `blocks[i]` [Hkv, B] (positions in its block list,
     every one of them), block position p lying at block index `ids[i][p]` of the arena, seeing
-    positions up to `past[i]` + its row. `attend` is the address of the C function that does
-    that attention (`unikv/kernels/sparse.c`'s `sparse_attend`: its signature and numbers).
-    The tensors are the cache's and live until `end_step`."""
+    positions up to `past[i]` + its row. A tiered cache's blocks may lie in further `places`
+    too, each (layer 0's address, bytes to the next layer, slots) of a [2, Hkv, slots, D]
+    float32 arena read in place (a host tier's): block position p then lies in place
+    `where[i][p]` (0: the arena above; 1: `places[0]`; ...; `where[i]` None: all in the arena
+    above). `attend` is the address of the C function that does that attention
+    (`unikv/kernels/sparse.c`'s `sparse_attend`: its signature and numbers). The tensors are
+    the cache's and live until `end_step`."""
 
     attend: int
     base: int
@@ -138,6 +142,8 @@ class NativeStep:
     ids: list[torch.Tensor]  # per sequence, int64 [blocks]
     blocks: list[torch.Tensor]  # per sequence, int64 [Hkv, B]
     choice: NativeChoice | None = None  # a selection's per-layer choice (None: every block)
+    places: tuple[tuple[int, int, int], ...] = ()  # further arenas read in place (tiered)
+    where: list[torch.Tensor | None] | None = None  # per sequence, int64 [blocks]: its places
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,10 @@ class TieredPlacement(Placement):
         self.prefetcher.start_step(self._plan)
         step.staged, step.in_place = self._staged, self._tier_layers
 
+    def stages(self, step: Step) -> bool:
+        # Nothing staged this step (no SSD blocks; host blocks read in place): no layer work.
+        return self._plan is not None
+
     def _staged(self, layer: int, count: bool) -> list | None:
         if self._plan is None:
             return None

@@ -192,7 +192,7 @@ class KVStrategy(KVCache, KVMemory):
     def native_step(self) -> NativeStep | NativeHook | None:
         # The format describes its arenas; the placement must have nothing to do per layer, and
         # the selection either nothing or a choice it describes (`Selection.native_choice`).
-        if self._step is None or self.placement.layer_hooks:
+        if self._step is None or self.placement.stages(self._step):
             return None
         plan = self.format.native_step(self._step)
         if plan is None or not self.selection.layer_hooks:

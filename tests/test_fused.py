@@ -177,16 +177,19 @@ SCHEDULE = [{0: 20}, {1: 9}, {0: 17}, {1: 30}, {0: 1, 1: 1}, {0: 2, 1: 1}, {0: 4
 
 
 def _serve(m, strategy: str, stack, schedule=SCHEDULE, options=None, block_size=16,
-           kept: list | None = None) -> torch.Tensor:  # fmt: skip
+           kept: list | None = None, tiers=None) -> torch.Tensor:  # fmt: skip
     """Every step of `schedule` ({sequence: new tokens}) through `m.forward` over a new
-    `strategy` cache, with `stack` as the model's `model.layers`: all the steps' logits (the
-    cache closed, or appended to `kept`)."""
+    `strategy` cache (on `tiers`, by default a device tier alone), with `stack` as the model's
+    `model.layers`: all the steps' logits (the cache closed, or appended to `kept`)."""
     from unikv import kvstrategies
+    from unikv.engine.assembly import store_tiers
     from unikv.kvstrategies.kv import StepBatch
     from unikv.settings.config import PoolConfig, TierConfig
 
-    cfg = PoolConfig(block_size=block_size, tiers=(TierConfig("device", 32 << 20),))
-    kv = kvstrategies.create(strategy, m.kv_spec(), cfg, options)
+    tiers = tiers or (TierConfig("device", 32 << 20),)
+    cfg = PoolConfig(block_size=block_size, tiers=tiers)
+    stores = store_tiers(strategy, m.kv_spec(), cfg, options)  # an SSD tier's LMDB store
+    kv = kvstrategies.create(strategy, m.kv_spec(), cfg, options, stores=stores)
     g, done, out, saved = torch.Generator().manual_seed(0), {}, [], m._stack
     m._stack = stack
     try:
@@ -241,12 +244,10 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    ["fp16+resident+all", "dense+tiered+sparse", "hybrid+tiered+all", "hierarchical_offload",
-     "hybrid+resident+pruned"],
-)  # fmt: skip
+    "strategy", ["fp16+resident+all", "hybrid+tiered+all", "hybrid+resident+pruned"]
+)
 def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, monkeypatch):
-    """float16 K/V, a tiered placement (it stages blocks per layer) and a packed format under a
+    """float16 K/V, a packed format over a tiered placement and a packed format under a
     selection with per-layer hooks describe no native step: the step goes layer by layer."""
     from tests.test_operators import _tiny_llama
 
@@ -338,6 +339,45 @@ def test_the_real_model_decodes_in_one_call_per_step(weights, strategy, model, n
 # A sparse selection small enough to choose on the tiny model: blocks of 4 tokens, a budget of
 # 12 tokens, one sink and one recent token, every layer choosing.
 SPARSE = {"budget_tokens": 12, "sink_tokens": 1, "recent_window": 1, "dense_layers": 0}
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical_offload", "dense+tiered+sparse"])
+def test_a_tiered_cache_reads_its_host_blocks_in_place_inside_the_one_call_step(
+    strategy, isa, monkeypatch, tmp_path
+):
+    """Tiered over device and host tiers, the host blocks are read in place: the one-call step
+    reads them where they lie (`NativeStep.places`, `where`), the same logits and (sparse)
+    blocks read as layer by layer. With an SSD tier the step stages blocks per layer and goes
+    layer by layer."""
+    from tests.test_operators import _tiny_llama
+    from unikv.memory.tiers import TierKind
+    from unikv.settings.config import TierConfig
+
+    m = _tiny_llama()
+    host = (TierConfig("device", 1 << 20), TierConfig("host", 1 << 20))
+    opts = {"device_window": 8, "host_window": 1 << 10, "min_disk_hit_tokens": 0}
+    if strategy.endswith("sparse"):
+        opts |= SPARSE
+    served = _spy(monkeypatch)
+    got, want = [], []
+    a = _serve(m, strategy, fused.layers_native, SCHEDULE, opts, 4, got, host)
+    b = _serve(m, strategy, fused.layers_python, SCHEDULE, opts, 4, want, host)
+    assert served == [2, 3, 1], served  # as resident: chunks and 7 or 5 rows go layer by layer
+    assert _rel(a, b) < 1e-6, _rel(a, b)
+    for kv in (got[0], want[0]):
+        assert kv.pool.tokens_by_tier()[TierKind.HOST] > 0  # the host blocks were read
+    if strategy.endswith("sparse"):
+        native, ref = got[0].selection, want[0].selection
+        assert native.counts == ref.counts and native.counts["sparse_reads"] > 0
+        for layer in range(m.cfg.num_layers):
+            for x, y in zip(native.last_read[layer], ref.last_read[layer], strict=True):
+                assert (x is None and y is None) or torch.equal(x, y), layer
+    got[0].close(), want[0].close()
+    served.clear()
+    ssd = (*host, TierConfig("ssd", 1 << 24, path=str(tmp_path / "ssd")))
+    opts |= {"host_window": 4}
+    c = _serve(m, strategy, fused.layers_native, SCHEDULE, opts, 4, tiers=ssd)
+    assert served == [] and _rel(c, b) < 1e-5, _rel(c, b)
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1"])

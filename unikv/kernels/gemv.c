@@ -1254,7 +1254,15 @@ typedef struct {
     layer_fn own; /* not NULL: the cache's own layer work, on `own_ctx` (only nseq and rows
                    * above are read then) */
     const void *own_ctx;
+    /* Further places a read block may lie in, after the arena above (place 0, where the new
+     * keys and values are written): a tiered cache's host arena, read in place. */
+    int nplaces; /* 0 .. MAX_PLACES - 1 */
+    const int64_t *places; /* [nplaces][3]: layer 0's address, bytes to the next layer, slots */
+    const int64_t *where; /* NULL, or [nseq]: addresses of int64 [blocks]: each block's place
+                           * (0 for a sequence whose blocks all lie in place 0) */
 } kv_step_t;
+
+#define MAX_PLACES 4
 
 int kv_step_size(void) { return (int)sizeof(kv_step_t); }
 /* Seconds spent in `choice->choose` and in `attend` by every decode_layers call so far (what
@@ -1304,7 +1312,16 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
                 memcpy(arena + (long)hkv * kv->slots * d + at, v + ((long)i * hkv + h) * d,
                        sizeof(float) * d);
             }
-        const int64_t base = (int64_t)(intptr_t)arena;
+        int64_t bases[MAX_PLACES], slots[MAX_PLACES];
+        bases[0] = (int64_t)(intptr_t)arena, slots[0] = kv->slots;
+        if (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES) {
+            rc = -1;
+            break;
+        }
+        for (int g = 0; g < kv->nplaces; g++) {
+            const int64_t *p = kv->places + 3 * g;
+            bases[g + 1] = p[0] + li * p[1], slots[g + 1] = p[2];
+        }
         for (int s = 0; s < kv->nseq && rc == 0; s++) {
             const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
             const int64_t *blocks = (const int64_t *)(intptr_t)kv->blocks[s];
@@ -1325,8 +1342,9 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             }
             const double t0 = omp_get_wtime();
             if (rc == 0)
-                rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, &base, &kv->slots,
-                                NULL, (const int64_t *)(intptr_t)kv->ids[s], blocks, nb,
+                rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, bases, slots,
+                                kv->where ? (const int64_t *)(intptr_t)kv->where[s] : NULL,
+                                (const int64_t *)(intptr_t)kv->ids[s], blocks, nb,
                                 kv->past[s], kv->scale, attn + r0 * hq * d, threads);
             attend_seconds += omp_get_wtime() - t0;
         }

@@ -269,7 +269,9 @@ class KVStep(ctypes.Structure):
                 ("new_slots", ctypes.c_void_p), ("rows", ctypes.c_void_p),
                 ("past", ctypes.c_void_p), ("nb", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p),
-                ("own", ctypes.c_void_p), ("own_ctx", ctypes.c_void_p)]  # fmt: skip
+                ("own", ctypes.c_void_p), ("own_ctx", ctypes.c_void_p),
+                ("nplaces", ctypes.c_int), ("places", ctypes.c_void_p),
+                ("where", ctypes.c_void_p)]  # fmt: skip
 
 
 class Choice(ctypes.Structure):

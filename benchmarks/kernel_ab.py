@@ -7,14 +7,16 @@ by round over the same model and cache: each round prefills `--context` tokens a
 sequence, decodes `--steps` greedy steps (through `model.layers`, whichever path the strategy
 takes) and frees it; the medians of the per-step times and their ratio are printed.
 
-Each build is a directory holding its own `gemv.c` and `sparse.c` (a missing one: the
-package's own); `--b` defaults to the package's sources, so
+Each build is a directory holding its own `gemv.c`, `sparse.c` and `hybrid_attend.c` (a
+missing one: the package's own; `hybrid_attend.c` is built for the strategy's record shape
+when its format is packed); `--b` defaults to the package's sources, so
 
-    cp unikv/kernels/gemv.c unikv/kernels/sparse.c /tmp/before/   # then edit the package's
+    cp unikv/kernels/*.c /tmp/before/   # then edit the package's
     python benchmarks/kernel_ab.py --a /tmp/before [--context 32] [--steps 40] [--rounds 10]
         [--strategy full] [--weights native]
 
-measures an edit against what it replaced (ratio below 1: the edit is faster).
+measures an edit against what it replaced (ratio below 1: the edit is faster). At long
+contexts `--prefill-once` prefills one sequence once and decodes it further each round.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
-from unikv.kernels import gemv, sparse  # noqa: E402
+from unikv.kernels import gemv, native, sparse  # noqa: E402
 
 PACKAGE = Path(gemv.__file__).parent
 
@@ -51,9 +53,28 @@ def load_build(folder: Path) -> tuple[dict, dict]:
     return states[0], states[1]
 
 
+def hybrid_libs(folders: list[Path], shapes: list[dict]) -> list | None:
+    """Per build folder its hybrid_attend.c compiled for the record shape the strategy built
+    (`shapes`: what `native.hybrid_kernel` was asked for), or None without a packed format."""
+    if not shapes:
+        return None
+    libs, saved = [], native.SOURCE
+    for folder in folders:
+        own = folder / "hybrid_attend.c"
+        native.SOURCE, native._libs = own if own.exists() else PACKAGE / "hybrid_attend.c", {}
+        try:
+            lib = native.hybrid_kernel(shapes[-1])
+        finally:
+            native.SOURCE = saved
+        if lib is None:
+            sys.exit(f"{folder}: hybrid_attend.c: {native.KERNEL_ERROR}")
+        libs.append(lib)
+    return libs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--a", type=Path, required=True, help="folder of build A's gemv.c / sparse.c")
+    p.add_argument("--a", type=Path, required=True, help="folder of build A's kernel sources")
     p.add_argument("--b", type=Path, default=PACKAGE, help="build B (default: the package's)")
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
@@ -61,19 +82,39 @@ def main() -> None:
     p.add_argument("--strategy", default="full")
     p.add_argument("--weights", default="native")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--prefill-once",
+        action="store_true",
+        help="prefill one sequence once and "
+        "decode it further each round (long contexts: the context then grows by "
+        "--steps a round)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     builds = [load_build(args.a), load_build(args.b)]
     model, tok = load_model("smollm2", progress=False, weights=args.weights)
-    kv = build(model, tok, args.strategy)
+    shapes, real = [], native.hybrid_kernel
+    native.hybrid_kernel = lambda shape: shapes.append(shape) or real(shape)
+    try:
+        kv = build(model, tok, args.strategy)
+    finally:
+        native.hybrid_kernel = real
+    packed = hybrid_libs([args.a, args.b], shapes)
     ids = context_ids(tok, args.context)
     times: list[list[float]] = [[], []]
     try:
+        first = prefill(model, kv, ids, 0) if args.prefill_once else None
         for r in range(2 * args.rounds + 2):  # the first round of each: warm-up
             gemv._state, sparse._state = builds[r % 2]
-            first = prefill(model, kv, ids, r)
-            t = decode(model, kv, first, len(ids), args.steps, r) / args.steps
-            kv.free(r)
+            if packed:
+                kv.format.attention.kernel = packed[r % 2]
+            if args.prefill_once:  # one sequence, `steps` more tokens of it each round
+                t = decode(model, kv, first, len(ids) + r * args.steps, args.steps, 0)
+            else:
+                first = prefill(model, kv, ids, r)
+                t = decode(model, kv, first, len(ids), args.steps, r)
+                kv.free(r)
+            t /= args.steps
             if r >= 2:
                 times[r % 2].append(t)
     finally:

@@ -67,11 +67,11 @@ def test_channel_counts_pack_into_whole_bytes():
             assert nf + nm + nl == 64 and nm % 2 == 0 and nl % 4 == 0
 
 
-def make(options=None, kernel=True, blocks=64, spec=SPEC):
+def make(options=None, kernel=True, blocks=64, spec=SPEC, bs=BS):
     cls = kvstrategies.get(NAME)
     opts = cls.check_options(options)
-    layout = cls.layout(spec, BS, opts)
-    cfg = PoolConfig(block_size=BS, tiers=(TierConfig("device", blocks * layout.page_bytes),))
+    layout = cls.layout(spec, bs, opts)
+    cfg = PoolConfig(block_size=bs, tiers=(TierConfig("device", blocks * layout.page_bytes),))
     s = kvstrategies.create(NAME, spec, cfg, options)
     if not kernel:
         s.format.attention.kernel = None
@@ -91,13 +91,13 @@ def reference(spec, q, k, v, num_past):
 STEPS = [([0], [13]), ([0, 1], [1, 21])] + [([1, 0], [1, 1])] * 10 + [([0], [5]), ([1], [40])]
 
 
-def drive(s, seed=0):
+def drive(s, seed=0, steps=STEPS):
     """Feed random steps; return (max error vs own reconstruction, vs exact, kernel outputs)."""
     g = torch.Generator().manual_seed(seed)
     spec = s.spec
     h, dv = spec.num_kv_heads, spec.v_dim
     hist, e_rec, e_exact, outs = {}, 0.0, 0.0, []
-    for sids, lens in STEPS:
+    for sids, lens in steps:
         b = StepBatch(sids, lens)
         for sid, n in zip(sids, lens, strict=True):
             assert s.reserve(sid, n)
@@ -157,16 +157,21 @@ def test_attends_exactly_over_its_own_reconstruction(options, spec):
     )
 
 
+@pytest.mark.parametrize("bs", [BS, 64])
 @pytest.mark.parametrize("options", [OPTION_SETS[0], OPTION_SETS[6]], ids=["default", "fp8"])
-def test_the_kernel_is_exact_under_every_instruction_set(options, isa):
-    """hybrid_attend.c is plain C vectorized by the compiler: built for each instruction set
-    this CPU runs (AVX-512, AVX2 with AVX-512 hidden, baseline x86-64), it attends exactly."""
-    _, _, torch_outs = drive(make(options, kernel=False))
-    s = make(options, kernel=True)
+def test_the_kernel_is_exact_under_every_instruction_set(options, bs, isa):
+    """hybrid_attend.c is C on vectors of each instruction set's width: built for each one
+    this CPU runs (AVX-512, AVX2 with AVX-512 hidden, baseline x86-64), it attends exactly,
+    over 16-token blocks (a 2-bit channel's codes shorter than a vector) and 64-token ones
+    (the packaged model's: every code run a whole number of vectors)."""
+    steps = STEPS + [([0], [64]), ([1, 0], [1, 1]), ([1, 0], [1, 1])]  # packed 64-token blocks
+    _, _, torch_outs = drive(make(options, kernel=False, bs=bs), steps=steps)
+    s = make(options, kernel=True, bs=bs)
     if s.format.attention.kernel is None:
         pytest.skip(f"C kernel unavailable: {kernels.KERNEL_ERROR}")
     assert isa in kernels.status()
-    e_rec_k, _, kernel_outs = drive(s)
+    e_rec_k, _, kernel_outs = drive(s, steps=steps)
+    assert s.stored_tokens(0) > bs  # at least one whole block, packed
     assert e_rec_k < 1e-5
     assert (
         max((a - b).abs().max().item() for a, b in zip(torch_outs, kernel_outs, strict=True)) < 1e-5

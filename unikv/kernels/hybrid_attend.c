@@ -20,8 +20,9 @@
  * A value is code * scale + low. Split order: byte j of a run of m bytes holds elements
  * j, j + m, j + 2m, ... so one shift unpacks a contiguous run.
  *
- * Scores fold the key scales into the query (q.k = sum_c (q_c s_c) code_c + sum_c q_c low_c), so
- * each code is converted once per block and reused by every query row of the KV head. The softmax
+ * Scores fold the key scales into the query (q.k = sum_c (q_c s_c) code_c + sum_c q_c low_c) and
+ * outputs the value scales into the weights (packed_block), so each code is only converted to a
+ * float, once per block, and reused by every query row of the KV head. The softmax
  * is computed online (flash-decoding): work items are (head, chunk of blocks) plus (head, dense
  * tokens); each keeps a running max, sum and accumulator, merged at the end.
  *
@@ -146,8 +147,24 @@ static inline float exp_neg(float x) {
     return p * scale.f;
 }
 
+/* exp_neg on 16 lanes at once (the same polynomial and rounding). */
+static inline v16 exp_neg16(v16 x) {
+    x = vmax(x, (v16){0} - 87.0f);
+    const v16 t = x * 1.44269504f;
+    v16i ti = __builtin_convertvector(t, v16i); /* toward zero; t <= 0: floor is one less */
+    ti += (v16i)(__builtin_convertvector(ti, v16) > t);
+    const v16 f = t - __builtin_convertvector(ti, v16);
+    v16 p = (v16){0} + 0.0018951086f;
+    p = p * f + 0.0089462250f;
+    p = p * f + 0.0558632575f;
+    p = p * f + 0.2401407808f;
+    p = p * f + 0.6931546330f;
+    p = p * f + 0.9999998808f;
+    return p * (v16)((ti + 127) << 23);
+}
+
 /* Online-softmax update of one row with scores s[0..n) and return the weights in s. */
-static void softmax_update(float *s, int n, float *m, float *l, float *acc, int d) {
+static float softmax_update(float *s, int n, float *m, float *l, float *acc, int d) {
     const int n16 = n / 16 * 16;
     v16 vm = {0};
     vm -= INFINITY;
@@ -157,10 +174,14 @@ static void softmax_update(float *s, int n, float *m, float *l, float *acc, int 
     for (int t = n16; t < n; t++) mx = s[t] > mx ? s[t] : mx;
     if (mx == -INFINITY) { /* nothing visible in this piece */
         for (int t = 0; t < n; t++) s[t] = 0.0f;
-        return;
+        return 1.0f;
     }
     const float corr = exp_neg(*m - mx);
-    for (int t = 0; t < n; t++) s[t] = exp_neg(s[t] - mx);
+    for (int t = 0; t < n16; t += 16) {
+        const v16 e = exp_neg16(load16(s + t) - mx);
+        memcpy(s + t, &e, sizeof e);
+    }
+    for (int t = n16; t < n; t++) s[t] = exp_neg(s[t] - mx);
     v16 vs = {0};
     for (int t = 0; t < n16; t += 16) vs += load16(s + t);
     float sum = n16 ? hsum16(vs) : 0.0f;
@@ -169,6 +190,7 @@ static void softmax_update(float *s, int n, float *m, float *l, float *acc, int 
         for (int c = 0; c < d; c++) acc[c] *= corr;
     *l = *l * corr + sum;
     *m = mx;
+    return corr;
 }
 
 typedef struct {
@@ -217,66 +239,186 @@ static inline void key_row(int c, const _Float16 *kfp, const uint8_t *km, const 
     }
 }
 
-/* One packed block of one head into the running (m, l, acc) of all R rows. Each key channel
- * (and then each value token) is dequantized once into a 64-float row and multiplied into up to
- * RB query rows whose partial results live in v16 registers. */
+/* The packed blocks' arithmetic runs on vectors of the instruction set's width (VW floats:
+ * AVX-512 16, AVX 8, otherwise 4), so that its accumulators stay in registers: written on
+ * 16-float vectors, an AVX2 build spilled them to the stack at every channel. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+/* Vectors per block row; per tile of the scores, whose RB x TV accumulators, TV codes and RB
+ * weights then fit the 16 (AVX-512: 32) vector registers. */
+enum { NV = KT / VW, TV = NV < (VW == 16 ? 4 : 2) ? NV : (VW == 16 ? 4 : 2) };
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float hsumv(vf v) {
+    float x = 0.0f;
+    for (int i = 0; i < VW; i++) x += v[i];
+    return x;
+}
+
+/* VW fp16 values as floats. */
+static inline vf h2f_v(const _Float16 *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && VW == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+/* The codes of tokens t0 .. t0 + VW of one channel row (`bits` wide, split layout: byte j of
+ * its m = KT * bits / 8 bytes holds tokens j, j + m, ...) as floats; t0 a multiple of VW. */
+static inline vf codes_v(const uint8_t *p, int bits, int t0) {
+    const int m = KT * bits / 8;
+    if (m % VW) { /* a run shorter than a vector: unpack the row (constant per build) */
+        float row[KT];
+        unpack(p, KT, bits, row);
+        return loadv(row + t0);
+    }
+#if defined(__AVX512F__)
+    vi c = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + t0 % m)));
+#elif defined(__AVX2__)
+    vi c = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + t0 % m)));
+#else
+    vb x;
+    memcpy(&x, p + t0 % m, VW);
+    vi c = __builtin_convertvector(x, vi);
+#endif
+    if (bits < 8) c = (c >> (bits * (t0 / m))) & ((1 << bits) - 1);
+    return __builtin_convertvector(c, vf);
+}
+
+/* One packed block of one head into the running (m, l, acc) of all R rows. Scales fold into
+ * the other operand, so each code is only converted to a float:
+ *   keys (quantized per channel c): q.k_t = sum_c (q_c s_c) code_ct + sum_c q_c low_c, the
+ *     second sum one number per row and block;
+ *   values (quantized per token t): o_c = sum_t (p_t s_t) code_ct + sum_t p_t low_t, the second
+ *     sum one number per row, block and value class.
+ * A value channel's products over the block's tokens stay a vector of VW partial sums in
+ * `wide` [R][D], reduced once per work item (`reduce_wide`) instead of a horizontal sum per
+ * channel and row. */
 static void packed_block(const Shape *sh, const uint8_t *blk, const float *q, int mask0,
-                         float *s, float *row, float *m, float *l, float *acc) {
-    enum { T = KT, D = KD, NQ = KNM + KNL };
+                         float *s, float *row, float *m, float *l, float *acc, vf *wide) {
+    enum { T = KT, D = KD, NF = KNF, NM = KNM, NQ = KNM + KNL };
     const int R = sh->R;
     const _Float16 *kfp = (const _Float16 *)(blk + sh->off[OFF_KFP]);
     const _Float16 *vfp = (const _Float16 *)(blk + sh->off[OFF_VFP]);
     const uint8_t *ksc = blk + sh->off[OFF_KSC], *vsc = blk + sh->off[OFF_VSC];
     const uint8_t *km = blk + sh->off[OFF_KM], *kl = blk + sh->off[OFF_KL];
     const uint8_t *vm = blk + sh->off[OFF_VM], *vl = blk + sh->off[OFF_VL];
-    enum { VF = KVF, VM = KVM, VL = KVL, LOWROW = KVM ? 2 : 0, CLASSES = (KVM > 0) + (KVL > 0) };
-    float vs[4 * T]; /* value scale, low per token: main, low class */
+    enum { VF = KVF, VM = KVM, VL = KVL, CLASSES = (KVM > 0) + (KVL > 0) };
+    float vs[4 * T]; /* value scale, low per token: main class, then low class */
     for (int j = 0; j < CLASSES; j++) header_rows(vsc + j * 2 * T * HB, T, vs + 2 * j * T, vs + (2 * j + 1) * T);
     float ks[NQ + 1], kl0[NQ + 1]; /* key scale, low per channel */
     header_rows(ksc, NQ, ks, kl0);
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int rn = R - r0 < RB ? R - r0 : RB;
-        /* Scores of rows r0.. over the block's T tokens: sum over channels of q * key row. */
-        v16 sc[RB][T / 16] = {0};
-        for (int c = 0; c < D; c++) {
-            key_row(c, kfp, km, kl, ks, kl0, row);
-            for (int i = 0; i < RB; i++) {
-                const float w = i < rn ? q[(long)(r0 + i) * D + c] : 0.0f;
-#pragma GCC unroll 16
-                for (int j = 0; j < T / 16; j++) sc[i][j] += w * load16(row + 16 * j);
-            }
+        const float *qr = q + (long)r0 * D;
+        float base[RB] = {0}; /* sum over the quantized key channels of q_c low_c */
+        for (int i = 0; i < rn; i++)
+            for (int c = NF; c < D; c++) base[i] += qr[i * D + c] * kl0[c - NF];
+        /* Scores of rows r0.. over the block's tokens, a tile of TV vectors at a time. */
+        for (int v0 = 0; v0 < NV; v0 += TV) {
+            vf sc[RB][TV] = {0};
+            /* channels [lo, hi): each one's TV code vectors (CODE, of token t0), times the
+             * rows' q_c * SCALE */
+#define SCORE_CHANNELS(lo, hi, CODE, SCALE)                                                    \
+    for (int c = lo; c < hi; c++) {                                                            \
+        vf code[TV];                                                                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < TV; j++) {                                 \
+            const int t0 = (v0 + j) * VW;                                                      \
+            code[j] = CODE;                                                                    \
+        }                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < RB; i++) {                                 \
+            const float w = i < rn ? qr[i * D + c] * (SCALE) : 0.0f;                           \
+            _Pragma("GCC unroll 4") for (int j = 0; j < TV; j++) sc[i][j] += w * code[j];      \
+        }                                                                                      \
+    }
+            SCORE_CHANNELS(0, NF, h2f_v(kfp + c * T + t0), 1.0f)
+            SCORE_CHANNELS(NF, NF + NM, codes_v(km + (c - NF) * (T * KB / 8), KB, t0), ks[c - NF])
+            SCORE_CHANNELS(NF + NM, D, codes_v(kl + (c - NF - NM) * (T * KLB / 8), KLB, t0),
+                           ks[c - NF])
+#undef SCORE_CHANNELS
+            for (int i = 0; i < rn; i++)
+                for (int j = 0; j < TV; j++) {
+                    const vf x = sc[i][j] + base[i];
+                    memcpy(s + (long)(r0 + i) * T + (v0 + j) * VW, &x, sizeof x);
+                }
         }
         for (int i = 0; i < rn; i++) {
             float *sr = s + (long)(r0 + i) * T;
-            memcpy(sr, sc[i], sizeof(float) * T);
             for (int t = 0; t < mask0; t++) sr[t] = -INFINITY;
-            softmax_update(sr, T, m + r0 + i, l + r0 + i, acc + (long)(r0 + i) * D, D);
+            const float corr =
+                softmax_update(sr, T, m + r0 + i, l + r0 + i, acc + (long)(r0 + i) * D, D);
+            if (corr != 1.0f)
+                for (int c = 0; c < D; c++) wide[(long)(r0 + i) * D + c] *= corr;
         }
-        /* Outputs of rows r0..: o[r][c] = sum over tokens of p[r][t] * value[c][t]. */
-        v16 p[RB][T / 16];
-        for (int i = 0; i < RB; i++)
-            for (int j = 0; j < T / 16; j++)
-                p[i][j] = i < rn ? load16(s + (long)(r0 + i) * T + 16 * j) : (v16){0};
+        /* Outputs of rows r0..: o[r][c] = sum over tokens of p[r][t] * value[c][t], from the
+         * weights p (fp16 channels; a latent cache's key rows) or p * scale (a value class),
+         * and per class the sum of p * low. */
+        float pw[1 + CLASSES][RB][T], plow[CLASSES + 1][RB];
+        for (int i = 0; i < rn; i++) {
+            const float *sr = s + (long)(r0 + i) * T;
+            memcpy(pw[0][i], sr, sizeof(float) * T);
+            for (int k = 0; k < CLASSES; k++) {
+                const float *scl = vs + 2 * k * T, *lo = scl + T;
+                float sum = 0.0f;
+                for (int t = 0; t < T; t++) {
+                    pw[1 + k][i][t] = sr[t] * scl[t];
+                    sum += sr[t] * lo[t];
+                }
+                plow[k][i] = sum;
+            }
+        }
         for (int c = 0; c < D; c++) {
+            int k = -1; /* the value class of channel c (-1: fp16, or a latent cache's keys) */
+            vf code[NV];
             if (KLAT) { /* the key row again: cheaper than keeping a [D][T] copy of it */
                 key_row(c, kfp, km, kl, ks, kl0, row);
+                for (int j = 0; j < NV; j++) code[j] = loadv(row + j * VW);
             } else if (c < VF) {
-                h2f(vfp + c * T, T, row);
+                for (int j = 0; j < NV; j++) code[j] = h2f_v(vfp + c * T + j * VW);
             } else {
                 const int low = c >= VF + VM;
-                const uint8_t *codes = low ? vl + (c - VF - VM) * (T * KLB / 8)
-                                           : vm + (c - VF) * (T * KB / 8);
-                unpack(codes, T, low ? KLB : KB, row);
-                const float *sc = vs + (low ? LOWROW : 0) * T, *lo = sc + T;
-                for (int t = 0; t < T; t++) row[t] = row[t] * sc[t] + lo[t];
+                const uint8_t *p = low ? vl + (c - VF - VM) * (T * KLB / 8)
+                                       : vm + (c - VF) * (T * KB / 8);
+                for (int j = 0; j < NV; j++) code[j] = codes_v(p, low ? KLB : KB, j * VW);
+                k = low && VM ? 1 : 0;
             }
             for (int i = 0; i < rn; i++) {
-                v16 dot = p[i][0] * load16(row);
+                const float *w = pw[1 + k][i];
+                vf dot = loadv(w) * code[0];
 #pragma GCC unroll 16
-                for (int j = 1; j < T / 16; j++) dot += p[i][j] * load16(row + 16 * j);
-                acc[(long)(r0 + i) * D + c] += hsum16(dot);
+                for (int j = 1; j < NV; j++) dot += loadv(w + j * VW) * code[j];
+                wide[(long)(r0 + i) * D + c] += dot;
+                if (k >= 0) acc[(long)(r0 + i) * D + c] += plow[k][i];
             }
         }
+    }
+}
+
+/* acc[r][c] += the VW partial sums of wide[r][c], which is zeroed for the next work item. */
+static void reduce_wide(vf *wide, float *acc, int R) {
+    for (long i = 0; i < (long)R * KD; i++) {
+        acc[i] += hsumv(wide[i]);
+        wide[i] = (vf){0};
     }
 }
 
@@ -358,6 +500,8 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
 #pragma omp parallel
     {
         float *scratch = malloc(sizeof(float) * scratch_n);
+        vf *wide = aligned_alloc(64, sizeof(vf) * R * D);
+        memset(wide, 0, sizeof(vf) * R * D);
         float *s = scratch;
         float *row = s + (long)R * (T > na + tq ? T : na + tq);
 #pragma omp for schedule(dynamic, 1)
@@ -371,14 +515,16 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
                 const int end = (c + 1) * CHUNK < nb ? (c + 1) * CHUNK : nb;
                 for (int i = c * CHUNK; i < end; i++) {
                     const uint8_t *blk = arena + (blocks[i] * H + h) * rec;
-                    packed_block(&sh, blk, qh, i == 0 ? mask0 : 0, s, row, m, l, acc);
+                    packed_block(&sh, blk, qh, i == 0 ? mask0 : 0, s, row, m, l, acc, wide);
                 }
+                reduce_wide(wide, acc, R);
             } else {
                 dense(&sh, ak + (long)h * na_stride * D, av + (long)h * na_stride * D, na,
                       ck + (long)h * D, cv + (long)h * D, cstride, tq, qh, s, m, l, acc);
             }
         }
         free(scratch);
+        free(wide);
     }
     for (int h = 0; h < H; h++) {
         for (int r = 0; r < R; r++) {

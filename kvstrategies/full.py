@@ -72,6 +72,7 @@ class DenseFormat(Format):
         # `native_step`: layer l's [P, Hkv, slots, D] arena lies l * this many bytes on
         self._layer_bytes = arena.stride(0) * arena.element_size()
         self._native = self._in_place and all(a.is_contiguous() for a in self._layers)
+        self._place_cache: dict[int, tuple[int, int, int] | None] = {}  # `_place`, per arena
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -139,31 +140,29 @@ class DenseFormat(Format):
             return None
         others = sorted(kinds - {TierKind.DEVICE})
         index = {TierKind.DEVICE: 0} | {kind: g + 1 for g, kind in enumerate(others)}
-        places = []
-        for kind in others:
-            views = step.in_place[kind]
-            first, stride = views[0].data_ptr(), self._layer_stride(views)
-            if stride is None or any(
-                v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu"
-                for v in views
-            ):
-                return None
-            places.append((first, stride, views[0].shape[2]))
+        places = [self._place(step.in_place[kind]) for kind in others]
+        if None in places:
+            return None
         where = []
         for i, groups in enumerate(step.groups):
             group = self._places(i)[0]  # per block: its group in `groups`
             where.append(torch.tensor([index[kind] for kind, _ in groups])[group])
         return tuple(places), where
 
-    @staticmethod
-    def _layer_stride(views: list[torch.Tensor]) -> int | None:
-        """Bytes from one layer's arena view to the next when they are evenly spaced, else
-        None."""
-        stride = views[1].data_ptr() - views[0].data_ptr() if len(views) > 1 else 0
-        first = views[0].data_ptr()
-        if any(v.data_ptr() != first + layer * stride for layer, v in enumerate(views)):
-            return None
-        return stride
+    def _place(self, views: list[torch.Tensor]) -> tuple[int, int, int] | None:
+        """A tier's per-layer arena views as `NativeStep.places` describes them (layer 0's
+        address, bytes to the next layer, slots), or None when they are not float32 CPU
+        memory evenly spaced; worked out once per arena (a tier's arena does not move)."""
+        key = views[0].data_ptr()
+        if key not in self._place_cache:
+            stride = views[1].data_ptr() - key if len(views) > 1 else 0
+            plain = all(
+                v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu"
+                and v.data_ptr() == key + layer * stride
+                for layer, v in enumerate(views)
+            )  # fmt: skip
+            self._place_cache[key] = (key, stride, views[0].shape[2]) if plain else None
+        return self._place_cache[key]
 
     def new_keys(self, layer: int) -> torch.Tensor:
         return self._layers[layer][0].index_select(1, self._new_slots).transpose(0, 1)

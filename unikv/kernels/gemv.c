@@ -1278,6 +1278,7 @@ int choice_size(void) { return (int)sizeof(choice_t); }
 int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
                   const float *x, int n, const int64_t *pos, float *out, int threads) {
     if (nlayers < 1 || n < 1 || kv->nseq < 1 || kv->rows[kv->nseq] != n) return -1;
+    if (kv->own == NULL && (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES)) return -1;
     const layer_t *L0 = layers[0];
     const int hq = L0->hq, hkv = L0->hkv, d = L0->d;
     const long hidden = L0->hidden;
@@ -1314,10 +1315,6 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             }
         int64_t bases[MAX_PLACES], slots[MAX_PLACES];
         bases[0] = (int64_t)(intptr_t)arena, slots[0] = kv->slots;
-        if (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES) {
-            rc = -1;
-            break;
-        }
         for (int g = 0; g < kv->nplaces; g++) {
             const int64_t *p = kv->places + 3 * g;
             bases[g + 1] = p[0] + li * p[1], slots[g + 1] = p[2];

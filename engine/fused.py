@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from unikv.kernels import gemv
 from unikv.kernels.native import int64s as _int64s
-from unikv.kernels.operators import FnImplementation, register
+from unikv.kernels.operators import FnImplementation, register, switches
 from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
 from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
@@ -163,17 +163,21 @@ def layers_native(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.
 
 
 def _all_usable(model, x: torch.Tensor):
-    """A ctypes array of every layer's gemv.Layer (cached while they stay the same), or None
-    when one of them cannot take x."""
-    layers = [_usable(model, li, x) for li in range(model.cfg.num_layers)]
-    if any(layer is None for layer in layers):
+    """A ctypes array of every layer's gemv.Layer, or None when one of them cannot take x.
+    Built once and kept until a breaker switches an implementation (`operators.switches`):
+    a step checks one number, not 4 breakers per layer."""
+    if x.dtype != torch.float32 or model.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    key = tuple(id(layer) for layer in layers)
     cached = model.__dict__.get("_native_stack")
-    if cached is None or cached[0] != key:
-        array = (ctypes.POINTER(gemv.Layer) * len(layers))(*map(ctypes.pointer, layers))
-        cached = model.__dict__["_native_stack"] = (key, array, layers)
-    return cached[1]
+    if cached is None or cached[0] != switches():
+        described = [_described(model, li) for li in range(model.cfg.num_layers)]
+        layers = [d.layer for d in described]
+        array, rows = None, 0
+        if all(layer is not None for layer in layers):
+            array = (ctypes.POINTER(gemv.Layer) * len(layers))(*map(ctypes.pointer, layers))
+            rows = min(d.max_rows for d in described)
+        cached = model.__dict__["_native_stack"] = (switches(), array, rows, layers)
+    return cached[1] if cached[1] is not None and x.shape[0] <= cached[2] else None
 
 
 def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:

@@ -75,7 +75,8 @@ def test_rows_a_kernel_does_not_take_go_the_ops_way(model, monkeypatch):
 
 def test_a_matmul_entry_other_than_gemv_makes_the_layer_take_the_ops_way(model_path):
     """After a fallback of one matmul (here: the output projection switched to bmm) the layer's
-    description is rebuilt and the layer runs as ops, with that matmul's chosen entry."""
+    description is rebuilt and the layer runs as ops, with that matmul's chosen entry; the
+    whole step's description (kept between steps) is dropped too, and comes back with gemv."""
     from unikv.engine.gguf_loader import load_gguf
     from unikv.engine.model import LlamaModel
 
@@ -83,9 +84,15 @@ def test_a_matmul_entry_other_than_gemv_makes_the_layer_take_the_ops_way(model_p
     m = LlamaModel(cfg, tensors)
     x = torch.randn(1, cfg.hidden_size)
     assert fused._usable(m, 3, x) is not None
+    stack = fused._all_usable(m, x)
+    assert stack is not None and fused._all_usable(m, x) is stack  # kept between steps
     wo = m.layers[3][2]
     wo.op._use([s.impl.name for s in wo.op._states].index("split_bmm"))
     assert fused._usable(m, 3, x) is None
+    assert fused._all_usable(m, x) is None
+    wo.op._use(0)
+    assert fused._all_usable(m, x) is not None
+    wo.op._use([s.impl.name for s in wo.op._states].index("split_bmm"))
     attn = torch.randn(1, cfg.num_heads, cfg.head_dim)
     assert torch.equal(fused.out_native(m, 3, x, attn), fused.out_ops(m, 3, x, attn))
 

@@ -386,18 +386,32 @@ INLINE void q_row(const float *restrict x, const float *restrict xsum, const uin
 
 /* ---- entry points: the output rows split over `threads` (torch's OpenMP team) -------------- */
 
-/* Each thread takes a contiguous range of rows, a multiple of 16 (whole cache lines of y). */
+/* The rows go in chunks (a multiple of 16 rows: whole cache lines of y; about SPLIT_CHUNKS per
+ * thread) that the threads take in turn as they finish one (OpenMP's dynamic schedule), not in
+ * one fixed range per thread: a thread the machine slows (another tenant on its core, the
+ * caller's thread arriving late) takes fewer chunks instead of holding up the call. On a 2-core
+ * AMD EPYC whose cores ran at different paces the fixed ranges made a 2-thread Q4_1 decode
+ * step no faster than one thread (BENCHMARKS.md, "Threads that share the work"). Each row is
+ * computed by one thread with the same code either way: the output is the same bits. */
+#ifndef SPLIT_CHUNKS
+#define SPLIT_CHUNKS 8
+#endif
+INLINE long split_chunk(const long out, const int threads) {
+    const long c = (out / ((long)threads * SPLIT_CHUNKS) + 15) / 16 * 16;
+    return c < 16 ? 16 : c;
+}
+
 #define SPLIT(CALL)                                                                              \
     do {                                                                                         \
         if (threads <= 1 || out < 64) {                                                          \
             const long lo = 0, hi = out;                                                         \
             CALL;                                                                                \
         } else {                                                                                 \
-            _Pragma("omp parallel num_threads(threads)") {                                       \
-                const int t = omp_get_thread_num(), nt = omp_get_num_threads();                  \
-                const long per = ((out + nt - 1) / nt + 15) / 16 * 16;                           \
-                const long lo = t * per < out ? t * per : out;                                   \
-                const long hi = lo + per < out ? lo + per : out;                                 \
+            const long chunk_ = split_chunk(out, threads), chunks_ = (out + chunk_ - 1) / chunk_; \
+            _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")               \
+            for (long c_ = 0; c_ < chunks_; c_++) {                                              \
+                const long lo = c_ * chunk_;                                                     \
+                const long hi = lo + chunk_ < out ? lo + chunk_ : out;                           \
                 CALL;                                                                            \
             }                                                                                    \
         }                                                                                        \
@@ -712,8 +726,67 @@ typedef struct {
     long nb;
 } x16_t;
 
+#if GEMV_I8_ISA == 1
+#define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* int32 codes [8] as int8 at q (they fit: the callers clamp them). */
+INLINE void store_i8x8(int8_t *q, const __m256i v) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(w, w));
+}
+
+/* quantize_x16's block i in AVX2, eight elements at a time: the same float operations in the
+ * same order (one rounding each, to nearest even), so the same codes and scales as the scalar
+ * loop. The activations are quantized on the calling thread before every int8 product; done
+ * element by element that was a few percent of a Q4_1 decode step. */
+INLINE void quantize_block16(const float *xb, x16_t *a, const long i, const int digits,
+                             const int planes) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int u = 0; u < 4; u++) {
+        v[u] = _mm256_loadu_ps(xb + 8 * u);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[u]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 iv = _mm256_set1_ps(id), k256 = _mm256_set1_ps(256.0f);
+    const __m256i hi8 = _mm256_set1_epi32(127), lo8 = _mm256_set1_epi32(-128);
+    __m256i sum = _mm256_setzero_si256();
+    for (int u = 0; u < 4; u++) {
+        const __m256 s = _mm256_mul_ps(v[u], iv), r1 = _mm256_round_ps(s, NEAREST);
+        const __m256i q1 = _mm256_cvtps_epi32(r1);
+        __m256i code, q2;
+        if (digits == 2) {
+            q2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(s, r1), k256), NEAREST));
+            q2 = _mm256_max_epi32(_mm256_min_epi32(q2, hi8), lo8);
+            code = _mm256_add_epi32(_mm256_slli_epi32(q1, 8), q2);
+        } else {
+            code = q2 = _mm256_max_epi32(_mm256_min_epi32(q1, hi8), lo8);
+        }
+        _mm_storeu_si128((__m128i *)(a->c + i * 32 + 8 * u),
+                         _mm_packs_epi32(_mm256_castsi256_si128(code),
+                                         _mm256_extracti128_si256(code, 1)));
+        if (planes) {
+            store_i8x8(a->q1 + i * 32 + 8 * u, digits == 2 ? q1 : _mm256_setzero_si256());
+            store_i8x8(a->q2 + i * 32 + 8 * u, q2);
+        }
+        sum = _mm256_add_epi32(sum, code);
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+    const float dx = digits == 2 ? d / 256.0f : d;
+    a->dx[i] = dx;
+    a->sx[i] = dx * (float)_mm_cvtsi128_si32(t);
+}
+#endif
+
 static void quantize_x16(const float *x, int n, x16_t *a, const int digits, const int planes) {
     const long nb = a->nb;
+#if GEMV_I8_ISA == 1
+    for (long i = 0; i < n * nb; i++) quantize_block16(x + i * 32, a, i, digits, planes);
+#else
     for (long i = 0; i < n * nb; i++) {
         const float *xb = x + i * 32;
         float amax = 0.0f;
@@ -743,6 +816,7 @@ static void quantize_x16(const float *x, int n, x16_t *a, const int digits, cons
         a->dx[i] = dx;
         a->sx[i] = dx * (float)sum;
     }
+#endif
 }
 
 #if GEMV_I8_ISA == 1

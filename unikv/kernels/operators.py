@@ -177,6 +177,16 @@ def shape_key(args: tuple) -> tuple:
 # oldest are forgotten (issue 31's soak: unbounded, these maps grew the process ~1 GiB an hour).
 MAX_KEYS = 256
 
+# Bumped whenever any breaker changes the implementation it serves with: a caller that built
+# something for the implementations active at one moment (engine/fused.py's description of the
+# layers for one native call) checks this one number instead of every breaker, per step.
+_switches = 0
+
+
+def switches() -> int:
+    """How many times any breaker has changed its serving implementation so far."""
+    return _switches
+
 
 def _bound(d: dict) -> None:
     """Forget `d`'s oldest entries beyond MAX_KEYS (dicts keep insertion order)."""
@@ -299,6 +309,9 @@ class Breaker:
         self._degraded = any(s.open_until is not None or s.probing for s in self._states)
 
     def _use(self, i: int) -> None:
+        global _switches
+        if i != self._active:
+            _switches += 1
         self._active, self._fn = i, self._states[i].impl.__call__
 
     def _observe(self, i: int, key: tuple, dt: float) -> None:

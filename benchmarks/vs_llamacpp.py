@@ -11,7 +11,7 @@ scheduler), interleaved: llama.cpp, unikv, llama.cpp, ...; the median of `--repe
 | case | llama.cpp | unikv |
 |---|---|---|
 | decode, batch 1, weights F32 / Q8_0 / Q4_1 | `-p 0 -n N` | `--weights float32` / `native` |
-| prefill, 512 tokens, F32 weights | `-p 512 -n 0` | one 512-token chunk |
+| prefill, 512 tokens, weights F32 / Q8_0 / Q4_1 | `-p 512 -n 0` | one 512-token chunk |
 | decode at C tokens of context, F32 | `-d C -fa on -ctk/-ctv f16, q4_0` | `full`, `hybrid` |
 
     python benchmarks/vs_llamacpp.py [--contexts 2048 8000] [--new-tokens 32] [--repeats 3]
@@ -78,7 +78,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip", nargs="*", default=[], choices=["weights", "prefill", "context"])
     kinds = ["F32", "Q8_0", "Q4_1"]
-    p.add_argument("--kinds", nargs="*", default=kinds, choices=kinds, help="decode cases' weights")
+    p.add_argument(
+        "--kinds", nargs="*", default=kinds, choices=kinds, help="decode and prefill cases' weights"
+    )
     p.add_argument("--threads", type=int, default=2, help="both engines' threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -106,10 +108,13 @@ def main() -> None:
                           lambda f=files[kind]: llama_bench(bins, f, t, "-p", "0", "-n", str(n)),
                           lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n), m))  # fmt: skip
     if "prefill" not in args.skip:
-        m, tok = model("F32", "float32")
-        cases.append(("prefill 512 tokens, F32 weights",
-                      lambda: llama_bench(bins, files["F32"], t, "-p", "512", "-n", "0"),
-                      lambda: unikv_prefill(m, tok, 512), m))  # fmt: skip
+        for kind, weights in (("F32", "float32"), ("Q8_0", "native"), ("Q4_1", "native")):
+            if kind not in args.kinds:
+                continue
+            m, tok = model(kind, weights)
+            cases.append((f"prefill 512 tokens, {kind} weights (unikv --weights {weights})",
+                          lambda f=files[kind]: llama_bench(bins, f, t, "-p", "512", "-n", "0"),
+                          lambda m=m, tok=tok: unikv_prefill(m, tok, 512), m))  # fmt: skip
     if "context" not in args.skip:
         m, tok = model("F32", "float32")
         for ctx in args.contexts:

@@ -195,12 +195,48 @@ def tokenizer(loaded):
 
 @pytest.fixture(scope="session")
 def hf_model(model_path):
-    """The reference: transformers' LlamaForCausalLM loaded from the same GGUF file."""
-    from transformers import AutoModelForCausalLM
+    """The reference: transformers' LlamaForCausalLM loaded from the same GGUF file.
 
-    m = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
+    transformers converts the GGUF in about 30 s; the converted model is kept in unikv's cache
+    (keyed by the file's name, size and time and the transformers version) so that the other
+    pytest-xdist workers and later runs load it in seconds. A lock makes a second worker wait
+    for the first one's copy instead of converting too."""
+    import fcntl
+    import json
+    import shutil
+
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from unikv.settings import config
+
+    st = model_path.stat()
+    key = f"{model_path.stem}-{st.st_size}-{st.st_mtime_ns}-{transformers.__version__}"
+    root = config.cache_dir() / "hf-reference"
+    root.mkdir(parents=True, exist_ok=True)
+    kept = root / key
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if kept.is_dir():
+            m = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(str(kept)), dtype=torch.float32
+            )
+            m.load_state_dict(torch.load(kept / "state.pt"), strict=True)
+            return m.eval()
+        m = AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+        )
+        # transformers will not save_pretrained a model read from a GGUF ("quantized with
+        # gguf"): its float32 weights and config are kept as they are (the same logits, bit
+        # for bit, measured)
+        part = root / f"{key}.part"
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir()
+        torch.save(m.state_dict(), part / "state.pt")
+        cfg = json.loads(m.config.to_json_string(use_diff=False))
+        cfg.pop("quantization_config", None)
+        (part / "config.json").write_text(json.dumps(cfg))
+        part.rename(kept)
     return m.eval()
 
 

@@ -457,13 +457,21 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
     }
 }
 
-/* Fewer blocks than this over all KV heads are attended on the calling thread alone: measured
- * on SmolLM2's decode step (3 KV heads of 64, one row, 2 threads), splitting a short cache
- * across the threads cost more than the attention (at 40 tokens of context 0.3-0.5 ms of a
- * 4.8 ms step over its 30 layers), while at 1,000 tokens (190 blocks) one thread made the
- * step 1.35x slower; at 300 tokens (about this many) both were level. */
-#ifndef SERIAL_BLOCKS
-#define SERIAL_BLOCKS 64
+/* Fewer keys than this over all KV heads are attended on the calling thread alone: measured
+ * on SmolLM2's decode step (3 KV heads of 64, one row, 2 threads, 16-token blocks), splitting a
+ * short cache across the threads cost more than the attention (at 40 tokens of context 0.3-0.5
+ * ms of a 4.8 ms step over its 30 layers), while at 1,000 tokens one thread made the step 1.35x
+ * slower; at about 340 tokens (1,024 keys over the 3 heads) both were level. Counted in keys,
+ * not blocks: with 64-token blocks a sparse selection's 54 chosen blocks (3,456 keys) had gone
+ * to one thread. */
+#ifndef SERIAL_KEYS
+#define SERIAL_KEYS 1024
+#endif
+/* With more threads than one, each KV head's blocks go in this many parts (items), which the
+ * threads take in turn as they finish one (a dynamic schedule): a thread the machine slows
+ * takes fewer instead of holding up the layer. */
+#ifndef ATTEND_PARTS
+#define ATTEND_PARTS 2
 #endif
 
 /* Item t (KV head t / parts, its part t % parts of `per` blocks) reads kaddr[first, end), where
@@ -484,7 +492,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
                   int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = T * group;
     if (hkv <= 0 || hq % hkv || T <= 0 || d <= 0 || bs <= 0 || nb <= 0) return -1;
-    if ((long)hkv * nb < SERIAL_BLOCKS) threads = 1; /* see SERIAL_BLOCKS */
+    if ((long)hkv * nb * bs < SERIAL_KEYS) threads = 1; /* see SERIAL_KEYS */
     /* each chosen block's first key and value */
     int64_t *kaddr = malloc(sizeof(int64_t) * 2 * (size_t)hkv * nb), *vaddr = kaddr + hkv * nb;
     if (!kaddr) return -1;
@@ -495,7 +503,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
             kaddr[h * nb + b] = bases[g] + (int64_t)sizeof(float) * (head + ids[p] * bs * d);
             vaddr[h * nb + b] = kaddr[h * nb + b] + (int64_t)sizeof(float) * rows;
         }
-    const int parts = threads > 1 && nb >= 2 ? 2 : 1;
+    const int parts = threads == 1 ? 1 : nb < ATTEND_PARTS ? (int)nb : ATTEND_PARTS;
     const long per = (nb + parts - 1) / parts, items = (long)hkv * parts;
     /* per item: m, l [nq], acc [nq][d]; per thread: one block's scores */
     const long stride = 2L * nq + (long)nq * d;
@@ -504,15 +512,13 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
         free(kaddr);
         return -1;
     }
-    /* Items (a head's half of its blocks) go to the threads in runs; a run's blocks are one
-     * stretch of kaddr/vaddr (heads in order, each head's blocks in order), prefetched as one. */
+    /* Items (a part of a head's blocks: one stretch of kaddr/vaddr, prefetched ahead) go to
+     * the threads in turn (see ATTEND_PARTS). */
 #pragma omp parallel num_threads(threads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long t0 = items * tid / nt, t1 = items * (tid + 1) / nt;
-        const long stop = t1 > t0 ? item_end(t1 - 1, parts, per, nb) : 0; /* the run's end */
-        float *s = buf + items * stride + (long)tid * bs;
-        for (long t = t0; t < t1; t++) {
+        float *s = buf + items * stride + (long)omp_get_thread_num() * bs;
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < items; t++) {
             const int h = (int)(t / parts);
             const long first = (long)h * nb + (t % parts) * per, end = item_end(t, parts, per, nb);
             float *m = buf + t * stride, *l = m + nq, *acc = l + nq;
@@ -521,7 +527,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
                 continue;
             }
             attend_range(q, T, hq, hkv, d, bs, kaddr + first, vaddr + first, blocks + first,
-                         end - first, stop - first, past, scale, h, m, l, acc, s);
+                         end - first, end - first, past, scale, h, m, l, acc, s);
         }
     }
     for (int h = 0; h < hkv; h++)

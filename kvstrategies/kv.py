@@ -382,6 +382,9 @@ def attention_one(
     hkv, s, _ = k.shape
     dv = v.shape[-1]
     g = hq // hkv
+    if (t > 1 and q.device.type == "cpu" and q.dtype == torch.float32
+            and (dv == d or values_in_keys(k, v))):  # fmt: skip
+        return _prompt_chunk(q, k, v, num_past, scale)
     # Query heads of a KV group share its keys, so fold them into the query-length axis instead
     # of repeating K/V: rows are ordered (g, t).  q: [T, Hq, D] -> [1, Hkv, G*T, D]
     qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
@@ -397,6 +400,38 @@ def attention_one(
     out = sdpa(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[..., :dv]
     # out: [1, Hkv, G*T, Dv] -> [T, Hq, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)
+
+
+def _prompt_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
+) -> torch.Tensor:
+    """`attention_one` of a prompt chunk (T > 1 queries, float32, CPU) as two parts merged by
+    their log-sum-exp: every query over the `num_past` stored tokens (no mask), and over the
+    chunk's own tokens causally (PyTorch's flash kernel told `is_causal`, query heads as heads,
+    the chunk's K/V repeated per group: T tokens, not S). The one masked call it replaces
+    expanded a [G*T, S] mask to floats and read it per tile: 1.12-1.24x slower for 1.5K-7.7K
+    stored tokens before a 512-token chunk (SmolLM2's shape, 2 threads; BENCHMARKS.md, and
+    benchmarks/prefill_attention.py for a whole prefill both ways)."""
+    t, hq, d = q.shape
+    hkv = k.shape[0]
+    dv, g = v.shape[-1], hq // hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if values_in_keys(k, v):
+        v = k
+    own_k, own_v = k[:, num_past:], v[:, num_past:]
+    if g > 1:
+        own_k, own_v = own_k.repeat_interleave(g, 0), own_v.repeat_interleave(g, 0)
+    out, lse = flash(q.permute(1, 0, 2).unsqueeze(0), own_k.unsqueeze(0), own_v.unsqueeze(0),
+                     0.0, True, scale=scale)[:2]  # fmt: skip
+    out, lse = out[0].view(hkv, g, t, -1), lse[0].view(hkv, g, t)  # heads (h, g)
+    if num_past:
+        qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)  # rows (g, t)
+        past, past_lse = flash(qg, k[None, :, :num_past], v[None, :, :num_past], 0.0, False,
+                               scale=scale)[:2]  # fmt: skip
+        out, _ = merge_partials(
+            [(past[0].view(hkv, g, t, -1), past_lse[0].view(hkv, g, t)), (out, lse)]
+        )
+    return out[..., :dv].permute(2, 0, 1, 3).reshape(t, hq, dv)
 
 
 def block_tokens(blocks: torch.Tensor, block_size: int, total: int) -> torch.Tensor:

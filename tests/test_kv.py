@@ -34,8 +34,10 @@ VALUES = ("full", "latent", "narrow")
 
 
 @pytest.mark.parametrize("values", VALUES)
-@pytest.mark.parametrize(("t", "past"), [(1, 0), (1, 17), (5, 0), (7, 30)])
+@pytest.mark.parametrize(("t", "past"), [(1, 0), (1, 17), (5, 0), (7, 30), (70, 0), (70, 300)])
 def test_attention_one_matches_naive(t, past, values):
+    """Decode rows and prompt chunks (T > 1: on a CPU the stored tokens and the chunk's own
+    are attended apart and merged; 70 rows span several of the flash kernel's tiles)."""
     g = torch.Generator().manual_seed(t * 100 + past)
     q = torch.randn(t, 6, 8, generator=g)
     k, v = _keys_values(g, past + t, values)

@@ -210,12 +210,21 @@ def hf_model(model_path):
 
     from unikv.settings import config
 
+    def convert():
+        return AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+        )
+
     st = model_path.stat()
     key = f"{model_path.stem}-{st.st_size}-{st.st_mtime_ns}-{transformers.__version__}"
     root = config.cache_dir() / "hf-reference"
-    root.mkdir(parents=True, exist_ok=True)
     kept = root / key
-    with open(root / f"{key}.lock", "w") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{key}.lock", "w")  # noqa: SIM115 (held across the branches below)
+    except OSError:  # no writable cache: convert here, as before
+        return convert().eval()
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if kept.is_dir():
             m = AutoModelForCausalLM.from_config(
@@ -223,20 +232,21 @@ def hf_model(model_path):
             )
             m.load_state_dict(torch.load(kept / "state.pt"), strict=True)
             return m.eval()
-        m = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-        )
+        m = convert()
         # transformers will not save_pretrained a model read from a GGUF ("quantized with
         # gguf"): its float32 weights and config are kept as they are (the same logits, bit
         # for bit, measured)
         part = root / f"{key}.part"
-        shutil.rmtree(part, ignore_errors=True)
-        part.mkdir()
-        torch.save(m.state_dict(), part / "state.pt")
-        cfg = json.loads(m.config.to_json_string(use_diff=False))
-        cfg.pop("quantization_config", None)
-        (part / "config.json").write_text(json.dumps(cfg))
-        part.rename(kept)
+        try:
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir()
+            torch.save(m.state_dict(), part / "state.pt")
+            cfg = json.loads(m.config.to_json_string(use_diff=False))
+            cfg.pop("quantization_config", None)
+            (part / "config.json").write_text(json.dumps(cfg))
+            part.rename(kept)
+        except OSError:  # a full disk: the next session converts again
+            shutil.rmtree(part, ignore_errors=True)
     return m.eval()
 
 

@@ -89,13 +89,13 @@ def _lin(lin: Linear, kind: int) -> gemv.Lin:
 class _Described:
     """One layer's gemv.Layer, built for the matmul entries its linear layers had chosen."""
 
-    __slots__ = ("chosen", "layer", "max_rows")
+    __slots__ = ("chosen", "layer", "max_rows", "seen")
 
     def __init__(self, model, li: int, chosen: tuple) -> None:
         cfg = model.cfg
         attn_norm, wqkv, wo, ffn_norm, wgu, wdown = model.layers[li]
         kinds = [_kind(lin) for lin in (wqkv, wo, wgu, wdown)]
-        self.chosen, self.layer, self.max_rows = chosen, None, 0
+        self.chosen, self.layer, self.max_rows, self.seen = chosen, None, 0, -1
         if any(k is None for k in kinds):
             return
         lins = [_lin(lin, k[0]) for lin, k in zip((wqkv, wo, wgu, wdown), kinds, strict=True)]
@@ -110,13 +110,19 @@ class _Described:
 
 
 def _described(model, li: int) -> _Described:
-    """Layer li's description, rebuilt when one of its matmul entries changed (a fallback)."""
-    layers = model.layers[li]
-    chosen = tuple(layers[j].op.active.name for j in (1, 2, 4, 5))
+    """Layer li's description, rebuilt when one of its matmul entries changed (a fallback);
+    its 4 breakers are asked only after some breaker switched (`operators.switches`): a step
+    that goes layer by layer asks for it twice a layer."""
     cache = model.__dict__.setdefault("_native_layers", {})
     got = cache.get(li)
+    now = switches()
+    if got is not None and got.seen == now:
+        return got
+    layers = model.layers[li]
+    chosen = tuple(layers[j].op.active.name for j in (1, 2, 4, 5))
     if got is None or got.chosen != chosen:
         got = cache[li] = _Described(model, li, chosen)
+    got.seen = now
     return got
 
 

@@ -126,8 +126,13 @@ def _described(model, li: int) -> _Described:
     return got
 
 
+def _float32_cpu(model, x: torch.Tensor) -> bool:
+    """Whether gemv.c's layer calls can take x at all (float32 rows of a float32 model, CPU)."""
+    return x.dtype == torch.float32 and model.dtype == torch.float32 and x.device.type == "cpu"
+
+
 def _usable(model, li: int, x: torch.Tensor) -> gemv.Layer | None:
-    if x.dtype != torch.float32 or model.dtype != torch.float32 or x.device.type != "cpu":
+    if not _float32_cpu(model, x):
         return None
     got = _described(model, li)
     return got.layer if got.layer is not None and x.shape[0] <= got.max_rows else None
@@ -172,17 +177,18 @@ def _all_usable(model, x: torch.Tensor):
     """A ctypes array of every layer's gemv.Layer, or None when one of them cannot take x.
     Built once and kept until a breaker switches an implementation (`operators.switches`):
     a step checks one number, not 4 breakers per layer."""
-    if x.dtype != torch.float32 or model.dtype != torch.float32 or x.device.type != "cpu":
+    if not _float32_cpu(model, x):
         return None
-    cached = model.__dict__.get("_native_stack")
-    if cached is None or cached[0] != switches():
+    cached, now = model.__dict__.get("_native_stack"), switches()
+    if cached is None or cached[0] != now:
         described = [_described(model, li) for li in range(model.cfg.num_layers)]
         layers = [d.layer for d in described]
         array, rows = None, 0
         if all(layer is not None for layer in layers):
             array = (ctypes.POINTER(gemv.Layer) * len(layers))(*map(ctypes.pointer, layers))
             rows = min(d.max_rows for d in described)
-        cached = model.__dict__["_native_stack"] = (switches(), array, rows, layers)
+        # the layers are kept with the array: its pointers point into them
+        cached = model.__dict__["_native_stack"] = (now, array, rows, layers)
     return cached[1] if cached[1] is not None and x.shape[0] <= cached[2] else None
 
 

@@ -355,8 +355,8 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
 
 /* Ask for a block's floats ahead of its use: the blocks lie apart (a 16-token block's keys are
  * 4 KB of one head's rows), where the hardware prefetcher, which follows one stream within a
- * page, does not reach. Each thread walks its blocks (keys and values) in one stream and asks
- * for the ones PF_AHEAD ahead, across its heads' boundaries. */
+ * page, does not reach. Each item (a part of one head's blocks) is walked as one stream that
+ * asks for the blocks PF_AHEAD ahead. */
 #ifndef PF_AHEAD
 #define PF_AHEAD 4 /* blocks */
 #endif
@@ -406,18 +406,18 @@ static inline void add_values(float *acc, const float *w, const float *vb, int n
 /* One range of head h's blocks (addresses kaddr/vaddr[0..nb), sequence positions pos) against
  * its nq = T * group queries, in one pass: per block and query the scores of the keys it sees,
  * then the running softmax (max m, sum l, weighted values acc [nq][d]), rescaled when the
- * block raises the max. Blocks up to `ahead` on this thread are prefetched PF_AHEAD ahead.
+ * block raises the max. The range's blocks are prefetched PF_AHEAD ahead.
  * Query row r sees the block's first `valid` keys (positions <= past + r): a partly filled
  * block's empty slots are never read, as keys or values. */
 static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
                          const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long nb,
-                         long ahead, long past, float scale, int h, float *m, float *l,
+                         long past, float scale, int h, float *m, float *l,
                          float *acc, float *s) {
     const int group = hq / hkv, nq = T * group, wide = d % 8 == 0;
     for (int i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)nq * d);
     for (long b = 0; b < nb; b++) {
-        if (b + PF_AHEAD < ahead) {
+        if (b + PF_AHEAD < nb) {
             prefetch_block((const char *)(intptr_t)kaddr[b + PF_AHEAD], (long)bs * d);
             prefetch_block((const char *)(intptr_t)vaddr[b + PF_AHEAD], (long)bs * d);
         }
@@ -527,7 +527,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
                 continue;
             }
             attend_range(q, T, hq, hkv, d, bs, kaddr + first, vaddr + first, blocks + first,
-                         end - first, end - first, past, scale, h, m, l, acc, s);
+                         end - first, past, scale, h, m, l, acc, s);
         }
     }
     for (int h = 0; h < hkv; h++)

@@ -476,6 +476,12 @@ class Selection(_Axis):
     def attended(self, layer: int, q: torch.Tensor) -> None:
         """The format attended the step's queries `q` [N, Hq, D] of `layer`."""
 
+    def hooks(self, step: Step) -> bool:
+        """Whether `step` (prepared) has per-layer work here (`appended`, `reads`, `attended`
+        doing something). Where it has none, a native decode graph may run the step's layers
+        in one call without them (`KVCache.native_step`). By default: `layer_hooks`."""
+        return self.layer_hooks
+
     def native_choice(self, step: Step) -> NativeChoice | None:
         """`step`'s choice of blocks as a native step makes it at every layer (`NativeChoice`),
         or None (this default): the step then goes layer by layer through `appended`, `reads`

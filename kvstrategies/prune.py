@@ -226,6 +226,12 @@ class PrunedSelection(Selection):
         elif self._ends:
             self._observe(layer, q, self._ends)
 
+    def hooks(self, step: Step) -> bool:
+        # Per layer: knorm scores each new key, h2o and tova every step's attention, the
+        # observing scorers the prompt's end (`_ends`); else a step (a decode step of the head
+        # scorer, the default) has nothing to do per layer and may run as one native call.
+        return self.scorer in ("knorm", "h2o", "tova") or bool(self._ends)
+
     def _observe(self, layer: int, q: torch.Tensor, which) -> None:
         """Add the attention each stored token receives from this step's queries, for the
         batch's sequences number `which`: h2o sums it over every query row and the query heads

@@ -190,12 +190,13 @@ class KVStrategy(KVCache, KVMemory):
         return out
 
     def native_step(self) -> NativeStep | NativeHook | None:
-        # The format describes its arenas; the placement must have nothing to do per layer, and
-        # the selection either nothing or a choice it describes (`Selection.native_choice`).
+        # The format describes its arenas; the placement must have nothing to do per layer in
+        # this step, and the selection either nothing (`Selection.hooks`) or a choice it
+        # describes (`Selection.native_choice`).
         if self._step is None or self.placement.stages(self._step):
             return None
         plan = self.format.native_step(self._step)
-        if plan is None or not self.selection.layer_hooks:
+        if plan is None or not self.selection.hooks(self._step):
             return plan
         if not isinstance(plan, NativeStep):  # a choice is made over plain arenas only
             return None

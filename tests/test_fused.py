@@ -251,17 +251,49 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
 
 
 @pytest.mark.parametrize(
-    "strategy", ["fp16+resident+all", "hybrid+tiered+all", "hybrid+resident+pruned"]
-)
-def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, monkeypatch):
+    ("strategy", "scorer"),
+    [("fp16+resident+all", None), ("hybrid+tiered+all", None),
+     ("hybrid+resident+pruned", "knorm"), ("hybrid+resident+pruned", "h2o")],
+)  # fmt: skip
+def test_a_cache_with_work_at_every_layer_is_stepped_layer_by_layer(strategy, scorer,
+                                                                    monkeypatch):  # fmt: skip
     """float16 K/V, a packed format over a tiered placement and a packed format under a
-    selection with per-layer hooks describe no native step: the step goes layer by layer."""
+    selection with work at every layer of every step (knorm scores each new key, h2o each
+    step's attention) describe no native step: the step goes layer by layer."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama()
     served = _spy(monkeypatch)
-    assert torch.isfinite(_serve(m, strategy, fused.layers_native, SCHEDULE[:6])).all()
+    opts = None if scorer is None else {"scorer": scorer}
+    assert torch.isfinite(_serve(m, strategy, fused.layers_native, SCHEDULE[:6], opts)).all()
     assert served == []
+
+
+@pytest.mark.parametrize("scorer", ["head", "streaming"])
+def test_a_pruned_cache_steps_in_one_call_where_its_selection_has_no_layer_work(
+    scorer, monkeypatch
+):
+    """The pruned selection's default scorer (the head: here the surprisal, as the tiny model
+    has no head) and streaming do nothing per layer in a decode step; such a step runs in one
+    call with the layer-by-layer path's logits, and evictions between steps (small budgets:
+    every sequence is compacted) leave both caches alike. A prompt's end (observed by the
+    query-aware scorer at every layer) goes layer by layer."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama()
+    opts = {"scorer": scorer, "sink_tokens": 2, "recent_window": 4}
+    served, kept = _spy(monkeypatch), []
+    got = _serve(m, "hybrid+resident+pruned", fused.layers_native, SCHEDULE, opts, kept=kept)
+    want = _serve(m, "hybrid+resident+pruned", fused.layers_python, SCHEDULE, opts, kept=kept)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-6, _rel(got, want)
+    assert 1 in served and 2 in served  # the decode steps of one and of two sequences
+    a, b = (kv.selection for kv in kept)
+    assert a.evicted == b.evicted > 0
+    for sid in (0, 1):
+        assert torch.equal(a._pos[sid], b._pos[sid])  # the same tokens kept
+        assert torch.equal(kept[0].format._dense[sid], kept[1].format._dense[sid])
+    for kv in kept:
+        kv.close()
 
 
 def test_a_refused_step_runs_layer_by_layer_and_a_bad_position_raises(monkeypatch):

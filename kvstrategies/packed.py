@@ -106,10 +106,12 @@ class PackedCodec:
         self.rec, self.latent = rec, latent
 
     def quantize(
-        self, k: torch.Tensor, v: torch.Tensor, mask0: int, again: bool = False
-    ) -> torch.Tensor:
+        self, k: torch.Tensor, v: torch.Tensor, mask0: int, again: bool = False,
+        sink_blocks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Records [B, H, REC] uint8 of blocks k, v: [B, H, T, D] in stored channel order;
-        `mask0` leading tokens of the first block are sinks, left out of its key ranges."""
+        `mask0` leading tokens of the first block (of the blocks `sink_blocks`, indices along
+        B, where given) are sinks, left out of its key ranges."""
         r = self.rec
         bsz, h, t, _ = k.shape
         parts = {"kfp": k[..., : r.k[0]].transpose(-1, -2).half()}  # [B, H, kf, T]
@@ -120,7 +122,8 @@ class PackedCodec:
         for lo, hi, bits, name in _present_classes(r.k, r):
             # Keys: per channel over the block's tokens, sinks left out of the range.
             kc = k[..., lo:hi].transpose(-1, -2)  # [B, H, C, T]
-            codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0, again=again)
+            codes, scale, low = quantize(kc, bits, -1, r.scales, skip=mask0, again=again,
+                                         skip_groups=sink_blocks)  # fmt: skip
             k_sc.append(torch.cat([_bytes1(scale), _bytes1(low)], -1))  # [B, H, C, 2 * hb]
             parts["k" + name] = pack(codes, bits)  # [B, H, C, T * bits / 8]
         # [B, H, C, 2 * hb] -> rows [scales][lows] of [B, H, 2, C * hb]

@@ -32,6 +32,7 @@ def quantize(
     scales: str = "fp16",
     skip: int = 0,
     again: bool = False,
+    skip_groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max quantize `x` in groups along `dim`.
 
@@ -40,7 +41,8 @@ def quantize(
     (value = (code - zero) * scale). The codes are computed against the stored (rounded) header,
     so `dequantize(*quantize(x))` is exactly what a reader of the stored bytes gets. With
     `skip`, the first `skip` elements of group 0 along the leading axis (attention sinks, stored
-    apart) are left out of the min/max.
+    apart) are left out of the min/max; of the groups `skip_groups` (indices along the leading
+    axis) instead where it is given (blocks of several layers quantized at once).
 
     `again` is for values that are already one quantizer's output (re-packing compacted
     blocks): the fp8 scale is rounded up to the next e4m3 value instead of scaled by 1.07 and
@@ -52,7 +54,10 @@ def quantize(
     levels = (1 << bits) - 1
     if skip:
         out = torch.zeros_like(x, dtype=torch.bool)
-        out.narrow(0, 0, 1).narrow(dim, 0, skip).fill_(True)
+        if skip_groups is None:
+            out.narrow(0, 0, 1).narrow(dim, 0, skip).fill_(True)
+        else:
+            out.narrow(dim, 0, skip)[skip_groups] = True
         lo = x.masked_fill(out, float("inf")).amin(dim, keepdim=True)
         hi = x.masked_fill(out, float("-inf")).amax(dim, keepdim=True)
     else:

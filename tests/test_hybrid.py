@@ -58,6 +58,26 @@ def test_quantizing_again_does_not_drift(bits, offset):
     assert (y - x).abs().mean() <= 1.2 * (first - x).abs().mean()
 
 
+@pytest.mark.parametrize("scales", ["fp16", "fp8"])
+def test_blocks_of_several_layers_pack_at_once_as_one_by_one(scales):
+    """A step's completed blocks are packed in one codec call over every layer
+    (`sink_blocks`: the blocks whose leading tokens are sinks, left out of their key ranges):
+    the same records, bit for bit, as one call per block. The sinks are far out of range, so
+    a block that counted them would differ."""
+    s = make({"scales": scales})
+    codec, t = s.format.codec, s.format.T
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(5, HEADS, t, DIM, generator=g)
+    v = torch.randn(5, HEADS, t, DIM, generator=g)
+    k[[0, 3], :, :4] += 50.0  # blocks 0 and 3 begin with sinks
+    sinks = torch.tensor([0, 3])
+    together = codec.quantize(k, v, 4, sink_blocks=sinks)
+    alone = [codec.quantize(k[i : i + 1], v[i : i + 1], 4 if i in (0, 3) else 0) for i in range(5)]
+    assert torch.equal(together, torch.cat(alone))
+    assert not torch.equal(together[1:2], codec.quantize(k[1:2], v[1:2], 4))  # a sink-free block
+    s.close()
+
+
 def test_channel_counts_pack_into_whole_bytes():
     for share in (0.0, 0.03, 0.0625, 0.2, 1.0):
         for low in (0.0, 0.5, 0.8):

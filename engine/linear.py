@@ -91,6 +91,11 @@ class SplitLinear:
         return self.weight.float()
 
 
+# Forms built by every PackedWeight so far (`weight_formats` counts their bytes again only when
+# this changes: the engine's memory report is built every few steps).
+forms_built = 0
+
+
 class PackedWeight:
     """A quantized weight kept as its GGUF blocks, plus the forms its kernels prepared from
     them (built once, on a kernel's first use, and kept)."""
@@ -104,6 +109,8 @@ class PackedWeight:
         f = self.forms.get(name)
         if f is None:
             f = self.forms[name] = build(self.q)
+            global forms_built
+            forms_built += 1
         return f
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -135,6 +142,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
+        if x.shape[0] == 0:  # (a prompt chunk's logits: none) no kernel decodes a weight for it
+            return x.new_empty(0, self.weight.out_features)
         return self.op(x, self.weight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,10 @@ import torch
 from unikv.kernels.operators import OperatorSet
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
 
-from . import fused  # noqa: F401  (registers layer.qkv, layer.out and model.layers)
+from . import (
+    fused,  # noqa: F401  (registers layer.qkv, layer.out and model.layers)
+    linear,
+)
 from .config import ModelConfig
 from .linear import SplitLinear, build_linear, rms_norm
 from .report import ModelReport, WeightFormat
@@ -186,7 +189,17 @@ class LlamaModel:
 
 def weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     """Per stored weight format: how many (fused) linear layers hold it, their bytes, and (a
-    GGUF format) which kernel runs it packed, or why it was decoded at load ("how")."""
+    GGUF format) which kernel runs it packed, or why it was decoded at load ("how"). Kept on
+    the model until a kernel builds another form of a packed weight (`linear.forms_built`)."""
+    kept = model.__dict__.get("_weight_formats")
+    if kept is not None and kept[0] == linear.forms_built:
+        return kept[1]
+    out = _weight_formats(model)
+    model.__dict__["_weight_formats"] = (linear.forms_built, out)
+    return out
+
+
+def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     out: dict[str, WeightFormat] = {}
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
     if model.embed is not model.lm_head:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -192,6 +193,7 @@ def test_run_streams_and_reports(capfd):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout
+    assert re.search(r"then \d+\.\d tokens/s decoding\]", proc.stdout)
     # auto on a CPU: hybrid+resident+pruned, attended on the packed blocks by the C kernel
     assert "[strategy: hybrid+resident+pruned" in proc.stdout
     assert "attention kernel: C (" in proc.stdout
@@ -206,6 +208,7 @@ def test_run_json_is_one_document_on_stdout():
     assert out["completion_tokens"] == 6 and out["finish_reason"] == "length"
     assert out["text"] and out["text"] in proc.stderr  # streamed to stderr as it came
     assert out["prompt_tokens"] > 0 and out["seconds"] > 0 and out["first_token_s"] >= 0
+    assert out["decode_tokens_per_s"] > 0  # 5 tokens after the first
     assert out["memory"]["kv_bytes_peak"] > 0 and out["device"] == "cpu"
     assert "tokens/s" in proc.stderr and "tokens/s" not in proc.stdout
 

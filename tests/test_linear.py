@@ -193,3 +193,42 @@ def test_native_int8_decode_matches_the_dequantized_model(
     target = torch.tensor(ids[1:])[:, None]
     change = math.exp(-lp[:-1].gather(1, target).mean() + lp_ref[:-1].gather(1, target).mean()) - 1
     assert abs(change) < 0.001, f"PPL changed by {change:.4%}"
+
+
+def test_no_rows_decode_no_weight():
+    """A step with no logits to give (a prompt chunk that more of the prompt follows) asks the
+    head for 0 rows: the answer is [0, out] without calling the format's kernel (whose
+    fallback for 0 rows decoded the whole head, ~110 MB for SmolLM2's, every such chunk)."""
+    from unikv.engine import linear
+
+    from .test_operators import _packed
+
+    calls = []
+
+    def kernel(x, w):
+        calls.append(x.shape[0])
+        return x @ w.to_dense().t()
+
+    lin = linear.Linear(linear.PackedWeight(_packed("Q8_0"), torch.float32), kernel, "Q8_0")
+    out = lin(torch.empty(0, 128))
+    assert out.shape == (0, 64) and out.dtype == torch.float32 and calls == []
+    assert lin(torch.ones(1, 128)).shape == (1, 64) and calls == [1]
+
+
+def test_the_weights_report_is_kept_until_a_kernel_builds_a_form():
+    """The engine asks for the memory report every few steps: the weights' part is counted once
+    and kept, and counted again when a kernel prepares another form of a packed weight (its
+    bytes are part of the report)."""
+    from unikv.engine import linear
+    from unikv.engine.model import weight_formats
+
+    from .test_operators import _tiny_llama
+
+    m = _tiny_llama("Q8_0")
+    first = weight_formats(m)
+    assert weight_formats(m) is first  # kept
+    w = next(x.weight for x in m.layers[0] if isinstance(getattr(x, "weight", None),
+                                                         linear.PackedWeight))  # fmt: skip
+    w.form("test-extra", lambda q: (torch.zeros(1000, dtype=torch.uint8),))
+    again = weight_formats(m)
+    assert again is not first and again["Q8_0"].bytes == first["Q8_0"].bytes + 1000

@@ -53,7 +53,7 @@ test: $(VENV)/.deps-test system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(MAKE) --no-print-directory lint-imports
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The import-layer contract (pyproject.toml). The `unikv` namespace maps the floors' folders
 # (setuptools package-dir), which grimp cannot follow: lint a copy laid out as the wheel is.

@@ -90,7 +90,10 @@ def test_a_short_run_writes_a_report_that_renders_with_its_charts(
     assert r["tokens_per_s"] > 0 and r["output_tokens"] >= 32
     assert r["rss_mib"]["last"] > 0 and r["device_usage_pct"]["max"] > 0
     assert r["rss_mib"]["slope_mib_per_h"] is not None
-    assert r["temperatures_c"]["cpu"]["max"] == 64.0
+    # Each report covers its own window of samples: the scripted peak is in one of them (on a
+    # slow machine the run's first report can close before the requests finish).
+    assert max(x["temperatures_c"]["cpu"]["max"] for x in total) == 64.0
+    assert r["temperatures_c"]["cpu"]["max"] in (55.0, 61.5, 64.0, 62.0)
     assert [a["key"] for a in first["advice"]] == ["[scheduler] batch_size"]  # once per change
     assert first["advice"][0]["times"] > 1
     assert first["health_transitions"][0]["to"] == "green"

@@ -268,17 +268,29 @@ class PackedFormat(Format):
             if mask0:
                 sinks.append(at)
             at += kb.shape[0]
-        recs = self.codec.quantize(
-            torch.cat([kb for *_, kb, _ in done]),
-            torch.cat([vb for *_, vb in done]),
-            self.S,
-            sink_blocks=torch.tensor(sinks, dtype=torch.long, device=dev),
-        )  # [blocks, H, REC]
         layers = [layer for _, layer, ids, _, _ in done for _ in ids]
         ids = [i for _, _, ids, _, _ in done for i in ids]
-        at = (torch.tensor(layers, device=dev), torch.tensor(ids, device=dev))
-        self._arena.index_put_(at, recs)  # [L, NB, H, REC] at (layer, block) pairs
+        self._write_blocks(
+            torch.tensor(layers, device=dev), torch.tensor(ids, device=dev),
+            torch.cat([kb for *_, kb, _ in done]), torch.cat([vb for *_, vb in done]),
+            torch.tensor(sinks, dtype=torch.long, device=dev),
+        )  # fmt: skip
         done.clear()
+
+    def _write_blocks(
+        self,
+        layers: torch.Tensor,
+        ids: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        again: bool = False,
+    ) -> None:
+        """Blocks k, v [B, H, T, D] (stored order) packed into the arena rows (layers[i],
+        ids[i]), in one codec call; `sinks`: the blocks whose first tokens are sinks, left out
+        of their key ranges; `again`: re-packing values quantized once (`quantize`)."""
+        recs = self.codec.quantize(k, v, self.S, again=again, sink_blocks=sinks)
+        self._arena.index_put_((layers, ids), recs)  # [L, NB, H, REC] at (layer, block) pairs
 
     def _flush(self, layer: int) -> None:
         """Move this step's new tokens of `layer` into the side buffers (sinks, tail)."""
@@ -555,13 +567,13 @@ class PackedFormat(Format):
         first = lo // self.T  # only the blocks that hold [lo, hi) are decoded
         k, v = self._seq_tokens(seq_id, first)
         at = (lo - first * self.T, hi - first * self.T)
-        k = torch.gather(k[:, :, at[0] : at[1]], 3, self._k_inverse[:, :, None, :].expand(
-            -1, -1, at[1] - at[0], -1))  # fmt: skip
-        if self.spec.latent:
-            v = k
-        else:
-            v = torch.gather(v[:, :, at[0] : at[1]], 3, self._v_inverse[:, :, None, :].expand(
-                -1, -1, at[1] - at[0], -1))  # fmt: skip
+
+        def model_order(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+            x = x[:, :, at[0] : at[1]]  # [L, H, hi - lo, D], channels back to the model's
+            return torch.gather(x, 3, inverse[:, :, None, :].expand_as(x))
+
+        k = model_order(k, self._k_inverse)
+        v = k if self.spec.latent else model_order(v, self._v_inverse)
         return torch.stack([k, v], 1)  # [L, 2, H, T, D]
 
     def compact(self, seq_id: int, lo: int, n: int, rel: torch.Tensor) -> None:
@@ -585,12 +597,10 @@ class PackedFormat(Format):
             vb = v[:, :, f * T : nb * T].reshape(layers, h, nb - f, T, d).transpose(1, 2)
             dev = self._arena.device
             sinks = _arange(layers, dev) * (nb - f) if f == 0 else _arange(0, dev)
-            # Values already quantized once: `again` keeps unchanged groups as they were.
-            recs = self.codec.quantize(kb.flatten(0, 1), vb.flatten(0, 1), self.S, again=True,
-                                       sink_blocks=sinks)  # fmt: skip
             ids = _ids(self.pool.table(seq_id).block_ids()[f:nb], self._arena)
-            at = (_arange(layers, dev).repeat_interleave(nb - f), ids.repeat(layers))
-            self._arena.index_put_(at, recs)  # [L, NB, H, REC] at (layer, block) pairs
+            # Values already quantized once: `again` keeps unchanged groups as they were.
+            self._write_blocks(_arange(layers, dev).repeat_interleave(nb - f), ids.repeat(layers),
+                               kb.flatten(0, 1), vb.flatten(0, 1), sinks, again=True)  # fmt: skip
         tail = m - nb * T
         dense = self._dense[seq_id]  # [L, P, H, S + T, D]
         for part, x in zip(dense.unbind(1), (k, v), strict=False):  # a latent cache: keys only

@@ -195,14 +195,15 @@ def _all_usable(model, x: torch.Tensor):
 def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:
     """gemv.c's kv_step_t of `plan` (its arrays kept alive on the struct)."""
     keep: list = []
+    choice = None if plan.choice is None else _choice(plan.choice, keep)
     if isinstance(plan, NativeHook):  # the cache's own function per layer
         step = gemv.KVStep(nseq=len(plan.rows) - 1, rows=_int64s(plan.rows, keep),
                            own=plan.function, own_ctx=plan.context)  # fmt: skip
+        step.choice = None if choice is None else ctypes.addressof(choice)
         step._keep = (keep, plan)
         return step
     arrays = [_int64s(v, keep) for v in (plan.rows, plan.past, [b.shape[1] for b in plan.blocks],
               [t.data_ptr() for t in plan.ids], [b.data_ptr() for b in plan.blocks])]  # fmt: skip
-    choice = None if plan.choice is None else _choice(plan.choice, keep)
     step = gemv.KVStep(
         plan.attend, plan.base, plan.layer_bytes, plan.slots, plan.block_size, len(plan.past),
         plan.scale, plan.new_slots.data_ptr(), *arrays,

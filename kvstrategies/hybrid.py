@@ -322,7 +322,9 @@ class PackedFormat(Format):
         # A resident step on a CPU whose C kernel serves, in which no block completes
         # (quantizing one stays in `append`) and each sequence's attention is one kernel call
         # in `attend_seq` too: `hybrid_attend.c`'s hybrid_layer then does each layer's
-        # `append`, `attend` and end-of-step write in the one-call step, with the same numbers.
+        # `append`, `attend` and end-of-step write in the one-call step, with the same numbers
+        # (over a selection's choice: the packed blocks `attend_tokens` would gather, read in
+        # place), keeping the step's keys for `new_keys`.
         lib = self.attention.kernel
         if lib is None or step.groups is not None or self.spec.latent or self.spec.query_group < 1:
             return None
@@ -341,6 +343,9 @@ class PackedFormat(Format):
             sink += [p if p < S else -1 for p in range(past, past + n)]
         keep: list = []
         seqs, dense = self._seqs, [self._dense[sid] for sid in b.seq_ids]
+        # the step's keys as written, for a selection that summarizes them (`new_keys`)
+        h, d = self.spec.num_kv_heads, self.spec.head_dim
+        self._new_keys = torch.empty(self.spec.num_layers, b.offsets[-1], h, d)
         c = kernels.HybridStep(
             self._arena.data_ptr(), self._arena.stride(0), self.rec.nbytes,
             self._offsets.data_ptr(), self.spec.num_kv_heads, g, len(seqs), self.scale,
@@ -351,10 +356,13 @@ class PackedFormat(Format):
             kernels.int64s([t.data_ptr() for t in dense], keep), S + T,
             kernels.int64s([s.lo for s in seqs], keep),
             kernels.int64s([s.hi - s.lo for s in seqs], keep), kernels.int64s(tail, keep),
-            kernels.int64s(sink, keep),
+            kernels.int64s(sink, keep), self._new_keys.data_ptr(),
         )  # fmt: skip
         hook = kernels.address(lib, "hybrid_layer")
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs, dense))
+
+    def new_keys(self, layer: int) -> torch.Tensor:
+        return self._new_keys[layer]
 
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
@@ -769,7 +777,7 @@ class PackedAttention:
             out = torch.empty(h, hq // h * n, d)
             lse = torch.empty(h, hq // h * n)
         self.kernel.hybrid_attend(
-            recs.data_ptr(), seq.ids.data_ptr(), seq.nb, seq.mask0, r.nbytes,
+            recs.data_ptr(), seq.ids.data_ptr(), 0, -1, seq.nb, seq.mask0, r.nbytes,
             f._offsets.data_ptr(), h, hq // h, n, q.data_ptr(),
             f._k_order[layer].data_ptr(), f._v_order[layer].data_ptr(), f.scale,
             dk.data_ptr(), dv.data_ptr(), dk.shape[1], dk.stride(0) // d, kernels.ptr(ck),

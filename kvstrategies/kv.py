@@ -179,14 +179,17 @@ class NativeHook:
     At every layer the graph calls `function(context, layer, q, k, v, n, out, threads)`
     (`unikv/kernels/gemv.c`'s layer_fn: its signature and numbers): it stores the step's new
     keys and values of that layer (float32 [N, Hkv, D] each, after RoPE) and writes the
-    attention of q [N, Hq, D] into out [N, Hq, Dv]; it returns 0, or -1 (refused: the step is
-    then run layer by layer, which rewrites whatever was written). `rows` is each sequence's
-    first row, then N. `context` points into `keep`, which lives until `end_step`."""
+    attention of q [N, Hq, D] into out [N, Hq, Dv] (over each sequence's blocks that `choice`
+    picks at that layer, as for a `NativeStep`, or every block); it returns 0, or -1 (refused:
+    the step is then run layer by layer, which rewrites whatever was written). `rows` is each
+    sequence's first row, then N. `context` points into `keep`, which lives until
+    `end_step`."""
 
     function: int
     context: int
     rows: list[int]
     keep: tuple
+    choice: NativeChoice | None = None  # a selection's per-layer choice (None: every block)
 
 
 class KVCache(ABC):

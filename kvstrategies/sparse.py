@@ -18,7 +18,10 @@ choice is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
 step's own tokens), and the best-scoring blocks between them up to the budget (`budget_tokens`
-stored tokens, or `budget_share` of them). Attention over exactly those tokens is the format's
+stored tokens, or `budget_share` of them but never fewer than `budget_floor`: DeepSeek's
+indexer reads a fixed 2,048 tokens, Quest's budgets are token counts too, and a shorter
+sequence's attention costs little beside the weights). Attention over exactly those tokens is
+the format's
 (`Format.attend_tokens`: a dense format gathers them from the arena, others from what they
 read). A sequence whose stored tokens fit the budget reads them all, and so does a prompt's prefill:
 a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chunk that more of
@@ -36,7 +39,8 @@ write (a shared or persisted prefix), once from the format's stored keys. They f
 sequence, not its blocks, so moves between tiers and swapping leave them valid.
 
 Every format reads only the chosen blocks: the dense format gathers them from the arenas, the
-packed ones (hybrid, int8) gather their records for the same attention kernel. Tiered, the
+packed ones (hybrid, int8) gather their records for the same attention kernel (in the one-call
+decode step, `native_choice`, both read them in place). Tiered, the
 device and host blocks are read in place; of the SSD tier's (and any other staged tier's) the
 placement stages ahead, per layer, only the blocks the sequence's last step read (`likely`:
 selections are stable from step to step) and reads a block chosen anew when it is chosen.
@@ -91,6 +95,9 @@ class SparseSelection(Selection):
                "(sinks and recent window included)", low=0, low_open=True, high=1),
         Option("budget_tokens", int, None, "stored tokens a step reads (sinks and window "
                "included)", low=1, none="budget_share of the stored tokens"),
+        Option("budget_floor", int, 1024, "fewest stored tokens a step reads under "
+               "budget_share: a shorter sequence reads them all (its attention costs little "
+               "beside the weights, and choosing would only lose quality)", low=0),
         Option("sink_tokens", int, 16, "first tokens always read (whole blocks)", low=0),
         Option("recent_window", int, 16, "newest stored tokens always read", low=0),
         Option("dense_layers", int, 2, "first layers that read everything (their attention is "
@@ -221,11 +228,15 @@ class SparseSelection(Selection):
     def _read_back(self, step: Step, choice: NativeChoice) -> list[torch.Tensor]:
         """After a native step: what `reads` would have recorded layer by layer (counts,
         stability, `last_read`, `likely`), from the blocks the step chose; the step's keys."""
-        h, layers = self.spec.num_kv_heads, self.spec.num_layers
-        for layer in range(choice.first, layers):
-            row = choice.out[layer]
-            self._record(step, layer, lambda i, sid, plan, row=row: row[
-                choice.at[i] : choice.at[i] + h * plan.width].view(h, plan.width))  # fmt: skip
+        h, layers, first = self.spec.num_kv_heads, self.spec.num_layers, choice.first
+        if first >= layers:
+            return [self.format.new_keys(layer) for layer in range(layers)]
+        # per sequence with a plan, its choices at every layer from `first` on, [Hkv, width] each
+        picked = [None if plan is None else choice.out[first:, at : at + h * plan.width]
+                  .view(layers - first, h, plan.width).unbind(0)
+                  for plan, at in zip(self._plans, choice.at, strict=True)]  # fmt: skip
+        for layer in range(first, layers):
+            self._record(step, layer, lambda i, sid, plan, j=layer - first: picked[i][j])
         return [self.format.new_keys(layer) for layer in range(layers)]
 
     def after_step(self, step: Step) -> None:
@@ -283,7 +294,9 @@ class SparseSelection(Selection):
 
     def _budget(self, stored: int) -> int:
         fixed = self.opts["budget_tokens"]
-        return fixed if fixed is not None else int(self.opts["budget_share"] * stored)
+        if fixed is not None:
+            return fixed
+        return max(int(self.opts["budget_share"] * stored), self.opts["budget_floor"])
 
     def _plan(self, step: Step, i: int) -> _Plan | None:
         """What batch sequence `i` reads this step, but for the blocks its queries choose;

@@ -198,8 +198,6 @@ class KVStrategy(KVCache, KVMemory):
         plan = self.format.native_step(self._step)
         if plan is None or not self.selection.hooks(self._step):
             return plan
-        if not isinstance(plan, NativeStep):  # a choice is made over plain arenas only
-            return None
         choice = self.selection.native_choice(self._step)
         return None if choice is None else dataclasses.replace(plan, choice=choice)
 

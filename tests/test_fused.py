@@ -442,3 +442,46 @@ def test_a_sparse_selection_chooses_inside_the_one_call_step(qtype, isa, monkeyp
         for sid in (0, 1):
             assert torch.equal(native.summaries(sid), ref.summaries(sid))
         got[0].close(), want[0].close()
+
+
+@pytest.mark.parametrize("strategy", ["hybrid+resident+sparse", "int8+resident+sparse"])
+def test_a_packed_cache_chooses_inside_the_one_call_step(strategy, isa, monkeypatch):
+    """A packed format's own layer code takes the selection's choice too: per KV head it reads
+    the packed blocks among the chosen (in place, where the step layer by layer gathers their
+    records) and keeps the step's keys for the summaries. The same logits, blocks read at
+    every layer, counts, summaries, side buffers and packed blocks as layer by layer; a step
+    that completes a block goes layer by layer."""
+    from tests.test_operators import _tiny_llama
+    from unikv.kvstrategies import hybrid
+    from unikv.kvstrategies.quant import plan_from_scores
+
+    def calibrated(spec, opts):  # a channel order of random scores, other for the values
+        g = torch.Generator().manual_seed(3)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return plan_from_scores(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
+
+    monkeypatch.setattr(hybrid, "channel_plan", calibrated)
+    m = _tiny_llama(context=128)
+    # 90 and 70 tokens: 5 and 4 packed blocks of 16, each step reading the sink block, one
+    # chosen of the 3 or 4 between, and the window; then decode steps of 1 to 3 tokens.
+    schedule = [{0: 50}, {0: 40}, {1: 60}, {1: 10}, {0: 1, 1: 1}, {0: 2, 1: 1}, {0: 1, 1: 3},
+                {0: 1}, {0: 1, 1: 1}]  # fmt: skip
+    opts = {**SPARSE, "budget_tokens": 48}
+    served, got, want = _spy(monkeypatch), [], []
+    a = _serve(m, strategy, fused.layers_native, schedule, opts, kept=got)
+    b = _serve(m, strategy, fused.layers_python, schedule, opts, kept=want)
+    assert torch.isfinite(a).all() and _rel(a, b) < 1e-6, _rel(a, b)
+    assert served == [2, 3, 4, 1], served  # 95 + 1 completes seq 0's block: layer by layer
+    native, ref = got[0].selection, want[0].selection
+    assert native.counts == ref.counts and native.counts["sparse_reads"] > 0
+    for layer in range(m.cfg.num_layers):
+        for x, y in zip(native.last_read[layer], ref.last_read[layer], strict=True):
+            assert (x is None and y is None) or torch.equal(x, y), layer
+    for sid in (0, 1):
+        assert torch.equal(native.summaries(sid), ref.summaries(sid))
+        assert torch.equal(got[0].format._dense[sid], want[0].format._dense[sid])
+        packed = got[0].pool.num_tokens(sid) // 16  # the last block may be the side buffer's
+        ids = torch.tensor(got[0].pool.table(sid).block_ids()[:packed])
+        assert ids.tolist() == want[0].pool.table(sid).block_ids()[:packed]
+        assert torch.equal(got[0].format._arena[:, ids], want[0].format._arena[:, ids])
+    got[0].close(), want[0].close()

@@ -317,15 +317,15 @@ def _decode_step(m):
     return m, x, torch.tensor([20, 9, 10]), kv
 
 
-def _tiny_llama(qtype: str | None = None):
+def _tiny_llama(qtype: str | None = None, context: int = 64):
     """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256;
     K-quants, whose rows hold 256-element super-blocks: hidden 256, 8 heads, MLP 512), its
-    linear layers in `qtype` GGUF blocks or float32."""
+    linear layers in `qtype` GGUF blocks or float32, positions up to `context`."""
     from unikv.engine.config import ModelConfig
     from unikv.engine.model import LlamaModel
 
     h = 256 if qtype in ("Q4_K", "Q6_K") else 128
-    cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, 64)
+    cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, context)
     shapes = {"attn_q": (h, h), "attn_k": (h // 2, h), "attn_v": (h // 2, h),
               "attn_output": (h, h), "ffn_gate": (2 * h, h), "ffn_up": (2 * h, h),
               "ffn_down": (h, 2 * h)}  # fmt: skip

@@ -182,6 +182,29 @@ def test_a_prefill_and_a_short_sequence_read_everything():
     short.close()
 
 
+@pytest.mark.parametrize(
+    ("stored", "floor", "reads"),
+    [(1000, None, None), (4000, None, 1024), (4000, 0, 500), (16000, None, 2000)],
+)
+def test_a_share_of_the_stored_tokens_never_reads_fewer_than_the_floor(stored, floor, reads):
+    """budget_share (1/8) of the stored tokens, but at least budget_floor (1,024 by default):
+    a sequence of fewer tokens reads them all; budget_tokens is not floored."""
+    opts = {} if floor is None else {"budget_floor": floor}
+    s = build(**opts)
+    k = torch.randn(LAYERS, stored, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, stored, HEADS * GROUP, DIM), more_prompt=True)
+    step(s, 0, k[:, :1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
+    blocks = s.selection.last_read[0][0]
+    if reads is None:
+        assert blocks is None  # all of it fits the floor
+    else:  # whole blocks up to the budget; the window's last block partly filled
+        assert reads - 2 * BS < blocks.shape[1] * BS <= reads + BS, blocks.shape
+    s.close()
+    assert build(budget_tokens=64, budget_floor=4096).selection._budget(8000) == 64
+    with pytest.raises(ValueError, match="budget_floor"):
+        build(budget_floor=-1)
+
+
 def test_options_are_checked_and_the_axis_composes_with_every_format_and_placement():
     with pytest.raises(ValueError, match="budget_tokens"):
         build(budget_tokens=0)

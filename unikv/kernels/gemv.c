@@ -1307,9 +1307,12 @@ typedef struct {
 
 /* A cache's own KV work for one layer, in place of the slot writes and `attend` (a packed
  * format's: hybrid_attend.c's hybrid_layer): store the step's new k, v [n, hkv, d] of `layer`
- * and write the attention of q [n, hq, d] into out [n, hq, d]; 0, or -1 (refused). */
+ * and write the attention of q [n, hq, d] into out [n, hq, d], each sequence s reading the
+ * blocks chosen[s] ([hkv, nchosen[s]]: positions in its block list, as a choice writes them)
+ * or, where chosen[s] is NULL, every block; 0, or -1 (refused). */
 typedef int (*layer_fn)(const void *ctx, int layer, const float *q, const float *k,
-                        const float *v, int n, float *out, int threads);
+                        const float *v, int n, float *out, int threads,
+                        const int64_t *const *chosen, const int64_t *nchosen);
 
 typedef struct {
     attend_fn attend;
@@ -1362,6 +1365,10 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
     float *attn = v + (long)n * hkv * d, *a = attn + (long)n * hq * d, *b = a + n * hidden;
     memcpy(a, x, sizeof(float) * n * hidden);
     int rc = 0;
+    const int nseq = kv->nseq;
+    const int64_t **chosen = malloc(sizeof(int64_t *) * nseq);
+    int64_t *nchosen = malloc(sizeof(int64_t) * nseq);
+    if (chosen == NULL || nchosen == NULL) rc = -1;
     for (int li = 0; li < nlayers && rc == 0; li++) {
         const layer_t *L = layers[li];
         if (L->hq != hq || L->hkv != hkv || L->d != d || L->hidden != hidden) {
@@ -1370,9 +1377,27 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
         }
         rc = layer_qkv(L, a, n, pos, q, k, v, threads);
         if (rc) break;
-        if (kv->own != NULL) {
+        /* Each sequence's blocks this layer: its choice (a plan, from `first` on), else all. */
+        const choice_t *c = kv->choice;
+        for (int s = 0; s < nseq && rc == 0; s++) {
+            chosen[s] = NULL, nchosen[s] = 0;
+            if (c == NULL || li < c->first || c->plan[4 * s] < 0) continue;
+            const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
+            const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
+            int64_t *picked = c->out + li * c->per_layer + c->at[s];
             const double t0 = omp_get_wtime();
-            rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads);
+            rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
+                           (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
+                           (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
+                           c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
+                           p[2], p[3], c->alpha, picked, threads);
+            choose_seconds += omp_get_wtime() - t0;
+            chosen[s] = picked, nchosen[s] = p[0] + p[2] + (p[3] - p[1]);
+        }
+        if (rc) break;
+        const double t0 = omp_get_wtime();
+        if (kv->own != NULL) {
+            rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
             attend_seconds += omp_get_wtime() - t0;
             if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
             float *swap = a;
@@ -1393,36 +1418,23 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             const int64_t *p = kv->places + 3 * g;
             bases[g + 1] = p[0] + li * p[1], slots[g + 1] = p[2];
         }
-        for (int s = 0; s < kv->nseq && rc == 0; s++) {
+        for (int s = 0; s < nseq && rc == 0; s++) {
             const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
-            const int64_t *blocks = (const int64_t *)(intptr_t)kv->blocks[s];
-            long nb = kv->nb[s];
-            const choice_t *c = kv->choice;
-            if (c != NULL && li >= c->first && c->plan[4 * s] >= 0) {
-                const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
-                int64_t *out = c->out + li * c->per_layer + c->at[s];
-                const double t0 = omp_get_wtime();
-                rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
-                               (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
-                               (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
-                               c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
-                               p[2], p[3], c->alpha, out, threads);
-                choose_seconds += omp_get_wtime() - t0;
-                blocks = out;
-                nb = p[0] + p[2] + (p[3] - p[1]);
-            }
-            const double t0 = omp_get_wtime();
-            if (rc == 0)
-                rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, bases, slots,
-                                kv->where ? (const int64_t *)(intptr_t)kv->where[s] : NULL,
-                                (const int64_t *)(intptr_t)kv->ids[s], blocks, nb,
-                                kv->past[s], kv->scale, attn + r0 * hq * d, threads);
-            attend_seconds += omp_get_wtime() - t0;
+            const int64_t *all = (const int64_t *)(intptr_t)kv->blocks[s];
+            const int64_t *blocks = chosen[s] ? chosen[s] : all;
+            const long nb = chosen[s] ? nchosen[s] : kv->nb[s];
+            rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, bases, slots,
+                            kv->where ? (const int64_t *)(intptr_t)kv->where[s] : NULL,
+                            (const int64_t *)(intptr_t)kv->ids[s], blocks, nb, kv->past[s],
+                            kv->scale, attn + r0 * hq * d, threads);
         }
+        attend_seconds += omp_get_wtime() - t0;
         if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
         float *swap = a;
         a = b, b = swap;
     }
+    free(chosen);
+    free(nchosen);
     if (rc == 0) memcpy(out, a, sizeof(float) * n * hidden);
     free(buf);
     return rc ? -1 : 0;

@@ -460,7 +460,10 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
 /* Attention of one sequence's query rows over its packed blocks and dense tokens.
  *   arena: this layer's records, block b head h at arena + b * H * rec + h * rec
  *   blocks[nb]: the sequence's packed blocks in token order; mask0 leading positions of the
- *     sequence's first block are not attended (the sinks, which are dense)
+ *     sequence's first block are not attended (the sinks, which are dense). With bstride > 0
+ *     each KV head h reads its own nb blocks, blocks + h * bstride (a sparse selection's
+ *     choice), and the mask applies to a head's first block only where it is block `masked`
+ *     (the sequence's first)
  *   q_raw: [nq][H * G][D] the step's queries in the model's layout; korder/vorder [H][D] the
  *     stored channel order of keys/values (stored channel c is model channel order[c]); rows
  *     are r = g * nq + t per KV head, R = G * nq
@@ -469,7 +472,8 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
  *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][KDV];
  *     otherwise out [H][R][D] (stored value order) and lse [H][R] for a merge by the caller.
  */
-void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask0, long rec,
+void hybrid_attend(const uint8_t *arena, const int64_t *blocks, long bstride, int64_t masked,
+                   int nb, int mask0, long rec,
                    const long *off, int H, int G, int nq, const float *q_raw, const int64_t *korder,
                    const int64_t *vorder, float scale, const _Float16 *ak, const _Float16 *av,
                    int na, long na_stride, const float *ck, const float *cv, long cstride,
@@ -513,9 +517,11 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
             const float *qh = q + (long)h * R * D;
             if (c < nchunks) {
                 const int end = (c + 1) * CHUNK < nb ? (c + 1) * CHUNK : nb;
+                const int64_t *hb = blocks + h * bstride;
+                const int mask = bstride == 0 || hb[0] == masked ? mask0 : 0;
                 for (int i = c * CHUNK; i < end; i++) {
-                    const uint8_t *blk = arena + (blocks[i] * H + h) * rec;
-                    packed_block(&sh, blk, qh, i == 0 ? mask0 : 0, s, row, m, l, acc, wide);
+                    const uint8_t *blk = arena + (hb[i] * H + h) * rec;
+                    packed_block(&sh, blk, qh, i == 0 ? mask : 0, s, row, m, l, acc, wide);
                 }
                 reduce_wide(wide, acc, R);
             } else {
@@ -575,7 +581,9 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, int nb, int mask
  * with the same arguments), then the new tokens into the side buffer as fp16 (what the
  * per-layer path's end of step writes). The format offers such a step only when no block
  * completes in it (quantizing a block stays in Python) and each sequence's attention is one
- * kernel call in the per-layer path too, so both give the same numbers. */
+ * kernel call in the per-layer path too, so both give the same numbers. A sequence given a
+ * sparse selection's choice reads, per KV head, the packed blocks among its chosen positions
+ * (the side buffer's tokens always), as the per-layer path's gathered records do. */
 typedef struct {
     const uint8_t *arena;  /* layer 0's records: block b, head h at arena + (b * H + h) * rec */
     int64_t arena_layer;   /* bytes from one layer's records to the next */
@@ -591,6 +599,7 @@ typedef struct {
     int64_t span;          /* token slots per head in a side buffer (sinks + one block) */
     const int64_t *lo, *na; /* [nseq]: the side buffer's tokens attended: [lo, lo + na) */
     const int64_t *tail, *sink; /* [n]: each new row's side-buffer slot; its sink slot or -1 */
+    float *keys;           /* NULL, or [L][n][H][D]: the step's new keys kept (model order) */
 } hybrid_step_t;
 
 int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
@@ -599,12 +608,14 @@ int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
  * RoPE), q [n][H * G][D]; out [n][H * G][KDV]. Returns 0, or -1 (no memory, or a latent cache,
  * which this does not serve): the caller then goes layer by layer. */
 int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float *k,
-                 const float *v, int n, float *out, int threads) {
+                 const float *v, int n, float *out, int threads, const int64_t *const *chosen,
+                 const int64_t *nchosen) {
     enum { D = KD };
     (void)threads; /* hybrid_attend's parallel region takes the process's OpenMP threads */
     if (KLAT || st->rows[st->nseq] != n) return -1;
     const int H = st->H;
     const long hd = (long)H * D;
+    if (st->keys) memcpy(st->keys + layer * n * hd, k, sizeof(float) * n * hd);
     const int64_t *korder = st->korder + layer * hd, *vorder = st->vorder + layer * hd;
     float *kp = malloc(sizeof(float) * 2 * n * hd);
     if (kp == NULL) return -1;
@@ -617,14 +628,38 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
             }
     const uint8_t *arena = st->arena + layer * st->arena_layer;
     const long part = hd * st->span; /* fp16 elements of one part (K or V) of a layer */
-    for (int s = 0; s < st->nseq; s++) {
+    int rc = 0;
+    for (int s = 0; s < st->nseq && rc == 0; s++) {
         const long r0 = st->rows[s], t = st->rows[s + 1] - r0;
         _Float16 *kd = (_Float16 *)(intptr_t)st->dense[s] + 2 * part * layer, *vd = kd + part;
-        hybrid_attend(arena, (const int64_t *)(intptr_t)st->blocks[s], (int)st->nb[s],
-                      (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
-                      q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
-                      vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd, vp + r0 * hd,
-                      hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL);
+        const int64_t *blocks = (const int64_t *)(intptr_t)st->blocks[s];
+        int64_t nb = st->nb[s], bstride = 0, *picked = NULL;
+        if (chosen != NULL && chosen[s] != NULL) { /* per head, its chosen packed blocks */
+            const int64_t nc = nchosen[s];
+            picked = malloc(sizeof(int64_t) * (H * nc + 1));
+            if (picked == NULL) {
+                rc = -1;
+                break;
+            }
+            for (int h = 0; h < H; h++) {
+                int64_t c = 0;
+                for (int64_t j = 0; j < nc; j++) {
+                    const int64_t pos = chosen[s][h * nc + j];
+                    if (pos < st->nb[s]) picked[h * nc + c++] = blocks[pos];
+                }
+                if (h > 0 && c != nb) rc = -1; /* heads reading unlike counts: not a choice's */
+                nb = c;
+            }
+            bstride = nc;
+        }
+        if (rc == 0)
+            hybrid_attend(arena, picked ? picked : blocks, bstride, st->nb[s] ? blocks[0] : -1,
+                          (int)nb, (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
+                          q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
+                          vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd,
+                          vp + r0 * hd, hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL);
+        free(picked);
+        if (rc) break;
         for (long i = r0; i < r0 + t; i++)
             for (int h = 0; h < H; h++)
                 for (int w = 0; w < 2; w++) { /* the tail slot, then the sink slot if any */
@@ -638,5 +673,5 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
                 }
     }
     free(kp);
-    return 0;
+    return rc;
 }

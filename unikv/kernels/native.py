@@ -203,7 +203,9 @@ def hybrid_kernel(shape: dict[str, int]) -> ctypes.CDLL | None:
         return None
     fn = lib.hybrid_attend
     i, lng, p, f = ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [p, p, i, i, lng, p, i, i, i, p, p, p, f, p, p, i, lng, p, p, lng, i, p, p, p]
+    i64 = ctypes.c_int64
+    fn.argtypes = [p, p, lng, i64, i, i, lng, p, i, i, i, p, p, p, f, p, p, i, lng, p, p, lng, i,
+                   p, p, p]  # fmt: skip
     fn.restype = None
     if lib.hybrid_step_size() != ctypes.sizeof(HybridStep):
         KERNEL_ERROR = "hybrid_step_t and HybridStep disagree"
@@ -223,7 +225,7 @@ class HybridStep(ctypes.Structure):
                 ("rows", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("nb", ctypes.c_void_p),
                 ("mask0", ctypes.c_void_p), ("dense", ctypes.c_void_p), ("span", ctypes.c_int64),
                 ("lo", ctypes.c_void_p), ("na", ctypes.c_void_p), ("tail", ctypes.c_void_p),
-                ("sink", ctypes.c_void_p)]  # fmt: skip
+                ("sink", ctypes.c_void_p), ("keys", ctypes.c_void_p)]  # fmt: skip
 
 
 def int64s(values, keep: list) -> int:

@@ -29,13 +29,15 @@ log = logging.getLogger(__name__)
 
 # The presets: name -> (format, placement, selection) and the bandwidth classes whose "auto"
 # choice it is (docs/configuration.md: a high-bandwidth chip wants a smaller cache, a medium
-# one spills to host and SSD, a low-bandwidth CPU wants fewer tokens in the cache).
+# one spills to host and SSD, a low-bandwidth one wants to read fewer tokens per step: it keeps
+# them all and reads the blocks each step needs, which measured faster than pruning half of
+# them and lost less on every development text, BENCHMARKS.md).
 PRESETS: dict[str, tuple[Axes, tuple[str, ...]]] = {
     "full": (("dense", "resident", "all"), ()),
     "hybrid_fp16_int4": (("hybrid", "resident", "all"), ("high",)),
     "hierarchical_offload": (("dense", "tiered", "all"), ("medium",)),
-    "learned_prune": (("dense", "resident", "pruned"), ("low",)),
-    "sparse_attention": (("dense", "resident", "sparse"), ()),
+    "learned_prune": (("dense", "resident", "pruned"), ()),
+    "sparse_attention": (("dense", "resident", "sparse"), ("low",)),
 }
 
 

@@ -172,13 +172,17 @@ def test_eval_ppl_json_matches_in_process(text_file, model, tokenizer, new_kv, c
     assert result["tokens"] == 320 and result["kept_ratio"] == 1.0
     assert result["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
     assert result["kv_bytes"] == ref.kv_bytes
-    # auto on a CPU is hybrid+resident+pruned (the cpu profile's fp16+int4, the low class's
-    # pruning): half the tokens kept, packed; its flags reach it.
+    # auto on a CPU is hybrid+resident+sparse (the cpu profile's fp16+int4, the low class's
+    # selection): every token kept, packed; the pruned cache's flags reach it when asked for.
     base = ["eval", "ppl", "--text", str(text_file), "--tokens", "320", "--prefill", "64"]
     assert main([*base, "--json"]) == 0
     auto = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert auto["strategy"] == "hybrid+resident+pruned" and 0.45 <= auto["kept_ratio"] <= 0.55
-    assert auto["kv_bytes"] < 0.56 * result["kv_bytes"]
+    assert auto["strategy"] == "hybrid+resident+sparse" and auto["kept_ratio"] == 1.0
+    assert auto["kv_bytes"] < 0.3 * result["kv_bytes"]  # about 4.4 bits, and fp16 side buffers
+    base += ["--strategy", "hybrid+resident+pruned"]
+    assert main([*base, "--json"]) == 0
+    pruned = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert 0.45 <= pruned["kept_ratio"] <= 0.55 and pruned["kv_bytes"] < auto["kv_bytes"]
     assert main([*base, "--kept-ratio", "0.75", "--scorer", "streaming", "--json"]) == 0
     assert 0.7 <= json.loads(capsys.readouterr().out.splitlines()[-1])["kept_ratio"] <= 0.8
     assert "option kept_ratio = 1.5" in _error([*base, "--kept-ratio", "1.5"], capsys)
@@ -194,8 +198,8 @@ def test_run_streams_and_reports(capfd):
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stdout and "KV memory" in proc.stdout
     assert re.search(r"then \d+\.\d tokens/s decoding\]", proc.stdout)
-    # auto on a CPU: hybrid+resident+pruned, attended on the packed blocks by the C kernel
-    assert "[strategy: hybrid+resident+pruned" in proc.stdout
+    # auto on a CPU: hybrid+resident+sparse, attended on the packed blocks by the C kernel
+    assert "[strategy: hybrid+resident+sparse" in proc.stdout
     assert "attention kernel: C (" in proc.stdout
 
 
@@ -271,8 +275,9 @@ def test_profile_json(chip, cls, capsys):
     report = json.loads(captured.out)  # stdout is exactly one JSON document
     assert report["chip"] == chip and report["class"] == cls
     assert report["bandwidth_gbps"] > 0 and report["tiers"][0]["name"] == "device"
-    axes = {"high": ("resident", "all"), "medium": ("tiered", "all"), "low": ("resident", "pruned")}
+    axes = {"high": ("resident", "all"), "medium": ("tiered", "all"), "low": ("resident", "sparse")}
     assert tuple(report["axes"].values())[1:] == axes[cls]  # composed by the profile
+    assert report["sparse"].startswith("selected" if cls == "low" else "opt-in for this class")
     assert kvstrategies.get(report["strategy"]).axes == tuple(report["axes"].values())
     assert set(report["parameters"]) >= {"kv_precision", "l2_prefetch_depth", "batch_size"}
     # The readable table goes to stderr, with the attention kernel's state.

@@ -112,7 +112,7 @@ def test_bandwidth_class_rejects(bad: object) -> None:
 DESIGN_DEFAULTS = {
     "high": "hybrid_fp16_int4",
     "medium": "hierarchical_offload",
-    "low": "learned_prune",
+    "low": "sparse_attention",
 }
 
 

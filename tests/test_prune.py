@@ -155,9 +155,9 @@ def test_bad_options_name_the_option(options, match):
         kvstrategies.get("learned_prune").check_options(options)
 
 
-def test_registered_and_the_low_bandwidth_default():
+def test_registered_and_no_longer_the_low_bandwidth_default():
     assert kvstrategies.get("learned_prune").axes == ("dense", "resident", "pruned")
-    assert kvstrategies.select("low", PoolConfig())[0] == "learned_prune"
+    assert kvstrategies.select("low", PoolConfig())[0] == "sparse_attention"
 
 
 def test_each_head_keeps_its_own_tokens():

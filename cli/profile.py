@@ -164,7 +164,7 @@ def _sensor_line(sensor: Mapping[str, Any] | None) -> str:
 SPARSE_SELECTED = (
     "selected (the low class's default): every token is kept and each decode step reads the "
     "blocks its queries need, 1/8 of the stored tokens but at least 1,024; at 8K tokens on a "
-    "CPU, hybrid+resident+sparse decoded 1.28x faster than the pruned hybrid cache that was "
+    "CPU, hybrid+resident+sparse decoded 1.3-1.5x faster than the pruned hybrid cache that was "
     "the default and lost less PPL on every development text (worst +1.9% against +5.4%), "
     "storing about 2.7x its bytes (BENCHMARKS.md)"
 )

@@ -229,8 +229,6 @@ class SparseSelection(Selection):
         """After a native step: what `reads` would have recorded layer by layer (counts,
         stability, `last_read`, `likely`), from the blocks the step chose; the step's keys."""
         h, layers, first = self.spec.num_kv_heads, self.spec.num_layers, choice.first
-        if first >= layers:
-            return [self.format.new_keys(layer) for layer in range(layers)]
         # per sequence with a plan, its choices at every layer from `first` on, [Hkv, width] each
         picked = [None if plan is None else choice.out[first:, at : at + h * plan.width]
                   .view(layers - first, h, plan.width).unbind(0)

@@ -5,8 +5,10 @@ Perplexity: each development text's first `--tokens` tokens (the protocol of doc
 prefill 256, chunks of 16, every later token scored; each chunk's queries choose together)
 through `full`, `sparse` at each `--shares` budget (and at each `--range-weights` value and
 `--summary-tokens` size), and, at the same number of tokens attended, `learned_prune` (kept
-ratio = share), the `streaming` scorer and, with `--methods ... oracle`, `sparse` choosing its
-blocks by the true attention (about the best a choice of whole blocks can do; not a method). A
+ratio = share), the `streaming` scorer and, with `--methods ... oracle exact`, `sparse` choosing
+its blocks by the true attention (oracle: the most softmax mass; about the best a choice of
+whole blocks can do) or by the exact keys scored as the summaries are (exact: the largest q.k
+of any of its tokens for any of the group's queries); neither is a method, both read every key. A
 text shorter than `--tokens` is measured at its own length (said in the table). Passkey: each
 text as the haystack, `--lengths` tokens, needle at 10/50/90% depth (one prompt per depth),
 `full` against `sparse` at `--passkey-share`. Decode: one sequence of `--decode-context` tokens
@@ -24,7 +26,7 @@ blocks' records). `--chart PNG` draws PPL change against the share of tokens att
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
-        [--methods sparse oracle learned_prune streaming] [--range-weights 1 0.5 0]
+        [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
         [--summary-tokens 16 4 2]
 """
 
@@ -55,7 +57,7 @@ from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = sorted(p for p in (ROOT / "benchmarks" / "texts").iterdir() if p.name != "README.md")
-METHODS = ("sparse", "oracle", "learned_prune", "streaming")
+METHODS = ("sparse", "oracle", "exact", "learned_prune", "streaming")
 
 
 def methods(share: float, context: int, variants: tuple[dict, ...] = (),
@@ -64,12 +66,14 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
     The sparse budget is `share` of the context in tokens (Quest's token budget: positions
     before it read everything), at its default options and with each of `variants` (options
     over the defaults, e.g. {"summary_tokens": 16, "range_weight": 0.25}); the oracle is
-    `sparse` choosing by true attention (`Oracle`); the pruned caches keep `share` of the
+    `sparse` choosing by true attention (`Oracle`), exact `sparse` by exact keys (`Oracle` with
+    `mass` False); the pruned caches keep `share` of the
     tokens seen."""
     budget = {"budget_tokens": int(share * context)}
     out = {
         f"sparse@{share:g}": ("dense+resident+sparse", budget),
-        f"oracle@{share:g}": ("dense+resident+sparse", {**budget, "oracle": True}),
+        f"oracle@{share:g}": ("dense+resident+sparse", {**budget, "oracle": "mass"}),
+        f"exact@{share:g}": ("dense+resident+sparse", {**budget, "oracle": "max"}),
         f"learned_prune@{share:g}": ("learned_prune", {"kept_ratio": share}),
         f"streaming@{share:g}": ("learned_prune", {"kept_ratio": share, "scorer": "streaming"}),
     }
@@ -88,12 +92,14 @@ class Oracle:
     """The `sparse` selection's choice made from the true attention (what the summaries stand
     in for): per KV head the candidate blocks with the most softmax mass summed over the
     group's queries, from every stored key (`format.read`). About the best a choice of whole
-    blocks per step can do, not a method: it reads the whole cache to choose."""
+    blocks per step can do, not a method: it reads the whole cache to choose. With `mass`
+    False, a block's score is instead the largest q.k of its tokens for any of the queries:
+    what the summaries estimate, made exact."""
 
-    def __init__(self, kv) -> None:
+    def __init__(self, kv, mass: bool = True) -> None:
         from unikv.kvstrategies.sparse import pick_blocks
 
-        self.kv, self.layer, self._pick = kv, 0, pick_blocks
+        self.kv, self.layer, self._pick, self.mass = kv, 0, pick_blocks, mass
         sel = kv.selection
         reads = sel.reads
 
@@ -115,22 +121,26 @@ class Oracle:
         t, hq, d = q.shape
         k = self.kv.format.read(self.layer)[0][0].float()  # [Hkv, T, D]: one sequence
         qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-        p = torch.softmax(qg @ k.transpose(1, 2) * self.kv.spec.scale, -1)  # [Hkv, R, T]
-        nb = p.shape[-1] // bs
+        s = qg @ k.transpose(1, 2)  # [Hkv, R, T]
+        nb = s.shape[-1] // bs
+        if not self.mass:
+            best = s[..., : nb * bs].reshape(h, s.shape[1], nb, bs).amax((1, 3))[:, lo:hi]
+            return self._pick(best, lo, hi, room, end)
+        p = torch.softmax(s * self.kv.spec.scale, -1)
         mass = p[..., : nb * bs].reshape(h, p.shape[1], nb, bs).sum((1, 3))[:, lo:hi]
         return self._pick(mass, lo, hi, room, end)
 
 
 def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
-             variants: tuple[dict, ...] = (), wanted: tuple[str, ...] = METHODS
-             ) -> list[dict]:  # fmt: skip
+             variants: tuple[dict, ...] = (), wanted: tuple[str, ...] = METHODS,
+             chunk: int = 16) -> list[dict]:  # fmt: skip
     spec = model.kv_spec()
     rows = []
     for path in texts:
         ids = tok.encode(path.read_text(encoding="utf-8"))[:tokens]
         n = len(ids) - (len(ids) - 256) % 16 if len(ids) > 272 else len(ids)
         ids = ids[:n]
-        base = perplexity(model, ids, kvstrategies.create("full", spec)).ppl
+        base = perplexity(model, ids, kvstrategies.create("full", spec), chunk=chunk).ppl
         rows.append({"text": path.name, "tokens": n, "method": "full", "share": 1.0,
                      "ppl": base, "change_%": 0.0})  # fmt: skip
         for share in shares:
@@ -139,8 +149,8 @@ def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
                 oracle = opts.pop("oracle", False)
                 kv = kvstrategies.create(name, spec, options=opts)
                 if oracle:
-                    Oracle(kv)
-                got = perplexity(model, ids, kv)
+                    Oracle(kv, mass=oracle == "mass")
+                got = perplexity(model, ids, kv, chunk=chunk)
                 read = kv.selection.stats().get("blocks_read_share")
                 rows.append({"text": path.name, "tokens": n, "method": label.split("@")[0],
                              "share": share, "ppl": got.ppl,
@@ -322,8 +332,8 @@ def chart(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for method, style in (("sparse", "o-"), ("oracle", "d-."), ("learned_prune", "s--"),
-                          ("streaming", "^:")):  # fmt: skip
+    for method, style in (("sparse", "o-"), ("oracle", "d-."), ("exact", "x-."),
+                          ("learned_prune", "s--"), ("streaming", "^:")):  # fmt: skip
         shares = sorted({r["share"] for r in rows if r["method"] == method})
         if not shares:
             continue
@@ -359,7 +369,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS,
                     default=["sparse", "learned_prune", "streaming"],
                     help="what the PPL section compares with full (oracle: sparse choosing "
-                    "by the true attention: a reference, not a method)")  # fmt: skip
+                    "by the true attention; exact: by the exact keys' largest q.k; both read "
+                    "every key: references, not methods)")  # fmt: skip
     ap.add_argument("--range-weights", type=float, nargs="*", default=[],
                     help="PPL: sparse also at each of these range_weight values")  # fmt: skip
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
@@ -368,6 +379,10 @@ def main() -> None:
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[],
                     help="PPL: sparse also with each of these many first layers reading "
                     "everything (with each variant above, or the defaults)")  # fmt: skip
+    ap.add_argument("--chunk", type=int, default=16,
+                    help="tokens scored per step after the prefill (the protocol: 16, whose "
+                         "queries choose together; 1: each token chooses alone, as decode "
+                         "does)")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
@@ -396,9 +411,9 @@ def main() -> None:
             variants = [{"dense_layers": n, **v} for n in args.dense_layers
                         for v in variants or [{}]]  # fmt: skip
         rows = ppl_rows(model, tok, texts, args.tokens, args.shares, tuple(variants),
-                        tuple(args.methods))  # fmt: skip
+                        tuple(args.methods), args.chunk)  # fmt: skip
         report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",
-                                    "blocks_read"], extra)  # fmt: skip
+                                    "blocks_read"], {**extra, "chunk": args.chunk})  # fmt: skip
         worst = {}
         for r in rows:
             key = (r["method"], r["share"])

@@ -5,10 +5,14 @@ cache is filled with the same `--context` tokens of English text (prompt chunks 
 `--rounds` rounds of `--steps` greedy decode steps go to each cache in turn (a warm-up round
 first), so the machine's drift falls on every strategy alike. Prints per strategy the median
 milliseconds per step, each round's, the KV bytes stored, the sparse summaries' bytes and the
-share of blocks a step read (sparse), and the ratio to the first strategy.
+share of blocks a step read (sparse), and the ratio to the first strategy. With
+`--device-window N` the pool has a host tier beside the device tier, and every tiered strategy
+keeps its newest N tokens on the device and every older one on the host (the medium class's
+placement; the device's share of the KV is printed too).
 
     python benchmarks/selection_speed.py [--context 8090] [--strategies hybrid+resident+all
         hybrid+resident+pruned hybrid+resident+sparse] [--weights native]
+        [--device-window 1024 --strategies dense+tiered+all dense+tiered+sparse]
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
-from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
+from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import native  # noqa: E402
+from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +46,9 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+",
                    default=["hybrid+resident+all", "hybrid+resident+pruned",
                             "hybrid+resident+sparse"])  # fmt: skip
+    p.add_argument("--device-window", type=int,
+                   help="tiered strategies: the newest N tokens on the device tier, every "
+                        "older one on a host tier (default: no host tier)")  # fmt: skip
     a = p.parse_args()
     model, tok = load_model(a.model, progress=False, weights=a.weights)[:2]
     room, need = model.cfg.context_length - a.context, a.steps * (a.rounds + 1)
@@ -47,9 +56,14 @@ def main() -> None:
         p.error(f"--context {a.context} leaves {room} positions of the model's "
                 f"{model.cfg.context_length}: fewer than the {need} steps")  # fmt: skip
     ids = context_ids(tok, a.context)
+    config, tiered = None, {}
+    if a.device_window:  # no SSD tier: the host tier holds everything older than the window
+        config = PoolConfig(tiers=(TierConfig("device", 2**30), TierConfig("host", 2**31)))
+        tiered = {"device_window": a.device_window, "host_window": a.context + need}
     caches, prefill_s = {}, {}
     for s in a.strategies:
-        kv = build(model, tok, s)
+        opts = tiered if "tiered" in s.split("+") else None
+        kv = build_kv(model.kv_spec(), s, config, options=opts, model=model, tokenizer=tok).strategy
         t0 = time.perf_counter()
         caches[s] = (kv, prefill(model, kv, ids, 0))
         prefill_s[s] = time.perf_counter() - t0
@@ -71,6 +85,8 @@ def main() -> None:
             "strategy": s, "ms/step": round(step, 2),
             "rounds": " ".join(f"{x:.1f}" for x in ms[s]),
             "KV MiB": round(kv.bytes_used() / 2**20, 1),
+            "device KV MiB": round(kv.pool.allocators["device"].num_used
+                                   * kv.pool.layout.page_bytes / 2**20, 1),
             "summaries MiB": round(stats["summary_bytes"] / 2**20, 1)
             if "summary_bytes" in stats else None,
             "blocks read": round(stats["blocks_read_share"], 3)
@@ -81,7 +97,7 @@ def main() -> None:
     extra = {"cpu": cpu_name(), "kernels": native.isa(),
              "torch_capability": torch.backends.cpu.get_cpu_capability(),
              "context": a.context, "steps": a.steps, "rounds": a.rounds,
-             "weights": a.weights}  # fmt: skip
+             "weights": a.weights, "device_window": a.device_window}  # fmt: skip
     report("decode ms per step, strategies interleaved", rows, list(rows[0]), extra)
 
 

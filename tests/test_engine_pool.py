@@ -101,12 +101,12 @@ def test_transformers_cache_adapter_matches_dynamic_cache(hf_model, tokenizer, p
     )
     ids = torch.tensor([prompts[1]])
     with torch.no_grad():  # the reference, once: greedy decoding is deterministic
-        ref = hf_model.generate(ids, max_new_tokens=32, do_sample=False, cache=DynamicCache())
+        ref = hf_model.generate(ids, max_new_tokens=16, do_sample=False, cache=DynamicCache())
     for name in kvstrategies.available():
         strategy = kvstrategies.create(name, spec)
         cache = StrategyCache(strategy, c.num_hidden_layers)
         with torch.no_grad():
-            ours = hf_model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)
+            ours = hf_model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
         if kvstrategies.get(name).lossless:
             assert ours.tolist() == ref.tolist()
         assert strategy.stored_tokens(0) > 0

@@ -73,15 +73,15 @@ def test_chunked_prefill_equals_one_pass(model, tokenizer, english_text, new_kv)
 def test_greedy_continuation_matches_reference(model, hf_model, tokenizer, prompt, new_kv):
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
-        # Both stop at end-of-sequence; 64 tokens otherwise.
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+        # Both stop at end-of-sequence; 40 tokens otherwise.
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
         ref = ref[0, len(ids) :].tolist()
     kv = new_kv()
     out, seq = [], list(ids)
     logits = model.forward(
         torch.tensor(seq), torch.arange(len(seq)), kv, StepBatch([0], [len(seq)])
     )
-    for _ in range(64):
+    for _ in range(40):
         tok = int(logits[-1].argmax())
         out.append(tok)
         if tok == tokenizer.eos_id:
@@ -118,7 +118,7 @@ def _reference_ppl(hf_model, ids, prefill, chunk):
 def test_perplexity_through_cache_matches_reference(
     model, hf_model, tokenizer, english_text, new_kv
 ):
-    ids = tokenizer.encode(english_text)[:768]
+    ids = tokenizer.encode(english_text)[:512]
     ref_ppl, ref_n = _reference_ppl(hf_model, ids, prefill=256, chunk=16)
     res = perplexity(model, ids, new_kv(), prefill=256, chunk=16)
     assert res.scored == ref_n == len(ids) - 256

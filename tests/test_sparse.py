@@ -184,7 +184,7 @@ def test_a_prefill_and_a_short_sequence_read_everything():
 
 @pytest.mark.parametrize(
     ("stored", "floor", "reads"),
-    [(1000, None, None), (4000, None, 1024), (4000, 0, 500), (16000, None, 2000)],
+    [(1000, None, None), (4000, None, 1024), (4000, 0, 500), (10000, None, 1250)],
 )
 def test_a_share_of_the_stored_tokens_never_reads_fewer_than_the_floor(stored, floor, reads):
     """budget_share (1/8) of the stored tokens, but at least budget_floor (1,024 by default):

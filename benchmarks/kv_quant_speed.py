@@ -46,9 +46,15 @@ def context_ids(tok, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def build(model, tok, name: str):
+def build(model, tok, name: str, config=None, options: dict | None = None):
     spec = model.kv_spec()
-    return build_kv(spec, name, model=model, tokenizer=tok).strategy
+    return build_kv(spec, name, config, options=options, model=model, tokenizer=tok).strategy
+
+
+def device_kv_bytes(kv) -> int:
+    """KV bytes the device tier holds (blocks in use times their size)."""
+    pool = kv.pool
+    return pool.allocators["device"].num_used * pool.layout.page_bytes
 
 
 def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:

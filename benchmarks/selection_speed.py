@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
-from benchmarks.kv_quant_speed import context_ids, decode, prefill  # noqa: E402
-from unikv.engine.assembly import build_kv  # noqa: E402
+from benchmarks.kv_quant_speed import build, context_ids, decode, device_kv_bytes, prefill  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import native  # noqa: E402
 from unikv.settings.config import PoolConfig, TierConfig  # noqa: E402
@@ -63,7 +62,7 @@ def main() -> None:
     caches, prefill_s = {}, {}
     for s in a.strategies:
         opts = tiered if "tiered" in s.split("+") else None
-        kv = build_kv(model.kv_spec(), s, config, options=opts, model=model, tokenizer=tok).strategy
+        kv = build(model, tok, s, config, opts)
         t0 = time.perf_counter()
         caches[s] = (kv, prefill(model, kv, ids, 0))
         prefill_s[s] = time.perf_counter() - t0
@@ -85,8 +84,7 @@ def main() -> None:
             "strategy": s, "ms/step": round(step, 2),
             "rounds": " ".join(f"{x:.1f}" for x in ms[s]),
             "KV MiB": round(kv.bytes_used() / 2**20, 1),
-            "device KV MiB": round(kv.pool.allocators["device"].num_used
-                                   * kv.pool.layout.page_bytes / 2**20, 1),
+            "device KV MiB": round(device_kv_bytes(kv) / 2**20, 1),
             "summaries MiB": round(stats["summary_bytes"] / 2**20, 1)
             if "summary_bytes" in stats else None,
             "blocks read": round(stats["blocks_read_share"], 3)

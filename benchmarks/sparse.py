@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import report  # noqa: E402
+from benchmarks.kv_quant_speed import device_kv_bytes  # noqa: E402
 from unikv import kvstrategies  # noqa: E402
 from unikv.engine import fused  # noqa: E402
 from unikv.engine.assembly import store_tiers  # noqa: E402
@@ -301,7 +302,7 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
             "select_share_of_step": m["select"] / m["step"],
             "blocks_read": kvs[label].selection.stats().get("blocks_read_share"),
             "stability": kvs[label].selection.stats().get("selection_stability"),
-            "device_kv_mib": _device_bytes(kvs[label]) / 2**20,
+            "device_kv_mib": device_kv_bytes(kvs[label]) / 2**20,
             # the selection's summaries, held on the device beside the device tier's KV
             "summary_mib": kvs[label].selection.stats().get("summary_bytes", 0) / 2**20,
             "ssd_rows": _ssd_rows(kvs[label]),
@@ -317,12 +318,6 @@ def _ssd_rows(kv) -> str:
     if fetcher is None or not (fetcher.rows_ahead or fetcher.rows_late):
         return ""
     return f"{fetcher.rows_ahead} / {fetcher.rows_late}"
-
-
-def _device_bytes(kv) -> int:
-    """KV bytes the device tier holds (blocks in use times their size)."""
-    pool = kv.pool
-    return pool.allocators["device"].num_used * pool.layout.page_bytes
 
 
 def chart(rows: list[dict], path: str) -> None:

@@ -41,6 +41,24 @@ def environment() -> dict:
     }
 
 
+def named_options(text: str) -> tuple[str, dict]:
+    """`NAME:key=value,...` (a strategy or scorer and options over its defaults) as the name
+    and the options, each value an int, a float or else the string given."""
+    name, _, extra = text.partition(":")
+    opts = {}
+    for item in filter(None, extra.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{text!r}: expected NAME:key=value,..., got {item!r}")
+        for kind in (int, float, str):
+            try:
+                opts[key] = kind(value)
+                break
+            except ValueError:
+                continue
+    return name, opts
+
+
 def report(name: str, rows: list[dict], columns: list[str], extra: dict | None = None) -> None:
     """Print a human table, then one JSON line with everything."""
     widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns]

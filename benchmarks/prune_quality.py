@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import named_options, report  # noqa: E402
 from unikv import kvstrategies  # noqa: E402
 from unikv.engine.evaluate import perplexity, read_text  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
@@ -83,13 +83,6 @@ def kvpress_protocol(model, ids: list[int], kv, windows: int = 6) -> tuple[float
     return math.exp(sum(nll) / windows), sum(kept) / windows
 
 
-def number(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--text", default=str(TEXT))
@@ -119,8 +112,7 @@ def main() -> None:
     rows = [{"scorer": "full", "kept": 1.0, "ppl": base.ppl, "ppl_change_%": 0.0,
              "passkey": base_pk.accuracy, "kvpress_ppl": base_kvp}]  # fmt: skip
     for spec_ in args.scorers:
-        scorer, _, extra = spec_.partition(":")
-        given = {k: number(v) for k, v in (kv.split("=") for kv in extra.split(",") if kv)}
+        scorer, given = named_options(spec_)
         for ratio in args.ratios:
             opts = {"scorer": scorer, "kept_ratio": ratio}
             if scorer != "head":  # baselines in their published form unless given

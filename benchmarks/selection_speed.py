@@ -13,6 +13,7 @@ placement; the device's share of the KV is printed too).
     python benchmarks/selection_speed.py [--context 8090] [--strategies hybrid+resident+all
         hybrid+resident+pruned hybrid+resident+sparse] [--weights native]
         [--device-window 1024 --strategies dense+tiered+all dense+tiered+sparse]
+        [--strategies dense+resident+sparse dense+resident+sparse:block_score=lse]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import named_options, report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, device_kv_bytes, prefill  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
@@ -44,7 +45,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--strategies", nargs="+",
                    default=["hybrid+resident+all", "hybrid+resident+pruned",
-                            "hybrid+resident+sparse"])  # fmt: skip
+                            "hybrid+resident+sparse"],
+                   help="strategy names, each optionally NAME:key=value,... (options over its "
+                        "defaults)")  # fmt: skip
     p.add_argument("--device-window", type=int,
                    help="tiered strategies: the newest N tokens on the device tier, every "
                         "older one on a host tier (default: no host tier)")  # fmt: skip
@@ -61,8 +64,9 @@ def main() -> None:
         tiered = {"device_window": a.device_window, "host_window": a.context + need}
     caches, prefill_s = {}, {}
     for s in a.strategies:
-        opts = tiered if "tiered" in s.split("+") else None
-        kv = build(model, tok, s, config, opts)
+        name, given = named_options(s)
+        opts = (tiered if "tiered" in name.split("+") else {}) | given
+        kv = build(model, tok, name, config, opts or None)
         t0 = time.perf_counter()
         caches[s] = (kv, prefill(model, kv, ids, 0))
         prefill_s[s] = time.perf_counter() - t0

@@ -27,7 +27,7 @@ blocks' records). `--chart PNG` draws PPL change against the share of tokens att
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
-        [--summary-tokens 16 4 2]
+        [--summary-tokens 16 4 2] [--block-scores max lse]
 """
 
 from __future__ import annotations
@@ -81,12 +81,14 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
     out = {k: v for k, v in out.items() if k.split("@")[0] in wanted}
     if "sparse" in wanted:
         for v in variants:
-            name = ",".join(f"{_SHORT.get(k, k)}={x:g}" for k, x in v.items())
+            name = ",".join(f"{_SHORT.get(k, k)}={x if isinstance(x, str) else f'{x:g}'}"
+                            for k, x in v.items())  # fmt: skip
             out[f"sparse({name})@{share:g}"] = ("dense+resident+sparse", {**budget, **v})
     return out
 
 
-_SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense"}
+_SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense",
+          "block_score": "score"}  # fmt: skip
 
 
 class Oracle:
@@ -371,6 +373,9 @@ def main() -> None:
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
                     help="PPL: sparse also with summaries of each of these many tokens (at "
                     "each --range-weights value, or the default)")  # fmt: skip
+    ap.add_argument("--block-scores", nargs="*", default=[], choices=("max", "lse"),
+                    help="PPL: sparse also scoring blocks by each of these (with each variant "
+                    "above, or the defaults)")  # fmt: skip
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[],
                     help="PPL: sparse also with each of these many first layers reading "
                     "everything (with each variant above, or the defaults)")  # fmt: skip
@@ -401,6 +406,9 @@ def main() -> None:
         variants = [{"range_weight": w} for w in args.range_weights]
         if args.summary_tokens:
             variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
+                        for v in variants or [{}]]  # fmt: skip
+        if args.block_scores:
+            variants = [{"block_score": b, **v} for b in args.block_scores
                         for v in variants or [{}]]  # fmt: skip
         if args.dense_layers:
             variants = [{"dense_layers": n, **v} for n in args.dense_layers

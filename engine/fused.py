@@ -228,7 +228,7 @@ def _choice(c: NativeChoice, keep: list) -> gemv.Choice:
 
     plans = [v for p in c.plans for v in (p if p is not None else (-1, 0, 0, 0))]
     choice = gemv.Choice(
-        c.choose, c.first, c.parts, c.width, c.alpha, int64s(plans),
+        c.choose, c.first, c.parts, c.width, c.alpha, c.temp, int64s(plans),
         each(c.codes, torch.Tensor.data_ptr), each(c.scales, torch.Tensor.data_ptr),
         each(c.codes, lambda t: t.stride(0) * t.element_size()),
         each(c.scales, lambda t: t.stride(0) * t.element_size()),

@@ -155,7 +155,8 @@ class NativeChoice:
     queries, and the window [hi, end), as `choose` (the address of `unikv/kernels/sparse.c`'s
     `sparse_choose`: its signature and numbers) picks them from `codes[i]` (int8 summaries
     [L, Hkv, tiles, width / 4, 16, 4], `parts` per block) and `scales[i]` ([L, Hkv, S]) with
-    weight `alpha` on their ranges; a sequence without a plan, and every layer before `first`,
+    weight `alpha` on their ranges (a block's score: its summaries' largest, or with `temp` > 0
+    their log-sum-exp at that scale); a sequence without a plan, and every layer before `first`,
     reads every block. The step writes each choice into `out` (int64 [L, row]) at `at[i]`
     ([Hkv, lo + room + end - hi]), for the selection to account for after the step."""
 
@@ -164,6 +165,7 @@ class NativeChoice:
     parts: int
     width: int
     alpha: float
+    temp: float
     plans: list[tuple[int, int, int, int] | None]
     codes: list[torch.Tensor | None]
     scales: list[torch.Tensor | None]

@@ -11,7 +11,11 @@ block with w = 1. What the development texts measured (BENCHMARKS.md): at the sa
 finer summaries of the centre alone estimate a block's attention better than coarser ones
 with their range, and summaries of 2 tokens, w = 0, came nearest to choosing by the true
 attention. Per step, layer and KV head, the group's query heads (and, for a chunk of several
-tokens, all its queries) choose together: a block takes its largest score over them. The
+tokens, all its queries) choose together: a summary takes its largest score over them, and a
+block its summaries' largest (`block_score` max) or their log-sum-exp at the attention's
+scale (lse: about the softmax mass the block takes, so that many strong tokens outweigh one;
+with one token per summary it is what came nearest to choosing by the true attention on the
+shortest development text, BENCHMARKS.md). The
 choice is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
 `choose_torch`): one call per sequence and layer.
 
@@ -107,6 +111,10 @@ class SparseSelection(Selection):
         Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
                "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
                low=0, high=1),
+        Option("block_score", str, "max", "a block's score from its summaries' (each the "
+               "largest over the queries): max, their largest (Quest); lse, their log-sum-exp "
+               "at the attention's scale (about the softmax mass the block takes: many strong "
+               "tokens outweigh one)", choices=("max", "lse")),
         Option("prefill_tokens", int, 64, "a step of more new tokens than this for a sequence, "
                "or a prompt chunk that more of the prompt follows, reads everything (prefill)",
                low=0),
@@ -124,6 +132,8 @@ class SparseSelection(Selection):
         # the last one shorter where they do not divide the block)
         self.sub = min(self.opts["summary_tokens"], self.bs)
         self.parts = -(-self.bs // self.sub)
+        # the block score's scale: 0 for the largest summary, the attention's for log-sum-exp
+        self._temp = spec.scale if self.opts["block_score"] == "lse" else 0.0
         # seq -> [L, Hkv, summaries, 2D or D] int8: per summary the channels' centre, then
         # (range_weight > 0) their half-range, as codes; and [L, Hkv, summaries] float32: each
         # summary's scale (its values: codes x scale). Scoring dots [q, w |q|] with them.
@@ -179,7 +189,7 @@ class SparseSelection(Selection):
             codes, scales = self._layers[sid]
             return self.operators["sparse.choose"](
                 q[step.batch.rows(i)].float(), codes[layer], scales[layer], plan.lo, plan.hi,
-                plan.room, plan.end, self.opts["range_weight"], self.parts,
+                plan.room, plan.end, self.opts["range_weight"], self.parts, self._temp,
             )  # fmt: skip
 
         out = self._record(step, layer, choose)
@@ -220,7 +230,7 @@ class SparseSelection(Selection):
         width = self.spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
         self._native = NativeChoice(
             kernels.choose_address(), self.opts["dense_layers"], self.parts, width,
-            self.opts["range_weight"], plans, codes, scales,
+            self.opts["range_weight"], self._temp, plans, codes, scales,
             torch.empty(self.spec.num_layers, max(row, 1), dtype=torch.int64), at,
         )  # fmt: skip
         return self._native
@@ -458,16 +468,29 @@ def quantize_queries(qa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def choose_torch(
     q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, room: int,
-    end: int, alpha: float, parts: int = 1,
+    end: int, alpha: float, parts: int = 1, temp: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """Per KV head the blocks a step reads, [Hkv, lo + room + (end - hi)]: the sinks [0, lo),
-    the `room` candidates of [lo, hi) with the largest score for any of the group's queries
-    (q [rows, Hq, D]; codes: int8 tiles of [Hkv, summaries, 2D or D], per summary the centre,
-    then the half-range or nothing; scales [Hkv, summaries]), in ascending order, then the
-    window [hi, end). A summary's score: q . centre + alpha |q| . half-range (alpha = 1:
-    Quest's upper bound of q . k over its tokens), with q quantized as `quantize_queries`
-    does; a block's: its summaries' largest. The reference `unikv/kernels/sparse.c` must
-    agree with, bit for bit: every dot of codes is an exact integer in float32."""
+    the `room` candidates of [lo, hi) with the largest `block_scores`, in ascending order,
+    then the window [hi, end)."""
+    return pick_blocks(block_scores(q, codes, scales, lo, hi, alpha, parts, temp), lo, hi, room,
+                       end)  # fmt: skip
+
+
+def block_scores(
+    q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, alpha: float,
+    parts: int = 1, temp: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """The candidates' scores [Hkv, hi - lo] for the group's queries (q [rows, Hq, D]; codes:
+    int8 tiles of [Hkv, summaries, 2D or D], per summary the centre, then the half-range or
+    nothing; scales [Hkv, summaries]). A summary's score: the largest over the queries of
+    q . centre + alpha |q| . half-range (alpha = 1: Quest's upper bound of q . k over its
+    tokens), with q quantized as `quantize_queries` does; a block's: its summaries' largest,
+    or with `temp` > 0 the log-sum-exp of temp times them (from their largest m: m + log sum
+    e^(x - m)). `unikv/kernels/sparse.c` must choose as this does: bit for bit for the largest
+    (every dot of codes is an exact integer in float32); for the log-sum-exp its exp is a
+    polynomial within about 2e-7 of this one, so only blocks whose scores tie that closely
+    may differ."""
     codes = kernels.untile(codes)  # [Hkv, S, w]
     h, _, w = codes.shape
     t, hq, d = q.shape
@@ -476,7 +499,11 @@ def choose_torch(
     qc, qs = quantize_queries(qq)
     cand = codes[:, lo * parts : hi * parts].float()
     score = (qc @ cand.transpose(1, 2)).mul_(qs).amax(1) * scales[:, lo * parts : hi * parts]
-    return pick_blocks(score.view(h, hi - lo, parts).amax(-1), lo, hi, room, end)
+    score = score.view(h, hi - lo, parts)
+    if temp <= 0:
+        return score.amax(-1)
+    top = score.amax(-1, keepdim=True) * temp
+    return top.squeeze(-1) + (score * temp - top).exp_().sum(-1).log_()
 
 
 def pick_blocks(score: torch.Tensor, lo: int, hi: int, room: int, end: int) -> torch.Tensor:

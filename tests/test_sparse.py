@@ -4,6 +4,8 @@ max) score highest for its queries. The contract suite checks that attention is 
 blocks chosen, for every format and placement; here: that the chosen blocks are the ones a query
 needs, that the bounds are bounds, and what the options and the report say."""
 
+import math
+
 import pytest
 import torch
 
@@ -54,13 +56,15 @@ def haystack(n: int, needle_at: int, direction: torch.Tensor, seed: int = 0) -> 
     return k
 
 
+@pytest.mark.parametrize("score", [{}, {"summary_tokens": 1, "block_score": "lse"}],
+                         ids=["default", "token-lse"])  # fmt: skip
 @pytest.mark.parametrize("share", [0.125, 0.25])
 @pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
-def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth):
+def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth, score):
     n = 1024
     direction = torch.nn.functional.normalize(torch.randn(HEADS, DIM), dim=-1)
     at = int(depth * n) // BS * BS + 3  # across a block boundary: two blocks hold it
-    s = build(budget_tokens=int(share * n))
+    s = build(budget_tokens=int(share * n), **score)
     step(s, 0, haystack(n, at, direction), torch.randn(LAYERS, n, HEADS * GROUP, DIM),
          more_prompt=True)  # fmt: skip
     q = (3.0 * direction).repeat_interleave(GROUP, 0).expand(LAYERS, 1, -1, -1)
@@ -405,10 +409,13 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
     rows (a scored chunk; 300 query vectors), no room, every candidate, and enough blocks that
     two threads score them; summaries of whole blocks, of half blocks and of 5 parts (a
     block's score: its best; candidates that start and end inside a tile of 16 summaries),
-    with the half-range or the centre alone; head dims of whole vectors and not (36), and GQA
-    groups that leave the kernel's passes of 4 queries part full (1, 2, 3)."""
+    with the half-range or the centre alone; head dims of whole vectors and not (36), GQA
+    groups that leave the kernel's passes of 4 queries part full (1, 2, 3), and a block scored
+    by its summaries' largest or their log-sum-exp (`block_score` lse: the kernel's exp is a
+    polynomial within 2e-7 of torch's, so a block may differ only where the two scores of the
+    blocks swapped tie within 1e-5)."""
     from unikv.kernels import sparse as kernels
-    from unikv.kvstrategies.sparse import choose_torch
+    from unikv.kvstrategies.sparse import block_scores, choose_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
@@ -419,12 +426,16 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
     for alpha, parts, width, d, group in cases:
         q, codes, scales = _summaries_and_queries(rows, h * group, h, d, blocks * parts,
                                                   width=width)  # fmt: skip
-        for threads in (1, 2):
+        for threads, temp in ((1, 0.0), (2, 0.0), (2, 0.125)):  # largest; log-sum-exp
             torch.set_num_threads(threads)
-            args = (q, codes, scales, 1, 701, room, 705, alpha, parts)  # window [701, 705)
+            args = (q, codes, scales, 1, 701, room, 705, alpha, parts, temp)  # window [701, 705)
             got, want = kernels.choose_blocks(*args), choose_torch(*args)
             assert got.shape == (h, 1 + room + 4)
-            assert torch.equal(got, want), (alpha, parts, width, d, group, threads)
+            if temp == 0:
+                assert torch.equal(got, want), (alpha, parts, width, d, group, threads)
+            else:  # the kernel's exp is a polynomial: only near ties may differ
+                _equal_but_near_ties(got, want, block_scores(q, codes, scales, 1, 701, alpha,
+                                                             parts, temp), 1, room)  # fmt: skip
     q, codes, scales = _summaries_and_queries(rows, 9, 3, 64, 720)
     with pytest.raises(ValueError, match="refused"):
         kernels.choose_blocks(q, codes, scales, 2, 600, 599, 610, 0.25)  # more room than blocks
@@ -432,6 +443,26 @@ def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
         kernels.choose_blocks(q, codes.float(), scales, 2, 600, 50, 610, 0.25)
     with pytest.raises(ValueError, match="do not cover"):
         kernels.choose_blocks(q, codes, scales, 2, 600, 50, 610, 0.25, 2)
+    for temp in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="refused"):
+            kernels.choose_blocks(q, codes, scales, 2, 600, 50, 610, 0.25, 1, temp)
+
+
+def _equal_but_near_ties(got, want, scores, lo, room):
+    """The kernel's choice `got` against the reference's `want` ([Hkv, blocks]): the same
+    sinks and window, and per KV head the chosen blocks the same but where a block one chose
+    and the other did not scores within 1e-5 of the other's lowest chosen (`scores`: the
+    reference's, [Hkv, candidates] from block `lo`)."""
+    assert torch.equal(got[:, :lo], want[:, :lo]) and torch.equal(
+        got[:, lo + room :], want[:, lo + room :]
+    )
+    for h in range(got.shape[0]):
+        a, b = set(got[h, lo : lo + room].tolist()), set(want[h, lo : lo + room].tolist())
+        if a == b:
+            continue
+        line = min(scores[h, x - lo].item() for x in b)
+        for x in a ^ b:
+            assert abs(scores[h, x - lo].item() - line) < 1e-5, (h, x, line)
 
 
 def test_queries_are_quantized_alike_in_the_kernel_and_the_reference(isa):
@@ -472,6 +503,31 @@ def test_range_weight_moves_the_score_between_the_bound_and_the_centre():
     b, scales = tile(codes), torch.full((1, 16), 0.5)
     assert choose_torch(q, b, scales, 0, 3, 1, 3, 1.0)[0].tolist() == [1]  # bound: 4 vs 2.5
     assert choose_torch(q, b, scales, 0, 3, 1, 3, 0.0)[0].tolist() == [2]  # centre: 1 vs 2
+
+
+def test_log_sum_exp_prefers_many_strong_tokens_to_one_stronger(isa):
+    """`block_score` max ranks a block by its best token; lse by about the softmax mass its
+    tokens take: a block of one key at 10 and fifteen at 0 against a block of sixteen at 9.5
+    (one token per summary, scale 1) swap places, in the reference and in the kernel."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kernels.sparse import tile
+    from unikv.kvstrategies.sparse import choose_torch
+
+    d = 4
+    q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])  # one query: code 63, scale 1 / 63
+    codes = torch.zeros(1, 48, d, dtype=torch.int8)  # 3 blocks of 16 one-token summaries
+    codes[0, 16, 0] = 20  # block 1: one key at 10, the others at 0
+    codes[0, 32:48, 0] = 19  # block 2: every key at 9.5
+    b, scales = tile(codes), torch.full((1, 48), 0.5)
+    for temp, want in ((0.0, [1]), (1.0, [2])):
+        args = (q, b, scales, 0, 3, 1, 3, 0.0, 16, temp)
+        assert choose_torch(*args)[0].tolist() == want
+        if kernels.unavailable() is None:
+            assert kernels.choose_blocks(*args)[0].tolist() == want
+    kv = kvstrategies.create("dense+resident+sparse", SPEC, options={"block_score": "lse"})
+    assert kv.selection._temp == SPEC.scale
+    with pytest.raises(ValueError, match="block_score"):
+        kvstrategies.create("dense+resident+sparse", SPEC, options={"block_score": "sum"})
 
 
 @pytest.mark.parametrize("d,bs", [(64, 16), (40, 12), (128, 16)])

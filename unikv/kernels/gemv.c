@@ -1285,8 +1285,8 @@ typedef int (*attend_fn)(const float *q, int T, int hq, int hkv, int d, int bs,
 /* A sparse selection's choice (sparse.c's sparse_choose: its signature). */
 typedef int (*choose_fn)(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
                          const float *scales, long head_stride, long scale_stride, int parts,
-                         int w, long lo, long hi, long room, long end, float alpha, int64_t *out,
-                         int threads);
+                         int w, long lo, long hi, long room, long end, float alpha, float temp,
+                         int64_t *out, int threads);
 
 /* Per layer from `first` on, each sequence with a plan (lo >= 0) reads the blocks `choose`
  * picks from its summaries instead of every block: the sinks [0, lo), `room` of [lo, hi), the
@@ -1295,7 +1295,7 @@ typedef int (*choose_fn)(const float *q, int rows, int hq, int hkv, int d, const
 typedef struct {
     choose_fn choose;
     int first, parts, w;
-    float alpha;
+    float alpha, temp;
     const int64_t *plan; /* [nseq][4]: lo, hi, room, end (lo < 0: the sequence reads all) */
     const int64_t *codes, *scales; /* [nseq]: layer 0's int8 summaries and float32 scales */
     const int64_t *codes_layer, *scales_layer; /* [nseq]: bytes from one layer's to the next */
@@ -1390,7 +1390,7 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
                            (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
                            (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
                            c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
-                           p[2], p[3], c->alpha, picked, threads);
+                           p[2], p[3], c->alpha, c->temp, picked, threads);
             choose_seconds += omp_get_wtime() - t0;
             chosen[s] = picked, nchosen[s] = p[0] + p[2] + (p[3] - p[1]);
         }

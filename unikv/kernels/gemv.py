@@ -278,7 +278,8 @@ class Choice(ctypes.Structure):
     """gemv.c's choice_t: a sparse selection's per-layer choice inside the step."""
 
     _fields_ = [("choose", ctypes.c_void_p), ("first", ctypes.c_int), ("parts", ctypes.c_int),
-                ("w", ctypes.c_int), ("alpha", ctypes.c_float), ("plan", ctypes.c_void_p),
+                ("w", ctypes.c_int), ("alpha", ctypes.c_float), ("temp", ctypes.c_float),
+                ("plan", ctypes.c_void_p),
                 ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("codes_layer", ctypes.c_void_p), ("scales_layer", ctypes.c_void_p),
                 ("head_stride", ctypes.c_void_p), ("scale_stride", ctypes.c_void_p),

@@ -17,7 +17,10 @@
  * half-range (per summary [c, r], 2d int8 codes, or [c] alone, d codes, when the score is the
  * centre's; and one float32 scale). alpha = 1 is Quest's upper bound of q . k over the tokens
  * summarized; smaller alpha weighs the centre more. The queries are quantized to int8 here
- * (see "choosing" below).
+ * (see "choosing" below). With temp > 0 a block's score is instead the log-sum-exp of temp
+ * times its summaries' scores (each still the largest over the queries): with one token per
+ * summary, about how much of the softmax mass at the attention's scale `temp` the block takes,
+ * where the largest counts one strong token as much as many.
  *
  * Top-k: a quickselect finds the room-th largest score per head; the blocks above it, and
  * as many of those equal to it as there is room for, are taken in block order, so the chosen
@@ -226,6 +229,40 @@ static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq
 
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* e^x for x <= 0 (or -inf: 0), vectorizable (libm's expf is a call per element): the Cephes
+ * polynomial on x - n ln 2, times 2^n; relative error about 2e-7. */
+static inline float exp_neg(float x) {
+    const float c = x < -87.0f ? -87.0f : x;
+    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round: 1.5 * 2^23 */
+    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
+    return x == -INFINITY ? 0.0f : p * two.f;
+}
+
+/* sh[b] = the log-sum-exp of temp x sp[b * parts .. (b + 1) * parts), for b < n: how much
+ * softmax mass the block's summaries would take at the attention's scale `temp` (up to the
+ * normalizer, the same for every block), where the largest (`block_max`) counts only its best.
+ * Taken from the block's largest m, as m + log sum e^(x - m), so it never underflows. */
+static void block_lse(const float *sp, long n, int parts, float temp, float *sh) {
+    for (long b = 0; b < n; b++) {
+        const float *x = sp + b * parts;
+        float m = x[0];
+        for (int p = 1; p < parts; p++) m = MAX(x[p], m);
+        m *= temp;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int p = 0; p < parts; p++) sum += exp_neg(temp * x[p] - m);
+        sh[b] = m + logf(sum);
+    }
+}
+
 /* sh[b] = the largest of sp[b * parts .. (b + 1) * parts), for b < n. For 8 parts (the
  * default) as a tree, three compares deep: one chain of seven serial compares per block was
  * a third of the choice's time. */
@@ -248,15 +285,18 @@ static void block_max(const float *sp, long n, int parts, float *sh) {
  * centre and half-range, or d, the centre alone; `parts` per block, block b's first is
  * summary b * parts) and their scales at scales + h * scale_stride. Writes out [hkv, lo + room
  * + (end - hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates
- * [lo, hi), then the window hi..end-1. Returns 0, or -1 for arguments out of its limits (or
- * no memory). w <= 1024 keeps every integer dot exact as a float. */
+ * [lo, hi), then the window hi..end-1; a block's score: its summaries' largest (temp = 0) or
+ * their log-sum-exp at scale temp (`block_lse`). Returns 0, or -1 for arguments out of its
+ * limits (or no memory). w <= 1024 keeps every integer dot exact as a float. */
 int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
                   const float *scales, long head_stride, long scale_stride, int parts, int w,
-                  long lo, long hi, long room, long end, float alpha, int64_t *out, int threads) {
+                  long lo, long hi, long room, long end, float alpha, float temp, int64_t *out,
+                  int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group, nqp = (nq + QT - 1) / QT * QT;
     const long n = hi - lo, width = lo + room + (end - hi);
     if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d) || w % 4 ||
-        w > 1024 || parts <= 0 || lo < 0 || n < 0 || room < 0 || room > n || end < hi)
+        w > 1024 || parts <= 0 || lo < 0 || n < 0 || room < 0 || room > n || end < hi ||
+        !(temp >= 0.0f) || isinf(temp))
         return -1;
     /* the tiles that hold summaries [lo * parts, hi * parts), scored whole */
     const long s0 = lo * parts, t0 = s0 / TILE, t1 = (hi * parts + TILE - 1) / TILE;
@@ -308,6 +348,15 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                         codes + h * head_stride, scales + h * scale_stride, a, b,
                         ss + h * ns + (a - t0) * TILE);
         }
+        /* the log-sum-exp of each block (an exp per summary) in runs of 64 blocks over the
+           threads; the largest (a few compares) per head below */
+        const long runs = temp > 0.0f && room ? (n + 63) / 64 : 0;
+#pragma omp for schedule(static)
+        for (long c = 0; c < hkv * runs; c++) {
+            const long h = c / runs, b0 = (c % runs) * 64, nb = n - b0 < 64 ? n - b0 : 64;
+            block_lse(ss + h * ns + (s0 - t0 * TILE) + b0 * parts, nb, parts, temp,
+                      s + h * (2 * n + 1) + b0);
+        }
 #pragma omp for schedule(static)
         for (int h = 0; h < hkv; h++) {
             int64_t *o = out + h * width;
@@ -315,7 +364,8 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
             for (long b = hi; b < end; b++) o[lo + room + b - hi] = b;
             if (room) {
                 float *sh = s + h * (2 * n + 1), *tmp = sh + n;
-                block_max(ss + h * ns + (s0 - t0 * TILE), n, parts, sh); /* from summary lo * parts */
+                if (temp <= 0.0f) /* from summary lo * parts */
+                    block_max(ss + h * ns + (s0 - t0 * TILE), n, parts, sh);
                 memcpy(tmp, sh, sizeof(float) * n);
                 const float thr = kth_largest(tmp, n, room);
                 long above = 0; /* blocks above the threshold: all taken; of those equal to it,
@@ -362,23 +412,6 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
 #endif
 static inline void prefetch_block(const char *p, long floats) {
     for (long o = 0; o < floats * 4; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
-
-/* e^x for x <= 0 (or -inf: 0), vectorizable (libm's expf is a call per element): the Cephes
- * polynomial on x - n ln 2, times 2^n; relative error about 2e-7. */
-static inline float exp_neg(float x) {
-    const float c = x < -87.0f ? -87.0f : x;
-    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round: 1.5 * 2^23 */
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
-    return x == -INFINITY ? 0.0f : p * two.f;
 }
 
 /* acc[0..d) += sum_j w[j] v_j over the n value rows vb, vb + d, ...: 64 channels at a time held

@@ -32,7 +32,8 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i, lng, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    lib.sparse_choose.argtypes = [p, i, i, i, i, p, p, lng, lng, i, i, lng, lng, lng, lng, f, p, i]
+    lib.sparse_choose.argtypes = [p, i, i, i, i, p, p, lng, lng, i, i, lng, lng, lng, lng, f, f,
+                                  p, i]  # fmt: skip
     lib.sparse_choose.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
@@ -81,7 +82,7 @@ def untile(tiles: torch.Tensor) -> torch.Tensor:
 
 def choose_blocks(
     q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, room: int,
-    end: int, alpha: float, parts: int = 1,
+    end: int, alpha: float, parts: int = 1, temp: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """[Hkv, lo + room + (end - hi)] int64: per KV head the sink blocks 0..lo-1, the `room`
     candidates of [lo, hi) whose score is largest (in ascending order), then the window
@@ -89,7 +90,9 @@ def choose_blocks(
     in tiles ([Hkv, S / 16, w / 4, 16, 4], `tile`; w: 2D, centre and half-range, or D, the
     centre alone), `parts` per block; scales [Hkv, S] float32, one per summary. The score of a
     block: the largest over its summaries and the group's queries of q . centre + alpha |q| .
-    half-range, with q quantized to int8 as `kvstrategies.sparse.quantize_queries` does."""
+    half-range, with q quantized to int8 as `kvstrategies.sparse.quantize_queries` does; with
+    `temp` > 0, the log-sum-exp of temp times its summaries' scores (each the largest over the
+    queries)."""
     lib = _lib()
     rows, hq, d = q.shape
     h, g, c, t, four = codes.shape
@@ -106,7 +109,7 @@ def choose_blocks(
     out = torch.empty(h, lo + room + (end - hi), dtype=torch.int64)
     rc = lib.sparse_choose(
         q.data_ptr(), rows, hq, h, d, codes.data_ptr(), scales.data_ptr(), codes.stride(0),
-        scales.stride(0), parts, w, lo, hi, room, end, alpha, out.data_ptr(),
+        scales.stride(0), parts, w, lo, hi, room, end, alpha, temp, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if rc:

@@ -62,14 +62,15 @@ METHODS = ("sparse", "oracle", "exact", "learned_prune", "streaming")
 
 
 def methods(share: float, context: int, variants: tuple[dict, ...] = (),
-            wanted: tuple[str, ...] = METHODS) -> dict[str, tuple[str, dict]]:  # fmt: skip
+            wanted: tuple[str, ...] = METHODS,
+            defaults: bool = True) -> dict[str, tuple[str, dict]]:  # fmt: skip
     """The caches compared at `share` of the context attended: name -> (strategy, options).
     The sparse budget is `share` of the context in tokens (Quest's token budget: positions
     before it read everything), at its default options and with each of `variants` (options
     over the defaults, e.g. {"summary_tokens": 16, "range_weight": 0.25}); the oracle is
     `sparse` choosing by true attention (`Oracle`), exact `sparse` by exact keys (`Oracle` with
     `mass` False); the pruned caches keep `share` of the
-    tokens seen."""
+    tokens seen. With `defaults` False (and variants) `sparse` at its defaults is left out."""
     budget = {"budget_tokens": int(share * context)}
     out = {
         f"sparse@{share:g}": ("dense+resident+sparse", budget),
@@ -79,6 +80,8 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
         f"streaming@{share:g}": ("learned_prune", {"kept_ratio": share, "scorer": "streaming"}),
     }
     out = {k: v for k, v in out.items() if k.split("@")[0] in wanted}
+    if not defaults and variants:  # the variants alone
+        out.pop(f"sparse@{share:g}", None)
     if "sparse" in wanted:
         for v in variants:
             name = ",".join(f"{_SHORT.get(k, k)}={x if isinstance(x, str) else f'{x:g}'}"
@@ -136,7 +139,7 @@ class Oracle:
 
 def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
              variants: tuple[dict, ...] = (), wanted: tuple[str, ...] = METHODS,
-             chunk: int = 16) -> list[dict]:  # fmt: skip
+             chunk: int = 16, defaults: bool = True) -> list[dict]:  # fmt: skip
     spec = model.kv_spec()
     rows = []
     for path in texts:
@@ -147,7 +150,7 @@ def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
         rows.append({"text": path.name, "tokens": n, "method": "full", "share": 1.0,
                      "ppl": base, "change_%": 0.0})  # fmt: skip
         for share in shares:
-            for label, (name, opts) in methods(share, n, variants, wanted).items():
+            for label, (name, opts) in methods(share, n, variants, wanted, defaults).items():
                 opts = dict(opts)
                 oracle = opts.pop("oracle", False)
                 kv = kvstrategies.create(name, spec, options=opts)
@@ -376,6 +379,9 @@ def main() -> None:
     ap.add_argument("--block-scores", nargs="*", default=[], choices=("max", "lse"),
                     help="PPL: sparse also scoring blocks by each of these (with each variant "
                     "above, or the defaults)")  # fmt: skip
+    ap.add_argument("--variants-only", action="store_true",
+                    help="PPL: the sparse variants above, without sparse at its "
+                    "defaults")  # fmt: skip
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[],
                     help="PPL: sparse also with each of these many first layers reading "
                     "everything (with each variant above, or the defaults)")  # fmt: skip
@@ -414,7 +420,7 @@ def main() -> None:
             variants = [{"dense_layers": n, **v} for n in args.dense_layers
                         for v in variants or [{}]]  # fmt: skip
         rows = ppl_rows(model, tok, texts, args.tokens, args.shares, tuple(variants),
-                        tuple(args.methods), args.chunk)  # fmt: skip
+                        tuple(args.methods), args.chunk, not args.variants_only)  # fmt: skip
         report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",
                                     "blocks_read"], {**extra, "chunk": args.chunk})  # fmt: skip
         worst = {}

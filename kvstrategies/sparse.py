@@ -13,10 +13,10 @@ with their range, and summaries of 2 tokens, w = 0, came nearest to choosing by 
 attention. Per step, layer and KV head, the group's query heads (and, for a chunk of several
 tokens, all its queries) choose together: a summary takes its largest score over them, and a
 block its summaries' largest (`block_score` max) or their log-sum-exp at the attention's
-scale (lse: about the softmax mass the block takes, so that many strong tokens outweigh one;
-with one token per summary it is what came nearest to choosing by the true attention on the
-shortest development text, BENCHMARKS.md). The
-choice is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
+scale (lse, ranked by the sum of e^(scale (x - best)): about the softmax mass the block takes,
+so that many strong tokens outweigh one; with one token per summary it is what came nearest to
+choosing by the true attention on the shortest development text, BENCHMARKS.md). The choice
+is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
 `choose_torch`): one call per sequence and layer.
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
@@ -486,11 +486,11 @@ def block_scores(
     nothing; scales [Hkv, summaries]). A summary's score: the largest over the queries of
     q . centre + alpha |q| . half-range (alpha = 1: Quest's upper bound of q . k over its
     tokens), with q quantized as `quantize_queries` does; a block's: its summaries' largest,
-    or with `temp` > 0 the log-sum-exp of temp times them (from their largest m: m + log sum
-    e^(x - m)). `unikv/kernels/sparse.c` must choose as this does: bit for bit for the largest
-    (every dot of codes is an exact integer in float32); for the log-sum-exp its exp is a
-    polynomial within about 2e-7 of this one, so only blocks whose scores tie that closely
-    may differ."""
+    or with `temp` > 0 their mass, the sum of e^(temp (x - M)) (M the KV head's best score; a
+    term below e^-87 counts as e^-87): ranked as their log-sum-exp. `unikv/kernels/sparse.c`
+    must choose as this does: bit for bit for the largest (every dot of codes is an exact
+    integer in float32); for the mass its exp is a polynomial within about 2e-7 of this one, so
+    only blocks whose masses tie that closely may differ."""
     codes = kernels.untile(codes)  # [Hkv, S, w]
     h, _, w = codes.shape
     t, hq, d = q.shape
@@ -502,8 +502,8 @@ def block_scores(
     score = score.view(h, hi - lo, parts)
     if temp <= 0:
         return score.amax(-1)
-    top = score.amax(-1, keepdim=True) * temp
-    return top.squeeze(-1) + (score * temp - top).exp_().sum(-1).log_()
+    top = score.amax((1, 2), keepdim=True) * temp
+    return (score * temp - top).clamp_(min=-87.0).exp_().sum(-1)
 
 
 def pick_blocks(score: torch.Tensor, lo: int, hi: int, room: int, end: int) -> torch.Tensor:

@@ -17,10 +17,10 @@
  * half-range (per summary [c, r], 2d int8 codes, or [c] alone, d codes, when the score is the
  * centre's; and one float32 scale). alpha = 1 is Quest's upper bound of q . k over the tokens
  * summarized; smaller alpha weighs the centre more. The queries are quantized to int8 here
- * (see "choosing" below). With temp > 0 a block's score is instead the log-sum-exp of temp
- * times its summaries' scores (each still the largest over the queries): with one token per
- * summary, about how much of the softmax mass at the attention's scale `temp` the block takes,
- * where the largest counts one strong token as much as many.
+ * (see "choosing" below). With temp > 0 a block's score is instead the sum of e^(temp (x -
+ * M)) over its summaries' scores x (each still the largest over the queries; M the head's
+ * best): with one token per summary, about how much of the softmax mass at the attention's
+ * scale `temp` the block takes, where the largest counts one strong token as much as many.
  *
  * Top-k: a quickselect finds the room-th largest score per head; the blocks above it, and
  * as many of those equal to it as there is room for, are taken in block order, so the chosen
@@ -246,20 +246,21 @@ static inline float exp_neg(float x) {
     return x == -INFINITY ? 0.0f : p * two.f;
 }
 
-/* sh[b] = the log-sum-exp of temp x sp[b * parts .. (b + 1) * parts), for b < n: how much
- * softmax mass the block's summaries would take at the attention's scale `temp` (up to the
- * normalizer, the same for every block), where the largest (`block_max`) counts only its best.
- * Taken from the block's largest m, as m + log sum e^(x - m), so it never underflows. */
-static void block_lse(const float *sp, long n, int parts, float temp, float *sh) {
+/* sh[b] = the sum of e^(temp x - top) over x in sp[b * parts .. (b + 1) * parts), for b < n:
+ * with top = temp times the KV head's best score, about the softmax mass the block's summaries
+ * would take at the attention's scale `temp` (up to the normalizer, the same for every block),
+ * where the largest (`block_max`) counts only a block's best. A term below e^-87 counts as
+ * e^-87 (`exp_neg`): blocks that far below the best take no attention. One flat pass of exps
+ * over the summaries (in place: `sp` is not read again), then the sums. */
+static void block_mass(float *sp, long n, int parts, float temp, float top, float *sh) {
+#pragma omp simd
+    for (long i = 0; i < n * parts; i++) sp[i] = exp_neg(temp * sp[i] - top);
     for (long b = 0; b < n; b++) {
         const float *x = sp + b * parts;
-        float m = x[0];
-        for (int p = 1; p < parts; p++) m = MAX(x[p], m);
-        m *= temp;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int p = 0; p < parts; p++) sum += exp_neg(temp * x[p] - m);
-        sh[b] = m + logf(sum);
+        for (int p = 0; p < parts; p++) sum += x[p];
+        sh[b] = sum;
     }
 }
 
@@ -286,7 +287,7 @@ static void block_max(const float *sp, long n, int parts, float *sh) {
  * summary b * parts) and their scales at scales + h * scale_stride. Writes out [hkv, lo + room
  * + (end - hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates
  * [lo, hi), then the window hi..end-1; a block's score: its summaries' largest (temp = 0) or
- * their log-sum-exp at scale temp (`block_lse`). Returns 0, or -1 for arguments out of its
+ * their mass at scale temp (`block_mass`). Returns 0, or -1 for arguments out of its
  * limits (or no memory). w <= 1024 keeps every integer dot exact as a float. */
 int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
                   const float *scales, long head_stride, long scale_stride, int parts, int w,
@@ -348,14 +349,26 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                         codes + h * head_stride, scales + h * scale_stride, a, b,
                         ss + h * ns + (a - t0) * TILE);
         }
-        /* the log-sum-exp of each block (an exp per summary) in runs of 64 blocks over the
-           threads; the largest (a few compares) per head below */
+        /* the mass of each block (an exp per summary): per head its best score, then runs of
+           64 blocks over the threads; the largest (a few compares) per head below. The best
+           goes in the spare float after the head's two rows of n. */
         const long runs = temp > 0.0f && room ? (n + 63) / 64 : 0;
+        if (runs) {
 #pragma omp for schedule(static)
-        for (long c = 0; c < hkv * runs; c++) {
-            const long h = c / runs, b0 = (c % runs) * 64, nb = n - b0 < 64 ? n - b0 : 64;
-            block_lse(ss + h * ns + (s0 - t0 * TILE) + b0 * parts, nb, parts, temp,
-                      s + h * (2 * n + 1) + b0);
+            for (int h = 0; h < hkv; h++) {
+                const float *sp = ss + h * ns + (s0 - t0 * TILE);
+                float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+                for (long i = 0; i < n * parts; i++) m = MAX(sp[i], m);
+                s[h * (2 * n + 1) + 2 * n] = m * temp;
+            }
+#pragma omp for schedule(static)
+            for (long c = 0; c < hkv * runs; c++) {
+                const long h = c / runs, b0 = (c % runs) * 64, nb = n - b0 < 64 ? n - b0 : 64;
+                float *sh = s + h * (2 * n + 1);
+                block_mass(ss + h * ns + (s0 - t0 * TILE) + b0 * parts, nb, parts, temp,
+                           sh[2 * n], sh + b0);
+            }
         }
 #pragma omp for schedule(static)
         for (int h = 0; h < hkv; h++) {

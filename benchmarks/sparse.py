@@ -24,10 +24,16 @@ with the device tier's KV bytes (and the summaries' beside them); and for each p
 `--formats` its whole cache against its sparse selection (the kernel over the chosen
 blocks' records). `--chart PNG` draws PPL change against the share of tokens attended.
 
+The variants (`--range-weights`, `--summary-tokens`, `--block-scores`, `--dense-layers`, each
+list crossed with the others) add `sparse` cases to every section: a PPL row, a passkey column
+and a resident decode case each (`--variants-only`: without `sparse` at its defaults in PPL and
+passkey; `--decode-skip tiered ssd layerwise` leaves those decode cases out).
+
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
-        [--summary-tokens 16 4 2] [--block-scores max lse]
+        [--summary-tokens 16 4 2] [--block-scores max lse] [--variants-only]
+        [--decode-skip tiered ssd layerwise]
 """
 
 from __future__ import annotations
@@ -84,14 +90,18 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
         out.pop(f"sparse@{share:g}", None)
     if "sparse" in wanted:
         for v in variants:
-            name = ",".join(f"{_SHORT.get(k, k)}={x if isinstance(x, str) else f'{x:g}'}"
-                            for k, x in v.items())  # fmt: skip
-            out[f"sparse({name})@{share:g}"] = ("dense+resident+sparse", {**budget, **v})
+            out[f"sparse({_variant(v)})@{share:g}"] = ("dense+resident+sparse", {**budget, **v})
     return out
 
 
 _SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense",
           "block_score": "score"}  # fmt: skip
+
+
+def _variant(options: dict) -> str:
+    """A sparse variant's short name: `s=1,score=lse`."""
+    return ",".join(f"{_SHORT.get(k, k)}={x if isinstance(x, str) else f'{x:g}'}"
+                    for k, x in options.items())  # fmt: skip
 
 
 class Oracle:
@@ -167,16 +177,23 @@ def ppl_rows(model, tok, texts: list[Path], tokens: int, shares: list[float],
     return rows
 
 
-def passkey_rows(model, tok, texts: list[Path], lengths: list[int], share: float) -> list[dict]:
+def passkey_rows(model, tok, texts: list[Path], lengths: list[int], share: float,
+                 variants: tuple[dict, ...] = (), defaults: bool = True) -> list[dict]:  # fmt: skip
+    """Per text and length: `full`'s passkey accuracy and `sparse`'s at `share` (at its
+    defaults unless `defaults` is False, and with each of `variants`), with their depths."""
     spec = model.kv_spec()
     rows = []
     for path in texts:
         filler = path.read_text(encoding="utf-8")
         for length in lengths:
             row = {"text": path.name, "length": length}
-            for label, name, opts in (("full", "full", {}),
-                                      ("sparse", "dense+resident+sparse",
-                                       {"budget_tokens": int(share * length)})):  # fmt: skip
+            budget = {"budget_tokens": int(share * length)}
+            cases = [("full", "full", {})]
+            if defaults or not variants:
+                cases.append(("sparse", "dense+resident+sparse", budget))
+            cases += [(f"sparse({_variant(v)})", "dense+resident+sparse", {**budget, **v})
+                      for v in variants]  # fmt: skip
+            for label, name, opts in cases:
                 kv = kvstrategies.create(name, spec, options=opts)
                 r = passkey(model, tok, kv, length, samples=3, filler=filler)
                 row[label] = r.accuracy
@@ -213,7 +230,11 @@ class _Timed:
 
 
 def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
-                formats: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+                formats: tuple[str, ...] = (), variants: tuple[dict, ...] = (),
+                skip: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+    """The decode table's rows (the module's docstring), and for each of `variants` (options
+    over the defaults) resident `sparse` with them, in one call; `skip` leaves out the
+    "tiered", "ssd" or "layerwise" cases."""
     spec = model.kv_spec()
     context = min(context, model.cfg.context_length - steps * rounds - 1)  # room to decode
     ids = tok.encode(TEXTS[0].read_text(encoding="utf-8") * 4)[:context]
@@ -244,7 +265,12 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
         )
         for staging in ("all", "likely")
     }
-    for staging, config in ssd.items():
+    for v in variants:
+        cases[f"sparse({_variant(v)})@{share:g}"] = ("dense+resident+sparse", {**budget, **v},
+                                                     None, "full")  # fmt: skip
+    if "tiered" in skip:
+        del cases[f"sparse@{share:g} tiered"]
+    for staging, config in ssd.items() if "ssd" not in skip else ():
         cases[f"sparse@{share:g} ssd, staged {staging}"] = (
             "dense+tiered+sparse",
             {**budget, "device_window": window, "host_window": window, "sparse_staging": staging},
@@ -255,7 +281,8 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
     # has a twin stepped layer by layer (the same kernels, and the Python between them); so does
     # the tiered case, whose host blocks the one-call step reads in place
     for label in ("full", f"sparse@{share:g}", f"sparse@{share:g} tiered"):
-        cases[label + LAYERWISE] = cases[label]
+        if label in cases and "layerwise" not in skip:
+            cases[label + LAYERWISE] = cases[label]
     for fmt in formats:  # a packed format: its own whole-cache attention is the baseline
         cases[fmt] = (f"{fmt}+resident+all", {}, None, fmt)
         cases[f"{fmt} sparse@{share:g}"] = (f"{fmt}+resident+sparse", budget, None, fmt)
@@ -372,32 +399,47 @@ def main() -> None:
                     "by the true attention; exact: by the exact keys' largest q.k; both read "
                     "every key: references, not methods)")  # fmt: skip
     ap.add_argument("--range-weights", type=float, nargs="*", default=[],
-                    help="PPL: sparse also at each of these range_weight values")  # fmt: skip
+                    help="sparse also at each of these range_weight values")  # fmt: skip
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
-                    help="PPL: sparse also with summaries of each of these many tokens (at "
+                    help="sparse also with summaries of each of these many tokens (at "
                     "each --range-weights value, or the default)")  # fmt: skip
     ap.add_argument("--block-scores", nargs="*", default=[], choices=("max", "lse"),
-                    help="PPL: sparse also scoring blocks by each of these (with each variant "
+                    help="sparse also scoring blocks by each of these (with each variant "
                     "above, or the defaults)")  # fmt: skip
     ap.add_argument("--variants-only", action="store_true",
-                    help="PPL: the sparse variants above, without sparse at its "
-                    "defaults")  # fmt: skip
+                    help="PPL and passkey: the sparse variants above, without sparse at "
+                    "its defaults")  # fmt: skip
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[],
-                    help="PPL: sparse also with each of these many first layers reading "
+                    help="sparse also with each of these many first layers reading "
                     "everything (with each variant above, or the defaults)")  # fmt: skip
     ap.add_argument("--chunk", type=int, default=16,
                     help="tokens scored per step after the prefill (the protocol: 16, whose "
                          "queries choose together; 1: each token chooses alone, as decode "
                          "does)")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=("ppl", "passkey", "decode"))
+    ap.add_argument("--decode-skip", nargs="*", default=[],
+                    choices=("tiered", "ssd", "layerwise"),
+                    help="decode: leave out these cases (the tiered placement, the SSD tier, "
+                    "the layer-by-layer twins)")  # fmt: skip
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
     texts = [Path(t) for t in args.texts] if args.texts else TEXTS
     model, tok = load_model(args.model, "float32", "cpu", False)
     extra = {"cpu": _cpu()}
+    variants = [{"range_weight": w} for w in args.range_weights]
+    if args.summary_tokens:
+        variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
+                    for v in variants or [{}]]  # fmt: skip
+    if args.block_scores:
+        variants = [{"block_score": b, **v} for b in args.block_scores
+                    for v in variants or [{}]]  # fmt: skip
+    if args.dense_layers:
+        variants = [{"dense_layers": n, **v} for n in args.dense_layers
+                    for v in variants or [{}]]  # fmt: skip
     if "decode" not in args.skip:
         rows = decode_rows(model, tok, args.decode_context, args.decode_steps,
-                           args.passkey_share, args.rounds, tuple(args.formats))  # fmt: skip
+                           args.passkey_share, args.rounds, tuple(args.formats),
+                           tuple(variants), tuple(args.decode_skip))  # fmt: skip
         report("sparse_decode", rows, ["method", "baseline", "context", "step_ms", "attend_ms",
                                        "select_ms",
                                        "step_speedup", "attend_speedup", "select_share_of_step",
@@ -405,20 +447,12 @@ def main() -> None:
                                        "summary_mib", "ssd_rows"],
                extra)  # fmt: skip
     if "passkey" not in args.skip:
-        rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share)
-        report("sparse_passkey", rows, ["text", "length", "full", "sparse", "full_depths",
-                                        "sparse_depths"], extra)  # fmt: skip
+        rows = passkey_rows(model, tok, texts, args.lengths, args.passkey_share,
+                            tuple(variants), not args.variants_only)  # fmt: skip
+        labels = [k for k in rows[0] if k not in ("text", "length") and not k.endswith("_depths")]
+        report("sparse_passkey", rows, ["text", "length", *labels,
+                                        *(f"{k}_depths" for k in labels)], extra)  # fmt: skip
     if "ppl" not in args.skip:
-        variants = [{"range_weight": w} for w in args.range_weights]
-        if args.summary_tokens:
-            variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
-                        for v in variants or [{}]]  # fmt: skip
-        if args.block_scores:
-            variants = [{"block_score": b, **v} for b in args.block_scores
-                        for v in variants or [{}]]  # fmt: skip
-        if args.dense_layers:
-            variants = [{"dense_layers": n, **v} for n in args.dense_layers
-                        for v in variants or [{}]]  # fmt: skip
         rows = ppl_rows(model, tok, texts, args.tokens, args.shares, tuple(variants),
                         tuple(args.methods), args.chunk, not args.variants_only)  # fmt: skip
         report("sparse_ppl", rows, ["text", "tokens", "method", "share", "ppl", "change_%",

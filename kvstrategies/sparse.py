@@ -106,8 +106,9 @@ class SparseSelection(Selection):
         Option("recent_window", int, 16, "newest stored tokens always read", low=0),
         Option("dense_layers", int, 2, "first layers that read everything (their attention is "
                "the least sparse; Quest: 2)", low=0),
-        Option("summary_tokens", int, 2, "tokens per key summary (a block's score is its "
-               "summaries' best; fewer tokens: a finer estimate, more bytes to read)", low=1),
+        Option("summary_tokens", int, 2, "tokens per key summary (a block's score comes from "
+               "its summaries', see block_score; fewer tokens: a finer estimate, more bytes to "
+               "read)", low=1),
         Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
                "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
                low=0, high=1),

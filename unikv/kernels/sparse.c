@@ -147,18 +147,20 @@ static inline float dot1(const float *qv, const float *kj, int d) {
 
 /* best[k] = the largest of best[k] and, over the queries u < nu (of QT: qc + u * w their
  * codes, qs[u] their scales, xq[u] 128 x their code sums), float(dot of codes) x qs[u], for
- * the 16 summaries k of one tile. */
-static inline void tile_best(const int8_t *qc, const float *qs, const int *xq, int nu, int w,
-                             const int8_t *tile, float *best) {
+ * the 16 summaries k of one tile. Inlined with nu a constant (`tile_best`), so a pass with
+ * fewer than QT queries (a decode step of a 3-query group) multiplies only those. */
+static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, const float *qs,
+                                                              const int *xq, const int nu, int w,
+                                                              const int8_t *tile, float *best) {
 #if CHOOSE_ISA == 2
     __m512i acc[QT];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
-    for (int u = 0; u < QT; u++) acc[u] = _mm512_setzero_si512();
+    for (int u = 0; u < nu; u++) acc[u] = _mm512_setzero_si512();
     for (int c = 0; c < w; c += 4) {
         const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(tile + c * TILE), flip);
 #pragma GCC unroll 4
-        for (int u = 0; u < QT; u++) {
+        for (int u = 0; u < nu; u++) {
             int32_t q4;
             memcpy(&q4, qc + (long)u * w + c, 4);
             acc[u] = _mm512_dpbusd_epi32(acc[u], x, _mm512_set1_epi32(q4));
@@ -166,21 +168,20 @@ static inline void tile_best(const int8_t *qc, const float *qs, const int *xq, i
     }
     __m512 m = _mm512_loadu_ps(best);
 #pragma GCC unroll 4
-    for (int u = 0; u < QT; u++)
-        if (u < nu)
-            m = _mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u], _mm512_set1_epi32(xq[u]))),
+    for (int u = 0; u < nu; u++)
+        m = _mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u], _mm512_set1_epi32(xq[u]))),
                                             _mm512_set1_ps(qs[u])), m);
     _mm512_storeu_ps(best, m);
 #elif CHOOSE_ISA == 1
     __m256i acc[QT][2];
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
-    for (int u = 0; u < QT; u++) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+    for (int u = 0; u < nu; u++) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
     for (int c = 0; c < w; c += 4) {
         const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE)), flip);
         const __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE + 32)), flip);
 #pragma GCC unroll 4
-        for (int u = 0; u < QT; u++) {
+        for (int u = 0; u < nu; u++) {
             int32_t q4;
             memcpy(&q4, qc + (long)u * w + c, 4);
             const __m256i y = _mm256_set1_epi32(q4);
@@ -190,13 +191,12 @@ static inline void tile_best(const int8_t *qc, const float *qs, const int *xq, i
     }
     __m256 m0 = _mm256_loadu_ps(best), m1 = _mm256_loadu_ps(best + 8);
 #pragma GCC unroll 4
-    for (int u = 0; u < QT; u++)
-        if (u < nu) {
-            const __m256i x = _mm256_set1_epi32(xq[u]);
-            const __m256 f = _mm256_set1_ps(qs[u]);
-            m0 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][0], x)), f), m0);
-            m1 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][1], x)), f), m1);
-        }
+    for (int u = 0; u < nu; u++) {
+        const __m256i x = _mm256_set1_epi32(xq[u]);
+        const __m256 f = _mm256_set1_ps(qs[u]);
+        m0 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][0], x)), f), m0);
+        m1 = _mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[u][1], x)), f), m1);
+    }
     _mm256_storeu_ps(best, m0);
     _mm256_storeu_ps(best + 8, m1);
 #else /* the plain sum of c q: the same integer */
@@ -210,6 +210,16 @@ static inline void tile_best(const int8_t *qc, const float *qs, const int *xq, i
             best[k] = v > best[k] ? v : best[k];
         }
 #endif
+}
+
+static void tile_best(const int8_t *qc, const float *qs, const int *xq, int nu, int w,
+                      const int8_t *tile, float *best) {
+    switch (nu) {
+    case 1: tile_best_n(qc, qs, xq, 1, w, tile, best); break;
+    case 2: tile_best_n(qc, qs, xq, 2, w, tile, best); break;
+    case 3: tile_best_n(qc, qs, xq, 3, w, tile, best); break;
+    default: tile_best_n(qc, qs, xq, QT, w, tile, best); break;
+    }
 }
 
 /* Scores of the summaries in tiles [t0, t1) of one KV head: s[i] for summary t0 * TILE + i.

@@ -100,6 +100,13 @@ def main() -> None:
     finally:
         native.hybrid_kernel = real
     packed = hybrid_libs([args.a, args.b], shapes)
+    # with --prefill-once the sequence grows by --steps a round (warm-up rounds included)
+    need = args.context + (2 * args.rounds + 2) * args.steps * args.prefill_once
+    if need > model.cfg.context_length:
+        kv.close()
+        raise SystemExit(f"--context {args.context} with --prefill-once grows to {need} tokens "
+                         f"over {2 * args.rounds + 2} rounds of --steps {args.steps}: more than "
+                         f"the model's {model.cfg.context_length}; lower one of them")  # fmt: skip
     ids = context_ids(tok, args.context)
     times: list[list[float]] = [[], []]
     try:

@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, 
 #pragma GCC unroll 4
     for (int u = 0; u < nu; u++)
         m = _mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u], _mm512_set1_epi32(xq[u]))),
-                                            _mm512_set1_ps(qs[u])), m);
+                                        _mm512_set1_ps(qs[u])), m);
     _mm512_storeu_ps(best, m);
 #elif CHOOSE_ISA == 1
     __m256i acc[QT][2];

@@ -19,7 +19,7 @@ C call for every layer, `model.layers`, where gemv.c times the choice and the at
 a twin of each stepped layer by layer, the same kernels with Python between them), and
 `sparse` over the tiered placement with the newest share of the context on the device tier
 and every older token on the host tier (each step reads the chosen blocks where they live, in
-one call too, and its twin layer by layer),
+one call too, and its twin layer by layer; its pool's blocks are `--tiered-block` tokens),
 with the device tier's KV bytes (and the summaries' beside them); and for each packed
 `--formats` its whole cache against its sparse selection (the kernel over the chosen
 blocks' records). `--chart PNG` draws PPL change against the share of tokens attended.
@@ -33,7 +33,7 @@ passkey; `--decode-skip tiered ssd layerwise` leaves those decode cases out).
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
         [--summary-tokens 16 4 2] [--block-scores max lse] [--variants-only]
-        [--decode-skip tiered ssd layerwise]
+        [--decode-skip tiered ssd layerwise] [--tiered-block 64]
 """
 
 from __future__ import annotations
@@ -231,10 +231,11 @@ class _Timed:
 
 def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
                 formats: tuple[str, ...] = (), variants: tuple[dict, ...] = (),
-                skip: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+                skip: tuple[str, ...] = (), tiered_block: int = 64) -> list[dict]:  # fmt: skip
     """The decode table's rows (the module's docstring), and for each of `variants` (options
     over the defaults) resident `sparse` with them, in one call; `skip` leaves out the
-    "tiered", "ssd" or "layerwise" cases."""
+    "tiered", "ssd" or "layerwise" cases; `tiered_block`: the tokens per block of their pools
+    (the resident cases keep the dense format's)."""
     spec = model.kv_spec()
     context = min(context, model.cfg.context_length - steps * rounds - 1)  # room to decode
     ids = tok.encode(TEXTS[0].read_text(encoding="utf-8") * 4)[:context]
@@ -242,25 +243,26 @@ def decode_rows(model, tok, context: int, steps: int, share: float, rounds: int,
     # Tiered: the newest `context * share` tokens on the device tier, every older one on the
     # host tier (no SSD tier); each step reads the chosen blocks where they are.
     window = max(64, int(context * share))
-    page = kvstrategies.get("hierarchical_offload").layout(spec, 64, {"dtype": None}).page_bytes
-    tiers = (TierConfig("device", ((window + 512) // 64 + 4) * page),  # + a prefill chunk
-             TierConfig("host", (context // 64 + 64) * page))  # fmt: skip
+    bs = tiered_block
+    page = kvstrategies.get("hierarchical_offload").layout(spec, bs, {"dtype": None}).page_bytes
+    tiers = (TierConfig("device", ((window + 512) // bs + 4) * page),  # + a prefill chunk
+             TierConfig("host", (context // bs + 64) * page))  # fmt: skip
     cases = {  # label -> (strategy, options, pool config, the baseline's label)
         "full": ("full", {}, None, "full"),
         f"sparse@{share:g}": ("dense+resident+sparse", budget, None, "full"),
         f"sparse@{share:g} tiered": ("dense+tiered+sparse",
                                      {**budget, "device_window": window, "host_window": context},
-                                     PoolConfig(block_size=64, tiers=tiers), "full"),
+                                     PoolConfig(block_size=bs, tiers=tiers), "full"),
     }  # fmt: skip
     # With an SSD tier: the newest share on the device, the next share on the host, every
     # older block in the SSD tier; staging ahead all of its blocks, or the likely ones.
     ssd = {
         staging: PoolConfig(
-            block_size=64,
+            block_size=bs,
             tiers=(
                 tiers[0],
-                TierConfig("host", (window // 64 + 8) * page),
-                TierConfig("ssd", (context // 64 + 64) * page, path=tempfile.mkdtemp("-ssd")),
+                TierConfig("host", (window // bs + 8) * page),
+                TierConfig("ssd", (context // bs + 64) * page, path=tempfile.mkdtemp("-ssd")),
             ),
         )
         for staging in ("all", "likely")
@@ -421,6 +423,10 @@ def main() -> None:
                     choices=("tiered", "ssd", "layerwise"),
                     help="decode: leave out these cases (the tiered placement, the SSD tier, "
                     "the layer-by-layer twins)")  # fmt: skip
+    ap.add_argument("--tiered-block", type=int, default=64,
+                    help="decode: tokens per block of the tiered and SSD cases' pools (the "
+                    "resident cases and the PPL rows use the dense format's 16; 64 makes their "
+                    "attention faster and their choice coarser)")  # fmt: skip
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
     texts = [Path(t) for t in args.texts] if args.texts else TEXTS
@@ -439,7 +445,8 @@ def main() -> None:
     if "decode" not in args.skip:
         rows = decode_rows(model, tok, args.decode_context, args.decode_steps,
                            args.passkey_share, args.rounds, tuple(args.formats),
-                           tuple(variants), tuple(args.decode_skip))  # fmt: skip
+                           tuple(variants), tuple(args.decode_skip),
+                           args.tiered_block)  # fmt: skip
         report("sparse_decode", rows, ["method", "baseline", "context", "step_ms", "attend_ms",
                                        "select_ms",
                                        "step_speedup", "attend_speedup", "select_share_of_step",

@@ -429,6 +429,8 @@ def main() -> None:
                     "attention faster and their choice coarser)")  # fmt: skip
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
     args = ap.parse_args()
+    if args.tiered_block < 1:
+        ap.error(f"--tiered-block must be a positive number of tokens, not {args.tiered_block}")
     texts = [Path(t) for t in args.texts] if args.texts else TEXTS
     model, tok = load_model(args.model, "float32", "cpu", False)
     extra = {"cpu": _cpu()}

@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ref, tok = load_model("smollm2", progress=False, weights="float32")
     native, _ = load_model("smollm2", progress=False, weights="native")
-    how = {f: "; ".join(w.get("how", [])) for f, w in weight_formats(native).items()}
+    how = {f: "; ".join(w.how) for f, w in weight_formats(native).items()}
     rows = {}
     for name in NAMES:
         path = next(TEXTS.glob(name + ".*"))

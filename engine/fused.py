@@ -16,8 +16,9 @@ The native entry multiplies each linear layer with the kernel its own matmul ent
 (`gemv` on float32 weights or packed blocks, `gemv_i8` on packed blocks), so it computes the
 same products. A layer whose matmul entries chose anything else (PyTorch's int4 or bmm, after
 a fallback, or on a machine without the kernel), a bf16 model, or more rows than a kernel takes
-(`gemv` takes at most `gemv.MAX_ROWS`; `gemv_i8` and the K-quants' `gemv` any number) goes
-through the ops path inside the same call, so the caller never sees the difference.
+(`gemv` takes at most `gemv.MAX_ROWS`; `gemv_i8` and the K-quants' `gemv` fewer than
+`gemv.GEMM_ROWS`, where their entries go on to a decoded float32 GEMM) goes through the ops
+path inside the same call, so the caller never sees the difference.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def _kind(lin: Linear) -> tuple[int, int] | None:
     name = lin.op.active.name
     if lin.fmt == "float" and name == "gemv" and lin.weight.weight.dtype == torch.float32:
         return gemv.KIND_FLOAT, gemv.MAX_ROWS
+    # from GEMM_ROWS rows on, the matmul entries multiply by a decoded GEMM (a prefill):
+    # the ops path, whose entries do that
     if lin.fmt in K_FORMATS and name == "gemv":
-        return gemv.KIND_K, 1 << 30
+        return gemv.KIND_K, gemv.GEMM_ROWS - 1
     if lin.fmt in NATIVE_FORMATS and name == "gemv_i8":
-        return gemv.KIND_PACKED_I8, 1 << 30
+        return gemv.KIND_PACKED_I8, gemv.GEMM_ROWS - 1
     if lin.fmt in NATIVE_FORMATS and name == "gemv":
         return gemv.KIND_PACKED, gemv.MAX_ROWS
     return None

@@ -14,15 +14,17 @@ Ops and their entries, in preference order (the last is the reference, available
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
 - matmul.q8_0: gemv_i8 (CPU, AVX512-VNNI: the activations rounded per 32-element block to two
   int8 codes, llama.cpp's Q8_0 / Q8_1 activations plus a code for the rest, and the GGUF blocks
-  multiplied in integers; up to `gemv.I8_MAX_ROWS` rows (decode, 16-token chunks), larger
-  batches go on to int4x2), gemv (CPU, AVX-512: the
-  GGUF blocks decoded in registers, float32 activations; larger batches: int4x2), int4x2 (CPU:
-  PyTorch's int4 kernel over two nibble planes, group-exact), int8 (CPU: PyTorch's weight-only
-  int8 kernel, requantized per row), dequant.
-- matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0; larger batches: int4), int4 (CPU:
+  multiplied in integers; decode, 16-token chunks, any batch below `gemv.GEMM_ROWS`), gemv
+  (CPU, AVX-512: the GGUF blocks decoded in registers, float32 activations; up to
+  `gemv.MAX_ROWS` rows), int4x2 (CPU: PyTorch's int4 kernel over two nibble planes,
+  group-exact), int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
+  From `gemv.GEMM_ROWS` rows on (a prefill) gemv_i8 and gemv decode the blocks in panels for
+  PyTorch's float32 GEMM (`gemv.gemm_packed`): at 512 rows 2.1x gemv_i8 and 1.8x the int4
+  kernel on SmolLM2's layers (Intel Xeon, AVX-512), with the exact weights.
+- matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
-- matmul.q4_k, matmul.q6_k: gemv (CPU: `gemv.c`'s K-quant kernel, every batch, float32
-  activations, the super-blocks decoded per call), dequant.
+- matmul.q4_k, matmul.q6_k: gemv (CPU: `gemv.c`'s K-quant kernel, float32 activations, the
+  super-blocks decoded per call; from `gemv.GEMM_ROWS` rows on, the decoded GEMM), dequant.
 - rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
 NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed weights) are fast
@@ -62,7 +64,9 @@ class SplitLinear:
     at batch 1 (two cores), and never slower up to 256 rows. The slices are a view of the
     row-major weight ([P, out/P, in] read transposed, which `bmm` takes as it is: measured here
     as fast as the copied [P, in, out/P] layout from 8 to 512 rows), so the gemv kernel and the
-    bmm share one copy of the weights.
+    bmm share one copy of the weights. From gemv.GEMM_ROWS rows on (a prefill) one plain product of
+    the whole weight is faster again (10.7 against 11.8 ms for a SmolLM2 layer's four at 512
+    rows, Intel Xeon).
     """
 
     def __init__(self, weight: torch.Tensor, parts: int) -> None:
@@ -76,9 +80,9 @@ class SplitLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
-        if self.parts == 1:
-            return x @ self.slices[0]
         n = x.shape[0]
+        if self.parts == 1 or n >= gemv.GEMM_ROWS:  # a prefill: one GEMM does more per second
+            return x @ self.weight.t()
         y = torch.bmm(x.expand(self.parts, n, x.shape[1]), self.slices)  # [P, N, out/P]
         return y.permute(1, 0, 2).reshape(n, self.out_features)
 
@@ -306,10 +310,20 @@ def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
     return fn
 
 
+def _gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """A prefill's many rows: the blocks decoded in panels for PyTorch's float32 GEMM
+    (`gemv.gemm_packed`; from gemv.GEMM_ROWS rows on it does more work per second than the
+    int8 kernel, and computes with the exact weights and float32 activations)."""
+    y = gemv.gemm_packed(x.float(), w.form("blocks", _blocks), w.q.qtype)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """Q4_K / Q6_K: every batch by gemv.c's K-quant kernel (float32 activations)."""
     if x.shape[0] == 0:
         return _mm_dequant(x, w)
+    if x.shape[0] >= gemv.GEMM_ROWS:
+        return _gemm(x, w)
     y = gemv.gemv_kquant(x.float(), w.form("blocks", _blocks), w.q.qtype)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -331,6 +345,8 @@ def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor])
     def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         if x.shape[0] == 0 or w.in_features > gemv.MAX_IN:
             return large(x, w)
+        if x.shape[0] >= gemv.GEMM_ROWS:
+            return _gemm(x, w)
         (head,) = w.form("i8", _i8_form)
         y = gemv.gemv_packed_i8(x.float(), w.form("blocks", _blocks), head, w.q.qtype)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -374,19 +390,15 @@ def _register() -> None:
     )  # fmt: skip
     register(FnImplementation("matmul.bf16", "mm", _mm_slices, ("*",)), 90, reference=True)
     int4 = _aten("_weight_int4pack_mm_for_cpu")
-    has_int4 = int4(torch.device("cpu"), None) is None
     for fmt in K_FORMATS:
         op = f"matmul.{fmt.lower()}"
         register(_Packed(op, "gemv", _gemv_k, "blocks", _blocks, _gemv_available), 5)
         register(FnImplementation(op, "dequant", _mm_dequant, ("*",)), 90, reference=True)
     for fmt in BLOCK_FORMATS:
         op = f"matmul.{fmt.lower()}"
-        # gemv's batches above MAX_ROWS go to the int4 kernel (its form is prepared with it)
-        large, form = (
-            (_int4_mm, ("int4", _int4_form)) if has_int4 else (_mm_dequant, ("blocks", _blocks))
-        )
+        # gemv's batches above MAX_ROWS: the decoded GEMM (`_gemm`, the same blocks)
         register(_PackedI8(op, _gemv_packed_i8(_mm_dequant)), 3)
-        register(_Packed(op, "gemv", _gemv_packed(large), *form, _gemv_available), 5)
+        register(_Packed(op, "gemv", _gemv_packed(_gemm), "blocks", _blocks, _gemv_available), 5)
         name = "int4x2" if fmt == "Q8_0" else "int4"
         register(_Packed(op, name, _int4_mm, "int4", _int4_form, int4), 10)
         if fmt == "Q8_0":

@@ -549,9 +549,10 @@ def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
     "fmt,name", [("float", "gemv"), ("Q8_0", "gemv"), ("Q4_1", "gemv")],
 )  # fmt: skip
 def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
-    """The float-activation gemv keeps prefill on PyTorch's kernels: a call of more rows than
-    gemv.MAX_ROWS, or of none, never reaches the C library (gemv_i8 takes every batch size in
-    chunks: tested above at 37 rows)."""
+    """The float-activation gemv keeps larger batches off its decode kernel: a call of more rows
+    than gemv.MAX_ROWS, or of none, never reaches it (the packed formats' go on to the decoded
+    GEMM, below; gemv_i8 takes every batch below gemv.GEMM_ROWS in chunks: tested above at 37
+    rows)."""
     from unikv.kernels import gemv
 
     op = f"matmul.{fmt.lower()}"
@@ -570,6 +571,50 @@ def test_gemv_hands_larger_batches_to_the_next_kernel(fmt, name, monkeypatch):
     err = ((impl(x, w) - want).norm() / want.norm()).item()
     assert err < 2e-2
     assert impl(x[:0], w).shape == (0, 64)  # no rows (an empty logits selection): not C either
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_prefill_rows_multiply_by_the_decoded_gemm_under_every_isa(fmt, isa, monkeypatch):
+    """From gemv.GEMM_ROWS rows on (a prefill) the packed entries decode the blocks in panels
+    for PyTorch's GEMM: the decoding equals gguf's (but for a fused multiply-add's last bit),
+    the product is x @ W.T over the exact weights, panels of any size (one row, a partial last
+    one) give the same product, and one row fewer stays on the decode kernels."""
+    from unikv.engine.quantized import dequantize
+    from unikv.kernels import gemv
+
+    if gemv.unavailable() is not None:
+        pytest.skip(gemv.unavailable())
+    q = _k_packed(fmt, rows=77) if fmt in ("Q4_K", "Q6_K") else _packed(fmt, rows=77, cols=160)
+    blocks, want_w = q.blocks.contiguous(), dequantize(q)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got_w = gemv.dequantize(blocks, fmt)
+        assert got_w.shape == want_w.shape
+        torch.testing.assert_close(got_w, want_w, rtol=2e-7, atol=1e-7)
+    x = torch.randn(gemv.GEMM_ROWS, want_w.shape[1])
+    want = x @ want_w.t()
+    for panel in (gemv.PANEL_BYTES, 4 * x.shape[1] * 16, 4 * x.shape[1] * 48):  # 1, 5, 2 panels
+        monkeypatch.setattr(gemv, "PANEL_BYTES", panel)
+        got = gemv.gemm_packed(x, blocks, fmt)
+        assert ((got - want).norm() / want.norm()).item() < 1e-6, panel
+    # the registered entries: GEMM_ROWS rows through the GEMM, one fewer through the kernels
+    op = f"matmul.{fmt.lower()}"
+    names = ["gemv"] if fmt in ("Q4_K", "Q6_K") else ["gemv_i8", "gemv"]
+    w = linear.PackedWeight(q, torch.float32)
+    real = gemv.gemm_packed
+    for name in names:
+        impl = _gemv_entry(op, name)
+
+        def boom(*args):
+            raise AssertionError("the decoded GEMM was called below GEMM_ROWS")
+
+        monkeypatch.setattr(gemv, "gemm_packed", boom)
+        small = impl(x[: gemv.MAX_ROWS], w) if name == "gemv" else impl(x[:-1], w)
+        assert small.shape[1] == 77
+        calls = []
+        monkeypatch.setattr(gemv, "gemm_packed", lambda *a: calls.append(1) or real(*a))
+        got = impl(x, w)
+        assert calls == [1] and ((got - want).norm() / want.norm()).item() < 1e-6, name
 
 
 def test_gemv_unavailable_says_why(monkeypatch):

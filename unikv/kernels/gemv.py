@@ -8,7 +8,9 @@ float32 activations, any number of rows), `i8_unavailable()`, `headers` and
 `gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
 two int8 codes, multiplied in integers: VNNI where the CPU has it, int16 products on AVX2 and in
 portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_blocks` (that
-rounding in torch: what the int8 kernel's result is checked against), and `Layer` / `Lin`,
+rounding in torch: what the int8 kernel's result is checked against), `dequantize` and
+`gemm_packed` (packed rows decoded to float32 for PyTorch's GEMM: a prefill's many rows), and
+`Layer` / `Lin`,
 `layer_qkv` / `layer_out` (a Llama layer's dense part in two calls: `engine.fused`).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
@@ -29,6 +31,7 @@ from unikv.kernels import native as kernels
 SOURCE = Path(resources.files(__package__) / "gemv.c")
 MAX_ROWS = 4  # gemv.c's GEMV_MAX_ROWS (checked against the library at load)
 I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel's chunk of rows (checked too)
+GEMM_ROWS = 64  # from this many rows on, packed weights multiply by `gemm_packed` (prefill)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
 FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # gemv.c's enums
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
@@ -63,6 +66,8 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_qi8.restype = ctypes.c_int
     lib.gemv_k.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_k.restype = ctypes.c_int
+    lib.dequant_rows.argtypes = [i, p, lng, lng, p, i]
+    lib.dequant_rows.restype = ctypes.c_int
     if lib.layer_struct_size() != ctypes.sizeof(Layer):
         _state["error"] = "gemv.c's layer_t and unikv/kernels/gemv.py's Layer disagree (rebuild)"
         return None
@@ -140,6 +145,39 @@ def gemv_kquant(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"gemv_k: {qtype} is not a K-quant it reads")
+    return y
+
+
+PANEL_BYTES = 16 << 20  # `gemm_packed`'s decoded panel at most: a layer's matrices whole
+
+
+def dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The weights of packed rows: blocks, a contiguous uint8 [rows, nb, bytes] of `qtype`
+    (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K super-blocks) -> float32 [rows, nb x 32 or 256]."""
+    rows, nb, _ = blocks.shape
+    per = 256 if qtype in ("Q4_K", "Q6_K") else 32
+    y = torch.empty((rows, nb * per), dtype=torch.float32)
+    rc = _state["lib"].dequant_rows(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype], blocks.data_ptr(), rows, nb, y.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise ValueError(f"dequant_rows: {qtype} is not a format it reads")
+    return y
+
+
+def gemm_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x: float32 [N, in] (many rows: a prefill), blocks: a contiguous uint8 [out, nb, bytes]
+    -> [N, out]: panels of rows decoded to float32 (`dequantize`, about PANEL_BYTES each, so
+    the product reads them from the cache) and multiplied by PyTorch's float32 GEMM. The exact
+    weights against float32 activations: the reference entry's numbers, but for the order of
+    the GEMM's sums."""
+    out = blocks.shape[0]
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], out), dtype=torch.float32)
+    step = max(16, PANEL_BYTES // (4 * x.shape[1]) // 16 * 16)
+    for r in range(0, out, step):
+        w = dequantize(blocks[r : r + step], qtype)
+        torch.mm(x, w.t(), out=y[:, r : r + step]) if step < out else torch.mm(x, w.t(), out=y)
     return y
 
 

@@ -24,15 +24,17 @@ with the device tier's KV bytes (and the summaries' beside them); and for each p
 `--formats` its whole cache against its sparse selection (the kernel over the chosen
 blocks' records). `--chart PNG` draws PPL change against the share of tokens attended.
 
-The variants (`--range-weights`, `--summary-tokens`, `--block-scores`, `--dense-layers`, each
-list crossed with the others) add `sparse` cases to every section: a PPL row, a passkey column
-and a resident decode case each (`--variants-only`: without `sparse` at its defaults in PPL and
-passkey; `--decode-skip tiered ssd layerwise` leaves those decode cases out).
+The variants (`--range-weights`, `--summary-tokens`, `--summaries`, `--block-scores`,
+`--dense-layers`, each list crossed with the others) add `sparse` cases to every section: a PPL
+row, a passkey column and a resident decode case each (`--variants-only`: without `sparse` at
+its defaults in PPL and passkey; `--decode-skip tiered ssd layerwise` leaves those decode cases
+out).
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
-        [--summary-tokens 16 4 2] [--block-scores max lse] [--variants-only]
+        [--summary-tokens 16 4 2] [--summaries centres keys] [--block-scores max lse]
+        [--variants-only]
         [--decode-skip tiered ssd layerwise] [--tiered-block 64]
 """
 
@@ -95,7 +97,7 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
 
 
 _SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense",
-          "block_score": "score"}  # fmt: skip
+          "block_score": "score", "summary": "sum"}  # fmt: skip
 
 
 def _variant(options: dict) -> str:
@@ -405,6 +407,9 @@ def main() -> None:
     ap.add_argument("--summary-tokens", type=int, nargs="*", default=[],
                     help="sparse also with summaries of each of these many tokens (at "
                     "each --range-weights value, or the default)")  # fmt: skip
+    ap.add_argument("--summaries", nargs="*", default=[], choices=("centres", "keys"),
+                    help="sparse also scoring from each of these summaries (keys: every "
+                    "token's key in 4 bits; with each variant above, or the defaults)")  # fmt: skip
     ap.add_argument("--block-scores", nargs="*", default=[], choices=("max", "lse"),
                     help="sparse also scoring blocks by each of these (with each variant "
                     "above, or the defaults)")  # fmt: skip
@@ -438,6 +443,8 @@ def main() -> None:
     if args.summary_tokens:
         variants = [{"summary_tokens": t, **v} for t in args.summary_tokens
                     for v in variants or [{}]]  # fmt: skip
+    if args.summaries:
+        variants = [{"summary": x, **v} for x in args.summaries for v in variants or [{}]]
     if args.block_scores:
         variants = [{"block_score": b, **v} for b in args.block_scores
                     for v in variants or [{}]]  # fmt: skip

@@ -19,6 +19,13 @@ choosing by the true attention on the shortest development text, BENCHMARKS.md).
 is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
 `choose_torch`): one call per sequence and layer.
 
+`summary = "keys"` scores token by token instead: every token's key in 4 bits, per tile of 16
+tokens and channel a float16 minimum and step (KIVI's per-channel quantization of keys), so a
+query's q.k is estimated per token (`key_scores`) and a block ranked by its tokens' (best, or
+with lse their mass). Nearer the true attention than any centre (the oracle's +0.90% against
++0.97% on the shortest text at 1/8, BENCHMARKS.md), at 48 bytes a token and KV head at head
+dim 64 and more work to choose: the query is rounded again for every tile.
+
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
 step's own tokens), and the best-scoring blocks between them up to the budget (`budget_tokens`
@@ -32,8 +39,8 @@ a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chun
 the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
 scores (a chunk's queries choose together, as a small decode batch does).
 
-The summaries are kept here per sequence, on the device, as int8 codes with one float32
-scale per summary ([layers, KV heads, summaries, head dim] centres, then as many half-ranges
+The summaries (centres) are kept here per sequence, on the device, as int8 codes with one
+float32 scale per summary ([layers, KV heads, summaries, head dim] centres, then as many half-ranges
 when w > 0, in the kernel's tiles of 16 summaries; the half-range widened by the centre's
 rounding and rounded up, so Quest's bound stays a bound), with the float32 minimum and
 maximum of the one summary still filling. Scoring quantizes the queries to int8 too: an
@@ -112,6 +119,12 @@ class SparseSelection(Selection):
         Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
                "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
                low=0, high=1),
+        Option("summary", str, "centres", "what a step scores the blocks from: centres, the "
+               "per-channel centres of runs of summary_tokens keys (int8); keys, every token's "
+               "key in 4 bits (per channel a minimum and a step for each 16 tokens), scored "
+               "token by token: nearer the true attention, 48 bytes a token and KV head at "
+               "head dim 64 against 34 for centres of 2 tokens",
+               choices=("centres", "keys")),
         Option("block_score", str, "max", "a block's score from its summaries' (each the "
                "largest over the queries): max, their largest (Quest); lse, their log-sum-exp "
                "at the attention's scale (about the softmax mass the block takes: many strong "
@@ -130,8 +143,14 @@ class SparseSelection(Selection):
             raise ValueError(f"the sparse selection needs a head dim divisible by 4, not "
                              f"{spec.head_dim}")  # fmt: skip
         # Each block's tokens are summarized in runs of `summary_tokens` (`parts` per block,
-        # the last one shorter where they do not divide the block)
-        self.sub = min(self.opts["summary_tokens"], self.bs)
+        # the last one shorter where they do not divide the block); as keys, one per token
+        self.keys = self.opts["summary"] == "keys"
+        if self.keys and (spec.head_dim % 8 or spec.head_dim > 1024):
+            raise ValueError(f"summary = keys needs a head dim divisible by 8, at most 1024, "
+                             f"not {spec.head_dim}")  # fmt: skip
+        if self.keys and self.opts["range_weight"] > 0:
+            raise ValueError("range_weight weighs the centres' ranges: summary = keys has none")
+        self.sub = 1 if self.keys else min(self.opts["summary_tokens"], self.bs)
         self.parts = -(-self.bs // self.sub)
         # the block score's scale: 0 for the largest summary, the attention's for log-sum-exp
         self._temp = spec.scale if self.opts["block_score"] == "lse" else 0.0
@@ -228,7 +247,7 @@ class SparseSelection(Selection):
             scales.append(self._scales[sid] if known else None)
             at.append(row)
             row += h * plan.width if known else 0
-        width = self.spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
+        width = self._width()
         self._native = NativeChoice(
             kernels.choose_address(), self.opts["dense_layers"], self.parts, width,
             self.opts["range_weight"], self._temp, plans, codes, scales,
@@ -347,11 +366,20 @@ class SparseSelection(Selection):
 
     # ---- summaries ---------------------------------------------------------------------------
 
+    def _width(self) -> int:
+        """Bytes of codes per summary in the kernel's tiles: the centre (and half-range) in
+        int8, or a key in 4 bits (`sparse_choose` tells the two forms apart by it)."""
+        if self.keys:
+            return self.spec.head_dim // 2
+        return self.spec.head_dim * (2 if self.opts["range_weight"] > 0 else 1)
+
     def _index(self, token):
         """The summary token `token` is in (an int, or a tensor of them)."""
         return token // self.bs * self.parts + token % self.bs // self.sub
 
     def _grow(self, sid: int, summaries: int, device: torch.device) -> None:
+        if self.keys:
+            return self._grow_keys(sid, summaries, device)
         have = self._scales.get(sid)
         if have is not None and have.shape[2] >= summaries:
             return
@@ -373,12 +401,57 @@ class SparseSelection(Selection):
         self._codes[sid], self._scales[sid] = codes, scales
         self._layers[sid] = (list(codes.unbind(0)), list(scales.unbind(0)))
 
+    def _grow_keys(self, sid: int, tokens: int, device: torch.device) -> None:
+        """Room for `tokens` keys: codes [L, Hkv, tiles, D / 8, 16, 4] uint8 (`tile_keys`),
+        per tile the channels' minimum and step [L, Hkv, tiles, 2, D] float16, and the open
+        tile's float32 keys [L, Hkv, 16, D] (its minimum and step change as it fills)."""
+        have = self._codes.get(sid)
+        tiles = -(-tokens // kernels.TILE)
+        if have is not None and have.shape[2] >= tiles:
+            return
+        cap = max(tiles, 2 * (have.shape[2] if have is not None else self.parts))
+        spec = self.spec
+        shape, d = (spec.num_layers, spec.num_kv_heads), spec.head_dim
+        codes = torch.zeros(*shape, cap, d // 8, kernels.TILE, 4, dtype=torch.uint8,
+                            device=device)  # fmt: skip
+        params = torch.zeros(*shape, cap, 2, d, dtype=torch.float16, device=device)
+        if have is not None:
+            codes[:, :, : have.shape[2]] = have
+            params[:, :, : have.shape[2]] = self._scales[sid]
+        else:
+            self._open[sid] = torch.zeros(*shape, kernels.TILE, d, device=device)
+        self._codes[sid], self._scales[sid] = codes, params
+        self._layers[sid] = (list(codes.unbind(0)), list(params.unbind(0)))
+
+    def _add_keys(self, sid: int, k: torch.Tensor, start: int, layer: int | None) -> None:
+        """`_add` for summary = keys: the tiles tokens [start, start + n) fall in quantized
+        again whole (the open one's earlier keys from `_open`)."""
+        t, n = kernels.TILE, k.shape[1]
+        t0, t1 = start // t, -(-(start + n) // t)
+        self._grow_keys(sid, t1 * t, k.device)
+        codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
+        if layer is not None:
+            codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
+        have, end = start - t0 * t, start - t0 * t + n
+        x = torch.empty(k.shape[0], k.shape[2], (t1 - t0) * t, k.shape[3], device=k.device)
+        x[:, :, :have] = opened[:, :, :have]
+        x[:, :, have:end] = k.transpose(1, 2)
+        x[:, :, end:] = x[:, :, end - 1 : end]  # the last key again: the same minimum and maximum
+        c, m, step = quantize_keys(x.unflatten(2, (-1, t)))
+        codes[:, :, t0:t1] = kernels.tile_keys(c)
+        params[:, :, t0:t1, 0], params[:, :, t0:t1, 1] = m, step
+        opened.copy_(x[:, :, -t:])
+        if layer is None:
+            self._known[sid] = start + n
+
     def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
         """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the summaries (of every
         layer, or of `layer` alone with k [1, n, Hkv, D])."""
         n = k.shape[1]
         if not n:
             return
+        if self.keys:
+            return self._add_keys(sid, k, start, layer)
         first, last = self._index(start), self._index(start + n - 1)
         self._grow(sid, last + 1, k.device)
         codes, scales, opened = self._codes[sid], self._scales[sid], self._open[sid]
@@ -417,7 +490,12 @@ class SparseSelection(Selection):
 
     def summaries(self, sid: int) -> torch.Tensor:
         """Sequence `sid`'s summaries as the scores see them, [L, Hkv, summaries, 2D or D]
-        float32 (codes x scale; unfilled ones are zeros)."""
+        float32 (codes x scale; unfilled ones are zeros); as keys [L, Hkv, tokens, D] (the
+        minimum + code x step of their tile)."""
+        if self.keys:
+            p = self._scales[sid].float().unsqueeze(3)  # [L, Hkv, tiles, 1, 2, D]
+            c = kernels.untile_keys(self._codes[sid]).float().unflatten(2, (-1, kernels.TILE))
+            return (p[..., 0, :] + c * p[..., 1, :]).flatten(2, 3)
         return kernels.untile(self._codes[sid]).float() * self._scales[sid].unsqueeze(-1)
 
     def _summarize_stored(self, layer: int) -> None:
@@ -432,6 +510,20 @@ class SparseSelection(Selection):
 
 
 QMAX = 63  # a query code's largest magnitude (unikv/kernels/sparse.c says why)
+KMAX = 127  # the same against 4-bit keys (unsigned codes: no offset to make room for)
+
+
+def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys x [..., 16, D] float32 (a tile of 16 tokens) as 4-bit codes [..., 16, D] uint8
+    (0 to 15) and per channel a float16 minimum m and step s ([..., D] each): a key is about
+    m + code x s, within half a step (KIVI's per-channel quantization of keys: their channels
+    differ in scale far more than their tokens)."""
+    m = x.amin(-2).half()
+    mf = m.float()
+    s = ((x.amax(-2) - mf) / 15).half()
+    sf = s.float().unsqueeze(-2)
+    c = torch.where(sf > 0, (x - mf.unsqueeze(-2)) / sf, 0.0).round_().clamp_(0, 15)
+    return c.to(torch.uint8), m, s
 
 
 def _summaries(
@@ -492,19 +584,47 @@ def block_scores(
     must choose as this does: bit for bit for the largest (every dot of codes is an exact
     integer in float32); for the mass its exp is a polynomial within about 2e-7 of this one, so
     only blocks whose masses tie that closely may differ."""
-    codes = kernels.untile(codes)  # [Hkv, S, w]
-    h, _, w = codes.shape
-    t, hq, d = q.shape
-    qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
-    qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1) if w == 2 * d else qg  # [Hkv, R, w]
-    qc, qs = quantize_queries(qq)
-    cand = codes[:, lo * parts : hi * parts].float()
-    score = (qc @ cand.transpose(1, 2)).mul_(qs).amax(1) * scales[:, lo * parts : hi * parts]
-    score = score.view(h, hi - lo, parts)
+    if codes.dtype == torch.uint8:  # summary = keys
+        score = key_scores(q, codes, scales, lo * parts, hi * parts).view(-1, hi - lo, parts)
+    else:
+        codes = kernels.untile(codes)  # [Hkv, S, w]
+        h, _, w = codes.shape
+        t, hq, d = q.shape
+        qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+        qq = torch.cat([qg, qg.abs().mul_(alpha)], dim=-1) if w == 2 * d else qg  # [Hkv, R, w]
+        qc, qs = quantize_queries(qq)
+        cand = codes[:, lo * parts : hi * parts].float()
+        score = (qc @ cand.transpose(1, 2)).mul_(qs).amax(1) * scales[:, lo * parts : hi * parts]
+        score = score.view(h, hi - lo, parts)
     if temp <= 0:
         return score.amax(-1)
     top = score.amax((1, 2), keepdim=True) * temp
     return (score * temp - top).clamp_(min=-87.0).exp_().sum(-1)
+
+
+def key_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, s0: int,
+               s1: int) -> torch.Tensor:  # fmt: skip
+    """Tokens [s0, s1)'s scores [Hkv, s1 - s0] from their 4-bit keys (codes [Hkv, tiles, D / 8,
+    16, 4] uint8, `kernels.tile_keys`; params [Hkv, tiles, 2, D] float16, per tile the
+    channels' minimum m and step s): for each query of the group (q [rows, Hq, D]), per tile,
+    q . m + A x (the integer dot of the codes with a, q x s rounded to int8 codes of scale A:
+    its largest magnitude / KMAX; a x (1 / A), half to even); a token's score is the largest
+    over the
+    queries. `unikv/kernels/sparse.c` computes the same but for the order of q . m's sum."""
+    t, hq, d = q.shape
+    h, tile = codes.shape[0], kernels.TILE
+    t0, t1 = s0 // tile, -(-s1 // tile)
+    u = kernels.untile_keys(codes[:, t0:t1]).float().unflatten(1, (-1, tile))  # [H, n, 16, D]
+    p = params[:, t0:t1].float()
+    qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, 1, d)  # [H, R, 1, D]
+    a = qg * p[:, None, :, 1]  # [H, R, n, D]
+    scale = a.abs().amax(-1, keepdim=True) / KMAX
+    inv = torch.where(scale > 0, 1 / scale, 0.0)  # as the kernel: a times 1 / scale
+    ac = (a * inv).round_().clamp_(-KMAX, KMAX)
+    bias = (qg * p[:, None, :, 0]).sum(-1, keepdim=True)  # [H, R, n, 1]
+    dots = torch.einsum("hrnd,hnkd->hrnk", ac, u)  # exact: integers below 2^24
+    score = (bias + scale * dots).amax(1).flatten(1)  # [H, n x 16]
+    return score[:, s0 - t0 * tile : s1 - t0 * tile]
 
 
 def pick_blocks(score: torch.Tensor, lo: int, hi: int, room: int, end: int) -> torch.Tensor:

@@ -425,12 +425,14 @@ def test_a_sparse_selection_chooses_inside_the_one_call_step(qtype, isa, monkeyp
     chooses and attends as the step layer by layer does, the same logits, the same blocks
     read at every layer, the same counts and stability, and the summaries of the keys it
     wrote (later steps choose from them); a layer before `dense_layers` reads everything; with
-    a block scored by the log-sum-exp of one-token summaries too (the step passes `temp`)."""
+    a block scored by the log-sum-exp of one-token summaries too (the step passes `temp`), and
+    from 4-bit keys (summary = keys: the step passes their width, d / 2)."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama(qtype)
     for opts in (SPARSE, {**SPARSE, "dense_layers": 1, "range_weight": 0.5},
-                 {**SPARSE, "summary_tokens": 1, "block_score": "lse"}):  # fmt: skip
+                 {**SPARSE, "summary_tokens": 1, "block_score": "lse"},
+                 {**SPARSE, "summary": "keys", "block_score": "lse"}):  # fmt: skip
         served = _spy(monkeypatch)
         got, want = [], []
         a = _serve(m, "dense+resident+sparse", fused.layers_native, SCHEDULE, opts, 4, got)

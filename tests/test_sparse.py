@@ -56,8 +56,9 @@ def haystack(n: int, needle_at: int, direction: torch.Tensor, seed: int = 0) -> 
     return k
 
 
-@pytest.mark.parametrize("score", [{}, {"summary_tokens": 1, "block_score": "lse"}],
-                         ids=["default", "token-lse"])  # fmt: skip
+@pytest.mark.parametrize("score", [{}, {"summary_tokens": 1, "block_score": "lse"},
+                                   {"summary": "keys", "block_score": "lse"}],
+                         ids=["default", "token-lse", "keys-lse"])  # fmt: skip
 @pytest.mark.parametrize("share", [0.125, 0.25])
 @pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth, score):
@@ -463,6 +464,83 @@ def _equal_but_near_ties(got, want, scores, lo, room):
         line = min(scores[h, x - lo].item() for x in b)
         for x in a ^ b:
             assert abs(scores[h, x - lo].item() - line) < 1e-5, (h, x, line)
+
+
+def _keys(h: int, tokens: int, d: int, seed: int = 0):
+    """Random keys [Hkv, tokens, D] (channels of different scales and offsets, as a model's
+    are) as `sparse_choose` reads them: codes in tiles and float16 minima and steps."""
+    from unikv.kernels.sparse import tile_keys
+    from unikv.kvstrategies.sparse import quantize_keys
+
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-1, 1, d)[torch.randperm(d, generator=g)]
+    k = torch.randn(h, tokens, d, generator=g) * scale + torch.randn(d, generator=g) * scale
+    c, m, s = quantize_keys(k.view(h, -1, 16, d))
+    return k, tile_keys(c), torch.stack((m, s), dim=2).contiguous()
+
+
+def test_keys_in_4_bits_are_within_half_a_step_and_tile_both_ways():
+    """summary = keys: a tile's keys come back as minimum + code x step within half a step
+    (and float16's rounding of both), a constant channel exactly; `untile_keys` inverts
+    `tile_keys`; the selection's `summaries` are those keys."""
+    from unikv.kernels.sparse import tile_keys, untile_keys
+    from unikv.kvstrategies.sparse import quantize_keys
+
+    x = torch.randn(3, 2, 16, 24) * torch.logspace(-2, 2, 24)
+    x[..., 5] = 1.25  # one channel constant: step 0, codes 0
+    c, m, s = quantize_keys(x)
+    assert c.dtype == torch.uint8 and int(c.max()) <= 15 and m.dtype == s.dtype == torch.float16
+    back = m.float().unsqueeze(-2) + c.float() * s.float().unsqueeze(-2)
+    slack = s.float().unsqueeze(-2) * 0.5 + x.abs().amax(-2, keepdim=True) * 2e-3
+    assert ((back - x).abs() <= slack).all()
+    assert torch.equal(back[..., 5], x[..., 5])
+    assert torch.equal(untile_keys(tile_keys(c)), c.flatten(-3, -2))
+    s = build(summary="keys", budget_tokens=64)
+    k = torch.randn(LAYERS, 40, HEADS, DIM)
+    step(s, 0, k, torch.randn(LAYERS, 40, HEADS * GROUP, DIM), more_prompt=True)
+    got = s.selection.summaries(0)[:, :, :40]  # [L, Hkv, tokens, D]
+    assert ((got - k.transpose(1, 2)).abs() <= 0.5 * (k.amax(1) - k.amin(1)).unsqueeze(2) / 15
+            + 1e-2).all()  # fmt: skip
+    for bad, match in (({"range_weight": 0.5}, "range_weight"), ({"summary": "all"}, "summary")):
+        with pytest.raises(ValueError, match=match):
+            build(summary="keys", **bad) if "range_weight" in bad else build(**bad)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        kvstrategies.create("dense+resident+sparse", KVSpec(1, 1, 12), options={"summary": "keys"})
+
+
+@pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
+def test_the_choice_kernel_chooses_from_keys_what_the_reference_chooses(rows, room, isa):
+    """summary = keys: unikv/kernels/sparse.c against the PyTorch reference, the sinks and window
+    exact and the chosen blocks the same but for near ties (the two sum q . m in different
+    orders): blocks of 16, 8 and 12 tokens (tiles of 16 keys spanning blocks), head dims 64, 40
+    and 128, GQA groups of 1 to 4, one and two threads, a block's best token or its tokens'
+    log-sum-exp; the integer dots are exact, so scores agree to float32 rounding."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import block_scores, choose_torch, key_scores
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    h, blocks = 3, 720
+    for parts, d, group in ((16, 64, 3), (8, 40, 1), (12, 128, 4), (16, 64, 2)):
+        _, codes, params = _keys(h, -(-blocks * parts // 16) * 16, d, seed=parts + d)
+        q = torch.randn(rows, h * group, d, generator=torch.Generator().manual_seed(d))
+        got_s = key_scores(q, codes, params, parts, 701 * parts)
+        assert got_s.shape == (h, 700 * parts) and torch.isfinite(got_s).all()
+        for threads, temp in ((1, 0.0), (2, 0.0), (2, 0.125)):
+            torch.set_num_threads(threads)
+            args = (q, codes, params, 1, 701, room, 705, 0.0, parts, temp)
+            got, want = kernels.choose_blocks(*args), choose_torch(*args)
+            assert got.shape == (h, 1 + room + 4)
+            _equal_but_near_ties(got, want, block_scores(q, codes, params, 1, 701, 0.0, parts,
+                                                         temp), 1, room)  # fmt: skip
+    # blocks of one token, room for one: each head's best token by the reference's scores
+    _, codes, params = _keys(h, 64, 64)
+    q = torch.randn(1, h * 3, 64)
+    want = key_scores(q, codes, params, 0, 64)  # [h, 64]
+    got = kernels.choose_blocks(q, codes, params, 0, 64, 1, 64, 0.0, 1)
+    assert torch.equal(got[:, 0], want.argmax(-1))
+    with pytest.raises(ValueError, match="minima and steps"):
+        kernels.choose_blocks(q, codes, params.transpose(1, 2), 0, 4, 1, 4, 0.0, 16)
 
 
 def test_queries_are_quantized_alike_in_the_kernel_and_the_reference(isa):

@@ -67,13 +67,13 @@ def make(tmp_path, spec):
     one that shares prefixes persists them there; `ssd`: the store's directory, to share it)."""
     built = []
 
-    def make(name, blocks=64, ssd=None):
+    def make(name, blocks=64, ssd=None, **options):
         cls = kvstrategies.get(name)
         if spec.latent and not cls.supports_latent:
             with pytest.raises(ValueError, match="latent"):
                 kvstrategies.create(name, spec)
             pytest.skip(f"{name} declares supports_latent = False")
-        opts = cls.check_options(cls.contract_options)
+        opts = cls.check_options({**cls.contract_options, **options})
         page = cls.layout(spec, BS, opts).page_bytes
         tiers = (
             TierConfig("device", blocks * page),
@@ -202,6 +202,23 @@ def test_attends_like_exact_attention(name, make):
         assert s.stored_tokens(0) < 13 + 1 + 10 + 5
     if s.selection.name == "sparse":  # its contract options make it select, and keep all
         assert d.selected > 0 and s.stored_tokens(0) == 13 + 1 + 10 + 5
+
+
+@pytest.mark.parametrize("sparse", [n for n in COMBINATIONS if n.endswith("+sparse")])
+def test_sparse_from_4_bit_keys_attends_exactly_over_what_it_chose(sparse, make):
+    """The selection's other summaries (summary = keys: every token's key in 4 bits, a block
+    ranked by its tokens' log-sum-exp), with every format and placement: attention is exact
+    over the blocks chosen, nothing is evicted, and it selects. The contract's 4-token blocks
+    leave tiles of 16 keys open over several blocks, quantized again as they fill."""
+    s = make(sparse, summary="keys", block_score="lse")
+    d = Driver(s)
+    tol = s.recipe.tolerance
+    assert d.step([0], [13]) <= tol
+    assert d.step([0, 1], [1, 21]) <= tol
+    for _ in range(10):
+        assert d.step([1, 0], [1, 1]) <= tol
+    assert d.step([0], [5]) <= tol
+    assert d.selected > 0 and s.stored_tokens(0) == 13 + 1 + 10 + 5
 
 
 def test_frees_every_block_and_accounts_bytes(name, make):

@@ -239,6 +239,234 @@ static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq
 
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* ---- choosing from 4-bit keys (the selection's summary = keys) -----------------------------
+ *
+ * Each token's key in 4 bits: per tile of 16 tokens and channel c a minimum m_c and a step s_c
+ * (float16), and a code u in 0..15 per token and channel, the key about m_c + u s_c. For a
+ * query q the estimate of q . k is then q . m + sum_c (q_c s_c) u_c: the first term once per
+ * tile and query, the second an integer dot after a = q s is rounded to int8 codes of scale A
+ * (its largest magnitude / 127, half to even). A token's score is the largest over the group's
+ * queries (a "summary" per token: parts = the block's tokens), and the block score, top-k and
+ * output are the centres' (below). The codes are unsigned, as vpdpbusd and vpmaddubsw want
+ * them: no offset to take off, and a's codes may use all of int8 (on AVX2 two products sum to
+ * at most 2 x 15 x 127 in int16, and two such pairs to 7,620).
+ *
+ * Layout per tile: [d / 8][16 tokens][4 bytes], byte i of token k in group j holding channel
+ * 8j + i in its low nibble and 8j + 4 + i in its high one: one 64-byte load, masked and
+ * shifted, gives 4 channels of the 16 tokens twice, each lane one token's dot (no horizontal
+ * sums). The minima and steps: per tile [2][d] float16 (uint16 here). `sparse_choose` takes this
+ * form when its summaries' width w is d / 2 (bytes of codes per token). */
+#define KMAX 127
+#define DMAX 1024 /* the longest head dim of the keys form */
+
+static inline float half_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (e == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+        f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* One query against one tile's minima mf and steps sf: a = q sf as int8 codes ac (a times the
+ * reciprocal of its scale, rounded half to even), their scale *scale and q . mf (*bias): the
+ * reference's operations but for the order of that sum. Vectors where d fills them. */
+static inline void key_query(const float *q, const float *mf, const float *sf, int d, int8_t *ac,
+                             float *scale, float *bias) {
+    float a[DMAX];
+#if CHOOSE_ISA == 2
+    if (d % 16 == 0) {
+        __m512 mx = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + c), av = _mm512_mul_ps(qv, _mm512_loadu_ps(sf + c));
+            _mm512_storeu_ps(a + c, av);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(av));
+            b = _mm512_add_ps(b, _mm512_mul_ps(qv, _mm512_loadu_ps(mf + c)));
+        }
+        const float sc = _mm512_reduce_max_ps(mx) / (float)KMAX;
+        const __m512 inv = _mm512_set1_ps(sc > 0.0f ? 1.0f / sc : 0.0f);
+        for (int c = 0; c < d; c += 16) /* rounded in the default mode: to nearest, ties to even */
+            _mm_storeu_si128((__m128i *)(ac + c),
+                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + c), inv))));
+        *scale = sc, *bias = _mm512_reduce_add_ps(b);
+        return;
+    }
+#elif CHOOSE_ISA == 1
+    if (d % 8 == 0) {
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+        for (int c = 0; c < d; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + c), av = _mm256_mul_ps(qv, _mm256_loadu_ps(sf + c));
+            _mm256_storeu_ps(a + c, av);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, av));
+            b = _mm256_add_ps(b, _mm256_mul_ps(qv, _mm256_loadu_ps(mf + c)));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        __m128 b4 = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+        b4 = _mm_add_ps(b4, _mm_movehl_ps(b4, b4));
+        b4 = _mm_add_ss(b4, _mm_shuffle_ps(b4, b4, 1));
+        const float sc = _mm_cvtss_f32(m4) / (float)KMAX;
+        const __m256 inv = _mm256_set1_ps(sc > 0.0f ? 1.0f / sc : 0.0f);
+        for (int c = 0; c < d; c += 8) { /* rounded to nearest, ties to even; packed in order */
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + c), inv));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i *)(ac + c), _mm_packs_epi16(w, w));
+        }
+        *scale = sc, *bias = _mm_cvtss_f32(b4);
+        return;
+    }
+#endif
+    float amax = 0.0f, b = 0.0f;
+    for (int c = 0; c < d; c++) {
+        a[c] = q[c] * sf[c];
+        amax = MAX(fabsf(a[c]), amax);
+        b += q[c] * mf[c];
+    }
+    const float sc = amax / (float)KMAX, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+    for (int c = 0; c < d; c++) {
+        float v = rintf(a[c] * inv);
+        v = v > KMAX ? KMAX : v < -KMAX ? -KMAX : v;
+        ac[c] = (int8_t)v;
+    }
+    *scale = sc, *bias = b;
+}
+
+/* best[k] = the largest of best[k] and bias[u] + scale[u] x (the integer dot of ac[u] with
+ * token k's codes) over the queries u < nu, for the 16 tokens of one tile. */
+static inline __attribute__((always_inline)) void key_tile_n(const int8_t *ac, const float *scale,
+                                                             const float *bias, const int nu,
+                                                             int d, const uint8_t *tile,
+                                                             float *best) {
+#if CHOOSE_ISA == 2
+    __m512i acc[QT];
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int u = 0; u < nu; u++) acc[u] = _mm512_setzero_si512();
+    for (int j = 0; j < d / 8; j++) {
+        const __m512i x = _mm512_loadu_si512(tile + j * 64);
+        const __m512i lo = _mm512_and_si512(x, low), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+#pragma GCC unroll 4
+        for (int u = 0; u < nu; u++) {
+            int32_t a0, a1;
+            memcpy(&a0, ac + (long)u * d + 8 * j, 4);
+            memcpy(&a1, ac + (long)u * d + 8 * j + 4, 4);
+            acc[u] = _mm512_dpbusd_epi32(acc[u], lo, _mm512_set1_epi32(a0));
+            acc[u] = _mm512_dpbusd_epi32(acc[u], hi, _mm512_set1_epi32(a1));
+        }
+    }
+    __m512 m = _mm512_loadu_ps(best);
+#pragma GCC unroll 4
+    for (int u = 0; u < nu; u++)
+        m = _mm512_max_ps(_mm512_add_ps(_mm512_set1_ps(bias[u]),
+                                        _mm512_mul_ps(_mm512_cvtepi32_ps(acc[u]), _mm512_set1_ps(scale[u]))),
+                          m);
+    _mm512_storeu_ps(best, m);
+#elif CHOOSE_ISA == 1
+    __m256i acc[QT][2];
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int u = 0; u < nu; u++) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
+    for (int j = 0; j < d / 8; j++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(tile + j * 64));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(tile + j * 64 + 32));
+        const __m256i l0 = _mm256_and_si256(x0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(x0, 4), low);
+        const __m256i l1 = _mm256_and_si256(x1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(x1, 4), low);
+#pragma GCC unroll 4
+        for (int u = 0; u < nu; u++) {
+            int32_t a0, a1;
+            memcpy(&a0, ac + (long)u * d + 8 * j, 4);
+            memcpy(&a1, ac + (long)u * d + 8 * j + 4, 4);
+            const __m256i y0 = _mm256_set1_epi32(a0), y1 = _mm256_set1_epi32(a1);
+            /* two pairs of products in int16: at most 4 x 15 x 127 */
+            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, y0), _mm256_maddubs_epi16(h0, y1));
+            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, y0), _mm256_maddubs_epi16(h1, y1));
+            acc[u][0] = _mm256_add_epi32(acc[u][0], _mm256_madd_epi16(p0, ones));
+            acc[u][1] = _mm256_add_epi32(acc[u][1], _mm256_madd_epi16(p1, ones));
+        }
+    }
+    __m256 m0 = _mm256_loadu_ps(best), m1 = _mm256_loadu_ps(best + 8);
+#pragma GCC unroll 4
+    for (int u = 0; u < nu; u++) {
+        const __m256 f = _mm256_set1_ps(scale[u]), b = _mm256_set1_ps(bias[u]);
+        m0 = _mm256_max_ps(_mm256_add_ps(b, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[u][0]), f)), m0);
+        m1 = _mm256_max_ps(_mm256_add_ps(b, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[u][1]), f)), m1);
+    }
+    _mm256_storeu_ps(best, m0);
+    _mm256_storeu_ps(best + 8, m1);
+#else /* the plain sum: the same integer */
+    for (int u = 0; u < nu; u++)
+        for (int k = 0; k < TILE; k++) {
+            int a = 0;
+            for (int j = 0; j < d / 8; j++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t x = tile[j * 64 + k * 4 + i];
+                    a += (int)ac[(long)u * d + 8 * j + i] * (x & 15) + (int)ac[(long)u * d + 8 * j + 4 + i] * (x >> 4);
+                }
+            const float v = bias[u] + (float)a * scale[u];
+            best[k] = v > best[k] ? v : best[k];
+        }
+#endif
+}
+
+static void key_tile(const int8_t *ac, const float *scale, const float *bias, int nu, int d,
+                     const uint8_t *tile, float *best) {
+    switch (nu) {
+    case 1: key_tile_n(ac, scale, bias, 1, d, tile, best); break;
+    case 2: key_tile_n(ac, scale, bias, 2, d, tile, best); break;
+    case 3: key_tile_n(ac, scale, bias, 3, d, tile, best); break;
+    default: key_tile_n(ac, scale, bias, QT, d, tile, best); break;
+    }
+}
+
+/* Scores of the tokens in tiles [t0, t1) of one KV head from its keys: s[i] for token
+ * t0 * TILE + i. qf: the head's nq queries [nq][d] float32; tiles: its codes (8d bytes a tile);
+ * par: its minima and steps (2d float16 a tile). */
+static void score_key_tiles(const float *qf, int nq, int d, const uint8_t *tiles,
+                            const uint16_t *par, long t0, long t1, float *s) {
+    int8_t ac[QT * DMAX];
+    float mf[DMAX], sf[DMAX], scale[QT], bias[QT];
+    for (long t = t0; t < t1; t++) {
+        float *o = s + (t - t0) * TILE;
+        for (int k = 0; k < TILE; k++) o[k] = -INFINITY;
+        const uint16_t *p = par + t * 2 * d;
+        int c = 0;
+#if CHOOSE_ISA == 2
+        for (; c + 16 <= d; c += 16) {
+            _mm512_storeu_ps(mf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + c))));
+            _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + d + c))));
+        }
+#elif CHOOSE_ISA == 1 && defined(__F16C__)
+        for (; c + 8 <= d; c += 8) {
+            _mm256_storeu_ps(mf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + c))));
+            _mm256_storeu_ps(sf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d + c))));
+        }
+#endif
+        for (; c < d; c++) mf[c] = half_float(p[c]), sf[c] = half_float(p[d + c]);
+        for (int j = 0; j < nq; j += QT) {
+            const int nu = nq - j < QT ? nq - j : QT;
+            for (int u = 0; u < nu; u++)
+                key_query(qf + (long)(j + u) * d, mf, sf, d, ac + (long)u * d, scale + u, bias + u);
+            key_tile(ac, scale, bias, nu, d, tiles + t * 8 * d, o);
+        }
+    }
+}
+
+
+
 /* e^x for x <= 0 (or -inf: 0), vectorizable (libm's expf is a call per element): the Cephes
  * polynomial on x - n ln 2, times 2^n; relative error about 2e-7. */
 static inline float exp_neg(float x) {
@@ -305,9 +533,10 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                   int threads) {
     const int group = hkv > 0 ? hq / hkv : 0, nq = rows * group, nqp = (nq + QT - 1) / QT * QT;
     const long n = hi - lo, width = lo + room + (end - hi);
-    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d) || w % 4 ||
-        w > 1024 || parts <= 0 || lo < 0 || n < 0 || room < 0 || room > n || end < hi ||
-        !(temp >= 0.0f) || isinf(temp))
+    const int keys = d > 0 && 2 * w == d; /* 4-bit keys (above), not centres */
+    if (hkv <= 0 || hq % hkv || nq <= 0 || d <= 0 || (w != d && w != 2 * d && !keys) || w % 4 ||
+        w > 1024 || (keys && (d % 8 || d > DMAX)) || parts <= 0 || lo < 0 || n < 0 || room < 0 ||
+        room > n || end < hi || !(temp >= 0.0f) || isinf(temp))
         return -1;
     /* the tiles that hold summaries [lo * parts, hi * parts), scored whole */
     const long s0 = lo * parts, t0 = s0 / TILE, t1 = (hi * parts + TILE - 1) / TILE;
@@ -320,30 +549,42 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
     int8_t *qc = (int8_t *)(xq + nqs);
     memset(qc, 0, (size_t)nqs * w); /* the padding queries: codes 0 */
     memset(xq, 0, sizeof(int) * nqs);
-    /* Each query vector [q, alpha |q|] as codes in [-QMAX, QMAX] and one scale (torch's order of
-     * operations: the scale is amax / QMAX, a code round(x / scale), half to even) */
-    for (int h = 0; h < hkv; h++)
-        for (int r = 0; r < rows; r++)
-            for (int g = 0; g < group; g++) {
-                const float *src = q + ((long)r * hq + h * group + g) * d;
-                const long j = (long)h * nqp + r * group + g;
-                float amax = 0.0f;
-                for (int i = 0; i < w; i++) {
-                    qa[i] = i < d ? src[i] : alpha * fabsf(src[i - d]);
-                    const float m = fabsf(qa[i]);
-                    amax = m > amax ? m : amax;
+    /* Keys: the queries as they are, per head [nq][d] (quantized per tile as they are scored).
+     * Centres: each query vector [q, alpha |q|] as codes in [-QMAX, QMAX] and one scale (torch's
+     * order of operations: the scale is amax / QMAX, a code round(x / scale), half to even). */
+    float *qf = keys ? malloc(sizeof(float) * (size_t)hkv * nq * d) : NULL;
+    if (keys && !qf) {
+        free(qs);
+        return -1;
+    }
+    if (keys)
+        for (int h = 0; h < hkv; h++)
+            for (int r = 0; r < rows; r++)
+                memcpy(qf + ((long)h * nq + (long)r * group) * d, q + ((long)r * hq + h * group) * d,
+                       sizeof(float) * group * d);
+    else
+        for (int h = 0; h < hkv; h++)
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < group; g++) {
+                    const float *src = q + ((long)r * hq + h * group + g) * d;
+                    const long j = (long)h * nqp + r * group + g;
+                    float amax = 0.0f;
+                    for (int i = 0; i < w; i++) {
+                        qa[i] = i < d ? src[i] : alpha * fabsf(src[i - d]);
+                        const float m = fabsf(qa[i]);
+                        amax = m > amax ? m : amax;
+                    }
+                    const float scale = amax / (float)QMAX;
+                    int sum = 0;
+                    for (int i = 0; i < w; i++) {
+                        float c = scale > 0.0f ? rintf(qa[i] / scale) : 0.0f;
+                        c = c > QMAX ? QMAX : c < -QMAX ? -QMAX : c;
+                        qc[j * w + i] = (int8_t)c;
+                        sum += (int)c;
+                    }
+                    qs[j] = scale;
+                    xq[j] = 128 * sum;
                 }
-                const float scale = amax / (float)QMAX;
-                int sum = 0;
-                for (int i = 0; i < w; i++) {
-                    float c = scale > 0.0f ? rintf(qa[i] / scale) : 0.0f;
-                    c = c > QMAX ? QMAX : c < -QMAX ? -QMAX : c;
-                    qc[j * w + i] = (int8_t)c;
-                    sum += (int)c;
-                }
-                qs[j] = scale;
-                xq[j] = 128 * sum;
-            }
     /* Scoring in chunks of 4 tiles over the threads, then per head (over the threads too) a
      * block's score, its summaries' largest, and top-k. A small layer runs on one thread (the
      * fork costs more than it saves). */
@@ -355,9 +596,14 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
         for (long c = 0; c < hkv * chunks; c++) {
             const long h = c / chunks, a = t0 + (c % chunks) * chunk;
             const long b = a + chunk < t1 ? a + chunk : t1;
-            score_tiles(qc + h * nqp * w, qs + h * nqp, xq + h * nqp, nq, w,
-                        codes + h * head_stride, scales + h * scale_stride, a, b,
-                        ss + h * ns + (a - t0) * TILE);
+            if (keys)
+                score_key_tiles(qf + h * nq * d, nq, d, (const uint8_t *)codes + h * head_stride,
+                                (const uint16_t *)(const void *)scales + h * scale_stride, a, b,
+                                ss + h * ns + (a - t0) * TILE);
+            else
+                score_tiles(qc + h * nqp * w, qs + h * nqp, xq + h * nqp, nq, w,
+                            codes + h * head_stride, scales + h * scale_stride, a, b,
+                            ss + h * ns + (a - t0) * TILE);
         }
         /* the mass of each block (an exp per summary): per head its best score, then runs of
            64 blocks over the threads; the largest (a few compares) per head below. The best
@@ -402,6 +648,7 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
         }
     }
     free(qs);
+    free(qf);
     return 0;
 }
 

@@ -80,6 +80,23 @@ def untile(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.transpose(-3, -2).reshape(*lead, g * t, c * four)
 
 
+def tile_keys(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit key codes [..., tiles, 16, D] (0 to 15, uint8; D % 8 == 0) in the layout
+    `sparse_choose` reads: per tile [D / 8, 16, 4] bytes, byte (j, k, i) holding token k's
+    channel 8j + i in its low nibble and 8j + 4 + i in its high one (one load gives 4 channels
+    of 16 tokens twice over)."""
+    *lead, tiles, t, d = codes.shape
+    c = codes.view(*lead, tiles, t, d // 8, 2, 4)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(-3, -2).contiguous()
+
+
+def untile_keys(tiles: torch.Tensor) -> torch.Tensor:
+    """`tile_keys`'s inverse, flattened: [..., tiles, D / 8, 16, 4] -> [..., tiles x 16, D]."""
+    *lead, n, g, t, four = tiles.shape
+    b = tiles.transpose(-3, -2)  # [..., n, 16, D / 8, 4]
+    return torch.stack((b & 15, b >> 4), dim=-2).reshape(*lead, n * t, g * 2 * four)
+
+
 def choose_blocks(
     q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, room: int,
     end: int, alpha: float, parts: int = 1, temp: float = 0.0,
@@ -92,16 +109,28 @@ def choose_blocks(
     block: the largest over its summaries and the group's queries of q . centre + alpha |q| .
     half-range, with q quantized to int8 as `kvstrategies.sparse.quantize_queries` does; with
     `temp` > 0, the log-sum-exp of temp times its summaries' scores (each the largest over the
-    queries)."""
+    queries). With 4-bit keys (codes uint8 [Hkv, tiles, D / 8, 16, 4], `tile_keys`; scales
+    float16 [Hkv, tiles, 2, D], per tile the channels' minimum and step) a summary is a token,
+    scored as `kvstrategies.sparse.key_scores` does (alpha unread)."""
     lib = _lib()
     rows, hq, d = q.shape
     h, g, c, t, four = codes.shape
-    w = 4 * c
-    if q.dtype != torch.float32 or codes.dtype != torch.int8 or scales.dtype != torch.float32:
-        raise ValueError("choose_blocks takes float32 queries, int8 summaries, float32 scales")
-    if (t, four) != (TILE, 4) or w not in (d, 2 * d) or w > 1024 or not codes.is_contiguous():
-        raise ValueError("the summaries must be tiles of 16 rows of 2 x head dim (or head dim)")
-    if scales.stride(1) != 1 or scales.shape != (h, g * TILE):
+    keys = codes.dtype == torch.uint8  # 4-bit keys: `tile_keys`, float16 minima and steps
+    w = 4 * c  # bytes of a summary's codes: d / 2 for keys
+    if q.dtype != torch.float32 or (codes.dtype, scales.dtype) not in (
+        (torch.int8, torch.float32), (torch.uint8, torch.float16)
+    ):  # fmt: skip
+        raise ValueError("choose_blocks takes float32 queries, int8 summaries, float32 scales "
+                         "(or uint8 keys, float16 minima and steps)")  # fmt: skip
+    if (t, four) != (TILE, 4) or w > 1024 or not codes.is_contiguous() or (
+        w != d // 2 or d % 8 if keys else w not in (d, 2 * d)
+    ):  # fmt: skip
+        raise ValueError("the summaries must be tiles of 16 rows of 2 x head dim (or head dim; "
+                         "keys: head dim / 2 bytes)")  # fmt: skip
+    if keys and (scales.shape != (h, g, 2, d) or not scales[0].is_contiguous()):
+        raise ValueError("the keys' minima and steps must be [Hkv, tiles, 2, head dim], "
+                         "contiguous per head")  # fmt: skip
+    if not keys and (scales.stride(1) != 1 or scales.shape != (h, g * TILE)):
         raise ValueError("the scales must be contiguous rows, one per summary")
     if g * TILE < hi * parts:
         raise ValueError(f"{g * TILE} summaries do not cover {hi} blocks of {parts}")

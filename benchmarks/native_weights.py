@@ -37,6 +37,11 @@ TEXTS = Path(__file__).resolve().parent / "texts"
 NAMES = ["GPL-2", "GPL-3", "node-events", "python-compound", "vim-usr_03"]
 
 
+def kernels_used(model) -> dict[str, str]:
+    """GGUF weight type -> the kernels that multiply it packed (the memory report's words)."""
+    return {f: "; ".join(w.how) for f, w in weight_formats(model).items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -45,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ref, tok = load_model("smollm2", progress=False, weights="float32")
     native, _ = load_model("smollm2", progress=False, weights="native")
-    how = {f: "; ".join(w.how) for f, w in weight_formats(native).items()}
+    how = kernels_used(native)
     rows = {}
     for name in NAMES:
         path = next(TEXTS.glob(name + ".*"))

@@ -89,6 +89,18 @@ def native(model_path):
     return LlamaModel(cfg, tensors)
 
 
+def test_the_native_weights_benchmark_names_the_kernels_of_each_type(native):
+    """benchmarks/native_weights.py's header line: each packed GGUF type with the kernel that
+    runs it (it once read the typed report as a dict, and broke unnoticed)."""
+    from benchmarks.native_weights import kernels_used
+    from unikv.kernels import gemv
+
+    how = kernels_used(native)
+    assert set(how) == {"Q8_0", "Q4_1"}  # the packaged file: Q4_1 layers, a Q8_0 head
+    if gemv.unavailable() is None:
+        assert all("gemv" in v for v in how.values()), how
+
+
 def _logits(m, ids):
     from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 

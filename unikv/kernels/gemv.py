@@ -177,7 +177,7 @@ def gemm_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     step = max(16, PANEL_BYTES // (4 * x.shape[1]) // 16 * 16)
     for r in range(0, out, step):
         w = dequantize(blocks[r : r + step], qtype)
-        torch.mm(x, w.t(), out=y[:, r : r + step]) if step < out else torch.mm(x, w.t(), out=y)
+        torch.mm(x, w.t(), out=y[:, r : r + step])
     return y
 
 

@@ -185,6 +185,7 @@ class Scheduling:
     priority_aging_s: float
     why: str
     step_target_ms: float = 0.0
+    prompt_tokens_per_decode: int = 4
 
     @classmethod
     def of(cls, config: PoolConfig, profile: ChipProfile | None) -> Scheduling:
@@ -200,7 +201,8 @@ class Scheduling:
         src_b = "config" if opts.batch_size else chip
         src_w = "config" if opts.batching_window_ms is not None else chip
         why = f"batch {batch} ({src_b}), admission window {window:g} ms ({src_w})"
-        return cls(batch, window, opts.priority_aging_s, why, opts.step_target_ms)
+        return cls(batch, window, opts.priority_aging_s, why, opts.step_target_ms,
+                   opts.prompt_tokens_per_decode)  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -70,11 +70,12 @@ class Engine:
         admission_window_ms: float = 0.0,
         priority_aging_s: float = 1.0,
         step_target_ms: float = 0.0,
+        prompt_tokens_per_decode: int = 4,
     ) -> None:
         # Checked before any KV memory is built for the engine.
         plan_config = SchedulerConfig(
             max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0,
-            step_target_ms / 1000.0,
+            step_target_ms / 1000.0, prompt_tokens_per_decode,
         )  # fmt: skip
         order: PriorityOrder[Request] = PriorityOrder(max_batch, priority_aging_s)
         self.model, self.tokenizer = model, tokenizer
@@ -155,6 +156,7 @@ class Engine:
                 ),
                 priority_aging_s=sched.priority_aging_s,
                 step_target_ms=sched.step_target_ms,
+                prompt_tokens_per_decode=sched.prompt_tokens_per_decode,
             )  # fmt: skip
         except BaseException:
             parts.close()

@@ -24,6 +24,7 @@ File format (TOML, see configs/unikv.toml)::
     batching_window_ms = 40    # admission window, 0..10000 ms
     priority_aging_s = 1.0     # starvation guard: priority improves by 1 per this many s
     step_target_ms = 100       # prompt chunks sized so a step takes about this long (0: off)
+    prompt_tokens_per_decode = 4  # with it, waiting prompts' least tokens a step per decode
     [thermal]                  # optional (see ThermalOptions): replicas' cooling windows
     sensor = "auto"            # auto, hwmon, nvml, command (the profile's), none, scripted:PATH
     margin_c = 3.0             # readings this close to the chip's thermal_throttle_c count
@@ -131,7 +132,8 @@ _TOP_KEYS = (
 )
 MOE_TOPK = ("auto", "exact", "blockwise")
 _MOE_KEYS = ("topk", "topk_block", "expert_cache", "expert_host")
-_SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s", "step_target_ms")
+_SCHEDULER_KEYS = ("batch_size", "batching_window_ms", "priority_aging_s", "step_target_ms",
+                   "prompt_tokens_per_decode")  # fmt: skip
 _THERMAL_KEYS = ("sensor", "margin_c", "readings", "hysteresis_c", "interval_s")
 SENSOR_KINDS = ("auto", "hwmon", "nvml", "command", "none")
 _TIER_KEYS = {
@@ -335,11 +337,18 @@ def _step_target(value: object) -> float:
     return float(value)
 
 
+def _per_decode(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+        raise _Invalid("expected an integer 0..64")
+    return value
+
+
 _SCHEDULER_CHECKS = {
     "batch_size": _batch_size,
     "batching_window_ms": _window_ms,
     "priority_aging_s": _aging,
     "step_target_ms": _step_target,
+    "prompt_tokens_per_decode": _per_decode,
 }
 
 
@@ -452,13 +461,16 @@ class SchedulerOptions:
     the starvation guard (a waiting request's priority improves by one per that many seconds);
     `step_target_ms` sizes prompt chunks by the machine's measured speed so that a step takes
     about that long (an urgent request that arrives waits at most one such step; 0: chunks of
-    the engine's token budget alone).
+    the engine's token budget alone); with it, `prompt_tokens_per_decode` is the fewest prompt
+    tokens a step carries per decoding request while prompts wait (the queue drains as the
+    streams grow, at a longer step).
     """
 
     batch_size: int | None = None
     batching_window_ms: float | None = None
     priority_aging_s: float = 1.0
     step_target_ms: float = 100.0
+    prompt_tokens_per_decode: int = 4
 
     def __post_init__(self) -> None:
         for name, check in _SCHEDULER_CHECKS.items():

@@ -245,6 +245,12 @@ def test_the_step_target_is_a_scheduler_key(tmp_path: Path) -> None:
     assert load(None, env).scheduler.step_target_ms == 250.0
     with pytest.raises(ConfigError, match="step_target_ms.*0..60000"):
         load(write(tmp_path, "[scheduler]\nstep_target_ms = -5\n"))
+    assert load(None).scheduler.prompt_tokens_per_decode == 4
+    env = {"UNIKV_SCHEDULER__PROMPT_TOKENS_PER_DECODE": "0"}
+    assert load(None, env).scheduler.prompt_tokens_per_decode == 0
+    for bad in ("65", "2.5", "true"):
+        with pytest.raises(ConfigError, match="prompt_tokens_per_decode.*0..64"):
+            load(write(tmp_path, f"[scheduler]\nprompt_tokens_per_decode = {bad}\n"))
 
 
 def test_every_unikv_variable_the_program_reads_passes_the_config_check() -> None:

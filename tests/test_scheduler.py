@@ -616,19 +616,26 @@ def test_a_step_target_cuts_prompt_chunks_to_the_measured_speed():
     for _ in range(20):  # a very slow one: never below the floor
         s.timed(64, 64.0)
     assert s.step_tokens == MIN_STEP_TOKENS
-    # Decodes filling the budget do not starve a waiting prompt: it still gets the floor.
-    busy = sched(FakeKV(capacity=10_000), max_batch=64, max_step_tokens=512, step_target_s=0.1)
-    for i in range(40):
-        busy.add(req(i, 4))
-    step(busy)  # 40 short prompts prefill together
-    busy.add(req(99, 500))
-    busy.timed(64, 64.0)  # the floor: 32 tokens, fewer than the 40 decodes
-    assert busy.step_tokens == MIN_STEP_TOKENS
-    got = shape(step(busy))
-    assert sum(1 for rid, n, _ in got if n == 1) == 40  # every stream decodes
-    assert (99, MIN_STEP_TOKENS, False) in got  # and the prompt moves on
+    # Decodes filling the budget do not starve a waiting prompt: it still gets the floor, and
+    # `prompt_tokens_per_decode` tokens per decode row (at most max_step_tokens).
+    for per, streams, want in ((0, 40, MIN_STEP_TOKENS), (4, 40, 160), (2, 10, MIN_STEP_TOKENS),
+                               (4, 200, 512)):  # fmt: skip
+        busy = sched(FakeKV(capacity=100_000), max_batch=256, max_step_tokens=512,
+                     step_target_s=0.1, prompt_tokens_per_decode=per)  # fmt: skip
+        for i in range(streams):
+            busy.add(req(i, 4))
+        while any(len(w.tokens) > 1 for w in step(busy)):
+            pass  # the short prompts prefill
+        busy.add(req(999, 2000))
+        busy.timed(64, 64.0)  # the floor: 32 tokens, fewer than the decodes
+        assert busy.step_tokens == MIN_STEP_TOKENS
+        got = shape(step(busy))
+        assert sum(1 for rid, n, _ in got if n == 1) == streams  # every stream decodes
+        assert (999, want, False) in got, (per, streams)  # and the prompt moves on
     off = sched(FakeKV(capacity=10_000), max_step_tokens=512)
     off.timed(512, 5.0)  # no target: the budget alone
     assert off.step_tokens == 512
     with pytest.raises(ValueError, match="step_target_s"):
         SchedulerConfig(step_target_s=-1.0)
+    with pytest.raises(ValueError, match="prompt_tokens_per_decode"):
+        SchedulerConfig(prompt_tokens_per_decode=65)

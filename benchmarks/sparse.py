@@ -24,16 +24,17 @@ with the device tier's KV bytes (and the summaries' beside them); and for each p
 `--formats` its whole cache against its sparse selection (the kernel over the chosen
 blocks' records). `--chart PNG` draws PPL change against the share of tokens attended.
 
-The variants (`--range-weights`, `--summary-tokens`, `--summaries`, `--block-scores`,
-`--dense-layers`, each list crossed with the others) add `sparse` cases to every section: a PPL
-row, a passkey column and a resident decode case each (`--variants-only`: without `sparse` at
-its defaults in PPL and passkey; `--decode-skip tiered ssd layerwise` leaves those decode cases
-out).
+The variants (`--range-weights`, `--summary-tokens`, `--summaries`, `--key-groups` (of the
+keys variants), `--block-scores`, `--dense-layers`, each list crossed with the others) add
+`sparse` cases to every section: a PPL row, a passkey column and a resident decode case each
+(`--variants-only`: without `sparse` at its defaults in PPL and passkey; `--decode-skip tiered
+ssd layerwise` leaves those decode cases out).
 
     python benchmarks/sparse.py [--tokens 8192] [--shares 0.125 0.25] [--lengths 1024 4096 8184]
         [--skip ppl passkey decode] [--chart docs/sparse.png]
         [--methods sparse oracle exact learned_prune streaming] [--range-weights 1 0.5 0]
-        [--summary-tokens 16 4 2] [--summaries centres keys] [--block-scores max lse]
+        [--summary-tokens 16 4 2] [--summaries centres keys] [--key-groups 16 64]
+        [--block-scores max lse]
         [--variants-only]
         [--decode-skip tiered ssd layerwise] [--tiered-block 64]
 """
@@ -41,6 +42,7 @@ out).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -97,7 +99,7 @@ def methods(share: float, context: int, variants: tuple[dict, ...] = (),
 
 
 _SHORT = {"range_weight": "w", "summary_tokens": "s", "dense_layers": "dense",
-          "block_score": "score", "summary": "sum"}  # fmt: skip
+          "block_score": "score", "summary": "sum", "key_group": "G"}  # fmt: skip
 
 
 def _variant(options: dict) -> str:
@@ -410,6 +412,9 @@ def main() -> None:
     ap.add_argument("--summaries", nargs="*", default=[], choices=("centres", "keys"),
                     help="sparse also scoring from each of these summaries (keys: every "
                     "token's key in 4 bits; with each variant above, or the defaults)")  # fmt: skip
+    ap.add_argument("--key-groups", type=int, nargs="*", default=[], choices=(16, 32, 64, 128),
+                    help="the variants with summary = keys at each of these key_group values "
+                    "(tokens sharing a minimum and step) instead of the default")  # fmt: skip
     ap.add_argument("--block-scores", nargs="*", default=[], choices=("max", "lse"),
                     help="sparse also scoring blocks by each of these (with each variant "
                     "above, or the defaults)")  # fmt: skip
@@ -445,6 +450,10 @@ def main() -> None:
                     for v in variants or [{}]]  # fmt: skip
     if args.summaries:
         variants = [{"summary": x, **v} for x in args.summaries for v in variants or [{}]]
+    if args.key_groups:  # the keys variants only: a group has no meaning for centres
+        variants = [{**v, "key_group": g} if v.get("summary") == "keys" else v
+                    for v in variants for g in args.key_groups]  # fmt: skip
+        variants = list({json.dumps(v, sort_keys=True): v for v in variants}.values())
     if args.block_scores:
         variants = [{"block_score": b, **v} for b in args.block_scores
                     for v in variants or [{}]]  # fmt: skip

@@ -24,7 +24,11 @@ tokens and channel a float16 minimum and step (KIVI's per-channel quantization o
 query's q.k is estimated per token (`key_scores`) and a block ranked by its tokens' (best, or
 with lse their mass). Nearer the true attention than any centre (the oracle's +0.90% against
 +0.97% on the shortest text at 1/8, BENCHMARKS.md), at 48 bytes a token and KV head at head
-dim 64 and more work to choose: the query is rounded again for every tile.
+dim 64 and more work to choose: the query is rounded again for every minimum and step.
+`key_group` tokens share them (128 by default: the query is rounded once for them; 16 gave
+no better PPL on the development texts, BENCHMARKS.md). The tiles of a group hold the same
+ones, so the kernel and the reference read one layout; the open group is quantized again as
+it fills (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
@@ -125,6 +129,9 @@ class SparseSelection(Selection):
                "token by token: nearer the true attention, 48 bytes a token and KV head at "
                "head dim 64 against 34 for centres of 2 tokens",
                choices=("centres", "keys")),
+        Option("key_group", int, 128, "summary = keys: tokens that share a channel's minimum "
+               "and step (fewer: a finer step, and the query rounded again for every group)",
+               choices=(16, 32, 64, 128)),
         Option("block_score", str, "max", "a block's score from its summaries' (each the "
                "largest over the queries): max, their largest (Quest); lse, their log-sum-exp "
                "at the attention's scale (about the softmax mass the block takes: many strong "
@@ -150,6 +157,10 @@ class SparseSelection(Selection):
                              f"not {spec.head_dim}")  # fmt: skip
         if self.keys and self.opts["range_weight"] > 0:
             raise ValueError("range_weight weighs the centres' ranges: summary = keys has none")
+        if not self.keys and self.opts["key_group"] != 128:
+            raise ValueError(f"key_group = {self.opts['key_group']} groups 4-bit keys: it "
+                             f"needs summary = keys")  # fmt: skip
+        self.group = self.opts["key_group"]  # tokens per minimum and step (keys)
         self.sub = 1 if self.keys else min(self.opts["summary_tokens"], self.bs)
         self.parts = -(-self.bs // self.sub)
         # the block score's scale: 0 for the largest summary, the attention's for log-sum-exp
@@ -174,7 +185,8 @@ class SparseSelection(Selection):
         # seq -> per layer the blocks its last step read ([Hkv, B]; None: all): `likely`
         self._recent: dict[int, list[torch.Tensor | None]] = {}
         self.last_read: list[list[torch.Tensor | None]] = []  # per layer, per batch sequence
-        self.operators = OperatorSet(pool.device)  # `sparse.choose`: the C kernel, else torch
+        # `sparse.choose`, `sparse.quantize_keys`: the C kernels, else torch
+        self.operators = OperatorSet(pool.device)
         self.counts = {"steps": 0, "sparse_reads": 0, "blocks_read": 0, "blocks_stored": 0,
                        "repeat_blocks": 0, "chosen_blocks": 0}  # fmt: skip
 
@@ -403,13 +415,16 @@ class SparseSelection(Selection):
 
     def _grow_keys(self, sid: int, tokens: int, device: torch.device) -> None:
         """Room for `tokens` keys: codes [L, Hkv, tiles, D / 8, 16, 4] uint8 (`tile_keys`),
-        per tile the channels' minimum and step [L, Hkv, tiles, 2, D] float16, and the open
-        tile's float32 keys [L, Hkv, 16, D] (its minimum and step change as it fills)."""
+        per tile the channels' minimum and step [L, Hkv, tiles, 2, D] float16 (a group's
+        tiles hold the same), and the open group's float32 keys [L, Hkv, key_group, D] (its
+        minimum and step change as it fills)."""
         have = self._codes.get(sid)
-        tiles = -(-tokens // kernels.TILE)
+        per = self.group // kernels.TILE  # tiles per group
+        tiles = -(-tokens // self.group) * per
         if have is not None and have.shape[2] >= tiles:
             return
         cap = max(tiles, 2 * (have.shape[2] if have is not None else self.parts))
+        cap = -(-cap // per) * per  # whole groups
         spec = self.spec
         shape, d = (spec.num_layers, spec.num_kv_heads), spec.head_dim
         codes = torch.zeros(*shape, cap, d // 8, kernels.TILE, 4, dtype=torch.uint8,
@@ -419,28 +434,29 @@ class SparseSelection(Selection):
             codes[:, :, : have.shape[2]] = have
             params[:, :, : have.shape[2]] = self._scales[sid]
         else:
-            self._open[sid] = torch.zeros(*shape, kernels.TILE, d, device=device)
+            self._open[sid] = torch.zeros(*shape, self.group, d, device=device)
         self._codes[sid], self._scales[sid] = codes, params
         self._layers[sid] = (list(codes.unbind(0)), list(params.unbind(0)))
 
     def _add_keys(self, sid: int, k: torch.Tensor, start: int, layer: int | None) -> None:
-        """`_add` for summary = keys: the tiles tokens [start, start + n) fall in quantized
+        """`_add` for summary = keys: the groups tokens [start, start + n) fall in quantized
         again whole (the open one's earlier keys from `_open`)."""
-        t, n = kernels.TILE, k.shape[1]
-        t0, t1 = start // t, -(-(start + n) // t)
-        self._grow_keys(sid, t1 * t, k.device)
+        g, n = self.group, k.shape[1]
+        g0, g1 = start // g, -(-(start + n) // g)
+        self._grow_keys(sid, g1 * g, k.device)
         codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
         if layer is not None:
             codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
-        have, end = start - t0 * t, start - t0 * t + n
-        x = torch.empty(k.shape[0], k.shape[2], (t1 - t0) * t, k.shape[3], device=k.device)
+        have, end = start - g0 * g, start - g0 * g + n
+        x = torch.empty(k.shape[0], k.shape[2], (g1 - g0) * g, k.shape[3], device=k.device)
         x[:, :, :have] = opened[:, :, :have]
         x[:, :, have:end] = k.transpose(1, 2)
         x[:, :, end:] = x[:, :, end - 1 : end]  # the last key again: the same minimum and maximum
-        c, m, step = quantize_keys(x.unflatten(2, (-1, t)))
-        codes[:, :, t0:t1] = kernels.tile_keys(c)
-        params[:, :, t0:t1, 0], params[:, :, t0:t1, 1] = m, step
-        opened.copy_(x[:, :, -t:])
+        c, p = self.operators["sparse.quantize_keys"](x.flatten(0, 1), g)  # the C kernel's
+        t0, t1 = g0 * g // kernels.TILE, g1 * g // kernels.TILE
+        codes[:, :, t0:t1] = c.view(*x.shape[:2], *c.shape[1:])
+        params[:, :, t0:t1] = p.view(*x.shape[:2], *p.shape[1:])
+        opened.copy_(x[:, :, -g:])
         if layer is None:
             self._known[sid] = start + n
 
@@ -514,7 +530,7 @@ KMAX = 127  # the same against 4-bit keys (unsigned codes: no offset to make roo
 
 
 def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys x [..., 16, D] float32 (a tile of 16 tokens) as 4-bit codes [..., 16, D] uint8
+    """Keys x [..., G, D] float32 (a group of G tokens) as 4-bit codes [..., G, D] uint8
     (0 to 15) and per channel a float16 minimum m and step s ([..., D] each): a key is about
     m + code x s, within half a step (KIVI's per-channel quantization of keys: their channels
     differ in scale far more than their tokens)."""
@@ -524,6 +540,18 @@ def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     sf = s.float().unsqueeze(-2)
     c = torch.where(sf > 0, (x - mf.unsqueeze(-2)) / sf, 0.0).round_().clamp_(0, 15)
     return c.to(torch.uint8), m, s
+
+
+def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys x [rows, n, D] float32 in 4 bits per group of `group` tokens (`quantize_keys`) as
+    `sparse_choose` reads them: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per
+    tile its group's minima and steps [rows, n / 16, 2, D] float16. The registry op
+    `sparse.quantize_keys` (the C kernel makes the same bytes in one pass)."""
+    rows, n, d = x.shape
+    c, m, s = quantize_keys(x.view(rows, n // group, group, d))
+    per = group // kernels.TILE
+    params = torch.stack((m, s), dim=2).repeat_interleave(per, dim=1)
+    return kernels.tile_keys(c.view(rows, n // kernels.TILE, kernels.TILE, d)), params
 
 
 def _summaries(
@@ -643,3 +671,9 @@ register_op(FnImplementation(
 register_op(
     FnImplementation("sparse.choose", "torch", choose_torch, ("*",)), preference=90, reference=True
 )
+register_op(FnImplementation(
+    "sparse.quantize_keys", "c", kernels.quantize_key_tiles, ("cpu",),
+    lambda device, owner: kernels.unavailable(),
+), preference=10)  # fmt: skip
+register_op(FnImplementation("sparse.quantize_keys", "torch", quantize_key_tiles, ("*",)),
+            preference=90, reference=True)  # fmt: skip

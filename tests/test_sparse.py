@@ -57,8 +57,9 @@ def haystack(n: int, needle_at: int, direction: torch.Tensor, seed: int = 0) -> 
 
 
 @pytest.mark.parametrize("score", [{}, {"summary_tokens": 1, "block_score": "lse"},
-                                   {"summary": "keys", "block_score": "lse"}],
-                         ids=["default", "token-lse", "keys-lse"])  # fmt: skip
+                                   {"summary": "keys", "block_score": "lse"},
+                                   {"summary": "keys", "block_score": "lse", "key_group": 16}],
+                         ids=["default", "token-lse", "keys-lse", "keys16-lse"])  # fmt: skip
 @pytest.mark.parametrize("share", [0.125, 0.25])
 @pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth, score):
@@ -403,6 +404,56 @@ def _summaries_and_queries(rows, hq, h, d, summaries, seed=0, width=2):
     return q, tile(codes), torch.rand(h, n, generator=g) + 0.01
 
 
+@pytest.mark.parametrize("group", [16, 64, 128])
+def test_the_key_quantizer_kernel_makes_the_references_bytes(group, isa):
+    """summary = keys: `sparse_quantize_keys` (one pass in C) against `quantize_key_tiles`
+    (PyTorch), byte for byte, under every build (F16C or the integer float16 rounding): keys of
+    every scale from float16's subnormals to beyond its range, a constant channel, ties."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import quantize_key_tiles
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    g = torch.Generator().manual_seed(group)
+    d = 64
+    x = torch.randn(5, 2 * group, d, generator=g) * torch.logspace(-9, 5.5, d)
+    x[:, :, 3] = 0.3  # constant: step 0, codes 0
+    x[:, :, 7] = torch.arange(2 * group).float() / 2  # steps whose codes tie at .5
+    x[1] *= -1
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got_c, got_p = kernels.quantize_key_tiles(x, group)
+        want_c, want_p = quantize_key_tiles(x, group)
+        assert torch.equal(got_c, want_c)
+        assert torch.equal(got_p.view(torch.int16), want_p.view(torch.int16))
+    assert torch.isinf(want_p[..., 1, :].float()).any()  # float16's range was passed
+    assert (want_p[..., 0, :].float().abs() < 6.1e-5).any()  # and its subnormals reached
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.quantize_key_tiles(x[:, :24], group)
+
+
+def test_a_key_group_shares_its_minimum_and_step_as_it_fills():
+    """key_group = 64: keys written over a prompt and single steps (the open group quantized
+    again as it fills, across its tiles) come back within half their group's step, and the
+    tiles of a group hold the same minima and steps, the ones of the group's keys."""
+    s = build(summary="keys", key_group=64, budget_tokens=64)
+    k = torch.randn(LAYERS, 100, HEADS, DIM) * torch.logspace(-1, 1, DIM)
+    step(s, 0, k[:, :40], torch.randn(LAYERS, 40, HEADS * GROUP, DIM), more_prompt=True)
+    for t in range(40, 100):
+        step(s, 0, k[:, t : t + 1], torch.randn(LAYERS, 1, HEADS * GROUP, DIM))
+    sel = s.selection
+    got = sel.summaries(0)[:, :, :100]  # [L, Hkv, tokens, D]
+    kt = k.transpose(1, 2)
+    for g0 in (0, 64):
+        x = kt[:, :, g0 : g0 + 64]
+        step_ = (x.amax(2) - x.amin(2)).unsqueeze(2) / 15
+        assert ((got[:, :, g0 : g0 + 64] - x).abs() <= 0.5 * step_ + 2e-3 * x.abs().amax()).all()
+    params = sel._scales[0][:, :, :8]  # [L, Hkv, tiles, 2, D]: two groups of 4 tiles
+    for g in range(2):
+        assert (params[:, :, 4 * g : 4 * g + 4] == params[:, :, 4 * g : 4 * g + 1]).all()
+    assert torch.allclose(params[:, :, 0, 0].float(), kt[:, :, :64].amin(2), atol=1e-2, rtol=1e-3)
+
+
 @pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
 def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
     """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`), bit for bit: the
@@ -466,17 +517,19 @@ def _equal_but_near_ties(got, want, scores, lo, room):
             assert abs(scores[h, x - lo].item() - line) < 1e-5, (h, x, line)
 
 
-def _keys(h: int, tokens: int, d: int, seed: int = 0):
+def _keys(h: int, tokens: int, d: int, seed: int = 0, group: int = 16):
     """Random keys [Hkv, tokens, D] (channels of different scales and offsets, as a model's
-    are) as `sparse_choose` reads them: codes in tiles and float16 minima and steps."""
+    are) as `sparse_choose` reads them: codes in tiles and float16 minima and steps, shared
+    by the tiles of each `group` tokens."""
     from unikv.kernels.sparse import tile_keys
     from unikv.kvstrategies.sparse import quantize_keys
 
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-1, 1, d)[torch.randperm(d, generator=g)]
     k = torch.randn(h, tokens, d, generator=g) * scale + torch.randn(d, generator=g) * scale
-    c, m, s = quantize_keys(k.view(h, -1, 16, d))
-    return k, tile_keys(c), torch.stack((m, s), dim=2).contiguous()
+    c, m, s = quantize_keys(k.view(h, -1, group, d))
+    params = torch.stack((m, s), dim=2).repeat_interleave(group // 16, dim=1)
+    return k, tile_keys(c.view(h, -1, 16, d)), params.contiguous()
 
 
 def test_keys_in_4_bits_are_within_half_a_step_and_tile_both_ways():
@@ -501,7 +554,9 @@ def test_keys_in_4_bits_are_within_half_a_step_and_tile_both_ways():
     got = s.selection.summaries(0)[:, :, :40]  # [L, Hkv, tokens, D]
     assert ((got - k.transpose(1, 2)).abs() <= 0.5 * (k.amax(1) - k.amin(1)).unsqueeze(2) / 15
             + 1e-2).all()  # fmt: skip
-    for bad, match in (({"range_weight": 0.5}, "range_weight"), ({"summary": "all"}, "summary")):
+    for bad, match in (({"range_weight": 0.5}, "range_weight"), ({"summary": "all"}, "summary"),
+                       ({"key_group": 48}, "key_group"),
+                       ({"key_group": 32}, "summary = keys")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             build(summary="keys", **bad) if "range_weight" in bad else build(**bad)
     with pytest.raises(ValueError, match="divisible by 8"):
@@ -521,8 +576,13 @@ def test_the_choice_kernel_chooses_from_keys_what_the_reference_chooses(rows, ro
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
     h, blocks = 3, 720
-    for parts, d, group in ((16, 64, 3), (8, 40, 1), (12, 128, 4), (16, 64, 2)):
-        _, codes, params = _keys(h, -(-blocks * parts // 16) * 16, d, seed=parts + d)
+    # (tokens sharing a minimum and step: 16, or groups whose tiles the kernel scores with the
+    # same query codes, the first candidate tile inside a group)
+    for parts, d, group, key_group in ((16, 64, 3, 16), (8, 40, 1, 16), (12, 128, 4, 16),
+                                       (16, 64, 2, 16), (16, 64, 3, 64),
+                                       (8, 40, 4, 128)):  # fmt: skip
+        n = -(-blocks * parts // key_group) * key_group
+        _, codes, params = _keys(h, n, d, seed=parts + d, group=key_group)
         q = torch.randn(rows, h * group, d, generator=torch.Generator().manual_seed(d))
         got_s = key_scores(q, codes, params, parts, 701 * parts)
         assert got_s.shape == (h, 700 * parts) and torch.isfinite(got_s).all()

@@ -204,13 +204,15 @@ def test_attends_like_exact_attention(name, make):
         assert d.selected > 0 and s.stored_tokens(0) == 13 + 1 + 10 + 5
 
 
+@pytest.mark.parametrize("group", [16, 128])
 @pytest.mark.parametrize("sparse", [n for n in COMBINATIONS if n.endswith("+sparse")])
-def test_sparse_from_4_bit_keys_attends_exactly_over_what_it_chose(sparse, make):
+def test_sparse_from_4_bit_keys_attends_exactly_over_what_it_chose(sparse, group, make):
     """The selection's other summaries (summary = keys: every token's key in 4 bits, a block
-    ranked by its tokens' log-sum-exp), with every format and placement: attention is exact
-    over the blocks chosen, nothing is evicted, and it selects. The contract's 4-token blocks
-    leave tiles of 16 keys open over several blocks, quantized again as they fill."""
-    s = make(sparse, summary="keys", block_score="lse")
+    ranked by its tokens' log-sum-exp), with every format and placement, a minimum and step
+    per 16 or 128 keys: attention is exact over the blocks chosen, nothing is evicted, and it
+    selects. The contract's 4-token blocks leave groups of keys open over several blocks,
+    quantized again as they fill."""
+    s = make(sparse, summary="keys", block_score="lse", key_group=group)
     d = Driver(s)
     tol = s.recipe.tolerance
     assert d.step([0], [13]) <= tol

@@ -280,6 +280,79 @@ static inline float half_float(uint16_t h) {
 #endif
 }
 
+/* float32 to float16, rounded to nearest, ties to even (torch's `.half()`): F16C, or the same
+ * in integers (overflow to infinity, subnormal halves, NaN kept a NaN). */
+static inline uint16_t float_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    x &= 0x7FFFFFFFu;
+    if (x > 0x7F800000u) return sign | 0x7E00; /* NaN */
+    if (x >= 0x47800000u) return sign | 0x7C00; /* 2^16 and above: infinity */
+    if (x < 0x38800000u) /* below 2^-14: a subnormal half, |f| x 2^24 rounded (exact scaling) */
+        return sign | (uint16_t)rintf(fabsf(f) * 16777216.0f);
+    uint32_t h = (x >> 13) - (112u << 10), rem = x & 0x1FFFu; /* exponent rebiased by 127 - 15 */
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry moves the exponent on */
+    return sign | (uint16_t)h;
+#endif
+}
+
+/* Keys x [rows][n][d] float32 (n a multiple of g, g of 16) as `quantize_keys` and `tile_keys`
+ * make them, per group of g tokens: each channel's minimum m and step s = (max - m) / 15 as
+ * float16, a token's code round((x - m) / s) in 0..15 (0 where s is 0), packed into tiles of
+ * 16 tokens ([d / 8][16][4] bytes: `codes` [rows][n / 16][8d]); `params` [rows][n / 16][2][d]
+ * float16: every tile of a group holds its m and s. The same operations as torch's, in the
+ * same order, so that both give the same bytes. */
+int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_t *codes,
+                         uint16_t *params, int threads) {
+    if (rows < 0 || n < 0 || g <= 0 || g % TILE || n % g || d <= 0 || d % 8 || d > DMAX)
+        return -1;
+    const long groups = n / g;
+#pragma omp parallel for schedule(static) num_threads(rows * groups > 1 ? threads : 1)
+    for (long rg = 0; rg < rows * groups; rg++) {
+        const long r = rg / groups, gi = rg % groups;
+        const float *xg = x + (r * n + gi * g) * d;
+        float lo[DMAX], hi[DMAX], mf[DMAX], sf[DMAX];
+        uint16_t m16[DMAX], s16[DMAX];
+        uint8_t c[TILE * DMAX];
+        for (int ch = 0; ch < d; ch++) lo[ch] = hi[ch] = xg[ch];
+        for (int k = 1; k < g; k++)
+            for (int ch = 0; ch < d; ch++) {
+                const float v = xg[(long)k * d + ch];
+                lo[ch] = v < lo[ch] ? v : lo[ch];
+                hi[ch] = v > hi[ch] ? v : hi[ch];
+            }
+        for (int ch = 0; ch < d; ch++) {
+            m16[ch] = float_half(lo[ch]);
+            mf[ch] = half_float(m16[ch]);
+            s16[ch] = float_half((hi[ch] - mf[ch]) / 15.0f);
+            sf[ch] = half_float(s16[ch]);
+        }
+        for (int t = 0; t < g / TILE; t++) {
+            const long tile = r * (n / TILE) + gi * (g / TILE) + t;
+            memcpy(params + tile * 2 * d, m16, sizeof(uint16_t) * d);
+            memcpy(params + tile * 2 * d + d, s16, sizeof(uint16_t) * d);
+            const float *xt = xg + (long)t * TILE * d;
+            for (int k = 0; k < TILE; k++)
+                for (int ch = 0; ch < d; ch++) {
+                    float v = sf[ch] > 0.0f ? rintf((xt[(long)k * d + ch] - mf[ch]) / sf[ch]) : 0.0f;
+                    v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f; /* (a NaN: 0) */
+                    c[k * d + ch] = (uint8_t)v;
+                }
+            uint8_t *o = codes + tile * 8 * d;
+            for (int j = 0; j < d / 8; j++)
+                for (int k = 0; k < TILE; k++)
+                    for (int i = 0; i < 4; i++)
+                        o[(j * TILE + k) * 4 + i] =
+                            (uint8_t)(c[k * d + 8 * j + i] | (c[k * d + 8 * j + 4 + i] << 4));
+        }
+    }
+    return 0;
+}
+
 /* One query against one tile's minima mf and steps sf: a = q sf as int8 codes ac (a times the
  * reciprocal of its scale, rounded half to even), their scale *scale and q . mf (*bias): the
  * reference's operations but for the order of that sum. Vectors where d fills them. */
@@ -432,35 +505,50 @@ static void key_tile(const int8_t *ac, const float *scale, const float *bias, in
     }
 }
 
+/* Whether tile t's minima and steps (at p) are tile t - 1's: the tiles of one group of
+ * `key_group` tokens share them, and the queries' codes for the one serve the next. */
+static inline int same_params(const uint16_t *p, int d) {
+    uint64_t x = 0;
+    for (int i = 0; i < d / 2; i++) { /* 4d bytes: d / 2 words */
+        uint64_t a, b;
+        memcpy(&a, p + 4 * i, 8);
+        memcpy(&b, p - 2 * d + 4 * i, 8);
+        x |= a ^ b;
+    }
+    return x == 0;
+}
+
 /* Scores of the tokens in tiles [t0, t1) of one KV head from its keys: s[i] for token
  * t0 * TILE + i. qf: the head's nq queries [nq][d] float32; tiles: its codes (8d bytes a tile);
- * par: its minima and steps (2d float16 a tile). */
+ * par: its minima and steps (2d float16 a tile). A query's codes are computed again only where
+ * a tile's minima and steps differ from the tile before it's. */
 static void score_key_tiles(const float *qf, int nq, int d, const uint8_t *tiles,
                             const uint16_t *par, long t0, long t1, float *s) {
     int8_t ac[QT * DMAX];
     float mf[DMAX], sf[DMAX], scale[QT], bias[QT];
-    for (long t = t0; t < t1; t++) {
-        float *o = s + (t - t0) * TILE;
-        for (int k = 0; k < TILE; k++) o[k] = -INFINITY;
-        const uint16_t *p = par + t * 2 * d;
-        int c = 0;
+    for (long k = 0; k < (t1 - t0) * TILE; k++) s[k] = -INFINITY;
+    for (int j = 0; j < nq; j += QT) {
+        const int nu = nq - j < QT ? nq - j : QT;
+        for (long t = t0; t < t1; t++) {
+            const uint16_t *p = par + t * 2 * d;
+            if (t == t0 || !same_params(p, d)) {
+                int c = 0;
 #if CHOOSE_ISA == 2
-        for (; c + 16 <= d; c += 16) {
-            _mm512_storeu_ps(mf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + c))));
-            _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + d + c))));
-        }
+                for (; c + 16 <= d; c += 16) {
+                    _mm512_storeu_ps(mf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + c))));
+                    _mm512_storeu_ps(sf + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + d + c))));
+                }
 #elif CHOOSE_ISA == 1 && defined(__F16C__)
-        for (; c + 8 <= d; c += 8) {
-            _mm256_storeu_ps(mf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + c))));
-            _mm256_storeu_ps(sf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d + c))));
-        }
+                for (; c + 8 <= d; c += 8) {
+                    _mm256_storeu_ps(mf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + c))));
+                    _mm256_storeu_ps(sf + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d + c))));
+                }
 #endif
-        for (; c < d; c++) mf[c] = half_float(p[c]), sf[c] = half_float(p[d + c]);
-        for (int j = 0; j < nq; j += QT) {
-            const int nu = nq - j < QT ? nq - j : QT;
-            for (int u = 0; u < nu; u++)
-                key_query(qf + (long)(j + u) * d, mf, sf, d, ac + (long)u * d, scale + u, bias + u);
-            key_tile(ac, scale, bias, nu, d, tiles + t * 8 * d, o);
+                for (; c < d; c++) mf[c] = half_float(p[c]), sf[c] = half_float(p[d + c]);
+                for (int u = 0; u < nu; u++)
+                    key_query(qf + (long)(j + u) * d, mf, sf, d, ac + (long)u * d, scale + u, bias + u);
+            }
+            key_tile(ac, scale, bias, nu, d, tiles + t * 8 * d, s + (t - t0) * TILE);
         }
     }
 }
@@ -585,17 +673,19 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                     qs[j] = scale;
                     xq[j] = 128 * sum;
                 }
-    /* Scoring in chunks of 4 tiles over the threads, then per head (over the threads too) a
-     * block's score, its summaries' largest, and top-k. A small layer runs on one thread (the
-     * fork costs more than it saves). */
-    const long chunk = 4, chunks = (nt + chunk - 1) / chunk;
+    /* Scoring in chunks of 4 tiles over the threads (keys: 8, from a multiple of 8, so that
+     * a group of up to 128 tokens, whose tiles share the queries' codes, is one chunk's), then
+     * per head (over the threads too) a block's score, its summaries' largest, and top-k. A
+     * small layer runs on one thread (the fork costs more than it saves). */
+    const long chunk = keys ? 8 : 4, base = t0 - t0 % chunk;
+    const long chunks = nt ? (t1 - base + chunk - 1) / chunk : 0;
     const int team = (long)nq * ns * w < (1L << 17) ? 1 : threads;
 #pragma omp parallel num_threads(team)
     {
 #pragma omp for schedule(static)
         for (long c = 0; c < hkv * chunks; c++) {
-            const long h = c / chunks, a = t0 + (c % chunks) * chunk;
-            const long b = a + chunk < t1 ? a + chunk : t1;
+            const long h = c / chunks, from = base + (c % chunks) * chunk;
+            const long a = from < t0 ? t0 : from, b = from + chunk < t1 ? from + chunk : t1;
             if (keys)
                 score_key_tiles(qf + h * nq * d, nq, d, (const uint8_t *)codes + h * head_stride,
                                 (const uint16_t *)(const void *)scales + h * scale_stride, a, b,

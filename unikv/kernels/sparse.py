@@ -35,6 +35,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sparse_choose.argtypes = [p, i, i, i, i, p, p, lng, lng, i, i, lng, lng, lng, lng, f, f,
                                   p, i]  # fmt: skip
     lib.sparse_choose.restype = ctypes.c_int
+    lib.sparse_quantize_keys.argtypes = [p, lng, lng, i, i, p, p, i]
+    lib.sparse_quantize_keys.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
     _state["lib"] = lib
@@ -95,6 +97,26 @@ def untile_keys(tiles: torch.Tensor) -> torch.Tensor:
     *lead, n, g, t, four = tiles.shape
     b = tiles.transpose(-3, -2)  # [..., n, 16, D / 8, 4]
     return torch.stack((b & 15, b >> 4), dim=-2).reshape(*lead, n * t, g * 2 * four)
+
+
+def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys x [rows, n, D] float32 (n a multiple of `group`, a multiple of 16) in 4 bits per
+    group of `group` tokens, as `kvstrategies.sparse.quantize_key_tiles` makes them, byte for
+    byte: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per tile the group's
+    minima and steps [rows, n / 16, 2, D] float16."""
+    rows, n, d = x.shape
+    if x.dtype != torch.float32 or n % group or group % TILE or d % 8 or d > 1024:
+        raise ValueError(f"quantize_key_tiles takes float32 keys [rows, n, D], n a multiple of "
+                         f"the group, the group of 16, D of 8 (got {tuple(x.shape)}, "
+                         f"{x.dtype}, group {group})")  # fmt: skip
+    x = x.contiguous()
+    codes = torch.empty(rows, n // TILE, d // 8, TILE, 4, dtype=torch.uint8)
+    params = torch.empty(rows, n // TILE, 2, d, dtype=torch.float16)
+    rc = _lib().sparse_quantize_keys(x.data_ptr(), rows, n, group, d, codes.data_ptr(),
+                                     params.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError("sparse_quantize_keys rejected its arguments")
+    return codes, params
 
 
 def choose_blocks(

@@ -19,16 +19,15 @@ choosing by the true attention on the shortest development text, BENCHMARKS.md).
 is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
 `choose_torch`): one call per sequence and layer.
 
-`summary = "keys"` scores token by token instead: every token's key in 4 bits, per tile of 16
-tokens and channel a float16 minimum and step (KIVI's per-channel quantization of keys), so a
-query's q.k is estimated per token (`key_scores`) and a block ranked by its tokens' (best, or
-with lse their mass). Nearer the true attention than any centre (the oracle's +0.90% against
-+0.97% on the shortest text at 1/8, BENCHMARKS.md), at 48 bytes a token and KV head at head
-dim 64 and more work to choose: the query is rounded again for every minimum and step.
-`key_group` tokens share them (128 by default: the query is rounded once for them; 16 gave
-no better PPL on the development texts, BENCHMARKS.md). The tiles of a group hold the same
-ones, so the kernel and the reference read one layout; the open group is quantized again as
-it fills (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
+`summary = "keys"` scores token by token instead: every token's key in 4 bits, per group of
+`key_group` tokens and channel a float16 minimum and step (KIVI's per-channel quantization of
+keys), so a query's q.k is estimated per token (`key_scores`) and a block ranked by its
+tokens' (best, or with lse their mass). It chooses about as well as the true attention does
+(on the shortest text at 1/8: +0.89% against the oracle's +0.90%, BENCHMARKS.md), at 34 bytes
+a token and KV head at head dim 64, and more work to choose: the query is rounded again for
+every group (128 tokens by default; groups of 16 gave no better PPL on the development texts
+and took 1.6 times as long to choose). The open group is quantized again as it fills, up to
+its last tile (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
@@ -125,9 +124,9 @@ class SparseSelection(Selection):
                low=0, high=1),
         Option("summary", str, "centres", "what a step scores the blocks from: centres, the "
                "per-channel centres of runs of summary_tokens keys (int8); keys, every token's "
-               "key in 4 bits (per channel a minimum and a step for each 16 tokens), scored "
-               "token by token: nearer the true attention, 48 bytes a token and KV head at "
-               "head dim 64 against 34 for centres of 2 tokens",
+               "key in 4 bits (per channel a minimum and a step for each key_group tokens), "
+               "scored token by token: nearer the true attention, 34 bytes a token and KV "
+               "head at head dim 64, as many as centres of 2 tokens, and more work to choose",
                choices=("centres", "keys")),
         Option("key_group", int, 128, "summary = keys: tokens that share a channel's minimum "
                "and step (fewer: a finer step, and the query rounded again for every group)",
@@ -415,9 +414,9 @@ class SparseSelection(Selection):
 
     def _grow_keys(self, sid: int, tokens: int, device: torch.device) -> None:
         """Room for `tokens` keys: codes [L, Hkv, tiles, D / 8, 16, 4] uint8 (`tile_keys`),
-        per tile the channels' minimum and step [L, Hkv, tiles, 2, D] float16 (a group's
-        tiles hold the same), and the open group's float32 keys [L, Hkv, key_group, D] (its
-        minimum and step change as it fills)."""
+        per group of `key_group` tokens the channels' minimum and step [L, Hkv, groups, 2, D]
+        float16, and the open group's float32 keys [L, Hkv, key_group, D] (its minimum and
+        step change as it fills)."""
         have = self._codes.get(sid)
         per = self.group // kernels.TILE  # tiles per group
         tiles = -(-tokens // self.group) * per
@@ -429,10 +428,10 @@ class SparseSelection(Selection):
         shape, d = (spec.num_layers, spec.num_kv_heads), spec.head_dim
         codes = torch.zeros(*shape, cap, d // 8, kernels.TILE, 4, dtype=torch.uint8,
                             device=device)  # fmt: skip
-        params = torch.zeros(*shape, cap, 2, d, dtype=torch.float16, device=device)
+        params = torch.zeros(*shape, cap // per, 2, d, dtype=torch.float16, device=device)
         if have is not None:
             codes[:, :, : have.shape[2]] = have
-            params[:, :, : have.shape[2]] = self._scales[sid]
+            params[:, :, : self._scales[sid].shape[2]] = self._scales[sid]
         else:
             self._open[sid] = torch.zeros(*shape, self.group, d, device=device)
         self._codes[sid], self._scales[sid] = codes, params
@@ -440,23 +439,24 @@ class SparseSelection(Selection):
 
     def _add_keys(self, sid: int, k: torch.Tensor, start: int, layer: int | None) -> None:
         """`_add` for summary = keys: the groups tokens [start, start + n) fall in quantized
-        again whole (the open one's earlier keys from `_open`)."""
-        g, n = self.group, k.shape[1]
-        g0, g1 = start // g, -(-(start + n) // g)
-        self._grow_keys(sid, g1 * g, k.device)
+        again whole, as far as their last tile (the open one's earlier keys from `_open`)."""
+        g, n, tile = self.group, k.shape[1], kernels.TILE
+        g0, last = start // g, start + n  # the first group written; the tokens known after
+        self._grow_keys(sid, last, k.device)
         codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
         if layer is not None:
             codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
-        have, end = start - g0 * g, start - g0 * g + n
-        x = torch.empty(k.shape[0], k.shape[2], (g1 - g0) * g, k.shape[3], device=k.device)
+        have, end = start - g0 * g, last - g0 * g
+        x = torch.empty(k.shape[0], k.shape[2], -(-end // tile) * tile, k.shape[3], device=k.device)
         x[:, :, :have] = opened[:, :, :have]
         x[:, :, have:end] = k.transpose(1, 2)
         x[:, :, end:] = x[:, :, end - 1 : end]  # the last key again: the same minimum and maximum
         c, p = self.operators["sparse.quantize_keys"](x.flatten(0, 1), g)  # the C kernel's
-        t0, t1 = g0 * g // kernels.TILE, g1 * g // kernels.TILE
-        codes[:, :, t0:t1] = c.view(*x.shape[:2], *c.shape[1:])
-        params[:, :, t0:t1] = p.view(*x.shape[:2], *p.shape[1:])
-        opened.copy_(x[:, :, -g:])
+        t0 = g0 * g // tile
+        codes[:, :, t0 : t0 + c.shape[1]] = c.view(*x.shape[:2], *c.shape[1:])
+        params[:, :, g0 : g0 + p.shape[1]] = p.view(*x.shape[:2], *p.shape[1:])
+        o = last // g * g - g0 * g  # where the group still open after these tokens starts
+        opened[:, :, : end - o] = x[:, :, o:end]
         if layer is None:
             self._known[sid] = start + n
 
@@ -509,8 +509,8 @@ class SparseSelection(Selection):
         float32 (codes x scale; unfilled ones are zeros); as keys [L, Hkv, tokens, D] (the
         minimum + code x step of their tile)."""
         if self.keys:
-            p = self._scales[sid].float().unsqueeze(3)  # [L, Hkv, tiles, 1, 2, D]
-            c = kernels.untile_keys(self._codes[sid]).float().unflatten(2, (-1, kernels.TILE))
+            p = self._scales[sid].float().unsqueeze(3)  # [L, Hkv, groups, 1, 2, D]
+            c = kernels.untile_keys(self._codes[sid]).float().unflatten(2, (-1, self.group))
             return (p[..., 0, :] + c * p[..., 1, :]).flatten(2, 3)
         return kernels.untile(self._codes[sid]).float() * self._scales[sid].unsqueeze(-1)
 
@@ -543,15 +543,17 @@ def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys x [rows, n, D] float32 in 4 bits per group of `group` tokens (`quantize_keys`) as
-    `sparse_choose` reads them: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per
-    tile its group's minima and steps [rows, n / 16, 2, D] float16. The registry op
-    `sparse.quantize_keys` (the C kernel makes the same bytes in one pass)."""
+    """Keys x [rows, n, D] float32 (n a multiple of 16) in 4 bits per group of `group` tokens
+    (`quantize_keys`; the last group may hold fewer) as `sparse_choose` reads them: codes
+    [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per group its minima and steps
+    [rows, groups, 2, D] float16. The registry op `sparse.quantize_keys` (the C kernel makes
+    the same bytes in one pass)."""
     rows, n, d = x.shape
-    c, m, s = quantize_keys(x.view(rows, n // group, group, d))
-    per = group // kernels.TILE
-    params = torch.stack((m, s), dim=2).repeat_interleave(per, dim=1)
-    return kernels.tile_keys(c.view(rows, n // kernels.TILE, kernels.TILE, d)), params
+    pad = -n % group  # the last key again: the same minimum and maximum
+    full = torch.cat([x, x[:, -1:].expand(rows, pad, d)], dim=1) if pad else x
+    c, m, s = quantize_keys(full.reshape(rows, -1, group, d))
+    codes = kernels.tile_keys(c.view(rows, -1, kernels.TILE, d)[:, : n // kernels.TILE])
+    return codes, torch.stack((m, s), dim=2)
 
 
 def _summaries(
@@ -633,8 +635,9 @@ def block_scores(
 def key_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, s0: int,
                s1: int) -> torch.Tensor:  # fmt: skip
     """Tokens [s0, s1)'s scores [Hkv, s1 - s0] from their 4-bit keys (codes [Hkv, tiles, D / 8,
-    16, 4] uint8, `kernels.tile_keys`; params [Hkv, tiles, 2, D] float16, per tile the
-    channels' minimum m and step s): for each query of the group (q [rows, Hq, D]), per tile,
+    16, 4] uint8, `kernels.tile_keys`; params [Hkv, groups, 2, D] float16, per group of
+    tiles / groups tiles the channels' minimum m and step s): for each query of the group
+    (q [rows, Hq, D]), per tile,
     q . m + A x (the integer dot of the codes with a, q x s rounded to int8 codes of scale A:
     its largest magnitude / KMAX; a x (1 / A), half to even); a token's score is the largest
     over the
@@ -643,7 +646,8 @@ def key_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, s0: i
     h, tile = codes.shape[0], kernels.TILE
     t0, t1 = s0 // tile, -(-s1 // tile)
     u = kernels.untile_keys(codes[:, t0:t1]).float().unflatten(1, (-1, tile))  # [H, n, 16, D]
-    p = params[:, t0:t1].float()
+    per = codes.shape[1] // params.shape[1]  # tiles per group
+    p = params.repeat_interleave(per, dim=1)[:, t0:t1].float()
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, 1, d)  # [H, R, 1, D]
     a = qg * p[:, None, :, 1]  # [H, R, n, D]
     scale = a.abs().amax(-1, keepdim=True) / KMAX

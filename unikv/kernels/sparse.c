@@ -241,10 +241,11 @@ static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq
 
 /* ---- choosing from 4-bit keys (the selection's summary = keys) -----------------------------
  *
- * Each token's key in 4 bits: per tile of 16 tokens and channel c a minimum m_c and a step s_c
- * (float16), and a code u in 0..15 per token and channel, the key about m_c + u s_c. For a
- * query q the estimate of q . k is then q . m + sum_c (q_c s_c) u_c: the first term once per
- * tile and query, the second an integer dot after a = q s is rounded to int8 codes of scale A
+ * Each token's key in 4 bits: per group of tokens (a multiple of 16) and channel c a minimum
+ * m_c and a step s_c (float16), and a code u in 0..15 per token and channel, the key about
+ * m_c + u s_c. For a query q the estimate of q . k is then q . m + sum_c (q_c s_c) u_c: the
+ * first term once per group and query, the second an integer dot after a = q s is rounded (once
+ * per group) to int8 codes of scale A
  * (its largest magnitude / 127, half to even). A token's score is the largest over the group's
  * queries (a "summary" per token: parts = the block's tokens), and the block score, top-k and
  * output are the centres' (below). The codes are unsigned, as vpdpbusd and vpmaddubsw want
@@ -254,8 +255,9 @@ static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq
  * Layout per tile: [d / 8][16 tokens][4 bytes], byte i of token k in group j holding channel
  * 8j + i in its low nibble and 8j + 4 + i in its high one: one 64-byte load, masked and
  * shifted, gives 4 channels of the 16 tokens twice, each lane one token's dot (no horizontal
- * sums). The minima and steps: per tile [2][d] float16 (uint16 here). `sparse_choose` takes this
- * form when its summaries' width w is d / 2 (bytes of codes per token). */
+ * sums). The minima and steps: [2][d] float16 (uint16 here) per group of tiles (`key_group`
+ * tokens). `sparse_choose` takes this form when its summaries' width w is d / 2 (bytes of
+ * codes per token). */
 #define KMAX 127
 #define DMAX 1024 /* the longest head dim of the keys form */
 
@@ -300,26 +302,27 @@ static inline uint16_t float_half(float f) {
 #endif
 }
 
-/* Keys x [rows][n][d] float32 (n a multiple of g, g of 16) as `quantize_keys` and `tile_keys`
- * make them, per group of g tokens: each channel's minimum m and step s = (max - m) / 15 as
- * float16, a token's code round((x - m) / s) in 0..15 (0 where s is 0), packed into tiles of
- * 16 tokens ([d / 8][16][4] bytes: `codes` [rows][n / 16][8d]); `params` [rows][n / 16][2][d]
- * float16: every tile of a group holds its m and s. The same operations as torch's, in the
- * same order, so that both give the same bytes. */
+/* Keys x [rows][n][d] float32 (n a multiple of 16, g too) as `quantize_keys` and `tile_keys`
+ * make them, per group of g tokens (the last one may hold fewer): each channel's minimum m and
+ * step s = (max - m) / 15 as float16 (`params` [rows][groups][2][d]), a token's code
+ * round((x - m) / s) in 0..15 (0 where s is 0), packed into tiles of 16 tokens ([d / 8][16][4]
+ * bytes: `codes` [rows][n / 16][8d]). The same operations as torch's, in the same order, so
+ * that both give the same bytes. */
 int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_t *codes,
                          uint16_t *params, int threads) {
-    if (rows < 0 || n < 0 || g <= 0 || g % TILE || n % g || d <= 0 || d % 8 || d > DMAX)
+    if (rows < 0 || n < 0 || n % TILE || g <= 0 || g % TILE || d <= 0 || d % 8 || d > DMAX)
         return -1;
-    const long groups = n / g;
+    const long groups = (n + g - 1) / g;
 #pragma omp parallel for schedule(static) num_threads(rows * groups > 1 ? threads : 1)
     for (long rg = 0; rg < rows * groups; rg++) {
         const long r = rg / groups, gi = rg % groups;
+        const int len = n - gi * g < g ? (int)(n - gi * g) : g; /* tokens in this group */
         const float *xg = x + (r * n + gi * g) * d;
         float lo[DMAX], hi[DMAX], mf[DMAX], sf[DMAX];
-        uint16_t m16[DMAX], s16[DMAX];
+        uint16_t *m16 = params + rg * 2 * d, *s16 = m16 + d;
         uint8_t c[TILE * DMAX];
         for (int ch = 0; ch < d; ch++) lo[ch] = hi[ch] = xg[ch];
-        for (int k = 1; k < g; k++)
+        for (int k = 1; k < len; k++)
             for (int ch = 0; ch < d; ch++) {
                 const float v = xg[(long)k * d + ch];
                 lo[ch] = v < lo[ch] ? v : lo[ch];
@@ -331,10 +334,7 @@ int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_
             s16[ch] = float_half((hi[ch] - mf[ch]) / 15.0f);
             sf[ch] = half_float(s16[ch]);
         }
-        for (int t = 0; t < g / TILE; t++) {
-            const long tile = r * (n / TILE) + gi * (g / TILE) + t;
-            memcpy(params + tile * 2 * d, m16, sizeof(uint16_t) * d);
-            memcpy(params + tile * 2 * d + d, s16, sizeof(uint16_t) * d);
+        for (int t = 0; t < len / TILE; t++) {
             const float *xt = xg + (long)t * TILE * d;
             for (int k = 0; k < TILE; k++)
                 for (int ch = 0; ch < d; ch++) {
@@ -342,7 +342,7 @@ int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_
                     v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f; /* (a NaN: 0) */
                     c[k * d + ch] = (uint8_t)v;
                 }
-            uint8_t *o = codes + tile * 8 * d;
+            uint8_t *o = codes + (r * (n / TILE) + gi * (g / TILE) + t) * 8 * d;
             for (int j = 0; j < d / 8; j++)
                 for (int k = 0; k < TILE; k++)
                     for (int i = 0; i < 4; i++)
@@ -505,33 +505,20 @@ static void key_tile(const int8_t *ac, const float *scale, const float *bias, in
     }
 }
 
-/* Whether tile t's minima and steps (at p) are tile t - 1's: the tiles of one group of
- * `key_group` tokens share them, and the queries' codes for the one serve the next. */
-static inline int same_params(const uint16_t *p, int d) {
-    uint64_t x = 0;
-    for (int i = 0; i < d / 2; i++) { /* 4d bytes: d / 2 words */
-        uint64_t a, b;
-        memcpy(&a, p + 4 * i, 8);
-        memcpy(&b, p - 2 * d + 4 * i, 8);
-        x |= a ^ b;
-    }
-    return x == 0;
-}
-
 /* Scores of the tokens in tiles [t0, t1) of one KV head from its keys: s[i] for token
  * t0 * TILE + i. qf: the head's nq queries [nq][d] float32; tiles: its codes (8d bytes a tile);
- * par: its minima and steps (2d float16 a tile). A query's codes are computed again only where
- * a tile's minima and steps differ from the tile before it's. */
+ * par: its minima and steps (2d float16 for each group of `per` tiles). A query's codes are
+ * computed once per group. */
 static void score_key_tiles(const float *qf, int nq, int d, const uint8_t *tiles,
-                            const uint16_t *par, long t0, long t1, float *s) {
+                            const uint16_t *par, long per, long t0, long t1, float *s) {
     int8_t ac[QT * DMAX];
     float mf[DMAX], sf[DMAX], scale[QT], bias[QT];
     for (long k = 0; k < (t1 - t0) * TILE; k++) s[k] = -INFINITY;
     for (int j = 0; j < nq; j += QT) {
         const int nu = nq - j < QT ? nq - j : QT;
         for (long t = t0; t < t1; t++) {
-            const uint16_t *p = par + t * 2 * d;
-            if (t == t0 || !same_params(p, d)) {
+            const uint16_t *p = par + t / per * 2 * d;
+            if (t == t0 || t % per == 0) {
                 int c = 0;
 #if CHOOSE_ISA == 2
                 for (; c + 16 <= d; c += 16) {
@@ -626,6 +613,15 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
         w > 1024 || (keys && (d % 8 || d > DMAX)) || parts <= 0 || lo < 0 || n < 0 || room < 0 ||
         room > n || end < hi || !(temp >= 0.0f) || isinf(temp))
         return -1;
+    /* Keys: a head's minima and steps cover the tokens its codes do, one entry per group of
+     * `per` tiles, so per is the ratio of the two head strides (the callers check both). */
+    long per = 1;
+    if (keys) {
+        const long tiles = head_stride / (8L * d), groups = scale_stride / (2L * d);
+        if (head_stride % (8L * d) || scale_stride % (2L * d) || groups <= 0 || tiles % groups)
+            return -1;
+        per = tiles / groups;
+    }
     /* the tiles that hold summaries [lo * parts, hi * parts), scored whole */
     const long s0 = lo * parts, t0 = s0 / TILE, t1 = (hi * parts + TILE - 1) / TILE;
     const long nt = n ? t1 - t0 : 0, ns = nt * TILE, nqs = (long)hkv * nqp;
@@ -688,8 +684,8 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
             const long a = from < t0 ? t0 : from, b = from + chunk < t1 ? from + chunk : t1;
             if (keys)
                 score_key_tiles(qf + h * nq * d, nq, d, (const uint8_t *)codes + h * head_stride,
-                                (const uint16_t *)(const void *)scales + h * scale_stride, a, b,
-                                ss + h * ns + (a - t0) * TILE);
+                                (const uint16_t *)(const void *)scales + h * scale_stride, per, a,
+                                b, ss + h * ns + (a - t0) * TILE);
             else
                 score_tiles(qc + h * nqp * w, qs + h * nqp, xq + h * nqp, nq, w,
                             codes + h * head_stride, scales + h * scale_stride, a, b,

@@ -100,18 +100,18 @@ def untile_keys(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys x [rows, n, D] float32 (n a multiple of `group`, a multiple of 16) in 4 bits per
-    group of `group` tokens, as `kvstrategies.sparse.quantize_key_tiles` makes them, byte for
-    byte: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per tile the group's
-    minima and steps [rows, n / 16, 2, D] float16."""
+    """Keys x [rows, n, D] float32 (n and `group` multiples of 16) in 4 bits per group of
+    `group` tokens (the last one may hold fewer), as `kvstrategies.sparse.quantize_key_tiles`
+    makes them, byte for byte: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per
+    group its minima and steps [rows, groups, 2, D] float16."""
     rows, n, d = x.shape
-    if x.dtype != torch.float32 or n % group or group % TILE or d % 8 or d > 1024:
-        raise ValueError(f"quantize_key_tiles takes float32 keys [rows, n, D], n a multiple of "
-                         f"the group, the group of 16, D of 8 (got {tuple(x.shape)}, "
-                         f"{x.dtype}, group {group})")  # fmt: skip
+    if x.dtype != torch.float32 or n % TILE or group % TILE or group < 1 or d % 8 or d > 1024:
+        raise ValueError(f"quantize_key_tiles takes float32 keys [rows, n, D], n and the group "
+                         f"multiples of 16, D of 8 (got {tuple(x.shape)}, {x.dtype}, group "
+                         f"{group})")  # fmt: skip
     x = x.contiguous()
     codes = torch.empty(rows, n // TILE, d // 8, TILE, 4, dtype=torch.uint8)
-    params = torch.empty(rows, n // TILE, 2, d, dtype=torch.float16)
+    params = torch.empty(rows, -(-n // group), 2, d, dtype=torch.float16)
     rc = _lib().sparse_quantize_keys(x.data_ptr(), rows, n, group, d, codes.data_ptr(),
                                      params.data_ptr(), torch.get_num_threads())  # fmt: skip
     if rc != 0:
@@ -132,8 +132,9 @@ def choose_blocks(
     half-range, with q quantized to int8 as `kvstrategies.sparse.quantize_queries` does; with
     `temp` > 0, the log-sum-exp of temp times its summaries' scores (each the largest over the
     queries). With 4-bit keys (codes uint8 [Hkv, tiles, D / 8, 16, 4], `tile_keys`; scales
-    float16 [Hkv, tiles, 2, D], per tile the channels' minimum and step) a summary is a token,
-    scored as `kvstrategies.sparse.key_scores` does (alpha unread)."""
+    float16 [Hkv, groups, 2, D], per group of tiles / groups tiles the channels' minimum and
+    step: the kernel takes that ratio from the two head strides) a summary is a token, scored
+    as `kvstrategies.sparse.key_scores` does (alpha unread)."""
     lib = _lib()
     rows, hq, d = q.shape
     h, g, c, t, four = codes.shape
@@ -149,9 +150,17 @@ def choose_blocks(
     ):  # fmt: skip
         raise ValueError("the summaries must be tiles of 16 rows of 2 x head dim (or head dim; "
                          "keys: head dim / 2 bytes)")  # fmt: skip
-    if keys and (scales.shape != (h, g, 2, d) or not scales[0].is_contiguous()):
-        raise ValueError("the keys' minima and steps must be [Hkv, tiles, 2, head dim], "
-                         "contiguous per head")  # fmt: skip
+    if keys and (
+        scales.dim() != 4
+        or scales.shape[::2] != (h, 2)
+        or scales.shape[3] != d
+        or not 0 < scales.shape[1] <= g
+        or g % scales.shape[1]
+        or scales.stride(0) != scales.shape[1] * 2 * d
+        or not scales[0].is_contiguous()
+    ):
+        raise ValueError("the keys' minima and steps must be [Hkv, groups, 2, head dim], the "
+                         "groups dividing the tiles, contiguous")  # fmt: skip
     if not keys and (scales.stride(1) != 1 or scales.shape != (h, g * TILE)):
         raise ValueError("the scales must be contiguous rows, one per summary")
     if g * TILE < hi * parts:

@@ -289,6 +289,8 @@ def _example(op: str):
         from tests.test_sparse import _summaries_and_queries
 
         return (*_summaries_and_queries(2, 6, 2, 32, 90), 1, 85, 20, 87, 0.25), 0.0
+    if op == "sparse.quantize_keys":  # 4-bit keys in groups of 128, the last one of 16: exact
+        return (torch.randn(6, 144, 64) * torch.logspace(-2, 2, 64), 128), 0.0
     if op in ("layer.qkv", "layer.out"):
         m = _tiny_llama()
         if op == "layer.qkv":

@@ -447,16 +447,21 @@ class SparseSelection(Selection):
         if layer is not None:
             codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
         have, end = start - g0 * g, last - g0 * g
-        x = torch.empty(k.shape[0], k.shape[2], -(-end // tile) * tile, k.shape[3], device=k.device)
-        x[:, :, :have] = opened[:, :, :have]
-        x[:, :, have:end] = k.transpose(1, 2)
-        x[:, :, end:] = x[:, :, end - 1 : end]  # the last key again: the same minimum and maximum
+        within = (last - 1) // g == g0  # all in the open group (a decode step): in place
+        if within:
+            opened[:, :, have:end] = k.transpose(1, 2)
+            x = opened[:, :, :end]
+        else:
+            x = torch.empty(k.shape[0], k.shape[2], end, k.shape[3], device=k.device)
+            x[:, :, :have] = opened[:, :, :have]
+            x[:, :, have:end] = k.transpose(1, 2)
         c, p = self.operators["sparse.quantize_keys"](x.flatten(0, 1), g)  # the C kernel's
         t0 = g0 * g // tile
         codes[:, :, t0 : t0 + c.shape[1]] = c.view(*x.shape[:2], *c.shape[1:])
         params[:, :, g0 : g0 + p.shape[1]] = p.view(*x.shape[:2], *p.shape[1:])
-        o = last // g * g - g0 * g  # where the group still open after these tokens starts
-        opened[:, :, : end - o] = x[:, :, o:end]
+        if not within:
+            o = last // g * g - g0 * g  # where the group still open after these tokens starts
+            opened[:, :, : end - o] = x[:, :, o:end]
         if layer is None:
             self._known[sid] = start + n
 
@@ -543,16 +548,16 @@ def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys x [rows, n, D] float32 (n a multiple of 16) in 4 bits per group of `group` tokens
-    (`quantize_keys`; the last group may hold fewer) as `sparse_choose` reads them: codes
-    [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per group its minima and steps
-    [rows, groups, 2, D] float16. The registry op `sparse.quantize_keys` (the C kernel makes
-    the same bytes in one pass)."""
+    """Keys x [rows, n, D] float32 in 4 bits per group of `group` tokens (`quantize_keys`; the
+    last group may hold fewer) as `sparse_choose` reads them: codes [rows, tiles, D / 8, 16, 4]
+    uint8 (`tile_keys`; tiles = n / 16 rounded up, a last tile padded with its last key) and
+    per group its minima and steps [rows, groups, 2, D] float16. The registry op
+    `sparse.quantize_keys` (the C kernel makes the same bytes in one pass)."""
     rows, n, d = x.shape
     pad = -n % group  # the last key again: the same minimum and maximum
     full = torch.cat([x, x[:, -1:].expand(rows, pad, d)], dim=1) if pad else x
     c, m, s = quantize_keys(full.reshape(rows, -1, group, d))
-    codes = kernels.tile_keys(c.view(rows, -1, kernels.TILE, d)[:, : n // kernels.TILE])
+    codes = kernels.tile_keys(c.view(rows, -1, kernels.TILE, d)[:, : -(-n // kernels.TILE)])
     return codes, torch.stack((m, s), dim=2)
 
 

@@ -409,7 +409,7 @@ def test_the_key_quantizer_kernel_makes_the_references_bytes(group, isa):
     """summary = keys: `sparse_quantize_keys` (one pass in C) against `quantize_key_tiles`
     (PyTorch), byte for byte, under every build (F16C or the integer float16 rounding): keys of
     every scale from float16's subnormals to beyond its range, a constant channel, ties; a last
-    group of fewer tokens (the open one)."""
+    group of fewer tokens (the open one), of any length, read in place from a longer buffer."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.sparse import quantize_key_tiles
 
@@ -431,8 +431,16 @@ def test_the_key_quantizer_kernel_makes_the_references_bytes(group, isa):
         assert torch.equal(got_p.view(torch.int16), want_p.view(torch.int16))
     assert torch.isinf(want_p[..., 1, :].float()).any()  # float16's range was passed
     assert (want_p[..., 0, :].float().abs() < 6.1e-5).any()  # and its subnormals reached
-    with pytest.raises(ValueError, match="multiple"):
-        kernels.quantize_key_tiles(x[:, :24], group)  # not whole tiles
+    # any length (a last tile padded with its last key), rows at a stride (a buffer's slice)
+    buf = torch.randn(5, group, d, generator=g)
+    for part in (buf[:, :1], buf[:, :23], buf[:, : group - 1], buf):
+        got_c, got_p = kernels.quantize_key_tiles(part, group)
+        want_c, want_p = quantize_key_tiles(part, group)
+        assert torch.equal(got_c, want_c) and torch.equal(got_p, want_p)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.quantize_key_tiles(x, 24)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.quantize_key_tiles(x.transpose(1, 2)[:, :, :64], group)
 
 
 def test_a_key_group_shares_its_minimum_and_step_as_it_fills():

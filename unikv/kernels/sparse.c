@@ -302,22 +302,24 @@ static inline uint16_t float_half(float f) {
 #endif
 }
 
-/* Keys x [rows][n][d] float32 (n a multiple of 16, g too) as `quantize_keys` and `tile_keys`
- * make them, per group of g tokens (the last one may hold fewer): each channel's minimum m and
- * step s = (max - m) / 15 as float16 (`params` [rows][groups][2][d]), a token's code
- * round((x - m) / s) in 0..15 (0 where s is 0), packed into tiles of 16 tokens ([d / 8][16][4]
- * bytes: `codes` [rows][n / 16][8d]). The same operations as torch's, in the same order, so
- * that both give the same bytes. */
-int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_t *codes,
-                         uint16_t *params, int threads) {
-    if (rows < 0 || n < 0 || n % TILE || g <= 0 || g % TILE || d <= 0 || d % 8 || d > DMAX)
+/* Keys x (row r's n tokens at x + r * stride, each d float32) as `quantize_keys` and
+ * `tile_keys` make them, per group of g tokens (g a multiple of 16; the last group may hold
+ * fewer): each channel's minimum m and step s = (max - m) / 15 as float16 (`params`
+ * [rows][groups][2][d]), a token's code round((x - m) / s) in 0..15 (0 where s is 0), packed
+ * into tiles of 16 tokens ([d / 8][16][4] bytes: `codes` [rows][tiles][8d], tiles = n / 16
+ * rounded up; a last tile's missing tokens repeat its last key, as the reference pads). The
+ * same operations as torch's, in the same order, so that both give the same bytes. */
+int sparse_quantize_keys(const float *x, long rows, long n, long stride, int g, int d,
+                         uint8_t *codes, uint16_t *params, int threads) {
+    if (rows < 0 || n <= 0 || stride < n * d || g <= 0 || g % TILE || d <= 0 || d % 8 ||
+        d > DMAX)
         return -1;
-    const long groups = (n + g - 1) / g;
+    const long groups = (n + g - 1) / g, tiles = (n + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(rows * groups > 1 ? threads : 1)
     for (long rg = 0; rg < rows * groups; rg++) {
         const long r = rg / groups, gi = rg % groups;
         const int len = n - gi * g < g ? (int)(n - gi * g) : g; /* tokens in this group */
-        const float *xg = x + (r * n + gi * g) * d;
+        const float *xg = x + r * stride + gi * g * d;
         float lo[DMAX], hi[DMAX], mf[DMAX], sf[DMAX];
         uint16_t *m16 = params + rg * 2 * d, *s16 = m16 + d;
         uint8_t c[TILE * DMAX];
@@ -334,15 +336,17 @@ int sparse_quantize_keys(const float *x, long rows, long n, int g, int d, uint8_
             s16[ch] = float_half((hi[ch] - mf[ch]) / 15.0f);
             sf[ch] = half_float(s16[ch]);
         }
-        for (int t = 0; t < len / TILE; t++) {
-            const float *xt = xg + (long)t * TILE * d;
-            for (int k = 0; k < TILE; k++)
+        for (int t = 0; t < (len + TILE - 1) / TILE; t++) {
+            for (int k = 0; k < TILE; k++) {
+                const int at = t * TILE + k < len ? t * TILE + k : len - 1; /* padded: the last */
+                const float *xk = xg + (long)at * d;
                 for (int ch = 0; ch < d; ch++) {
-                    float v = sf[ch] > 0.0f ? rintf((xt[(long)k * d + ch] - mf[ch]) / sf[ch]) : 0.0f;
+                    float v = sf[ch] > 0.0f ? rintf((xk[ch] - mf[ch]) / sf[ch]) : 0.0f;
                     v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f; /* (a NaN: 0) */
                     c[k * d + ch] = (uint8_t)v;
                 }
-            uint8_t *o = codes + (r * (n / TILE) + gi * (g / TILE) + t) * 8 * d;
+            }
+            uint8_t *o = codes + (r * tiles + gi * (g / TILE) + t) * 8 * d;
             for (int j = 0; j < d / 8; j++)
                 for (int k = 0; k < TILE; k++)
                     for (int i = 0; i < 4; i++)

@@ -35,7 +35,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sparse_choose.argtypes = [p, i, i, i, i, p, p, lng, lng, i, i, lng, lng, lng, lng, f, f,
                                   p, i]  # fmt: skip
     lib.sparse_choose.restype = ctypes.c_int
-    lib.sparse_quantize_keys.argtypes = [p, lng, lng, i, i, p, p, i]
+    lib.sparse_quantize_keys.argtypes = [p, lng, lng, lng, i, i, p, p, i]
     lib.sparse_quantize_keys.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
@@ -100,20 +100,23 @@ def untile_keys(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys x [rows, n, D] float32 (n and `group` multiples of 16) in 4 bits per group of
-    `group` tokens (the last one may hold fewer), as `kvstrategies.sparse.quantize_key_tiles`
-    makes them, byte for byte: codes [rows, n / 16, D / 8, 16, 4] uint8 (`tile_keys`) and per
-    group its minima and steps [rows, groups, 2, D] float16."""
+    """Keys x [rows, n, D] float32 (each row's n x D contiguous, the rows at any stride: a
+    slice of a longer buffer) in 4 bits per group of `group` tokens (a multiple of 16; the
+    last group may hold fewer), as `kvstrategies.sparse.quantize_key_tiles` makes them, byte
+    for byte: codes [rows, tiles, D / 8, 16, 4] uint8 (`tile_keys`; tiles = n / 16 rounded up,
+    a last tile padded with its last key) and per group its minima and steps [rows, groups, 2,
+    D] float16."""
     rows, n, d = x.shape
-    if x.dtype != torch.float32 or n % TILE or group % TILE or group < 1 or d % 8 or d > 1024:
-        raise ValueError(f"quantize_key_tiles takes float32 keys [rows, n, D], n and the group "
-                         f"multiples of 16, D of 8 (got {tuple(x.shape)}, {x.dtype}, group "
-                         f"{group})")  # fmt: skip
-    x = x.contiguous()
-    codes = torch.empty(rows, n // TILE, d // 8, TILE, 4, dtype=torch.uint8)
+    if (x.dtype != torch.float32 or n < 1 or group % TILE or group < 1 or d % 8 or d > 1024 or
+            x.stride(2) != 1 or (n > 1 and x.stride(1) != d) or x.stride(0) < n * d):  # fmt: skip
+        raise ValueError(f"quantize_key_tiles takes float32 keys [rows, n >= 1, D], D a "
+                         f"multiple of 8, each row contiguous, and a group that is a multiple of "
+                         f"16 (got {tuple(x.shape)}, {x.dtype}, group {group})")  # fmt: skip
+    codes = torch.empty(rows, -(-n // TILE), d // 8, TILE, 4, dtype=torch.uint8)
     params = torch.empty(rows, -(-n // group), 2, d, dtype=torch.float16)
-    rc = _lib().sparse_quantize_keys(x.data_ptr(), rows, n, group, d, codes.data_ptr(),
-                                     params.data_ptr(), torch.get_num_threads())  # fmt: skip
+    rc = _lib().sparse_quantize_keys(x.data_ptr(), rows, n, x.stride(0) if rows > 1 else n * d,
+                                     group, d, codes.data_ptr(), params.data_ptr(),
+                                     torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError("sparse_quantize_keys rejected its arguments")
     return codes, params

@@ -97,6 +97,9 @@ class _Plan:
         return self.lo + self.room + self.end - self.hi
 
 
+KEY_GROUP = 128  # summary = keys: tokens per minimum and step, by default
+
+
 @SELECTIONS.register
 class SparseSelection(Selection):
     """Every token keeps its KV; each step reads the sinks, the recent window and the blocks
@@ -128,7 +131,7 @@ class SparseSelection(Selection):
                "scored token by token: nearer the true attention, 34 bytes a token and KV "
                "head at head dim 64, as many as centres of 2 tokens, and more work to choose",
                choices=("centres", "keys")),
-        Option("key_group", int, 128, "summary = keys: tokens that share a channel's minimum "
+        Option("key_group", int, KEY_GROUP, "summary = keys: tokens that share a channel's minimum "
                "and step (fewer: a finer step, and the query rounded again for every group)",
                choices=(16, 32, 64, 128)),
         Option("block_score", str, "max", "a block's score from its summaries' (each the "
@@ -156,7 +159,7 @@ class SparseSelection(Selection):
                              f"not {spec.head_dim}")  # fmt: skip
         if self.keys and self.opts["range_weight"] > 0:
             raise ValueError("range_weight weighs the centres' ranges: summary = keys has none")
-        if not self.keys and self.opts["key_group"] != 128:
+        if not self.keys and self.opts["key_group"] != KEY_GROUP:
             raise ValueError(f"key_group = {self.opts['key_group']} groups 4-bit keys: it "
                              f"needs summary = keys")  # fmt: skip
         self.group = self.opts["key_group"]  # tokens per minimum and step (keys)
@@ -652,7 +655,7 @@ def key_scores(q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, s0: i
     t0, t1 = s0 // tile, -(-s1 // tile)
     u = kernels.untile_keys(codes[:, t0:t1]).float().unflatten(1, (-1, tile))  # [H, n, 16, D]
     per = codes.shape[1] // params.shape[1]  # tiles per group
-    p = params.repeat_interleave(per, dim=1)[:, t0:t1].float()
+    p = params[:, torch.arange(t0, t1, device=params.device) // per].float()  # each tile's
     qg = q.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, 1, d)  # [H, R, 1, D]
     a = qg * p[:, None, :, 1]  # [H, R, n, D]
     scale = a.abs().amax(-1, keepdim=True) / KMAX

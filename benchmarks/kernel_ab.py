@@ -17,6 +17,10 @@ when its format is packed); `--b` defaults to the package's sources, so
 
 measures an edit against what it replaced (ratio below 1: the edit is faster). At long
 contexts `--prefill-once` prefills one sequence once and decodes it further each round.
+
+`--layouts` instead runs the package's one build over two loads of the model: A with the packed
+weights in GGUF order (`engine.linear.INTERLEAVE` off), B interleaved by 16 rows where the int8
+kernel's VNNI path reads them (gemv.c's ROWS16), so B / A is what the layout gives a step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
+from unikv.engine import linear  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import gemv, native, sparse  # noqa: E402
 
@@ -74,7 +79,13 @@ def hybrid_libs(folders: list[Path], shapes: list[dict]) -> list | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--a", type=Path, required=True, help="folder of build A's kernel sources")
+    p.add_argument("--a", type=Path, help="folder of build A's kernel sources")
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="one build, two loads of the model: A's packed weights in GGUF order, B's "
+        "interleaved by 16 rows (where the VNNI path reads them)",
+    )
     p.add_argument("--b", type=Path, default=PACKAGE, help="build B (default: the package's)")
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
@@ -90,42 +101,75 @@ def main() -> None:
         "--steps a round)",
     )
     args = p.parse_args()
+    if (args.a is None) == (not args.layouts):
+        p.error("give --a (two builds) or --layouts (two layouts of the weights), not both")
     torch.set_num_threads(args.threads)
-    builds = [load_build(args.a), load_build(args.b)]
-    model, tok = load_model("smollm2", progress=False, weights=args.weights)
+    if args.layouts:
+        args.a = args.b = PACKAGE
+        gemv._load(), sparse._load()
+        builds = [(gemv._state, sparse._state)] * 2
+        models = []
+        for interleave in (False, True):
+            linear.INTERLEAVE = interleave
+            models.append(load_model("smollm2", progress=False, weights=args.weights))
+        linear.INTERLEAVE = True
+        held = [
+            sum(
+                getattr(lin.weight, "rows16", None) is not None
+                for layer in m.layers
+                for lin in layer[1:3]
+            )
+            for m, _ in models
+        ]
+        print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
+    else:
+        builds = [load_build(args.a), load_build(args.b)]
+        models = [load_model("smollm2", progress=False, weights=args.weights)] * 2
     shapes, real = [], native.hybrid_kernel
     native.hybrid_kernel = lambda shape: shapes.append(shape) or real(shape)
     try:
-        kv = build(model, tok, args.strategy)
+        kvs = [build(m, tok, args.strategy) for m, tok in models[: 1 + args.layouts]]
     finally:
         native.hybrid_kernel = real
-    packed = hybrid_libs([args.a, args.b], shapes)
+    kvs = kvs * (2 - args.layouts)  # one cache for two builds, or one per model
+    tok = models[0][1]
+    packed = None if args.layouts else hybrid_libs([args.a, args.b], shapes)
     # with --prefill-once the sequence grows by --steps a round (warm-up rounds included)
     need = args.context + (2 * args.rounds + 2) * args.steps * args.prefill_once
-    if need > model.cfg.context_length:
-        kv.close()
+    context_length = models[0][0].cfg.context_length
+    if need > context_length:
+        for kv in set(kvs):
+            kv.close()
         raise SystemExit(f"--context {args.context} with --prefill-once grows to {need} tokens "
                          f"over {2 * args.rounds + 2} rounds of --steps {args.steps}: more than "
-                         f"the model's {model.cfg.context_length}; lower one of them")  # fmt: skip
+                         f"the model's {context_length}; lower one of them")  # fmt: skip
     ids = context_ids(tok, args.context)
     times: list[list[float]] = [[], []]
     try:
-        first = prefill(model, kv, ids, 0) if args.prefill_once else None
+        # with --prefill-once: one sequence per cache, `steps` more tokens of it each round
+        firsts = None
+        if args.prefill_once:
+            first = prefill(models[0][0], kvs[0], ids, 0)
+            firsts = [first, prefill(models[1][0], kvs[1], ids, 0) if args.layouts else first]
         for r in range(2 * args.rounds + 2):  # the first round of each: warm-up
-            gemv._state, sparse._state = builds[r % 2]
+            i = r % 2
+            gemv._state, sparse._state = builds[i]
+            model, kv = models[i][0], kvs[i]
             if packed:
-                kv.format.attention.kernel = packed[r % 2]
-            if args.prefill_once:  # one sequence, `steps` more tokens of it each round
-                t = decode(model, kv, first, len(ids) + r * args.steps, args.steps, 0)
+                kv.format.attention.kernel = packed[i]
+            if args.prefill_once:
+                grown = r // 2 if args.layouts else r  # rounds this cache's sequence grew by
+                t = decode(model, kv, firsts[i], len(ids) + grown * args.steps, args.steps, 0)
             else:
                 first = prefill(model, kv, ids, r)
                 t = decode(model, kv, first, len(ids), args.steps, r)
                 kv.free(r)
             t /= args.steps
             if r >= 2:
-                times[r % 2].append(t)
+                times[i].append(t)
     finally:
-        kv.close()
+        for kv in set(kvs):
+            kv.close()
     a, b = (statistics.median(t) * 1e3 for t in times)
     rows = [{"build": str(args.a), "ms_per_step": a}, {"build": str(args.b), "ms_per_step": b}]
     report("kernel_ab", rows, ["build", "ms_per_step"],

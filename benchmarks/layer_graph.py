@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from unikv.engine import fused  # noqa: E402
-from unikv.engine.linear import _blocks, _i8_form  # noqa: E402
+from unikv.engine.linear import i8_weight  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import gemv  # noqa: E402
 
@@ -47,12 +47,14 @@ def _(x, w):
 
 
 @torch.library.custom_op("unikv_bench::gemv_i8", mutates_args=())
-def _gemv_i8(x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str) -> torch.Tensor:
-    return gemv.gemv_packed_i8(x, blocks, head, qtype)
+def _gemv_i8(
+    x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str, rows16: bool
+) -> torch.Tensor:
+    return gemv.gemv_packed_i8(x, blocks, head, qtype, rows16=rows16)
 
 
 @_gemv_i8.register_fake
-def _(x, blocks, head, qtype):
+def _(x, blocks, head, qtype, rows16):
     return x.new_empty((x.shape[0], blocks.shape[0]))
 
 
@@ -61,8 +63,8 @@ def _matmul(lin):
     w = lin.weight
     if lin.fmt == "float":
         return lambda x: _gemv_float(x, w.weight)
-    blocks, (head,) = w.form("blocks", _blocks), w.form("i8", _i8_form)
-    return lambda x: _gemv_i8(x, blocks, head, w.q.qtype)
+    blocks, head, rows16 = i8_weight(w)
+    return lambda x: _gemv_i8(x, blocks, head, w.qtype, rows16)
 
 
 def compiled_layers(m):

@@ -33,7 +33,7 @@ from unikv.kernels.native import int64s as _int64s
 from unikv.kernels.operators import FnImplementation, register, switches
 from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
-from .linear import NATIVE_FORMATS, Linear, _blocks, _i8_form
+from .linear import NATIVE_FORMATS, Linear, _blocks, i8_weight
 from .quantized import K_FORMATS
 
 
@@ -84,9 +84,10 @@ def _lin(lin: Linear, kind: int) -> gemv.Lin:
     w = lin.weight
     if kind == gemv.KIND_FLOAT:
         return gemv.lin(kind, w.weight, w.out_features, w.in_features)
-    blocks = w.form("blocks", _blocks)
-    head = w.form("i8", _i8_form)[0] if kind == gemv.KIND_PACKED_I8 else None
-    return gemv.lin(kind, blocks, w.out_features, w.in_features, w.q.qtype, head)
+    if kind == gemv.KIND_PACKED_I8:
+        blocks, head, rows16 = i8_weight(w)
+        return gemv.lin(kind, blocks, w.out_features, w.in_features, w.qtype, head, rows16)
+    return gemv.lin(kind, w.form("blocks", _blocks), w.out_features, w.in_features, w.qtype)
 
 
 class _Described:

@@ -100,37 +100,79 @@ class SplitLinear:
 forms_built = 0
 
 
+# Whether gemv_i8 interleaves the weights it runs on the VNNI path (`PackedWeight.interleave`);
+# benchmarks/kernel_ab.py --layouts turns it off for one of its two models.
+INTERLEAVE = True
+
+
 class PackedWeight:
     """A quantized weight kept as its GGUF blocks, plus the forms its kernels prepared from
-    them (built once, on a kernel's first use, and kept)."""
+    them (built once, on a kernel's first use, and kept).
+
+    The blocks are held once, in one of two orders: GGUF's (`q`), or, where gemv_i8 runs on
+    the VNNI path, interleaved by 16 rows (`rows16`, gemv.c's ROWS16 layout: the same bytes,
+    1.2x faster to multiply at decode). An interleaved weight gives up its GGUF copy; an entry
+    that still asks for `q` (a fallback after the breaker tripped, the reference) has it rebuilt
+    once and kept, and `nbytes` then counts both."""
 
     def __init__(self, q: QuantizedTensor, dtype: torch.dtype) -> None:
-        self.q, self.dtype = q, dtype
+        self._q: QuantizedTensor | None = q
+        self.qtype, self.dtype = q.qtype, dtype
         self.out_features, self.in_features = q.shape
+        self.rows16: torch.Tensor | None = None
         self.forms: dict[str, object] = {}
+
+    @property
+    def q(self) -> QuantizedTensor:
+        """The GGUF blocks (rebuilt from `rows16` on first use after `interleave`)."""
+        if self._q is None:
+            self._q = QuantizedTensor(self.qtype, gemv.deinterleave(self.rows16, self.qtype))
+            _built()
+        return self._q
+
+    def interleave(self) -> None:
+        """Hold the blocks interleaved by 16 rows instead of in GGUF order (gemv_i8 on VNNI)."""
+        if self.rows16 is None:
+            self.rows16, self._q = gemv.interleave(self._q.blocks, self.qtype), None
+            _built()
 
     def form(self, name: str, build: Callable[[QuantizedTensor], object]) -> object:
         f = self.forms.get(name)
         if f is None:
             f = self.forms[name] = build(self.q)
-            global forms_built
-            forms_built += 1
+            _built()
         return f
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of W (as an embedding table) for `index`, decoded: [N] -> [N, in]."""
+        if self._q is None:  # interleaved: only the groups of these rows are read back
+            blocks = gemv.deinterleave_rows(self.rows16, self.qtype, index)
+            rows = dequantize(QuantizedTensor(self.qtype, blocks))
+            return rows.reshape(*index.shape, -1).to(self.dtype)
         return dequantize(self.q.rows(index)).to(self.dtype)
 
     def to_dense(self) -> torch.Tensor:
+        if self._q is None:  # not kept: a one-off copy
+            blocks = gemv.deinterleave(self.rows16, self.qtype)
+            return dequantize(QuantizedTensor(self.qtype, blocks))
         return dequantize(self.q)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + sum(
+        held = (self._q.nbytes if self._q is not None else 0) + (
+            self.rows16.numel() if self.rows16 is not None else 0
+        )
+        return held + sum(
             sum(t.numel() * t.element_size() for t in f if isinstance(t, torch.Tensor))
             for f in self.forms.values()
             if isinstance(f, tuple)
         )
+
+
+def _built() -> None:
+    """A packed weight gained (or changed) a form: `weight_formats` counts their bytes again."""
+    global forms_built
+    forms_built += 1
 
 
 class Linear:
@@ -255,7 +297,7 @@ def _int4_form(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int4_mm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     packed, sz = w.form("int4", _int4_form)
     xb = x.to(torch.bfloat16)
-    if w.q.qtype == "Q8_0":
+    if w.qtype == "Q8_0":
         xb = torch.cat((xb, xb), dim=-1)  # [N, 2K]: the high and the low nibble plane
     return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, sz).to(x.dtype)
 
@@ -304,7 +346,7 @@ def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
     def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         if not 0 < x.shape[0] <= gemv.MAX_ROWS or w.in_features > gemv.MAX_IN:
             return large(x, w)
-        y = gemv.gemv_packed(x.float(), w.form("blocks", _blocks), w.q.qtype)
+        y = gemv.gemv_packed(x.float(), w.form("blocks", _blocks), w.qtype)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     return fn
@@ -314,7 +356,10 @@ def _gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """A prefill's many rows: the blocks decoded in panels for PyTorch's float32 GEMM
     (`gemv.gemm_packed`; from gemv.GEMM_ROWS rows on it does more work per second than the
     int8 kernel, and computes with the exact weights and float32 activations)."""
-    y = gemv.gemm_packed(x.float(), w.form("blocks", _blocks), w.q.qtype)
+    if w.rows16 is not None:
+        y = gemv.gemm_packed(x.float(), w.rows16, w.qtype, rows16=True)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    y = gemv.gemm_packed(x.float(), w.form("blocks", _blocks), w.qtype)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -324,7 +369,7 @@ def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return _mm_dequant(x, w)
     if x.shape[0] >= gemv.GEMM_ROWS:
         return _gemm(x, w)
-    y = gemv.gemv_kquant(x.float(), w.form("blocks", _blocks), w.q.qtype)
+    y = gemv.gemv_kquant(x.float(), w.form("blocks", _blocks), w.qtype)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -337,6 +382,21 @@ def _i8_form(q: QuantizedTensor) -> tuple[torch.Tensor]:
     return (gemv.headers(q.blocks, q.qtype),)
 
 
+NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
+
+
+def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """What gemv_i8 multiplies: (blocks, headers, interleaved). On the VNNI path a weight of
+    whole groups of 16 rows is interleaved first (once), and needs no headers. (Where the
+    kernel's path changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
+    here = gemv.can_interleave(w.qtype, w.out_features)
+    if w.rows16 is None and INTERLEAVE and here:
+        w.interleave()
+    if w.rows16 is not None and here:
+        return w.rows16, NO_HEADERS, True
+    return w.form("blocks", _blocks), w.form("i8", _i8_form)[0], False
+
+
 def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
     """The int8-activation entry: every batch (decode, chunks, prefill in chunks of
     gemv.I8_MAX_ROWS) by gemv.c's int8 kernel; rows wider than gemv.MAX_IN, or none, by
@@ -347,22 +407,22 @@ def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor])
             return large(x, w)
         if x.shape[0] >= gemv.GEMM_ROWS:
             return _gemm(x, w)
-        (head,) = w.form("i8", _i8_form)
-        y = gemv.gemv_packed_i8(x.float(), w.form("blocks", _blocks), head, w.q.qtype)
+        blocks, head, rows16 = i8_weight(w)
+        y = gemv.gemv_packed_i8(x.float(), blocks, head, w.qtype, rows16=rows16)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     return fn
 
 
 class _PackedI8(_Packed):
-    """gemv_i8: prepares its headers (no other form: it takes every batch size)."""
+    """gemv_i8: prepares its weight (interleaved on VNNI, else the blocks and their headers;
+    no other form: it takes every batch size)."""
 
     def __init__(self, op, fn) -> None:
         super().__init__(op, "gemv_i8", fn, "blocks", _blocks, _gemv_i8_available)
 
     def prepare(self, w: PackedWeight) -> None:
-        super().prepare(w)
-        w.form("i8", _i8_form)
+        i8_weight(w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -530,6 +530,96 @@ def test_gemv_i8_agrees_with_int8_activations_at_decode_shapes(fmt, digits, rows
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+def test_interleaved_rows_hold_the_same_bytes(fmt):
+    """gemv.c's ROWS16 layout is a permutation of the blocks (Q8_0's codes xor 0x80): the
+    round trip gives the GGUF blocks back, a lookup of some rows reads back only theirs, the
+    bytes are where gemv.c looks for them, and a weight that is not whole groups is refused."""
+    from unikv.kernels import gemv
+
+    q = _packed(fmt, rows=48, cols=96)
+    blocks = q.blocks.contiguous()
+    r16 = gemv.interleave(blocks, fmt)
+    assert r16.shape == blocks.shape and r16.is_contiguous()
+    assert torch.equal(gemv.deinterleave(r16, fmt), blocks)
+    index = torch.tensor([47, 0, 17, 17, 31])
+    assert torch.equal(gemv.deinterleave_rows(r16, fmt, index), blocks[index])
+    # group 1 (rows 16..31), block 2: row 3's scale, and its codes 4..7 (quad 1)
+    bs, hdr = blocks.shape[2], 4 if fmt == "Q4_1" else 2
+    group = r16.reshape(3, 3, 16 * bs)[1, 2]
+    codes = 16 * (bs - hdr)
+    assert torch.equal(group[codes + 6 : codes + 8], blocks[19, 2, 0:2])
+    quad = blocks[19, 2, hdr + 4 : hdr + 8]
+    assert torch.equal(group[64 + 12 : 64 + 16], quad ^ 0x80 if fmt == "Q8_0" else quad)
+    if fmt == "Q4_1":
+        assert torch.equal(group[codes + 32 + 6 : codes + 32 + 8], blocks[19, 2, 2:4])
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        gemv.interleave(blocks[:40], fmt)
+
+
+@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
+    """A PackedWeight held interleaved (gemv_i8's form on the VNNI path) gives the same rows,
+    the same dense weight and, to every matmul entry of its op (the float-activation gemv, the
+    int4 kernels and the reference included, after a breaker's fallback), the same product as
+    the GGUF-order weight; the GGUF blocks are rebuilt only when an entry reads them, and are
+    then counted in `nbytes`."""
+    q = _packed(fmt, rows=64, cols=96)
+    plain, w = linear.PackedWeight(q, torch.float32), linear.PackedWeight(q, torch.float32)
+    w.interleave()
+    assert w._q is None and w.nbytes == q.nbytes  # one copy, the same size
+    index = torch.tensor([3, 63, 16, 16])
+    assert torch.equal(w.rows(index), plain.rows(index)) and w.rows(index).shape == (4, 96)
+    assert torch.equal(w.to_dense(), plain.to_dense()) and w._q is None
+    op = f"matmul.{fmt.lower()}"
+    x = torch.randn(3, 96)
+    for impl in operators.implementations(op):
+        if impl.available(torch.device("cpu")) is not None or impl.name == "gemv_i8":
+            continue
+        torch.testing.assert_close(impl(x, w), impl(x, plain), rtol=1e-5, atol=1e-5)
+    assert w._q is not None and torch.equal(w.q.blocks, q.blocks)
+    assert w.nbytes >= 2 * q.nbytes  # both copies, counted
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa):
+    """The VNNI path's interleaved kernel computes the GGUF-order kernel's product (the same
+    integer dots; only the float32 sums' order differs) for 1 to 37 activation rows, one or two
+    digits, one block or many, one group of 16 rows or many; the registry's entry interleaves a
+    weight of whole groups on first use, and other paths refuse the layout."""
+    from unikv.kernels import gemv
+
+    if gemv.unavailable() is not None:
+        pytest.skip(gemv.unavailable())
+    if gemv.i8_isa() != "avx512-vnni":
+        with pytest.raises(ValueError, match="VNNI"):
+            blocks = _packed(fmt, 16, 32).blocks.contiguous()
+            gemv.gemv_packed_i8(torch.randn(1, 32), blocks, blocks, fmt, rows16=True)
+        pytest.skip("interleaved rows are read on the VNNI path only")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out, cols in [(16, 32), (96, 96), (80, 1568), (256, 576)]:
+            torch.manual_seed(out + cols)
+            q = _packed(fmt, out, cols)
+            blocks = q.blocks.contiguous()
+            r16, head = gemv.interleave(blocks, fmt), gemv.headers(blocks, fmt)
+            for rows in (1, 2, 3, 5, 16, 37):
+                x = torch.randn(rows, cols) * torch.rand(rows, cols).pow(4) * 3
+                for digits in (1, 2):
+                    want = gemv.gemv_packed_i8(x, blocks, head, fmt, digits=digits)
+                    got = gemv.gemv_packed_i8(x, r16, head[:0], fmt, digits, rows16=True)
+                    err = ((got - want).norm() / want.norm()).item()
+                    assert err < 1e-5, f"{fmt} {rows}x{cols} @ {out}: {err:.2e}"
+        w = linear.PackedWeight(q, torch.float32)
+        got = _gemv_entry(f"matmul.{fmt.lower()}", "gemv_i8")(x, w)
+        assert w.rows16 is not None and w._q is None  # interleaved by the entry
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():
     """One code: d = amax / 127 per 32 elements, round(x / d) (to nearest even), a zero block
     0. Two: 256 q1 + q2 with q2 the rest in 1/256 steps, so the error is at most d / 512."""
@@ -599,6 +689,12 @@ def test_prefill_rows_multiply_by_the_decoded_gemm_under_every_isa(fmt, isa, mon
         monkeypatch.setattr(gemv, "PANEL_BYTES", panel)
         got = gemv.gemm_packed(x, blocks, fmt)
         assert ((got - want).norm() / want.norm()).item() < 1e-6, panel
+    if fmt in linear.BLOCK_FORMATS:  # interleaved rows decode the same, on every build
+        r16 = gemv.interleave(blocks[:64], fmt)
+        assert torch.equal(gemv.dequantize(r16, fmt, rows16=True), got_w[:64])
+        monkeypatch.setattr(gemv, "PANEL_BYTES", 4 * x.shape[1] * 16)  # panels of 16 rows
+        got = gemv.gemm_packed(x, r16, fmt, rows16=True)
+        assert ((got - want[:, :64]).norm() / want[:, :64].norm()).item() < 1e-6
     # the registered entries: GEMM_ROWS rows through the GEMM, one fewer through the kernels
     op = f"matmul.{fmt.lower()}"
     names = ["gemv"] if fmt in ("Q4_K", "Q6_K") else ["gemv_i8", "gemv"]

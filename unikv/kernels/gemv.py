@@ -34,6 +34,7 @@ I8_MAX_ROWS = 16  # its GEMV_I8_MAX_ROWS: the int8 kernel's chunk of rows (check
 GEMM_ROWS = 64  # from this many rows on, packed weights multiply by `gemm_packed` (prefill)
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
 FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # gemv.c's enums
+ROWS16 = 8  # gemv.c's flag on a format code: the blocks interleaved by 16 rows (`interleave`)
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
@@ -151,24 +152,29 @@ def gemv_kquant(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
 PANEL_BYTES = 16 << 20  # `gemm_packed`'s decoded panel at most: a layer's matrices whole
 
 
-def dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, qtype: str, rows16: bool = False) -> torch.Tensor:
     """The weights of packed rows: blocks, a contiguous uint8 [rows, nb, bytes] of `qtype`
-    (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K super-blocks) -> float32 [rows, nb x 32 or 256]."""
+    (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K super-blocks; `rows16`: interleaved by `interleave`, whole
+    groups of 16 rows) -> float32 [rows, nb x 32 or 256]."""
     rows, nb, _ = blocks.shape
     per = 256 if qtype in ("Q4_K", "Q6_K") else 32
     y = torch.empty((rows, nb * per), dtype=torch.float32)
     rc = _state["lib"].dequant_rows(  # type: ignore[attr-defined]
-        FORMAT_CODE[qtype], blocks.data_ptr(), rows, nb, y.data_ptr(), torch.get_num_threads()
-    )
+        FORMAT_CODE[qtype] | (ROWS16 if rows16 else 0), blocks.data_ptr(), rows, nb,
+        y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise ValueError(f"dequant_rows: {qtype} is not a format it reads")
     return y
 
 
-def gemm_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+def gemm_packed(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows16: bool = False
+) -> torch.Tensor:
     """x: float32 [N, in] (many rows: a prefill), blocks: a contiguous uint8 [out, nb, bytes]
-    -> [N, out]: panels of rows decoded to float32 (`dequantize`, about PANEL_BYTES each, so
-    the product reads them from the cache) and multiplied by PyTorch's float32 GEMM. The exact
+    (`rows16`: interleaved) -> [N, out]: panels of rows decoded to float32 (`dequantize`, about
+    PANEL_BYTES each, so the product reads them from the cache; a multiple of 16 rows, so an
+    interleaved panel is whole groups) and multiplied by PyTorch's float32 GEMM. The exact
     weights against float32 activations: the reference entry's numbers, but for the order of
     the GEMM's sums."""
     out = blocks.shape[0]
@@ -176,7 +182,7 @@ def gemm_packed(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     y = torch.empty((x.shape[0], out), dtype=torch.float32)
     step = max(16, PANEL_BYTES // (4 * x.shape[1]) // 16 * 16)
     for r in range(0, out, step):
-        w = dequantize(blocks[r : r + step], qtype)
+        w = dequantize(blocks[r : r + step], qtype, rows16)
         torch.mm(x, w.t(), out=y[:, r : r + step])
     return y
 
@@ -197,10 +203,16 @@ def headers(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def gemv_packed_i8(
-    x: torch.Tensor, blocks: torch.Tensor, head: torch.Tensor, qtype: str, digits: int = 2
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    head: torch.Tensor,
+    qtype: str,
+    digits: int = 2,
+    rows16: bool = False,
 ) -> torch.Tensor:
     """As `gemv_packed` for any number of rows (in chunks of I8_MAX_ROWS; head:
-    `headers(blocks, qtype)`), with x rounded per 32-element block to
+    `headers(blocks, qtype)`, unused when `rows16`: the blocks interleaved by `interleave`,
+    which the VNNI path alone reads), with x rounded per 32-element block to
     `digits` int8 codes first (`quantize_blocks`, inside the C call; 1: ggml's Q8_0 rounding,
     2: a second code for the rest, gemv.c says why) and the blocks multiplied in integers
     (vpdpbusd, or vpmaddwd on AVX2) -> float32 [N, out]."""
@@ -209,13 +221,71 @@ def gemv_packed_i8(
     n = x.shape[0]
     x = x.contiguous()
     y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
+    if rows16 and (i8_isa() != "avx512-vnni" or blocks.shape[0] % 16):
+        raise ValueError("interleaved rows are read by the VNNI path, in whole groups of 16")
     rc = _state["lib"].gemv_qi8(  # type: ignore[attr-defined]
-        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), head.data_ptr(),
-        blocks.shape[0], blocks.shape[1], y.data_ptr(), torch.get_num_threads(), digits,
+        FORMAT_CODE[qtype] | (ROWS16 if rows16 else 0), x.data_ptr(), n, blocks.data_ptr(),
+        head.data_ptr(), blocks.shape[0], blocks.shape[1], y.data_ptr(),
+        torch.get_num_threads(), digits,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"gemv_qi8: no buffer for {n} x {blocks.shape[1]} blocks of activations")
     return y
+
+
+# ---- rows interleaved by 16 (gemv.c's ROWS16 layout) -----------------------------------------
+
+_HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # bytes of fp16 fields before a block's codes
+
+
+def can_interleave(qtype: str, rows: int) -> bool:
+    """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): the
+    VNNI path, Q8_0 / Q4_0 / Q4_1, a multiple of 16 rows."""
+    return i8_isa() == "avx512-vnni" and qtype in _HEADER and rows % 16 == 0
+
+
+def interleave(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF blocks uint8 [rows, nb, bytes] (rows a multiple of 16) -> the same bytes in gemv.c's
+    ROWS16 layout, the same shape: per group of 16 rows and block, the codes as [quads][16
+    rows][4 bytes] (Q8_0's xor 0x80), then the 16 rows' fp16 d, then (Q4_1) their fp16 m."""
+    rows, nb, bs = blocks.shape
+    hdr, g = _HEADER[qtype], rows // 16
+    if rows % 16:
+        raise ValueError(f"{rows} rows: interleaving takes whole groups of 16")
+    per = blocks.reshape(g, 16, nb, bs).permute(0, 2, 1, 3)  # [G, nb, 16 rows, bytes]
+    codes = per[..., hdr:]
+    if qtype == "Q8_0":
+        codes = codes ^ 0x80
+    quads = codes.reshape(g, nb, 16, (bs - hdr) // 4, 4).permute(0, 1, 3, 2, 4)
+    parts = [quads.reshape(g, nb, -1), per[..., 0:2].reshape(g, nb, 32)]
+    if qtype == "Q4_1":
+        parts.append(per[..., 2:4].reshape(g, nb, 32))
+    return torch.cat(parts, dim=-1).reshape(rows, nb, bs)
+
+
+def deinterleave(rows16: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`interleave`'s inverse: the GGUF blocks, uint8 [rows, nb, bytes]."""
+    rows, nb, bs = rows16.shape
+    hdr, g = _HEADER[qtype], rows // 16
+    flat = rows16.reshape(g, nb, 16 * bs)
+    n = 16 * (bs - hdr)
+    codes = flat[..., :n].reshape(g, nb, (bs - hdr) // 4, 16, 4).permute(0, 1, 3, 2, 4)
+    codes = codes.reshape(g, nb, 16, bs - hdr)
+    if qtype == "Q8_0":
+        codes = codes ^ 0x80
+    fields = flat[..., n:].reshape(g, nb, hdr // 2, 16, 2).permute(0, 1, 3, 2, 4)
+    per = torch.cat((fields.reshape(g, nb, 16, hdr), codes), dim=-1)  # [G, nb, 16, bytes]
+    return per.permute(0, 2, 1, 3).reshape(rows, nb, bs)
+
+
+def deinterleave_rows(rows16: torch.Tensor, qtype: str, index: torch.Tensor) -> torch.Tensor:
+    """The GGUF blocks of rows `index` [N] of an interleaved weight, [N, nb, bytes]: only their
+    groups are read back (an embedding lookup in a tied, interleaved head)."""
+    rows, nb, bs = rows16.shape
+    index = index.reshape(-1)
+    groups = rows16.reshape(rows // 16, 16 * nb * bs)[index // 16]  # [N, 16 nb bs]
+    blocks = deinterleave(groups.reshape(-1, nb, bs), qtype).reshape(-1, 16, nb, bs)
+    return blocks[torch.arange(index.numel()), index % 16]
 
 
 def quantize_blocks(x: torch.Tensor, digits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,11 +331,15 @@ class Layer(ctypes.Structure):
 KIND_FLOAT, KIND_PACKED, KIND_PACKED_I8, KIND_K = 0, 1, 2, 3
 
 
-def lin(kind: int, w: torch.Tensor, out: int, in_: int, qtype: str = "", head=None) -> Lin:
+def lin(
+    kind: int, w: torch.Tensor, out: int, in_: int, qtype: str = "", head=None,
+    rows16: bool = False,
+) -> Lin:  # fmt: skip
     """A lin_t over `w` (float32 [out, in], or uint8 blocks [out, in / 32, bytes]; `head`: the
-    kind-2 headers of `headers`)."""
+    kind-2 headers of `headers`; `rows16`: kind 2's blocks interleaved, no headers)."""
     h = head.data_ptr() if head is not None and head.numel() else None
-    return Lin(kind, FORMAT_CODE.get(qtype, 0), w.data_ptr(), h, out, in_)
+    code = FORMAT_CODE.get(qtype, 0) | (ROWS16 if rows16 else 0)
+    return Lin(kind, code, w.data_ptr(), h, out, in_)
 
 
 def layer_qkv(layer: Layer, x: torch.Tensor, positions: torch.Tensor):

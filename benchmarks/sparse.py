@@ -36,7 +36,7 @@ ssd layerwise` leaves those decode cases out).
         [--summary-tokens 16 4 2] [--summaries centres keys] [--key-groups 16 64]
         [--block-scores max lse]
         [--variants-only]
-        [--decode-skip tiered ssd layerwise] [--tiered-block 64]
+        [--decode-skip tiered ssd layerwise] [--tiered-block 64] [--weights float32|native]
 """
 
 from __future__ import annotations
@@ -438,12 +438,16 @@ def main() -> None:
                     "resident cases and the PPL rows use the dense format's 16; 64 makes their "
                     "attention faster and their choice coarser)")  # fmt: skip
     ap.add_argument("--chart", help="PNG of PPL change against the share attended")
+    ap.add_argument("--weights", choices=("float32", "native"), default="float32",
+                    help="the model's weights (float32: what every earlier row of BENCHMARKS.md "
+                    "used; native: the GGUF's packed blocks, the CLI's default, which issue "
+                    "35's decode goal names)")  # fmt: skip
     args = ap.parse_args()
     if args.tiered_block < 1:
         ap.error(f"--tiered-block must be a positive number of tokens, not {args.tiered_block}")
     texts = [Path(t) for t in args.texts] if args.texts else TEXTS
-    model, tok = load_model(args.model, "float32", "cpu", False)
-    extra = {"cpu": _cpu()}
+    model, tok = load_model(args.model, "float32", "cpu", False, weights=args.weights)
+    extra = {"cpu": _cpu(), "weights": args.weights}
     variants = [{"range_weight": w} for w in args.range_weights]
     if args.summary_tokens:
         variants = [{"summary_tokens": t, **v} for t in args.summary_tokens

@@ -100,8 +100,8 @@ class SplitLinear:
 forms_built = 0
 
 
-# Whether gemv_i8 interleaves the weights it runs on the VNNI path (`PackedWeight.interleave`);
-# benchmarks/kernel_ab.py --layouts turns it off for one of its two models.
+# Whether gemv_i8 interleaves the weights it runs on the VNNI path (`PackedWeight.interleave`),
+# as each PackedWeight is made; benchmarks/kernel_ab.py --layouts loads one model without.
 INTERLEAVE = True
 
 
@@ -120,6 +120,7 @@ class PackedWeight:
         self.qtype, self.dtype = q.qtype, dtype
         self.out_features, self.in_features = q.shape
         self.rows16: torch.Tensor | None = None
+        self.may_interleave = INTERLEAVE  # (read when it is made: a model keeps its layout)
         self.forms: dict[str, object] = {}
 
     @property
@@ -390,7 +391,7 @@ def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     whole groups of 16 rows is interleaved first (once), and needs no headers. (Where the
     kernel's path changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
     here = gemv.can_interleave(w.qtype, w.out_features)
-    if w.rows16 is None and INTERLEAVE and here:
+    if w.rows16 is None and w.may_interleave and here:
         w.interleave()
     if w.rows16 is not None and here:
         return w.rows16, NO_HEADERS, True

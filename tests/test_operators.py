@@ -583,7 +583,7 @@ def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
-def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa):
+def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, monkeypatch):
     """The VNNI path's interleaved kernel computes the GGUF-order kernel's product (the same
     integer dots; only the float32 sums' order differs) for 1 to 37 activation rows, one or two
     digits, one block or many, one group of 16 rows or many; the registry's entry interleaves a
@@ -612,10 +612,17 @@ def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa):
                     got = gemv.gemv_packed_i8(x, r16, head[:0], fmt, digits, rows16=True)
                     err = ((got - want).norm() / want.norm()).item()
                     assert err < 1e-5, f"{fmt} {rows}x{cols} @ {out}: {err:.2e}"
+        entry = _gemv_entry(f"matmul.{fmt.lower()}", "gemv_i8")
         w = linear.PackedWeight(q, torch.float32)
-        got = _gemv_entry(f"matmul.{fmt.lower()}", "gemv_i8")(x, w)
+        got = entry(x, w)
         assert w.rows16 is not None and w._q is None  # interleaved by the entry
         assert ((got - want).norm() / want.norm()).item() < 1e-5
+        # a weight made while INTERLEAVE is off keeps the GGUF order for good (kernel_ab's A)
+        monkeypatch.setattr(linear, "INTERLEAVE", False)
+        kept = linear.PackedWeight(q, torch.float32)
+        monkeypatch.setattr(linear, "INTERLEAVE", True)
+        assert torch.equal(entry(x, kept), gemv.gemv_packed_i8(x, blocks, head, fmt))
+        assert kept.rows16 is None and kept._q is q
     finally:
         torch.set_num_threads(before)
 

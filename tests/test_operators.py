@@ -584,19 +584,27 @@ def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
 def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, monkeypatch):
-    """The VNNI path's interleaved kernel computes the GGUF-order kernel's product (the same
-    integer dots; only the float32 sums' order differs) for 1 to 37 activation rows, one or two
-    digits, one block or many, one group of 16 rows or many; the registry's entry interleaves a
-    weight of whole groups on first use, and other paths refuse the layout."""
+    """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1; AVX2: Q4_0, Q4_1) compute the
+    GGUF-order kernel's product (the same integer dots; only the float32 sums' order differs)
+    for 1 to 37 activation rows, one or two digits, one block or many, one group of 16 rows or
+    many; the registry's entry interleaves a weight of whole groups on first use, and the paths
+    that do not read a format so (the portable one, AVX2's Q8_0) refuse it, in Python and in
+    C."""
     from unikv.kernels import gemv
 
     if gemv.unavailable() is not None:
         pytest.skip(gemv.unavailable())
-    if gemv.i8_isa() != "avx512-vnni":
-        with pytest.raises(ValueError, match="VNNI"):
-            blocks = _packed(fmt, 16, 32).blocks.contiguous()
+    if not gemv.can_interleave(fmt, 16):
+        blocks = _packed(fmt, 16, 32).blocks.contiguous()
+        with pytest.raises(ValueError, match="interleaved rows"):
             gemv.gemv_packed_i8(torch.randn(1, 32), blocks, blocks, fmt, rows16=True)
-        pytest.skip("interleaved rows are read on the VNNI path only")
+        x, y = torch.randn(1, 32), torch.empty(1, 16)
+        rc = gemv._state["lib"].gemv_qi8(  # the C entry refuses it too
+            gemv.FORMAT_CODE[fmt] | gemv.ROWS16, x.data_ptr(), 1, blocks.data_ptr(),
+            blocks.data_ptr(), 16, 1, y.data_ptr(), 1, 2,
+        )  # fmt: skip
+        assert rc == -1
+        pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -92,6 +92,14 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * gemv_qi8 reads it on the VNNI path only, dequant_rows (a prefill's GEMM) on every build. */
 #define ROWS16 8
 
+/* How far ahead an interleaved group's thread asks for its bytes. Measured on the Intel Xeon,
+ * SmolLM2-sized layer matrices at Q4_1, one activation row, 2 threads (against the GGUF order
+ * in the same process): no prefetch 1.01x, 1,024 bytes 1.15x, 2,048 (the GGUF kernels') 1.19x,
+ * 4,096 1.25x, 8,192 1.27x, 16,384 1.31x, within the runs' noise from 4,096 on. */
+#ifndef R16_PF_BYTES
+#define R16_PF_BYTES 4096
+#endif
+
 /* Prefetch the PF_BYTES after row r (of `row` bytes) of a thread's rows [., hi) of w. */
 INLINE void prefetch_ahead(const uint8_t *w, long r, long row, long hi) {
     const long end = (r + 1) * row + PF_BYTES < hi * row ? (r + 1) * row + PF_BYTES : hi * row;
@@ -698,14 +706,6 @@ QI8_RANGE(Q8_0)
 QI8_RANGE(Q4_0)
 QI8_RANGE(Q4_1)
 
-/* How far ahead an interleaved group's thread asks for its bytes. Measured on the Intel Xeon,
- * SmolLM2-sized layer matrices at Q4_1, one activation row, 2 threads (against the GGUF order
- * in the same process): no prefetch 1.01x, 1,024 bytes 1.15x, 2,048 (the GGUF kernels') 1.19x,
- * 4,096 1.25x, 8,192 1.27x, 16,384 1.31x, within the runs' noise from 4,096 on. */
-#ifndef R16_PF_BYTES
-#define R16_PF_BYTES 4096
-#endif
-
 /* Four activation codes at p, broadcast to every int32 lane. */
 INLINE __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -1124,6 +1124,90 @@ I16_RANGE(Q8_0)
 I16_RANGE(Q4_0)
 I16_RANGE(Q4_1)
 
+#if GEMV_I8_ISA == 1
+/* ---- rows interleaved by 16 on AVX2 (Q4_0 / Q4_1) ------------------------------------------
+ *
+ * The ROWS16 layout read 8 rows at a time: a 256-bit half of a quad's 64 bytes holds 4 codes
+ * of 8 rows, and vpmaddubsw against 4 broadcast activation codes of one digit plane makes each
+ * row's two int16 pair sums (at most 2 x 15 x 128), summed over the block's 8 code vectors in
+ * int16 (at most 30,720) and widened once by vpmaddwd (by 256 for q1, 1 for q2): the integer
+ * dot of the other paths. Q8_0 stays in GGUF order here: its unsigned codes (q + 128) against
+ * int8 digits overflow vpmaddubsw's int16 pairs. */
+INLINE __m256i bcast4_256(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+INLINE void r16_group(const x16_t *restrict a, const uint8_t *restrict wg, float *restrict y,
+                      long out, const int fmt, const int N) {
+    const long bs = block_bytes(fmt), nb = a->nb, gb = 16 * bs;
+    __m256 acc[GEMV_MAX_ROWS][2], tacc[GEMV_MAX_ROWS][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = tacc[j][0] = tacc[j][1] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), k256 = _mm256_set1_epi16(256), one = _mm256_set1_epi16(1);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *o = wg + b * gb;
+        for (long f = R16_PF_BYTES; f < R16_PF_BYTES + gb; f += 64) __builtin_prefetch(o + f, 0, 3);
+        for (int hh = 0; hh < 2; hh++) { /* rows 8 hh .. 8 hh + 7 */
+            __m256i v[8];
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(o + 64 * c + 32 * hh));
+                v[c] = _mm256_and_si256(raw, m4);
+                v[4 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 256 + 16 * hh)));
+            const __m256 k =
+                fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 288 + 16 * hh)))
+                            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++) {
+                const int8_t *q1 = a->q1 + (j * nb + b) * 32, *q2 = a->q2 + (j * nb + b) * 32;
+                __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) {
+                    const int e = c < 4 ? 4 * c : 16 + 4 * (c - 4); /* the codes' first element */
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(v[c], bcast4_256(q1 + e)));
+                    s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(v[c], bcast4_256(q2 + e)));
+                }
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s1, k256), _mm256_madd_epi16(s2, one));
+                acc[j][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                             _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[j * nb + b])),
+                                             acc[j][hh]);
+                tacc[j][hh] = _mm256_fmadd_ps(k, _mm256_set1_ps(a->sx[j * nb + b]), tacc[j][hh]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+        for (int hh = 0; hh < 2; hh++)
+            _mm256_storeu_ps(y + j * out + 8 * hh, _mm256_add_ps(acc[j][hh], tacc[j][hh]));
+}
+
+#define R16_RANGE(F)                                                                             \
+    static void r16_range_##F(const x16_t *a, int n, const uint8_t *w, float *y, long out,       \
+                              long g0, long g1) {                                                \
+        const long gbytes = a->nb * 16 * block_bytes(F);                                         \
+        for (long g = g0; g < g1; g++)                                                           \
+            for (int j = 0; j < n; j += 4) {                                                     \
+                x16_t s = *a; /* x rows j .. j + 3 */                                            \
+                s.c += j * a->nb * 32, s.dx += j * a->nb, s.sx += j * a->nb;                     \
+                s.q1 += j * a->nb * 32, s.q2 += j * a->nb * 32;                                  \
+                const uint8_t *wg = w + g * gbytes;                                              \
+                float *yg = y + j * out + 16 * g;                                                \
+                switch (n - j < 4 ? n - j : 4) {                                                 \
+                case 1: r16_group(&s, wg, yg, out, F, 1); break;                                 \
+                case 2: r16_group(&s, wg, yg, out, F, 2); break;                                 \
+                case 3: r16_group(&s, wg, yg, out, F, 3); break;                                 \
+                default: r16_group(&s, wg, yg, out, F, 4); break;                                \
+                }                                                                                \
+            }                                                                                    \
+    }
+R16_RANGE(Q4_0)
+R16_RANGE(Q4_1)
+#endif
+
 /* One chunk of at most GEMV_I8_MAX_ROWS rows (the headers h are the VNNI path's: unused). */
 static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
                      long out, long nb, float *y, int threads, int digits) {
@@ -1137,7 +1221,15 @@ static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uin
     a.sx = a.dx + n * nb;
     a.q1 = (int8_t *)(a.sx + n * nb);
     a.q2 = a.q1 + (size_t)n * nb * 32;
-    quantize_x16(x, n, &a, digits, GEMV_I8_ISA == 1 && fmt != Q8_0); /* planes: q4_row's */
+    /* planes: q4_row's and the interleaved rows' */
+    quantize_x16(x, n, &a, digits, GEMV_I8_ISA == 1 && (fmt & ~ROWS16) != Q8_0);
+#if GEMV_I8_ISA == 1
+    if (fmt == (Q4_0 | ROWS16))
+        SPLIT(r16_range_Q4_0(&a, n, w, y, out, lo / 16, hi / 16));
+    else if (fmt == (Q4_1 | ROWS16))
+        SPLIT(r16_range_Q4_1(&a, n, w, y, out, lo / 16, hi / 16));
+    else
+#endif
     if (fmt == Q8_0)
         SPLIT(i16_range_Q8_0(&a, n, w, y, out, lo, hi));
     else if (fmt == Q4_0)
@@ -1159,8 +1251,11 @@ static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uin
 int gemv_qi8(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h, long out,
              long nb, float *y, int threads, int digits) {
     if (n < 1 || nb > GEMV_MAX_BLOCKS || (digits != 1 && digits != 2)) return -1;
-    if (fmt & ROWS16) /* interleaved by 16 rows: the VNNI path reads it, and whole groups only */
-        if (GEMV_I8_ISA != 2 || out % 16 || (fmt & ~ROWS16) > Q4_1) return -1;
+    if (fmt & ROWS16) /* interleaved by 16 rows, whole groups only: the VNNI path reads Q8_0,
+                       * Q4_0 and Q4_1 so, the AVX2 path Q4_0 and Q4_1 */
+        if (out % 16 || (fmt & ~ROWS16) > Q4_1 || GEMV_I8_ISA == 0 ||
+            (GEMV_I8_ISA == 1 && (fmt & ~ROWS16) == Q8_0))
+            return -1;
     for (int c0 = 0; c0 < n; c0 += GEMV_I8_MAX_ROWS) {
         const int m = n - c0 < GEMV_I8_MAX_ROWS ? n - c0 : GEMV_I8_MAX_ROWS;
         if (qi8_chunk(fmt, x + (long)c0 * nb * 32, m, w, h, out, nb, y + (long)c0 * out, threads,

@@ -212,7 +212,7 @@ def gemv_packed_i8(
 ) -> torch.Tensor:
     """As `gemv_packed` for any number of rows (in chunks of I8_MAX_ROWS; head:
     `headers(blocks, qtype)`, unused when `rows16`: the blocks interleaved by `interleave`,
-    which the VNNI path alone reads), with x rounded per 32-element block to
+    where `can_interleave`), with x rounded per 32-element block to
     `digits` int8 codes first (`quantize_blocks`, inside the C call; 1: ggml's Q8_0 rounding,
     2: a second code for the rest, gemv.c says why) and the blocks multiplied in integers
     (vpdpbusd, or vpmaddwd on AVX2) -> float32 [N, out]."""
@@ -221,8 +221,10 @@ def gemv_packed_i8(
     n = x.shape[0]
     x = x.contiguous()
     y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
-    if rows16 and (i8_isa() != "avx512-vnni" or blocks.shape[0] % 16):
-        raise ValueError("interleaved rows are read by the VNNI path, in whole groups of 16")
+    if rows16 and not can_interleave(qtype, blocks.shape[0]):
+        raise ValueError(f"no int8 path here ({i8_isa()}) reads {qtype} as interleaved rows "
+                         f"of {blocks.shape[0]}: the VNNI path reads Q8_0, Q4_0 and Q4_1, the "
+                         "AVX2 path Q4_0 and Q4_1, in whole groups of 16")  # fmt: skip
     rc = _state["lib"].gemv_qi8(  # type: ignore[attr-defined]
         FORMAT_CODE[qtype] | (ROWS16 if rows16 else 0), x.data_ptr(), n, blocks.data_ptr(),
         head.data_ptr(), blocks.shape[0], blocks.shape[1], y.data_ptr(),
@@ -239,9 +241,11 @@ _HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # bytes of fp16 fields before a blo
 
 
 def can_interleave(qtype: str, rows: int) -> bool:
-    """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): the
-    VNNI path, Q8_0 / Q4_0 / Q4_1, a multiple of 16 rows."""
-    return i8_isa() == "avx512-vnni" and qtype in _HEADER and rows % 16 == 0
+    """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): a
+    multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1, on the AVX2 path Q4_0 / Q4_1."""
+    path = i8_isa()
+    formats = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1"), "avx2": ("Q4_0", "Q4_1")}.get(path, ())
+    return qtype in formats and rows % 16 == 0
 
 
 def interleave(blocks: torch.Tensor, qtype: str) -> torch.Tensor:

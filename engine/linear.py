@@ -135,6 +135,8 @@ class PackedWeight:
         """Hold the blocks interleaved by 16 rows instead of in GGUF order (gemv_i8 on VNNI)."""
         if self.rows16 is None:
             self.rows16, self._q = gemv.interleave(self._q.blocks, self.qtype), None
+            for name in ("blocks", "i8"):  # forms of the GGUF order: rebuilt if asked for
+                self.forms.pop(name, None)
             _built()
 
     def form(self, name: str, build: Callable[[QuantizedTensor], object]) -> object:

@@ -100,8 +100,9 @@ class SplitLinear:
 forms_built = 0
 
 
-# Whether gemv_i8 interleaves the weights it runs on the VNNI path (`PackedWeight.interleave`),
-# as each PackedWeight is made; benchmarks/kernel_ab.py --layouts loads one model without.
+# Whether gemv_i8 interleaves the weights its path reads so (`gemv.can_interleave`: VNNI, or
+# AVX2's Q4_0 / Q4_1; `PackedWeight.interleave`), read as each PackedWeight is made;
+# benchmarks/kernel_ab.py --layouts loads one model without.
 INTERLEAVE = True
 
 
@@ -109,11 +110,11 @@ class PackedWeight:
     """A quantized weight kept as its GGUF blocks, plus the forms its kernels prepared from
     them (built once, on a kernel's first use, and kept).
 
-    The blocks are held once, in one of two orders: GGUF's (`q`), or, where gemv_i8 runs on
-    the VNNI path, interleaved by 16 rows (`rows16`, gemv.c's ROWS16 layout: the same bytes,
-    1.2x faster to multiply at decode). An interleaved weight gives up its GGUF copy; an entry
-    that still asks for `q` (a fallback after the breaker tripped, the reference) has it rebuilt
-    once and kept, and `nbytes` then counts both."""
+    The blocks are held once, in one of two orders: GGUF's (`q`), or, where gemv_i8's path
+    reads it (`gemv.can_interleave`), interleaved by 16 rows (`rows16`, gemv.c's ROWS16
+    layout: the same bytes, 1.2-1.3x faster to multiply at decode). An interleaved weight
+    gives up its GGUF copy; an entry that still asks for `q` (a fallback after the breaker
+    tripped, the reference) has it rebuilt once and kept, and `nbytes` then counts both."""
 
     def __init__(self, q: QuantizedTensor, dtype: torch.dtype) -> None:
         self._q: QuantizedTensor | None = q
@@ -132,7 +133,7 @@ class PackedWeight:
         return self._q
 
     def interleave(self) -> None:
-        """Hold the blocks interleaved by 16 rows instead of in GGUF order (gemv_i8 on VNNI)."""
+        """Hold the blocks interleaved by 16 rows instead of in GGUF order (gemv_i8's form)."""
         if self.rows16 is None:
             self.rows16, self._q = gemv.interleave(self._q.blocks, self.qtype), None
             for name in ("blocks", "i8"):  # forms of the GGUF order: rebuilt if asked for
@@ -389,8 +390,9 @@ NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
 
 
 def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """What gemv_i8 multiplies: (blocks, headers, interleaved). On the VNNI path a weight of
-    whole groups of 16 rows is interleaved first (once), and needs no headers. (Where the
+    """What gemv_i8 multiplies: (blocks, headers, interleaved). Where its path reads the format
+    interleaved (`gemv.can_interleave`) a weight of whole groups of 16 rows is interleaved
+    first (once), and needs no headers. (Where the
     kernel's path changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
     here = gemv.can_interleave(w.qtype, w.out_features)
     if w.rows16 is None and w.may_interleave and here:
@@ -418,8 +420,8 @@ def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor])
 
 
 class _PackedI8(_Packed):
-    """gemv_i8: prepares its weight (interleaved on VNNI, else the blocks and their headers;
-    no other form: it takes every batch size)."""
+    """gemv_i8: prepares its weight (interleaved where its path reads that, else the blocks and
+    their headers; no other form: it takes every batch size)."""
 
     def __init__(self, op, fn) -> None:
         super().__init__(op, "gemv_i8", fn, "blocks", _blocks, _gemv_i8_available)

@@ -1377,93 +1377,25 @@ INLINE void q4k_scales(const uint8_t *b, __m256 *a, __m256 *m) {
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
 }
 
-/* Row w (nb super-blocks) against N rows of x (xs: their sums per sub-block, [N][nb * 8]):
- * y[j * out] = w . x[j]. */
-INLINE void q4k_row(const float *restrict x, const float *restrict xs, long nb,
-                    const uint8_t *restrict w, float *restrict y, long out, const int N) {
-    const long in = nb * 256;
-    float sa[8] __attribute__((aligned(32)));
-#if GEMV_ISA == 2
-    __m512 acc[GEMV_MAX_ROWS];
-#else
-    __m256 acc[GEMV_MAX_ROWS];
-#endif
-    __m256 macc[GEMV_MAX_ROWS];
-#pragma GCC unroll 4
-    for (int j = 0; j < N; j++) {
-#if GEMV_ISA == 2
-        acc[j] = _mm512_setzero_ps();
-#else
-        acc[j] = _mm256_setzero_ps();
-#endif
-        macc[j] = _mm256_setzero_ps();
-    }
-    for (long b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * 144, *q = p + 16;
-        __m256 a, m;
-        q4k_scales(p, &a, &m);
-        _mm256_store_ps(sa, a);
-#pragma GCC unroll 4
-        for (int j = 0; j < N; j++)
-            macc[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + (j * nb + b) * 8), macc[j]);
-        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
-            const float *xc = x + b * 256 + 64 * c;
-#if GEMV_ISA == 2
-            __m512 lo[2], hi[2];
-            for (int k = 0; k < 2; k++) {
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * c + 16 * k)));
-                lo[k] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-                hi[k] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            }
-            const __m512 a0 = _mm512_set1_ps(sa[2 * c]), a1 = _mm512_set1_ps(sa[2 * c + 1]);
-#pragma GCC unroll 4
-            for (int j = 0; j < N; j++) {
-                const float *xj = xc + j * in;
-                __m512 s0 = _mm512_mul_ps(lo[0], _mm512_loadu_ps(xj));
-                s0 = _mm512_fmadd_ps(lo[1], _mm512_loadu_ps(xj + 16), s0);
-                __m512 s1 = _mm512_mul_ps(hi[0], _mm512_loadu_ps(xj + 32));
-                s1 = _mm512_fmadd_ps(hi[1], _mm512_loadu_ps(xj + 48), s1);
-                acc[j] = _mm512_fmadd_ps(s0, a0, acc[j]);
-                acc[j] = _mm512_fmadd_ps(s1, a1, acc[j]);
-            }
-#else
-            __m256 lo[4], hi[4];
-            for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * c + 8 * k)));
-                lo[k] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
-                hi[k] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-            }
-            const __m256 a0 = _mm256_set1_ps(sa[2 * c]), a1 = _mm256_set1_ps(sa[2 * c + 1]);
-#pragma GCC unroll 4
-            for (int j = 0; j < N; j++) {
-                const float *xj = xc + j * in;
-                __m256 s0 = _mm256_mul_ps(lo[0], _mm256_loadu_ps(xj));
-                __m256 s1 = _mm256_mul_ps(hi[0], _mm256_loadu_ps(xj + 32));
-                for (int k = 1; k < 4; k++) {
-                    s0 = _mm256_fmadd_ps(lo[k], _mm256_loadu_ps(xj + 8 * k), s0);
-                    s1 = _mm256_fmadd_ps(hi[k], _mm256_loadu_ps(xj + 32 + 8 * k), s1);
-                }
-                acc[j] = _mm256_fmadd_ps(s0, a0, acc[j]);
-                acc[j] = _mm256_fmadd_ps(s1, a1, acc[j]);
-            }
-#endif
-        }
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < N; j++) {
-#if GEMV_ISA == 2
-        const float dot = _mm512_reduce_add_ps(acc[j]);
-#else
-        const float dot = hsum256(acc[j]);
-#endif
-        y[j * out] = dot - hsum256(macc[j]);
-    }
-}
-
-/* 32 signed codes (bytes of c) times their two sub-blocks' scales s0, s1 (16 codes each),
+/* The K-quant kernels' float vectors, one source for both widths: KACC holds KW float lanes
+ * (16 on AVX-512, 8 on AVX2), and k* are its loads, broadcasts and products. knibbles: KW bytes
+ * at p as floats, their low nibbles and their high ones. codes32: 32 signed codes (bytes of
+ * c) times their scales, s0 for the first 16 and s1 for the rest (Q6_K's two sub-blocks),
  * against the 32 activations at x + j * in of each of the N rows: acc[j] += ... */
 #if GEMV_ISA == 2
 #define KACC __m512
+#define KW 16 /* float lanes */
+INLINE KACC kacc_zero(void) { return _mm512_setzero_ps(); }
+INLINE float kacc_sum(const KACC a) { return _mm512_reduce_add_ps(a); }
+INLINE KACC kload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE KACC kset(const float v) { return _mm512_set1_ps(v); }
+INLINE KACC kmul(const KACC a, const KACC b) { return _mm512_mul_ps(a, b); }
+INLINE KACC kfma(const KACC a, const KACC b, const KACC c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE void knibbles(const uint8_t *p, KACC *lo, KACC *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
 INLINE void codes32(const __m256i c, const float s0, const float s1, const float *restrict x,
                     long in, KACC *acc, const int N) {
     const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))),
@@ -1478,6 +1410,18 @@ INLINE void codes32(const __m256i c, const float s0, const float s1, const float
 }
 #else
 #define KACC __m256
+#define KW 8
+INLINE KACC kacc_zero(void) { return _mm256_setzero_ps(); }
+INLINE float kacc_sum(const KACC a) { return hsum256(a); }
+INLINE KACC kload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE KACC kset(const float v) { return _mm256_set1_ps(v); }
+INLINE KACC kmul(const KACC a, const KACC b) { return _mm256_mul_ps(a, b); }
+INLINE KACC kfma(const KACC a, const KACC b, const KACC c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE void knibbles(const uint8_t *p, KACC *lo, KACC *hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
 INLINE void codes32(const __m256i c, const float s0, const float s1, const float *restrict x,
                     long in, KACC *acc, const int N) {
     __m256 w[4];
@@ -1493,6 +1437,46 @@ INLINE void codes32(const __m256i c, const float s0, const float s1, const float
 }
 #endif
 
+/* Row w (nb super-blocks) against N rows of x (xs: their sums per sub-block, [N][nb * 8]):
+ * y[j * out] = w . x[j]. */
+INLINE void q4k_row(const float *restrict x, const float *restrict xs, long nb,
+                    const uint8_t *restrict w, float *restrict y, long out, const int N) {
+    const long in = nb * 256;
+    float sa[8] __attribute__((aligned(32)));
+    KACC acc[GEMV_MAX_ROWS];
+    __m256 macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j] = kacc_zero(), macc[j] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 144, *q = p + 16;
+        __m256 a, m;
+        q4k_scales(p, &a, &m);
+        _mm256_store_ps(sa, a);
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++)
+            macc[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + (j * nb + b) * 8), macc[j]);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            const float *xc = x + b * 256 + 64 * c;
+            KACC lo[32 / KW], hi[32 / KW];
+            for (int k = 0; k < 32 / KW; k++) knibbles(q + 32 * c + KW * k, &lo[k], &hi[k]);
+            const KACC a0 = kset(sa[2 * c]), a1 = kset(sa[2 * c + 1]);
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++) { /* each sub-block's dot, then scaled once */
+                const float *xj = xc + j * in;
+                KACC s0 = kmul(lo[0], kload(xj)), s1 = kmul(hi[0], kload(xj + 32));
+                for (int k = 1; k < 32 / KW; k++) {
+                    s0 = kfma(lo[k], kload(xj + KW * k), s0);
+                    s1 = kfma(hi[k], kload(xj + 32 + KW * k), s1);
+                }
+                acc[j] = kfma(s1, a1, kfma(s0, a0, acc[j]));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = kacc_sum(acc[j]) - hsum256(macc[j]);
+}
+
+
 /* A Q6_K row (nb super-blocks of 210 bytes) against N rows of x. Per half of 128 and group
  * of 32 the 6-bit codes are put together as bytes (ql's nibble, qh's 2 bits, less 32: 32
  * signed codes at a time in 256-bit byte lanes), then as floats times their sub-block's d sc.
@@ -1504,13 +1488,7 @@ INLINE void q6k_row(const float *restrict x, long nb, const uint8_t *restrict w,
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
     const __m256i k32 = _mm256_set1_epi8(32);
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) {
-#if GEMV_ISA == 2
-        acc[j] = _mm512_setzero_ps();
-#else
-        acc[j] = _mm256_setzero_ps();
-#endif
-    }
+    for (int j = 0; j < N; j++) acc[j] = kacc_zero();
     for (long b = 0; b < nb; b++) {
         const uint8_t *ql = w + b * 210, *qh = ql + 128;
         const int8_t *sc = (const int8_t *)(ql + 192);
@@ -1537,14 +1515,7 @@ INLINE void q6k_row(const float *restrict x, long nb, const uint8_t *restrict w,
         }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) {
-#if GEMV_ISA == 2
-        const float dot = _mm512_reduce_add_ps(acc[j]);
-#else
-        const float dot = hsum256(acc[j]);
-#endif
-        y[j * out] = dot;
-    }
+    for (int j = 0; j < N; j++) y[j * out] = kacc_sum(acc[j]);
 }
 
 static void q6k_range(const float *x, int n, const uint8_t *w, long nb, float *y, long out,

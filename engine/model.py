@@ -210,6 +210,9 @@ def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
         entry = out.setdefault(lin.fmt, WeightFormat())
         entry.layers += 1
         entry.bytes += nbytes
-        if getattr(lin, "note", "") and lin.note not in entry.how:
-            entry.how.append(lin.note)
+        note = getattr(lin, "note", "")
+        if note and getattr(w, "rows16", None) is not None:
+            note += ", rows interleaved by 16"
+        if note and note not in entry.how:
+            entry.how.append(note)
     return out

@@ -99,6 +99,9 @@ def test_the_native_weights_benchmark_names_the_kernels_of_each_type(native):
     assert set(how) == {"Q8_0", "Q4_1"}  # the packaged file: Q4_1 layers, a Q8_0 head
     if gemv.unavailable() is None:
         assert all("gemv" in v for v in how.values()), how
+        # the report says where the rows are held interleaved (gemv.c's ROWS16)
+        for fmt, kernels in how.items():
+            assert ("rows interleaved by 16" in kernels) == gemv.can_interleave(fmt, 16), how
 
 
 def _logits(m, ids):

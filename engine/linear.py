@@ -149,9 +149,16 @@ class PackedWeight:
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of W (as an embedding table) for `index`, decoded: [N] -> [N, in]."""
-        if self._q is None:  # interleaved: only the groups of these rows are read back
-            blocks = gemv.deinterleave_rows(self.rows16, self.qtype, index)
-            rows = dequantize(QuantizedTensor(self.qtype, blocks))
+        if self._q is None:  # interleaved: only the groups of these rows are decoded
+            flat = index.reshape(-1)
+            if gemv.unavailable() is None:  # gemv.c decodes the groups (one call)
+                out, nb, bs = self.rows16.shape
+                groups = self.rows16.reshape(out // 16, -1)[flat // 16].view(-1, nb, bs)
+                dense = gemv.dequantize(groups, self.qtype, rows16=True).view(len(flat), 16, -1)
+                rows = dense[torch.arange(len(flat)), flat % 16]
+            else:
+                blocks = gemv.deinterleave_rows(self.rows16, self.qtype, flat)
+                rows = dequantize(QuantizedTensor(self.qtype, blocks))
             return rows.reshape(*index.shape, -1).to(self.dtype)
         return dequantize(self.q.rows(index)).to(self.dtype)
 

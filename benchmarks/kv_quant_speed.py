@@ -65,7 +65,7 @@ def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:
         logits = model.forward(
             toks, pos, kv, StepBatch([seq], [len(part)]), torch.tensor([len(part) - 1])
         )
-    return int(logits[0].argmax())
+    return int(logits[0].max(-1).indices)  # as engine.sampling.sample: the first largest
 
 
 def decode(model, kv, first: int, start: int, n: int, seq: int, before_step=None) -> float:
@@ -80,7 +80,7 @@ def decode(model, kv, first: int, start: int, n: int, seq: int, before_step=None
         logits = model.forward(
             torch.tensor([token]), torch.tensor([start + i]), kv, StepBatch([seq], [1])
         )
-        token = int(logits[0].argmax())
+        token = int(logits[0].max(-1).indices)
     return time.perf_counter() - t0 - excluded
 
 

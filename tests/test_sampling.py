@@ -16,6 +16,14 @@ def draw(params, n=400):
 def test_greedy_is_argmax():
     assert sample(LOGITS, SamplingParams(), None) == 1
     assert set(draw(SamplingParams(temperature=1.0, top_k=1), 20)) == {1}
+    # ties and NaN as torch.argmax takes them: the first largest, a NaN first of all
+    big = torch.zeros(49152)
+    big[[40000, 45000]] = 5.0
+    assert sample(big, SamplingParams(), None) == int(torch.argmax(big)) == 40000
+    big[46000] = float("nan")
+    assert sample(big, SamplingParams(), None) == int(torch.argmax(big)) == 46000
+    for dtype in (torch.bfloat16, torch.float16):
+        assert sample(LOGITS.to(dtype), SamplingParams(), None) == 1
 
 
 def test_top_k_and_top_p_restrict_support():

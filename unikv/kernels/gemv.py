@@ -238,14 +238,14 @@ def gemv_packed_i8(
 # ---- rows interleaved by 16 (gemv.c's ROWS16 layout) -----------------------------------------
 
 _HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # bytes of fp16 fields before a block's codes
+# the formats each int8 path reads interleaved (gemv.c's gemv_qi8 refuses the rest)
+_ROWS16_FORMATS = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1"), "avx2": ("Q4_0", "Q4_1")}
 
 
 def can_interleave(qtype: str, rows: int) -> bool:
     """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): a
     multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1, on the AVX2 path Q4_0 / Q4_1."""
-    path = i8_isa()
-    formats = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1"), "avx2": ("Q4_0", "Q4_1")}.get(path, ())
-    return qtype in formats and rows % 16 == 0
+    return qtype in _ROWS16_FORMATS.get(i8_isa(), ()) and rows % 16 == 0
 
 
 def interleave(blocks: torch.Tensor, qtype: str) -> torch.Tensor:

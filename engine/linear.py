@@ -148,19 +148,21 @@ class PackedWeight:
         return f
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows of W (as an embedding table) for `index`, decoded: [N] -> [N, in]."""
+        """Rows of W (as an embedding table) for `index`, decoded: [N] -> [N, in]. gemv.c
+        reads only those rows, in one call (in either order); without it, torch decodes the
+        rows' blocks."""
+        flat = index.reshape(-1)
+        if gemv.unavailable() is None and self.qtype in gemv.FORMAT_CODE:
+            blocks = self.rows16 if self._q is None else self._q.blocks
+            if blocks.is_contiguous() and blocks.device.type == "cpu":
+                rows = gemv.dequantize_index(blocks, self.qtype, flat, self._q is None)
+                return rows.view(*index.shape, -1).to(self.dtype)
         if self._q is None:  # interleaved: only the groups of these rows are decoded
-            flat = index.reshape(-1)
-            if gemv.unavailable() is None:  # gemv.c decodes the groups (one call)
-                out, nb, bs = self.rows16.shape
-                groups = self.rows16.reshape(out // 16, -1)[flat // 16].view(-1, nb, bs)
-                dense = gemv.dequantize(groups, self.qtype, rows16=True).view(len(flat), 16, -1)
-                rows = dense[torch.arange(len(flat)), flat % 16]
-            else:
-                blocks = gemv.deinterleave_rows(self.rows16, self.qtype, flat)
-                rows = dequantize(QuantizedTensor(self.qtype, blocks))
-            return rows.reshape(*index.shape, -1).to(self.dtype)
-        return dequantize(self.q.rows(index)).to(self.dtype)
+            blocks = gemv.deinterleave_rows(self.rows16, self.qtype, flat)
+        else:
+            blocks = self._q.blocks[flat]
+        rows = dequantize(QuantizedTensor(self.qtype, blocks))
+        return rows.view(*index.shape, -1).to(self.dtype)
 
     def to_dense(self) -> torch.Tensor:
         if self._q is None:  # not kept: a one-off copy

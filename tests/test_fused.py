@@ -250,6 +250,31 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
     assert m.operators.report()["model.layers"]["active"] == "native"
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
+def test_a_one_call_step_gives_the_same_bits_on_any_number_of_threads(qtype, isa, monkeypatch):
+    """decode_layers shares each product's rows among a team of threads (gemv.c's
+    team_product: chunks taken from a shared counter) and takes an int8 product's x rows 16 at a
+    time: decode steps of 10 sequences (40 rows: three such chunks; then 18 and 1) give the same
+    logits to the bit on 1, 2 and 3 threads (more threads than this machine's cores), and the
+    layer-by-layer path's."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype)
+    schedule = [{s: 6 + s for s in range(10)}, {s: 4 for s in range(10)},
+                {s: 2 for s in range(9)}, {3: 1}]  # fmt: skip
+    served, runs, threads = _spy(monkeypatch), [], torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(_serve(m, "full", fused.layers_native, schedule))
+    finally:
+        torch.set_num_threads(threads)
+    want = _serve(m, "full", fused.layers_python, schedule)
+    assert served == [40, 18, 1] * 3
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert torch.isfinite(want).all() and _rel(runs[1], want) < 1e-6, _rel(runs[1], want)
+
+
 @pytest.mark.parametrize(
     ("strategy", "scorer"),
     [("fp16+resident+all", None), ("hybrid+tiered+all", None),

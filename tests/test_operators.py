@@ -557,6 +557,34 @@ def test_interleaved_rows_hold_the_same_bytes(fmt):
         gemv.interleave(blocks[:40], fmt)
 
 
+@pytest.mark.parametrize("fmt", [*linear.BLOCK_FORMATS, "Q4_K", "Q6_K"])
+def test_an_embedding_lookup_decodes_only_its_rows_in_either_order(fmt, isa, monkeypatch):
+    """gemv.dequantize_index (a tied embedding's lookup, one call a step) gives the rows of the
+    whole decoded weight, from the GGUF blocks and (the 32-element formats) from the rows
+    interleaved by 16; PackedWeight.rows takes it, and gives what torch decodes without gemv.c.
+    An index outside the weight is refused, not read."""
+    from unikv.engine.quantized import dequantize
+    from unikv.kernels import gemv
+
+    assert gemv.unavailable() is None  # built for this test's instruction set
+    q = _k_packed(fmt, rows=48) if fmt in ("Q4_K", "Q6_K") else _packed(fmt, rows=48, cols=96)
+    index = torch.tensor([47, 0, 17, 17, 31])
+    dense = dequantize(q)
+    assert torch.equal(gemv.dequantize_index(q.blocks, fmt, index), dense[index])
+    w = linear.PackedWeight(q, torch.float32)
+    if fmt in linear.BLOCK_FORMATS:
+        r16 = gemv.interleave(q.blocks.contiguous(), fmt)
+        assert torch.equal(gemv.dequantize_index(r16, fmt, index, rows16=True), dense[index])
+        w.interleave()
+    with monkeypatch.context() as m:  # torch's decode of the rows' blocks
+        m.setattr(gemv, "unavailable", lambda: "no compiler")
+        want = w.rows(index.view(5, 1))
+    assert torch.equal(w.rows(index.view(5, 1)), want) and want.shape == (5, 1, q.shape[1])
+    for bad in ([48], [-1]):
+        with pytest.raises(IndexError, match="outside"):
+            gemv.dequantize_index(q.blocks, fmt, torch.tensor(bad))
+
+
 @pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
 def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
     """A PackedWeight held interleaved (gemv_i8's form on the VNNI path) gives the same rows,

@@ -30,6 +30,7 @@
 #endif
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -420,9 +421,13 @@ INLINE void q_row(const float *restrict x, const float *restrict xsum, const uin
  * caller's thread arriving late) takes fewer chunks instead of holding up the call. On a 2-core
  * AMD EPYC whose cores ran at different paces the fixed ranges made a 2-thread Q4_1 decode
  * step no faster than one thread (BENCHMARKS.md, "Threads that share the work"). Each row is
- * computed by one thread with the same code either way: the output is the same bits. */
+ * computed by one thread with the same code either way: the output is the same bits.
+ * Not many chunks, though: each starts on bytes no prefetch asked for yet. A SmolLM2 Q4_1
+ * decode step (Intel Xeon, 2 threads, benchmarks/kernel_ab.py against 8 chunks a thread and
+ * a fork per product) took 0.94x as long at 4 chunks; with decode_layers' team (below) 1.155x
+ * at 32 chunks, 0.92x at 4, 0.935x at 2, 0.92x at 1 (the runs' spread: about 3%). */
 #ifndef SPLIT_CHUNKS
-#define SPLIT_CHUNKS 8
+#define SPLIT_CHUNKS 4
 #endif
 INLINE long split_chunk(const long out, const int threads) {
     const long c = (out / ((long)threads * SPLIT_CHUNKS) + 15) / 16 * 16;
@@ -483,19 +488,24 @@ void gemv_f32(const float *x, int n, const float *w, long out, long in, float *y
     SPLIT(f32_range(x, n, w, in, y, out, lo, hi));
 }
 
+/* The sum of x over each of `count` runs of 32 elements (Q4_1's per-block offset term, Q4_K's
+ * per-sub-block one), in one order of additions wherever it is taken. */
+static void sums32(const float *x, long count, float *sums) {
+    for (long i = 0; i < count; i++) {
+        float s[8] = {0};
+        for (int k = 0; k < 32; k += 8)
+            for (int u = 0; u < 8; u++) s[u] += x[i * 32 + k + u];
+        sums[i] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    }
+}
+
 /* y [n, out] = x [n, nb * 32] @ W^T, W given as `fmt` blocks [out, nb, block bytes]. */
 void gemv_q(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
             int threads) {
     if (n < 1 || n > GEMV_MAX_ROWS || nb > GEMV_MAX_BLOCKS) return; /* the caller checks */
     /* Q4_1's offsets multiply each block's sum of x: computed once per call */
     float xsum[GEMV_MAX_ROWS * GEMV_MAX_BLOCKS];
-    if (fmt == Q4_1)
-        for (long i = 0; i < n * nb; i++) {
-            float s[8] = {0};
-            for (int k = 0; k < 32; k += 8)
-                for (int u = 0; u < 8; u++) s[u] += x[i * 32 + k + u];
-            xsum[i] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-        }
+    if (fmt == Q4_1) sums32(x, n * nb, xsum);
     if (fmt == Q8_0)
         SPLIT(q_range_Q8_0(x, xsum, n, w, nb, y, out, lo, hi));
     else if (fmt == Q4_0)
@@ -799,36 +809,41 @@ R16_RANGE(Q8_0)
 R16_RANGE(Q4_0)
 R16_RANGE(Q4_1)
 
-/* One chunk of at most GEMV_I8_MAX_ROWS rows (h: the headers above), x rounded to `digits` int8
- * codes per element first (once per chunk, before the threads split the rows). */
-static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
-                     long out, long nb, float *y, int threads, int digits) {
-    xq_t a = {.nb = nb, .nbp = (nb + 1) / 2 * 2, .nb16 = (nb + 15) / 16 * 16};
-    /* one buffer: q and q2 (64-byte multiples per row), then dx and t */
-    const size_t qbytes = (size_t)n * a.nbp * 32, fbytes = sizeof(float) * n * a.nb16;
-    void *buf = aligned_alloc(64, qbytes * digits + 2 * fbytes);
-    if (buf == NULL) return -1;
-    a.q = (int8_t *)buf;
-    a.q2 = a.q + qbytes; /* with one digit: where dx begins, never read as codes */
-    a.dx = (float *)((char *)buf + qbytes * digits);
-    a.t = a.dx + n * a.nb16;
-    quantize_x(fmt & ~ROWS16, x, n, &a, digits);
-    /* interleaved: the threads' chunks of rows are multiples of 16 (split_chunk), so groups */
-    if (fmt == (Q8_0 | ROWS16))
-        SPLIT(r16_range_Q8_0(&a, n, w, y, out, lo / 16, hi / 16, digits));
-    else if (fmt == (Q4_0 | ROWS16))
-        SPLIT(r16_range_Q4_0(&a, n, w, y, out, lo / 16, hi / 16, digits));
-    else if (fmt == (Q4_1 | ROWS16))
-        SPLIT(r16_range_Q4_1(&a, n, w, y, out, lo / 16, hi / 16, digits));
-    else if (fmt == Q8_0)
-        SPLIT(qi8_range_Q8_0(&a, n, w, h, y, out, lo, hi, digits));
-    else if (fmt == Q4_0)
-        SPLIT(qi8_range_Q4_0(&a, n, w, h, y, out, lo, hi, digits));
-    else
-        SPLIT(qi8_range_Q4_1(&a, n, w, h, y, out, lo, hi, digits));
-    free(buf);
+/* A product's activations in the int8 kernel's form: x [n, nb * 32] rounded to `digits` int8
+ * codes per element (quantize_x), in one buffer (*buf, for free) that act_make allocates:
+ * q and q2 (64-byte multiples per row), then dx and t. 0, or -1 (no memory). */
+typedef xq_t act_t;
+static int act_make(int fmt, const float *x, int n, long nb, int digits, act_t *a, void **buf) {
+    *a = (xq_t){.nb = nb, .nbp = (nb + 1) / 2 * 2, .nb16 = (nb + 15) / 16 * 16};
+    const size_t qbytes = (size_t)n * a->nbp * 32, fbytes = sizeof(float) * n * a->nb16;
+    *buf = aligned_alloc(64, qbytes * digits + 2 * fbytes);
+    if (*buf == NULL) return -1;
+    a->q = (int8_t *)*buf;
+    a->q2 = a->q + qbytes; /* with one digit: where dx begins, never read as codes */
+    a->dx = (float *)((char *)*buf + qbytes * digits);
+    a->t = a->dx + n * a->nb16;
+    quantize_x(fmt & ~ROWS16, x, n, a, digits);
     return 0;
 }
+
+/* Rows [lo, hi) of W against a's n rows (interleaved: lo and hi multiples of 16, whole groups;
+ * the threads' chunks are, split_chunk). */
+static void act_rows(int fmt, const act_t *a, int n, const uint8_t *w, const uint16_t *h,
+                     float *y, long out, long lo, long hi, int digits) {
+    if (fmt == (Q8_0 | ROWS16))
+        r16_range_Q8_0(a, n, w, y, out, lo / 16, hi / 16, digits);
+    else if (fmt == (Q4_0 | ROWS16))
+        r16_range_Q4_0(a, n, w, y, out, lo / 16, hi / 16, digits);
+    else if (fmt == (Q4_1 | ROWS16))
+        r16_range_Q4_1(a, n, w, y, out, lo / 16, hi / 16, digits);
+    else if (fmt == Q8_0)
+        qi8_range_Q8_0(a, n, w, h, y, out, lo, hi, digits);
+    else if (fmt == Q4_0)
+        qi8_range_Q4_0(a, n, w, h, y, out, lo, hi, digits);
+    else
+        qi8_range_Q4_1(a, n, w, h, y, out, lo, hi, digits);
+}
+
 #else
 /* ---- int8 activations without VNNI: AVX2 (GEMV_I8_ISA 1) and portable C (0) ----------------
  *
@@ -1208,39 +1223,55 @@ R16_RANGE(Q4_0)
 R16_RANGE(Q4_1)
 #endif
 
-/* One chunk of at most GEMV_I8_MAX_ROWS rows (the headers h are the VNNI path's: unused). */
-static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
-                     long out, long nb, float *y, int threads, int digits) {
-    (void)h;
-    x16_t a = {.nb = nb};
-    /* c, dx, sx, then (read on AVX2 only) the digit planes q1, q2 */
-    void *buf = malloc((size_t)n * nb * (32 * (sizeof(int16_t) + 2) + 2 * sizeof(float)));
-    if (buf == NULL) return -1;
-    a.c = (int16_t *)buf;
-    a.dx = (float *)(a.c + (size_t)n * nb * 32);
-    a.sx = a.dx + n * nb;
-    a.q1 = (int8_t *)(a.sx + n * nb);
-    a.q2 = a.q1 + (size_t)n * nb * 32;
+/* A product's activations in the int16 kernels' form (quantize_x16), in one buffer (*buf, for
+ * free): c, dx, sx, then (read on AVX2 only) the digit planes q1, q2. 0, or -1 (no memory). */
+typedef x16_t act_t;
+static int act_make(int fmt, const float *x, int n, long nb, int digits, act_t *a, void **buf) {
+    *a = (x16_t){.nb = nb};
+    *buf = malloc((size_t)n * nb * (32 * (sizeof(int16_t) + 2) + 2 * sizeof(float)));
+    if (*buf == NULL) return -1;
+    a->c = (int16_t *)*buf;
+    a->dx = (float *)(a->c + (size_t)n * nb * 32);
+    a->sx = a->dx + n * nb;
+    a->q1 = (int8_t *)(a->sx + n * nb);
+    a->q2 = a->q1 + (size_t)n * nb * 32;
     /* planes: q4_row's and the interleaved rows' */
-    quantize_x16(x, n, &a, digits, GEMV_I8_ISA == 1 && (fmt & ~ROWS16) != Q8_0);
-#if GEMV_I8_ISA == 1
-    if (fmt == (Q4_0 | ROWS16))
-        SPLIT(r16_range_Q4_0(&a, n, w, y, out, lo / 16, hi / 16));
-    else if (fmt == (Q4_1 | ROWS16))
-        SPLIT(r16_range_Q4_1(&a, n, w, y, out, lo / 16, hi / 16));
-    else
-#endif
-    if (fmt == Q8_0)
-        SPLIT(i16_range_Q8_0(&a, n, w, y, out, lo, hi));
-    else if (fmt == Q4_0)
-        SPLIT(i16_range_Q4_0(&a, n, w, y, out, lo, hi));
-    else
-        SPLIT(i16_range_Q4_1(&a, n, w, y, out, lo, hi));
-    free(buf);
+    quantize_x16(x, n, a, digits, GEMV_I8_ISA == 1 && (fmt & ~ROWS16) != Q8_0);
     return 0;
 }
 
+/* Rows [lo, hi) of W against a's n rows (the headers h are the VNNI path's: unused; digits are
+ * in the codes). */
+static void act_rows(int fmt, const act_t *a, int n, const uint8_t *w, const uint16_t *h,
+                     float *y, long out, long lo, long hi, int digits) {
+    (void)h, (void)digits;
+#if GEMV_I8_ISA == 1
+    if (fmt == (Q4_0 | ROWS16))
+        r16_range_Q4_0(a, n, w, y, out, lo / 16, hi / 16);
+    else if (fmt == (Q4_1 | ROWS16))
+        r16_range_Q4_1(a, n, w, y, out, lo / 16, hi / 16);
+    else
 #endif
+    if (fmt == Q8_0)
+        i16_range_Q8_0(a, n, w, y, out, lo, hi);
+    else if (fmt == Q4_0)
+        i16_range_Q4_0(a, n, w, y, out, lo, hi);
+    else
+        i16_range_Q4_1(a, n, w, y, out, lo, hi);
+}
+#endif
+
+/* One chunk of at most GEMV_I8_MAX_ROWS rows (h: the VNNI path's headers), x rounded to `digits`
+ * int8 codes per element first (once per chunk, before the threads split the rows). */
+static int qi8_chunk(int fmt, const float *x, int n, const uint8_t *w, const uint16_t *h,
+                     long out, long nb, float *y, int threads, int digits) {
+    act_t a;
+    void *buf;
+    if (act_make(fmt, x, n, nb, digits, &a, &buf)) return -1;
+    SPLIT(act_rows(fmt, &a, n, w, h, y, out, lo, hi, digits));
+    free(buf);
+    return 0;
+}
 
 /* As gemv_q for any number of rows (h: the VNNI path's headers, built by engine/gemv.py; the
  * other paths ignore them; none for `fmt | ROWS16`, the interleaved rows, which the VNNI path
@@ -1569,12 +1600,7 @@ int gemv_k(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, 
     }
     float *xs = malloc(sizeof(float) * (size_t)n * nb * 8); /* x summed per sub-block of 32 */
     if (xs == NULL) return -1;
-    for (long i = 0; i < n * nb * 8; i++) {
-        float t[8] = {0};
-        for (int k = 0; k < 32; k += 8)
-            for (int u = 0; u < 8; u++) t[u] += x[i * 32 + k + u];
-        xs[i] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-    }
+    sums32(x, n * nb * 8, xs);
     SPLIT(q4k_range(x, xs, n, w, nb, y, out, lo, hi));
     free(xs);
     return 0;
@@ -1622,31 +1648,35 @@ static void dequant_row(const int fmt, const uint8_t *restrict p, const long nb,
     }
 }
 
+/* Row r (0..15) of 16 interleaved rows (one group, ROWS16) -> y [nb * 32]. */
+static void dequant_r16_row(const int fmt, const uint8_t *restrict g, const long nb, const int r,
+                            float *restrict y) {
+    const long bs = block_bytes(fmt), codes = fmt == Q8_0 ? 512 : 256;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *o = g + b * 16 * bs;
+        const float d = half(o + codes + 2 * r);
+        const float m = fmt == Q4_1 ? half(o + codes + 32 + 2 * r) : 0.0f;
+        float *yr = y + b * 32;
+        for (int c = 0; c < codes / 64; c++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t q = o[c * 64 + r * 4 + i];
+                if (fmt == Q8_0) {
+                    yr[4 * c + i] = d * (float)(int8_t)(q ^ 0x80);
+                } else if (fmt == Q4_0) { /* as dequant_row: d (q - 8) */
+                    yr[4 * c + i] = d * (float)((q & 0xF) - 8);
+                    yr[16 + 4 * c + i] = d * (float)((q >> 4) - 8);
+                } else {
+                    yr[4 * c + i] = d * (float)(q & 0xF) + m;
+                    yr[16 + 4 * c + i] = d * (float)(q >> 4) + m;
+                }
+            }
+    }
+}
+
 /* 16 interleaved rows (one group, ROWS16) -> y [16, nb * 32]. */
 static void dequant_group16(const int fmt, const uint8_t *restrict g, const long nb,
                             float *restrict y) {
-    const long bs = block_bytes(fmt), codes = fmt == Q8_0 ? 512 : 256, in = nb * 32;
-    for (long b = 0; b < nb; b++) {
-        const uint8_t *o = g + b * 16 * bs;
-        for (int r = 0; r < 16; r++) {
-            const float d = half(o + codes + 2 * r);
-            const float m = fmt == Q4_1 ? half(o + codes + 32 + 2 * r) : 0.0f;
-            float *yr = y + r * in + b * 32;
-            for (int c = 0; c < codes / 64; c++)
-                for (int i = 0; i < 4; i++) {
-                    const uint8_t q = o[c * 64 + r * 4 + i];
-                    if (fmt == Q8_0) {
-                        yr[4 * c + i] = d * (float)(int8_t)(q ^ 0x80);
-                    } else if (fmt == Q4_0) { /* as dequant_row: d (q - 8) */
-                        yr[4 * c + i] = d * (float)((q & 0xF) - 8);
-                        yr[16 + 4 * c + i] = d * (float)((q >> 4) - 8);
-                    } else {
-                        yr[4 * c + i] = d * (float)(q & 0xF) + m;
-                        yr[16 + 4 * c + i] = d * (float)(q >> 4) + m;
-                    }
-                }
-        }
-    }
+    for (int r = 0; r < 16; r++) dequant_r16_row(fmt, g, nb, r, y + r * nb * 32);
 }
 
 int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int threads) {
@@ -1663,6 +1693,27 @@ int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int th
     const long row = nb * (k ? k_block_bytes(fmt) : block_bytes(fmt)), in = nb * (k ? 256 : 32);
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * in >= 65536)
     for (long r = 0; r < rows; r++) dequant_row(fmt, w + r * row, nb, y + r * in);
+    return 0;
+}
+
+/* Rows index[0 .. n) of a weight of `rows` rows, decoded as dequant_rows decodes them: y [n,
+ * nb * 32 (K-quants: nb * 256)]. A tied embedding's lookup: one call for a step's tokens, which
+ * reads only their rows (interleaved: 1/16 of each of their groups). 0, or -1 (a bad format, or
+ * an index outside [0, rows)). */
+int dequant_index(int fmt, const uint8_t *w, long rows, long nb, const int64_t *index, int n,
+                  float *y) {
+    const int f = fmt & ~ROWS16, k = f == Q4_K || f == Q6_K;
+    if (f < Q8_0 || f > Q6_K || nb < 1 || n < 0 || ((fmt & ROWS16) && (k || rows % 16)))
+        return -1;
+    for (int i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= rows) return -1;
+    const long row = nb * (k ? k_block_bytes(f) : block_bytes(f)), in = nb * (k ? 256 : 32);
+    for (int i = 0; i < n; i++) {
+        if (fmt & ROWS16)
+            dequant_r16_row(f, w + index[i] / 16 * 16 * row, nb, (int)(index[i] % 16), y + i * in);
+        else
+            dequant_row(f, w + index[i] * row, nb, y + i * in);
+    }
     return 0;
 }
 
@@ -1732,24 +1783,22 @@ static void rms_rows(const float *x, int n, long dim, const float *w, float eps,
     }
 }
 
-/* x [n, hidden] -> q [n, hq, d] and k [n, hkv, d], rotated by each row's position (rotate-half:
- * x cos + roll(x, d/2) sin_signed), and v [n, hkv, d]. Returns 0, or -1 (a size the layer does
- * not have, too many rows for a kernel, no memory): the caller then takes the ops path. */
-int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float *q, float *k,
-              float *v, int threads) {
-    const int d = L->d, hq = L->hq, hkv = L->hkv, half_d = L->d / 2;
-    const long hidden = L->hidden, width = (long)(hq + 2 * hkv) * d;
-    if (n < 1 || L->qkv.in != hidden || L->qkv.out != width || d % 2) return -1;
+/* Whether layer_qkv takes n rows at positions pos (the sizes, and every position in the RoPE
+ * tables). */
+static int qkv_fits(const layer_t *L, int n, const int64_t *pos) {
+    if (L->qkv.in != L->hidden || L->qkv.out != (long)(L->hq + 2 * L->hkv) * L->d || L->d % 2)
+        return 0;
     for (int i = 0; i < n; i++)
-        if (pos[i] < 0 || pos[i] >= L->context) return -1;
-    float *h = malloc(sizeof(float) * n * (hidden + width));
-    if (h == NULL) return -1;
-    float *t = h + n * hidden;
-    rms_rows(x, n, hidden, L->attn_norm, L->eps, h);
-    if (lin_apply(&L->qkv, h, n, t, threads)) {
-        free(h);
-        return -1;
-    }
+        if (pos[i] < 0 || pos[i] >= L->context) return 0;
+    return 1;
+}
+
+/* t [n, (hq + 2 hkv) d] (the QKV product) -> q [n, hq, d] and k [n, hkv, d], rotated by each
+ * row's position (rotate-half: x cos + roll(x, d/2) sin_signed), and v [n, hkv, d]. */
+static void rope_rows(const layer_t *L, const float *t, int n, const int64_t *pos, float *q,
+                      float *k, float *v) {
+    const int d = L->d, hq = L->hq, hkv = L->hkv, half_d = L->d / 2;
+    const long width = (long)(hq + 2 * hkv) * d;
     for (int i = 0; i < n; i++) {
         const float *c = L->cos + pos[i] * d, *s = L->sin_signed + pos[i] * d;
         for (int head = 0; head < hq + hkv; head++) {
@@ -1764,8 +1813,46 @@ int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float
         memcpy(v + (long)i * hkv * d, t + i * width + (long)(hq + hkv) * d,
                sizeof(float) * hkv * d);
     }
+}
+
+/* x [n, hidden] -> q [n, hq, d] and k [n, hkv, d], rotated by each row's position (rope_rows),
+ * and v [n, hkv, d]. Returns 0, or -1 (a size the layer does
+ * not have, too many rows for a kernel, no memory): the caller then takes the ops path. */
+int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float *q, float *k,
+              float *v, int threads) {
+    const long hidden = L->hidden, width = L->qkv.out;
+    if (n < 1 || !qkv_fits(L, n, pos)) return -1;
+    float *h = malloc(sizeof(float) * n * (hidden + width));
+    if (h == NULL) return -1;
+    float *t = h + n * hidden;
+    rms_rows(x, n, hidden, L->attn_norm, L->eps, h);
+    if (lin_apply(&L->qkv, h, n, t, threads)) {
+        free(h);
+        return -1;
+    }
+    rope_rows(L, t, n, pos, q, k, v);
     free(h);
     return 0;
+}
+
+/* Whether layer_out's sizes agree. */
+static int out_fits(const layer_t *L) {
+    const long hidden = L->hidden, ffn = L->ffn;
+    return L->wo.out == hidden && L->wo.in == (long)L->hq * L->d && L->gu.in == hidden &&
+           L->gu.out == 2 * ffn && L->down.in == ffn && L->down.out == hidden;
+}
+
+/* a[e] = silu(gate) * up for the elements e in [lo, hi) of a [n, ffn], g [n, 2 ffn] holding each
+ * row's gate, then its up. libm's expf, not a vectorized polynomial: one measured 1-2% faster,
+ * but its last bits moved int8 codes of the down projection's input and with them the decode
+ * PPL by 0.012% on AVX2 (tests/test_fused.py's limit: 0.01%). */
+static void silu_rows(const float *g, int n, long ffn, float *a, long lo, long hi) {
+    (void)n;
+    for (long e = lo; e < hi; e++) {
+        const long i = e / ffn, j = e % ffn;
+        const float z = g[i * 2 * ffn + j];
+        a[e] = z / (1.0f + expf(-z)) * g[i * 2 * ffn + ffn + j];
+    }
 }
 
 /* out [n, hidden] = x1 + down(silu(gate) * up), where x1 = x + wo(attn [n, hq d]) and gate, up
@@ -1773,9 +1860,7 @@ int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float
 int layer_out(const layer_t *L, const float *x, const float *attn, int n, float *out,
               int threads) {
     const long hidden = L->hidden, ffn = L->ffn;
-    if (n < 1 || L->wo.out != hidden || L->wo.in != (long)L->hq * L->d || L->gu.in != hidden ||
-        L->gu.out != 2 * ffn || L->down.in != ffn || L->down.out != hidden)
-        return -1;
+    if (n < 1 || !out_fits(L)) return -1;
     float *h = malloc(sizeof(float) * n * (2 * hidden + 3 * ffn));
     if (h == NULL) return -1;
     float *t = h + n * hidden, *g = t + n * hidden, *a = g + n * 2 * ffn;
@@ -1786,14 +1871,7 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
         rc = lin_apply(&L->gu, h, n, g, threads);
     }
     if (rc == 0) {
-        /* libm's expf, not a vectorized polynomial: one measured 1-2% faster, but its last
-         * bits moved int8 codes of the down projection's input and with them the decode PPL
-         * by 0.012% on AVX2 (tests/test_fused.py's limit: 0.01%) */
-        for (int i = 0; i < n; i++)
-            for (long j = 0; j < ffn; j++) {
-                const float z = g[i * 2 * ffn + j];
-                a[i * ffn + j] = z / (1.0f + expf(-z)) * g[i * 2 * ffn + ffn + j];
-            }
+        silu_rows(g, n, ffn, a, 0, n * ffn);
         rc = lin_apply(&L->down, a, n, t, threads);
     }
     if (rc == 0)
@@ -1801,6 +1879,124 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
     free(h);
     return rc;
 }
+
+/* ---- one product shared by a team of threads ---------------------------------------------------
+ *
+ * Why: SPLIT forks and joins the threads for every product, five times a layer with attention,
+ * about 150 times a SmolLM2 decode step, and between them the other thread waits while the
+ * caller's thread alone does the norms, RoPE and SiLU. At batch 1 on Q4_1 weights (Intel Xeon,
+ * 2 threads) the second thread stood idle 43% of the step, and the caller waited in OpenMP's
+ * joins 11% of it. decode_layers runs one parallel region per layer instead (attention, with
+ * its own threads, between them); inside it a product is split in two: its activations in
+ * the kernel's form, which each thread makes for itself (prod_make: a few KB, no barrier), and
+ * its rows, which the threads take chunk by chunk from a shared counter (SPLIT's chunks, so a
+ * thread that runs slower takes fewer) before one barrier (0.27 us here against a fork and join's
+ * 1.4). Each row is computed by the same code as the entry point's: the same bits. Measured
+ * (benchmarks/kernel_ab.py, the same 4 chunks a thread forked per product as A): 0.97-0.99x
+ * the step; the second thread's idle share fell from 43% to 33%, the rest of it is the Python
+ * and attention between regions. */
+typedef struct {
+    const lin_t *l;
+    const float *x;
+    int n;
+    float *y;
+    act_t a; /* kind 2 */
+    float *xs; /* kind 1 at Q4_1, kind 3 at Q4_K: sums of x per 32 elements */
+    void *buf;
+} prod_t;
+
+/* Whether a layer call multiplies l by n rows (lin_apply's refusals, before any work). */
+static int lin_fits(const lin_t *l, int n) {
+    if (l->kind == 0) return n <= GEMV_MAX_ROWS;
+    if (l->kind == 3) return l->in % 256 == 0 && (l->fmt == Q4_K || l->fmt == Q6_K);
+    if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS || (l->fmt & ~ROWS16) > Q4_1) return 0;
+    if (l->kind == 1) return n <= GEMV_MAX_ROWS && !(l->fmt & ROWS16);
+    if (l->kind != 2) return 0;
+    if (l->fmt & ROWS16) /* as gemv_qi8 */
+        return l->out % 16 == 0 && GEMV_I8_ISA != 0 && !(GEMV_I8_ISA == 1 && l->fmt == (Q8_0 | ROWS16));
+    return 1;
+}
+
+/* p: the product of l by x [n, l->in] into y [n, l->out], its activations made (kind 2: at most
+ * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */
+static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y) {
+    *p = (prod_t){.l = l, .x = x, .n = n, .y = y};
+    if (l->kind == 2) return act_make(l->fmt, x, n, l->in / 32, 2, &p->a, &p->buf);
+    const long runs = (long)n * (l->in / 32);
+    if ((l->kind == 1 && l->fmt == Q4_1) || (l->kind == 3 && l->fmt == Q4_K && GEMV_ISA >= 1)) {
+        p->buf = p->xs = malloc(sizeof(float) * runs);
+        if (p->xs == NULL) return -1;
+        sums32(x, runs, p->xs);
+    }
+    return 0;
+}
+
+/* Rows [lo, hi) of p's product (multiples of 16 but for the last: whole interleaved groups). */
+static void prod_rows(const prod_t *p, long lo, long hi) {
+    const lin_t *l = p->l;
+    const int n = p->n;
+    const long out = l->out;
+    const uint8_t *w = (const uint8_t *)l->w;
+    if (l->kind == 0) {
+        f32_range(p->x, n, (const float *)l->w, l->in, p->y, out, lo, hi);
+    } else if (l->kind == 2) {
+        act_rows(l->fmt, &p->a, n, w, l->h, p->y, out, lo, hi, 2);
+    } else if (l->kind == 1) {
+        const long nb = l->in / 32;
+        if (l->fmt == Q8_0)
+            q_range_Q8_0(p->x, p->xs, n, w, nb, p->y, out, lo, hi);
+        else if (l->fmt == Q4_0)
+            q_range_Q4_0(p->x, p->xs, n, w, nb, p->y, out, lo, hi);
+        else
+            q_range_Q4_1(p->x, p->xs, n, w, nb, p->y, out, lo, hi);
+    } else {
+        const long nb = l->in / 256;
+#if GEMV_ISA >= 1
+        if (l->fmt == Q6_K)
+            q6k_range(p->x, n, w, nb, p->y, out, lo, hi);
+        else
+            q4k_range(p->x, p->xs, n, w, nb, p->y, out, lo, hi);
+#else
+        k_range(l->fmt, p->x, n, w, nb, p->y, out, lo, hi);
+#endif
+    }
+}
+
+/* A team: the threads of one parallel region, each calling the same team_* functions in the
+ * same order. `ctr` are the shared chunk counters (zero at the region's start; each product
+ * takes the next, every thread counting them alike in `next`), `failed` is set when a thread
+ * could not make a product's activations (the call's result is then thrown away). */
+typedef struct {
+    atomic_long *ctr;
+    int next, threads;
+    atomic_int *failed;
+} team_t;
+
+/* y [n, l->out] = x [n, l->in] l^T by the whole team: every thread makes the activations, then
+ * takes chunks of rows until none is left; whole when it returns (one barrier per chunk of
+ * GEMV_I8_MAX_ROWS x rows at kind 2, as gemv_qi8 goes). */
+static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y) {
+    const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n;
+    const long out = l->out, chunk = split_chunk(out, tm->threads);
+    const long chunks = (out + chunk - 1) / chunk;
+    for (int r0 = 0; r0 < n; r0 += step) {
+        const int m = n - r0 < step ? n - r0 : step;
+        atomic_long *ctr = tm->ctr + tm->next++;
+        prod_t p;
+        if (prod_make(&p, l, x + (long)r0 * l->in, m, y + (long)r0 * out) == 0) {
+            for (long c; (c = atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) < chunks;)
+                prod_rows(&p, c * chunk, c * chunk + chunk < out ? c * chunk + chunk : out);
+            free(p.buf);
+        } else {
+            atomic_store(tm->failed, 1);
+        }
+#pragma omp barrier
+    }
+}
+
+/* The chunk counters a decode step's region uses at most: four products per layer part, each
+ * in chunks of GEMV_I8_MAX_ROWS rows. */
+INLINE long team_counters(int n) { return 4L * ((n + GEMV_I8_MAX_ROWS - 1) / GEMV_I8_MAX_ROWS); }
 
 /* ---- a whole decode step: every layer in one call --------------------------------------------
  *
@@ -1884,34 +2080,79 @@ double decode_choose_seconds(void) { return choose_seconds; }
 double decode_attend_seconds(void) { return attend_seconds; }
 int choice_size(void) { return (int)sizeof(choice_t); }
 
-/* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer call
- * refused, the attention refused, no memory): the caller then runs the step layer by layer,
- * which rewrites every slot this call may have written (the same values). */
+/* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer's sizes
+ * or kernels refused, the attention refused, no memory): the caller then runs the step layer by
+ * layer, which rewrites every slot this call may have written (the same values).
+ *
+ * The dense work runs as one parallel region per layer (team_product): region r holds layer
+ * r - 1's output projection, norm and MLP and layer r's norm and QKV projection; between two
+ * regions the calling thread applies RoPE, writes the keys and values, and runs the choice and
+ * attention (each with its own threads). Every thread keeps its own copy of the hidden state
+ * and computes the norms and residual adds itself (a few KB: cheaper than a barrier); SiLU is
+ * split between them. The same operations on the same numbers as layer_qkv and layer_out. */
 int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
                   const float *x, int n, const int64_t *pos, float *out, int threads) {
     if (nlayers < 1 || n < 1 || kv->nseq < 1 || kv->rows[kv->nseq] != n) return -1;
     if (kv->own == NULL && (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES)) return -1;
     const layer_t *L0 = layers[0];
     const int hq = L0->hq, hkv = L0->hkv, d = L0->d;
-    const long hidden = L0->hidden;
-    float *buf = malloc(sizeof(float) * ((size_t)n * (2 * hq + 2 * hkv) * d + 2 * n * hidden));
-    if (buf == NULL) return -1;
-    float *q = buf, *k = q + (long)n * hq * d, *v = k + (long)n * hkv * d;
-    float *attn = v + (long)n * hkv * d, *a = attn + (long)n * hq * d, *b = a + n * hidden;
-    memcpy(a, x, sizeof(float) * n * hidden);
-    int rc = 0;
+    const long hidden = L0->hidden, width = (long)(hq + 2 * hkv) * d;
+    long ffn = 0;
+    for (int li = 0; li < nlayers; li++) {
+        const layer_t *L = layers[li];
+        if (L->hq != hq || L->hkv != hkv || L->d != d || L->hidden != hidden ||
+            !qkv_fits(L, n, pos) || !out_fits(L) || !lin_fits(&L->qkv, n) ||
+            !lin_fits(&L->wo, n) || !lin_fits(&L->gu, n) || !lin_fits(&L->down, n))
+            return -1;
+        ffn = L->ffn > ffn ? L->ffn : ffn;
+    }
+    if (threads < 1) threads = 1;
     const int nseq = kv->nseq;
+    const long ncount = team_counters(n);
+    /* shared: q, k, v, attn, the QKV product, the output and down products, gate|up, SiLU's
+     * product, the hidden state between regions; then each thread's hidden state and norm */
+    const size_t shared = (size_t)n * (2 * hq * d + 2 * hkv * d + width + 3 * hidden + 3 * ffn);
+    float *buf = malloc(sizeof(float) * (shared + (size_t)threads * 2 * n * hidden));
+    atomic_long *ctr = malloc(sizeof(atomic_long) * ncount);
     const int64_t **chosen = malloc(sizeof(int64_t *) * nseq);
     int64_t *nchosen = malloc(sizeof(int64_t) * nseq);
-    if (chosen == NULL || nchosen == NULL) rc = -1;
-    for (int li = 0; li < nlayers && rc == 0; li++) {
-        const layer_t *L = layers[li];
-        if (L->hq != hq || L->hkv != hkv || L->d != d || L->hidden != hidden) {
-            rc = -1;
-            break;
+    int rc = buf == NULL || ctr == NULL || chosen == NULL || nchosen == NULL ? -1 : 0;
+    float *q = buf, *k = q + (long)n * hq * d, *v = k + (long)n * hkv * d;
+    float *attn = v + (long)n * hkv * d, *tqkv = attn + (long)n * hq * d;
+    float *two = tqkv + n * width, *tdown = two + n * hidden, *g = tdown + n * hidden;
+    float *act = g + n * 2 * ffn, *a = act + n * ffn, *priv = a + n * hidden;
+    if (rc == 0) memcpy(a, x, sizeof(float) * n * hidden);
+    atomic_int failed = 0;
+    for (int r = 0; r <= nlayers && rc == 0; r++) {
+        const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
+        for (long c = 0; c < ncount; c++) atomic_init(&ctr[c], 0);
+#pragma omp parallel num_threads(threads)
+        {
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            team_t tm = {.ctr = ctr, .next = 0, .threads = nt, .failed = &failed};
+            float *hid = priv + (long)tid * 2 * n * hidden, *h = hid + n * hidden;
+            memcpy(hid, a, sizeof(float) * n * hidden);
+            if (P != NULL) { /* layer r - 1 after its attention: layer_out */
+                team_product(&tm, &P->wo, attn, n, two);
+                for (long j = 0; j < n * hidden; j++) hid[j] += two[j];
+                rms_rows(hid, n, hidden, P->ffn_norm, P->eps, h);
+                team_product(&tm, &P->gu, h, n, g);
+                const long all = n * P->ffn;
+                silu_rows(g, n, P->ffn, act, all * tid / nt, all * (tid + 1) / nt);
+#pragma omp barrier
+                team_product(&tm, &P->down, act, n, tdown);
+                for (long j = 0; j < n * hidden; j++) hid[j] += tdown[j];
+            }
+            if (L != NULL) { /* layer r up to its attention: layer_qkv before RoPE */
+                rms_rows(hid, n, hidden, L->attn_norm, L->eps, h);
+                team_product(&tm, &L->qkv, h, n, tqkv);
+            }
+            if (tid == 0) memcpy(a, hid, sizeof(float) * n * hidden);
         }
-        rc = layer_qkv(L, a, n, pos, q, k, v, threads);
-        if (rc) break;
+        if (atomic_load(&failed)) rc = -1;
+        if (rc || L == NULL) break;
+        const int li = r;
+        rope_rows(L, tqkv, n, pos, q, k, v);
         /* Each sequence's blocks this layer: its choice (a plan, from `first` on), else all. */
         const choice_t *c = kv->choice;
         for (int s = 0; s < nseq && rc == 0; s++) {
@@ -1934,9 +2175,6 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
         if (kv->own != NULL) {
             rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
             attend_seconds += omp_get_wtime() - t0;
-            if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
-            float *swap = a;
-            a = b, b = swap;
             continue;
         }
         float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
@@ -1949,9 +2187,9 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             }
         int64_t bases[MAX_PLACES], slots[MAX_PLACES];
         bases[0] = (int64_t)(intptr_t)arena, slots[0] = kv->slots;
-        for (int g = 0; g < kv->nplaces; g++) {
-            const int64_t *p = kv->places + 3 * g;
-            bases[g + 1] = p[0] + li * p[1], slots[g + 1] = p[2];
+        for (int gi = 0; gi < kv->nplaces; gi++) {
+            const int64_t *pl = kv->places + 3 * gi;
+            bases[gi + 1] = pl[0] + li * pl[1], slots[gi + 1] = pl[2];
         }
         for (int s = 0; s < nseq && rc == 0; s++) {
             const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
@@ -1964,13 +2202,11 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
                             kv->scale, attn + r0 * hq * d, threads);
         }
         attend_seconds += omp_get_wtime() - t0;
-        if (rc == 0) rc = layer_out(L, a, attn, n, b, threads);
-        float *swap = a;
-        a = b, b = swap;
     }
+    if (rc == 0) memcpy(out, a, sizeof(float) * n * hidden);
     free(chosen);
     free(nchosen);
-    if (rc == 0) memcpy(out, a, sizeof(float) * n * hidden);
+    free(ctr);
     free(buf);
     return rc ? -1 : 0;
 }

@@ -69,6 +69,8 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_k.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [i, p, lng, lng, p, i]
     lib.dequant_rows.restype = ctypes.c_int
+    lib.dequant_index.argtypes = [i, p, lng, lng, p, i, p]
+    lib.dequant_index.restype = ctypes.c_int
     if lib.layer_struct_size() != ctypes.sizeof(Layer):
         _state["error"] = "gemv.c's layer_t and unikv/kernels/gemv.py's Layer disagree (rebuild)"
         return None
@@ -165,6 +167,25 @@ def dequantize(blocks: torch.Tensor, qtype: str, rows16: bool = False) -> torch.
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"dequant_rows: {qtype} is not a format it reads")
+    return y
+
+
+def dequantize_index(
+    blocks: torch.Tensor, qtype: str, index: torch.Tensor, rows16: bool = False
+) -> torch.Tensor:
+    """Rows `index` (int64 [N]) of packed rows as `dequantize` decodes them, reading only those
+    rows (an embedding's lookup): -> float32 [N, nb x 32 or 256]."""
+    rows, nb, _ = blocks.shape
+    per = 256 if qtype in ("Q4_K", "Q6_K") else 32
+    index = index.to(torch.int64).contiguous()
+    y = torch.empty((index.numel(), nb * per), dtype=torch.float32)
+    rc = _state["lib"].dequant_index(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype] | (ROWS16 if rows16 else 0), blocks.data_ptr(), rows, nb,
+        index.data_ptr(), index.numel(), y.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise IndexError(f"dequant_index: an index outside [0, {rows}) or a format it does "
+                         f"not read ({qtype}{', interleaved' if rows16 else ''})")  # fmt: skip
     return y
 
 

@@ -73,6 +73,7 @@ class DenseFormat(Format):
         self._layer_bytes = arena.stride(0) * arena.element_size()
         self._native = self._in_place and all(a.is_contiguous() for a in self._layers)
         self._place_cache: dict[int, tuple[int, int, int] | None] = {}  # `_place`, per arena
+        self._every_cache: dict[int, torch.Tensor] = {}  # `_all_blocks`, per count
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -87,12 +88,9 @@ class DenseFormat(Format):
         # (BENCHMARKS.md, "Decode attention in one C call")
         self._every: list[torch.Tensor] | None = None
         if self._in_place and self._cpu and max(batch.query_lens) <= DECODE_ROWS:
-            h = self.spec.num_kv_heads
-            self._every = [torch.arange(-(-(p + n) // bs)).expand(h, -1).contiguous()
-                           for _, p, n in seqs]  # fmt: skip
+            self._every = [self._all_blocks(-(-(p + n) // bs)) for _, p, n in seqs]
+        self._seqs, self._runs = seqs, None  # (`_kv_pieces` makes the runs when it reads them)
         if step.groups is None:
-            # Each sequence's tokens as runs of consecutive slots: attention reads them in place.
-            self._runs = [pool.slot_runs(sid, p + n) for sid, p, n in seqs]
             return
         # Tiered: per sequence its pieces in token order, (tier, runs) read in place or
         # ("staged", index) filled by the prefetcher.
@@ -106,6 +104,17 @@ class DenseFormat(Format):
             s, e = runs[-1]
             runs[-1] = (s, e - (-(-total // bs) * bs - total))
             self._pieces.append(pieces)
+
+    def _all_blocks(self, count: int) -> torch.Tensor:
+        """Block positions 0 .. count - 1 for every KV head, int64 [Hkv, count] (every block,
+        as a decode step reads them): made once per count and kept (read only)."""
+        got = self._every_cache.get(count)
+        if got is None:
+            if len(self._every_cache) > 4096:
+                self._every_cache.clear()
+            h = self.spec.num_kv_heads
+            got = self._every_cache[count] = torch.arange(count).expand(h, -1).contiguous()
+        return got
 
     def native_step(self, step: Step) -> NativeStep | None:
         # A decode step of a float32 cache whose C attention serves: every layer's arena is one
@@ -172,6 +181,9 @@ class DenseFormat(Format):
         into the arenas (and, tiered, the prefetched staged tensors)."""
         step = self.step
         if step.groups is None:
+            if self._runs is None:
+                # Each sequence's tokens as runs of consecutive slots: read in place.
+                self._runs = [self.pool.slot_runs(sid, p + n) for sid, p, n in self._seqs]
             a = self._layers[layer]
             out = []
             for runs in self._runs:

@@ -224,6 +224,11 @@ class UnifiedMemoryPool:
         refs = table.refs[first:last]
         if any(r.tier != TierKind.DEVICE for r in refs):
             raise RuntimeError(f"sequence {seq!r} has blocks off the device tier; swap it in first")
+        if end - start <= bs:  # a decode step's few tokens: one tensor made from ints
+            return torch.tensor(
+                [refs[t // bs - first].block_id * bs + t % bs for t in range(start, end)],
+                dtype=torch.long, device=self.device,
+            )  # fmt: skip
         ids = torch.tensor([r.block_id for r in refs], dtype=torch.long)
         slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
         return slots[start - first * bs : end - first * bs].to(self.device)

@@ -72,11 +72,14 @@ C_KERNEL = "unikv/kernels/gemv.py("
 # ... and the attention C kernel (unikv/kernels/sparse.c: a decode step's whole-cache attention)
 ATTENTION_KERNEL = "unikv/kernels/sparse.py("
 LAYER_CALLS = (": layer_qkv", ": layer_out")  # ... and gemv.c's whole-layer calls (engine/fused.py)
-# ... and its whole-step call (every layer, the KV writes and sparse.c's attention inside it)
+# ... and its every-layer call (the KV writes and sparse.c's attention inside it)
 STEP_CALL = ": decode_layers"
+# ... and its whole-step call (model.step: the embedding, every layer and the output layer)
+WHOLE_CALL = ": decode_step"
 # The parts whose calls read the weights (the whole-step call's time includes its attention: at
 # a short context a few percent of it)
-WEIGHT_PARTS = ("matmul", "layer (gemv.c)", "layers + attention (gemv.c)")
+WEIGHT_PARTS = ("matmul", "layer (gemv.c)", "layers + attention (gemv.c)",
+                "step: layers + attention + output (gemv.c)")  # fmt: skip
 
 
 def part_of(event) -> str:
@@ -211,6 +214,11 @@ def main() -> None:
             # is its Python caller's self time
             part = "layer (gemv.c)" if e.name.endswith(LAYER_CALLS) else "matmul"
             part = "layers + attention (gemv.c)" if e.name.endswith(STEP_CALL) else part
+            part = (
+                "step: layers + attention + output (gemv.c)"
+                if e.name.endswith(WHOLE_CALL)
+                else part
+            )
             spent[part] += t
             ops[f"gemv.c {part} (ctypes)"] += t
             continue

@@ -177,6 +177,75 @@ def layers_native(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.
     return layers_python(model, x, positions, kv) if got is None else got
 
 
+def step_python(model, tokens: torch.Tensor, positions: torch.Tensor, kv,
+                rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """A step's logits the model's way: the tokens' embedding rows, `model.layers` (whichever
+    entry serves it), the final norm and the output layer of `rows` (None: every row)."""
+    x = model._stack(model, model.embed.rows(tokens), positions, kv)
+    x = x if rows is None else x[rows]
+    return model.lm_head(model._rms(x, model.norm, model.cfg.rms_norm_eps))
+
+
+def step_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv,
+                rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The whole step in one call into gemv.c (`decode_step`: the embedding lookup, every
+    layer as `layers_native` runs them, the final norm and the output layer in the last of its
+    parallel regions) where `model.layers` would take its native call and the output layer has
+    a native description; else `step_python`, in the same call."""
+    n = tokens.shape[0]
+    m = n if rows is None else rows.shape[0]
+    stack = model._stack
+    native = getattr(stack, "active", None) is not None and stack.active.name == "native"
+    desc = _step_desc(model, m) if native and positions.dtype == torch.int64 else None
+    plan = kv.native_step() if desc is not None else None
+    layers = None if plan is None else _stack_array(model, n)
+    got = None
+    if layers is not None:
+        step, embeds = desc
+        x = None if embeds else model.embed.rows(tokens).contiguous()
+        rows = torch.arange(n) if rows is None else rows.to(torch.int64).contiguous()
+        got = gemv.decode_step(layers, _kv_step(plan), step, x, tokens.to(torch.int64).contiguous(),
+                               positions.contiguous(), rows)  # fmt: skip
+    return step_python(model, tokens, positions, kv, rows) if got is None else got
+
+
+def _step_desc(model, rows: int):
+    """(gemv.Step of the model's output layer, final norm and, where gemv.c reads its table,
+    embedding; whether it has the embedding), or None when the output layer has no native
+    description for `rows` rows. Kept until a breaker switches (`operators.switches`)."""
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        return None
+    cached, now = model.__dict__.get("_native_step"), switches()
+    if cached is None or cached[0] != now:
+        cached = model.__dict__["_native_step"] = (now, *_describe_step(model))
+    _, step, embeds, most, _keep = cached
+    return None if step is None or rows > most else (step, embeds)
+
+
+def _describe_step(model):
+    kind = _kind(model.lm_head)
+    if kind is None:
+        return None, False, 0, None
+    head = _lin(model.lm_head, kind[0])  # (interleaves a packed head first, where it would be)
+    step = gemv.Step(norm=model.norm.data_ptr(), eps=model.cfg.rms_norm_eps, head=head)
+    w, keep = model.embed.weight, [model.norm]
+    embeds = getattr(w, "qtype", None) in gemv.FORMAT_CODE and gemv.unavailable() is None
+    if embeds:
+        table = w.rows16 if w.rows16 is not None else w.q.blocks
+        step.embed, step.embed_rows, step.embed_nb = table.data_ptr(), *table.shape[:2]
+        step.embed_fmt = gemv.FORMAT_CODE[w.qtype] | (gemv.ROWS16 if w.rows16 is not None else 0)
+        keep.append(table)
+    return step, embeds, kind[1], keep
+
+
+def _stack_array(model, n: int):
+    """`_all_usable` for n float32 rows of this model on CPU."""
+    cached, now = model.__dict__.get("_native_stack"), switches()
+    if cached is None or cached[0] != now:
+        return _all_usable(model, torch.empty(n, 0))
+    return cached[1] if cached[1] is not None and n <= cached[2] else None
+
+
 def _all_usable(model, x: torch.Tensor):
     """A ctypes array of every layer's gemv.Layer, or None when one of them cannot take x.
     Built once and kept until a breaker switches an implementation (`operators.switches`):
@@ -264,6 +333,9 @@ def _register() -> None:
     op = "model.layers"
     register(FnImplementation(op, "native", layers_native, ("cpu",), _available_stack), 5)
     register(FnImplementation(op, "python", layers_python, ("*",)), 90, reference=True)
+    op = "model.step"
+    register(FnImplementation(op, "native", step_native, ("cpu",), _available_stack), 5)
+    register(FnImplementation(op, "python", step_python, ("*",)), 90, reference=True)
 
 
 _register()

@@ -93,6 +93,9 @@ class LlamaModel:
         # Every layer of a step: one native call for a decode step over a cache that describes
         # itself as plain arenas (engine.fused), else `_layer` one after the other.
         self._stack = self.operators["model.layers"]
+        # A whole step, embedding to logits: one native call where `model.layers` would take
+        # its one call and gemv.c describes the output layer too (engine.fused.step_native).
+        self._step = self.operators["model.step"]
 
         def lin(*names: str, prepare: bool = True):
             # A weight in a format with a native kernel stays packed (engine.linear).
@@ -163,20 +166,14 @@ class LlamaModel:
 
         tokens, positions: [N] for the N new tokens of `batch`, packed in batch order.
         """
-        cfg = self.cfg
-        x = self.embed.rows(tokens)  # [N, H]
         kv.begin_step(batch)
         try:
-            x = self._stack(self, x, positions, kv)
             # The logits before the commit: a failure here rolls the step back too, so the
-            # engine may run the requests again (nothing is appended twice).
-            if kv.wants_token_logprobs:
-                # A cache that scores tokens by their surprisal sees every row's next-token
-                # distribution (the whole step's logits: one lm_head pass per prefill token).
-                logits = self.lm_head(self._rms(x, self.norm, cfg.rms_norm_eps))
-            else:
-                rows = x if logits_rows is None else x[logits_rows]
-                logits = self.lm_head(self._rms(rows, self.norm, cfg.rms_norm_eps))
+            # engine may run the requests again (nothing is appended twice). A cache that
+            # scores tokens by their surprisal sees every row's next-token distribution (the
+            # whole step's logits: one lm_head pass per prefill token).
+            rows = None if kv.wants_token_logprobs else logits_rows
+            logits = self._step(self, tokens, positions, kv, rows)
         except BaseException:
             kv.abort_step()
             raise

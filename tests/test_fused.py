@@ -250,6 +250,35 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
     assert m.operators.report()["model.layers"]["active"] == "native"
 
 
+@pytest.mark.parametrize("qtype", [None, "Q8_0", "Q4_1", "Q4_K"])
+def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, monkeypatch):
+    """model.step's native entry (gemv.c's decode_step: the embedding lookup where gemv.c reads
+    the packed table, every layer, the final norm and the output layer in one call) gives
+    step_python's logits (the embedding, `model.layers`, the norm and the output layer's own
+    entries) for the decode steps it serves; the rest go the model's way. Float32 output
+    layers take at most gemv.MAX_ROWS rows."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype, packed_embedding=qtype is not None)
+    served, real = [], gemv.decode_step
+
+    def spy(layers, kv, step, x, tokens, positions, rows):
+        got = real(layers, kv, step, x, tokens, positions, rows)
+        if got is not None:
+            served.append((tokens.shape[0], x is None))
+        return got
+
+    monkeypatch.setattr(gemv, "decode_step", spy)
+    got = _serve(m, "full", m._stack)
+    assert m.operators.report()["model.step"]["active"] == "native"
+    monkeypatch.setattr(m, "_step", fused.step_python)
+    want = _serve(m, "full", m._stack)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert _rel(got, want) < 1e-6, _rel(got, want)
+    packed = qtype is not None
+    assert served == [(n, packed) for n in ([2, 3, 7, 5, 1] if packed else [2, 3, 1])]
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_a_one_call_step_gives_the_same_bits_on_any_number_of_threads(qtype, isa, monkeypatch):
     """decode_layers shares each product's rows among a team of threads (gemv.c's

@@ -298,6 +298,9 @@ def _example(op: str):
         return (m, 1, x[:3], torch.randn(3, 4, 32)), 1e-5
     if op == "model.layers":  # a decode step of two sequences (1 and 2 rows) over a full cache
         return _decode_step(_tiny_llama()), 1e-5
+    if op == "model.step":  # the same step from its tokens: logits of rows 0 and 2
+        m, _, pos, kv = _decode_step(_tiny_llama("Q4_1", packed_embedding=True))
+        return (m, torch.tensor([5, 63, 0]), pos, kv, torch.tensor([0, 2])), 1e-5
     return None, 0.0
 
 
@@ -319,10 +322,11 @@ def _decode_step(m):
     return m, x, torch.tensor([20, 9, 10]), kv
 
 
-def _tiny_llama(qtype: str | None = None, context: int = 64):
+def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: bool = False):
     """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256;
     K-quants, whose rows hold 256-element super-blocks: hidden 256, 8 heads, MLP 512), its
-    linear layers in `qtype` GGUF blocks or float32, positions up to `context`."""
+    linear layers in `qtype` GGUF blocks or float32 (`packed_embedding`: its tied embedding
+    and output layer too), positions up to `context`."""
     from unikv.engine.config import ModelConfig
     from unikv.engine.model import LlamaModel
 
@@ -340,6 +344,8 @@ def _tiny_llama(qtype: str | None = None, context: int = 64):
         for name, shape in shapes.items():
             w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
             t[f"blk.{i}.{name}.weight"] = w if qtype is None else _quantized(w, qtype)
+    if packed_embedding:
+        t["token_embd.weight"] = _quantized(t["token_embd.weight"], qtype)
     return LlamaModel(cfg, t)
 
 

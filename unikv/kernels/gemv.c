@@ -2080,19 +2080,49 @@ double decode_choose_seconds(void) { return choose_seconds; }
 double decode_attend_seconds(void) { return attend_seconds; }
 int choice_size(void) { return (int)sizeof(choice_t); }
 
-/* x [n, hidden] through `nlayers` layers into out [n, hidden]. Returns 0, or -1 (a layer's sizes
- * or kernels refused, the attention refused, no memory): the caller then runs the step layer by
- * layer, which rewrites every slot this call may have written (the same values).
+/* x [n, hidden] through `nlayers` layers into out [n, hidden] (st NULL), or a whole step as
+ * decode_step describes it. Returns 0, or -1 (a layer's sizes or kernels refused, the attention
+ * refused, no memory): the caller then runs the step layer by layer, which rewrites every slot
+ * this call may have written (the same values).
  *
  * The dense work runs as one parallel region per layer (team_product): region r holds layer
  * r - 1's output projection, norm and MLP and layer r's norm and QKV projection; between two
  * regions the calling thread applies RoPE, writes the keys and values, and runs the choice and
- * attention (each with its own threads). Every thread keeps its own copy of the hidden state
+ * attention (each with its own threads); the last region ends with the output layer (st). Every thread keeps its own copy of the hidden state
  * and computes the norms and residual adds itself (a few KB: cheaper than a barrier); SiLU is
  * split between them. The same operations on the same numbers as layer_qkv and layer_out. */
-int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
-                  const float *x, int n, const int64_t *pos, float *out, int threads) {
+/* What a decode step does around its layers (decode_step): each new row's input is the
+ * embedding row of its token (decoded from `embed`, a packed weight read as dequant_index
+ * reads it; embed NULL: the caller gives x), and after the last layer the rows `rows` are
+ * normalized (RMSNorm by `norm`) and multiplied by the output layer `head`. */
+typedef struct {
+    const uint8_t *embed;
+    int embed_fmt;
+    long embed_rows, embed_nb;
+    const int64_t *tokens; /* [n] */
+    const float *norm;
+    float eps;
+    lin_t head;
+    const int64_t *rows; /* [nrows]: the rows whose logits the step returns */
+    int nrows;
+} step_t;
+
+int step_struct_size(void) { return (int)sizeof(step_t); }
+
+static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
+                    const float *x, int n, const int64_t *pos, const step_t *st, float *out,
+                    int threads) {
     if (nlayers < 1 || n < 1 || kv->nseq < 1 || kv->rows[kv->nseq] != n) return -1;
+    if (st != NULL) { /* the rows asked for, and the output layer's sizes */
+        if (st->nrows < 1 || st->nrows > n || st->head.in != layers[0]->hidden ||
+            !lin_fits(&st->head, st->nrows))
+            return -1;
+        for (int i = 0; i < st->nrows; i++)
+            if (st->rows[i] < 0 || st->rows[i] >= n) return -1;
+        if (st->embed != NULL &&
+            st->embed_nb * ((st->embed_fmt & ~ROWS16) >= Q4_K ? 256 : 32) != layers[0]->hidden)
+            return -1;
+    }
     if (kv->own == NULL && (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES)) return -1;
     const layer_t *L0 = layers[0];
     const int hq = L0->hq, hkv = L0->hkv, d = L0->d;
@@ -2121,7 +2151,11 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
     float *attn = v + (long)n * hkv * d, *tqkv = attn + (long)n * hq * d;
     float *two = tqkv + n * width, *tdown = two + n * hidden, *g = tdown + n * hidden;
     float *act = g + n * 2 * ffn, *a = act + n * ffn, *priv = a + n * hidden;
-    if (rc == 0) memcpy(a, x, sizeof(float) * n * hidden);
+    if (rc == 0 && (st == NULL || st->embed == NULL))
+        memcpy(a, x, sizeof(float) * n * hidden);
+    else if (rc == 0 && dequant_index(st->embed_fmt, st->embed, st->embed_rows, st->embed_nb,
+                                      st->tokens, n, a))
+        rc = -1; /* a token outside the table, or a table gemv.c does not read */
     atomic_int failed = 0;
     for (int r = 0; r <= nlayers && rc == 0; r++) {
         const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
@@ -2146,6 +2180,11 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
             if (L != NULL) { /* layer r up to its attention: layer_qkv before RoPE */
                 rms_rows(hid, n, hidden, L->attn_norm, L->eps, h);
                 team_product(&tm, &L->qkv, h, n, tqkv);
+            } else if (st != NULL) { /* the output layer over the rows asked for */
+                for (int i = 0; i < st->nrows; i++)
+                    memcpy(h + i * hidden, hid + st->rows[i] * hidden, sizeof(float) * hidden);
+                rms_rows(h, st->nrows, hidden, st->norm, st->eps, h);
+                team_product(&tm, &st->head, h, st->nrows, out);
             }
             if (tid == 0) memcpy(a, hid, sizeof(float) * n * hidden);
         }
@@ -2203,10 +2242,24 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
         }
         attend_seconds += omp_get_wtime() - t0;
     }
-    if (rc == 0) memcpy(out, a, sizeof(float) * n * hidden);
+    if (rc == 0 && st == NULL) memcpy(out, a, sizeof(float) * n * hidden);
     free(chosen);
     free(nchosen);
     free(ctr);
     free(buf);
     return rc ? -1 : 0;
+}
+
+/* x [n, hidden] through `nlayers` layers into out [n, hidden] (run_step). */
+int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
+                  const float *x, int n, const int64_t *pos, float *out, int threads) {
+    return run_step(layers, nlayers, kv, x, n, pos, NULL, out, threads);
+}
+
+/* A whole decode step: the rows' input (x, or the embedding rows of st->tokens), every layer,
+ * the final norm and the output layer of rows st->rows into logits [nrows, head.out]. 0, or -1
+ * (refused, as decode_layers; or a token outside the embedding table). */
+int decode_step(const layer_t *const *layers, int nlayers, const kv_step_t *kv, const float *x,
+                int n, const int64_t *pos, const step_t *st, float *logits, int threads) {
+    return run_step(layers, nlayers, kv, x, n, pos, st, logits, threads);
 }

@@ -82,6 +82,11 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.decode_layers.argtypes = [p, i, p, p, i, p, p, i]
     lib.decode_layers.restype = ctypes.c_int
+    if lib.step_struct_size() != ctypes.sizeof(Step):
+        _state["error"] = "gemv.c's step_t and unikv/kernels/gemv.py's Step disagree (rebuild)"
+        return None
+    lib.decode_step.argtypes = [p, i, p, p, i, p, p, p, i]
+    lib.decode_step.restype = ctypes.c_int
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
@@ -435,6 +440,33 @@ def decode_layers(layers, kv: KVStep, x: torch.Tensor, positions: torch.Tensor):
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else out
+
+
+class Step(ctypes.Structure):
+    """gemv.c's step_t: what a whole decode step does around its layers (`decode_step`): the
+    rows' embedding (a packed table read by `dequantize_index`, or none: x is given), the final
+    norm and the output layer of the rows whose logits are wanted."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("embed_fmt", ctypes.c_int),
+                ("embed_rows", ctypes.c_long), ("embed_nb", ctypes.c_long),
+                ("tokens", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("head", Lin), ("rows", ctypes.c_void_p), ("nrows", ctypes.c_int)]  # fmt: skip
+
+
+def decode_step(layers, kv: KVStep, step: Step, x: torch.Tensor | None, tokens: torch.Tensor,
+                positions: torch.Tensor, rows: torch.Tensor):  # fmt: skip
+    """A whole decode step in one call: the embedding rows of `tokens` int64 [N] (or x float32
+    [N, hidden] where `step` has no table), every layer of `layers` (as `decode_layers`), the
+    final norm and the output layer of `rows` int64 [M]: logits float32 [M, vocab], or None
+    when gemv.c refused (the caller then runs the step as before)."""
+    step.tokens, step.rows, step.nrows = tokens.data_ptr(), rows.data_ptr(), rows.numel()
+    logits = torch.empty((rows.numel(), step.head.out), dtype=torch.float32)
+    rc = _state["lib"].decode_step(  # type: ignore[attr-defined]
+        layers, len(layers), ctypes.byref(kv), None if x is None else x.data_ptr(),
+        tokens.numel(), positions.data_ptr(), ctypes.byref(step), logits.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else logits
 
 
 def step_seconds() -> tuple[float, float]:

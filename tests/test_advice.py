@@ -210,7 +210,9 @@ async def test_a_kernel_that_raises_is_named_with_its_setting(loaded, tokenizer,
     cfg, tensors, _ = loaded
     model = LlamaModel(cfg, tensors)  # its own breakers, built with the broken kernel first
     async with Engine(model, tokenizer) as e:
-        await e.generate("Hello", SamplingParams(max_new_tokens=2))
+        # a prompt longer than a decode step's rows: its prefill runs the output layer through
+        # the broken entry (a decode step multiplies it inside gemv.c's one call)
+        await e.generate("Hello there, " * 4, SamplingParams(max_new_tokens=2))
         server = served(e)
         (a,) = [a for a in server.advice() if a.rule == "kernel_fallback"]
         assert server.health().status == "yellow"  # the fallback is a health reason too

@@ -563,6 +563,23 @@ def test_interleaved_rows_hold_the_same_bytes(fmt):
         gemv.interleave(blocks[:40], fmt)
 
 
+def test_silu_s_vector_exp_gives_the_c_library_s_bits(isa):
+    """gemv.c's SiLU takes glibc's expf algorithm in vector lanes where the check at load finds
+    it equal to this C library's expf (AVX-512 and AVX2 builds): then every one of 4,194,304
+    floats spread over all bit patterns (both signs, |x| >= 88, inf and NaN among them) gets
+    libm's bits; the portable build has no vector exp."""
+    from unikv.kernels import gemv
+
+    assert gemv.unavailable() is None
+    if isa == "portable":
+        assert not gemv.vector_exp()
+        return
+    if not gemv.vector_exp():
+        pytest.skip("this C library's expf differs from glibc's algorithm: SiLU calls expf")
+    assert gemv.exp_mismatches(0, 1024, 1 << 22) == 0
+    assert gemv.exp_mismatches(0x42020000, 1, 1 << 17) == 0  # about 32.5: where r's FMA matters
+
+
 @pytest.mark.parametrize("fmt", [*linear.BLOCK_FORMATS, "Q4_K", "Q6_K"])
 def test_an_embedding_lookup_decodes_only_its_rows_in_either_order(fmt, isa, monkeypatch):
     """gemv.dequantize_index (a tied embedding's lookup, one call a step) gives the rows of the

@@ -1842,13 +1842,152 @@ static int out_fits(const layer_t *L) {
            L->gu.out == 2 * ffn && L->down.in == ffn && L->down.out == hidden;
 }
 
+/* ---- SiLU's exp, vectorized to libm's bits ------------------------------------------------
+ *
+ * Why: 1,536 libm `expf` calls a layer were 0.12 ms of a 2.9 ms SmolLM2 Q4_1 decode step (4%),
+ * and a vectorized polynomial with its own rounding moved the decode PPL by 0.012% on AVX2 (its
+ * last bits moved int8 codes of the down projection's input; tests/test_fused.py's limit is
+ * 0.01%). So this is glibc's own expf algorithm (e_expf.c, the FMA build: x N / ln 2 = k + r in
+ * double, 2^(k/N) from a 32-entry table, a cubic in r), lane by lane in double: with the
+ * container's glibc it returns libm's float for every one of the 2^32 floats (`exp_mismatches(0,
+ * 1, 2^32)`: 0 on the AVX-512 and the AVX2 build), the inputs |x| >= 88, inf and NaN taking
+ * libm's expf itself. A step 0.965-0.978x as long on AVX-512 (benchmarks/kernel_ab.py, the
+ * check forced off as A), 0.99-1.005x on AVX2 (4 lanes, a gather each). Whether the C library at hand agrees is checked when the library loads
+ * (`exp_check`, 65,536 inputs over (-88, 88) and the cases a contraction would change); if one
+ * differs, SiLU keeps calling expf. */
+static int exp_vector_ok; /* set by exp_check at load: the vector exp equals libm's */
+#if GEMV_ISA >= 1
+#define EXP_N 32
+/* 2^(i/32) as double bits, less i << 47 (the exponent the index adds back) */
+static const uint64_t EXP_T[EXP_N] = {
+    0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
+    0x3fef72b83c7d517bULL, 0x3fef54873168b9aaULL, 0x3fef387a6e756238ULL, 0x3fef1e9df51fdee1ULL,
+    0x3fef06fe0a31b715ULL, 0x3feef1a7373aa9cbULL, 0x3feedea64c123422ULL, 0x3feece086061892dULL,
+    0x3feebfdad5362a27ULL, 0x3feeb42b569d4f82ULL, 0x3feeab07dd485429ULL, 0x3feea47eb03a5585ULL,
+    0x3feea09e667f3bcdULL, 0x3fee9f75e8ec5f74ULL, 0x3feea11473eb0187ULL, 0x3feea589994cce13ULL,
+    0x3feeace5422aa0dbULL, 0x3feeb737b0cdc5e5ULL, 0x3feec49182a3f090ULL, 0x3feed503b23e255dULL,
+    0x3feee89f995ad3adULL, 0x3feeff76f2fb5e47ULL, 0x3fef199bdd85529cULL, 0x3fef3720dcef9069ULL,
+    0x3fef5818dcfba487ULL, 0x3fef7c97337b9b5fULL, 0x3fefa4afa2a490daULL, 0x3fefd0765b6e4540ULL,
+};
+static const double EXP_INVLN2N = 0x1.71547652b82fep+0 * EXP_N, EXP_SHIFT = 0x1.8p+52;
+static const double EXP_C0 = 0x1.c6af84b912394p-5 / EXP_N / EXP_N / EXP_N,
+                    EXP_C1 = 0x1.ebfce50fac4f3p-3 / EXP_N / EXP_N,
+                    EXP_C2 = 0x1.62e42ff0c52d6p-1 / EXP_N;
+#endif
+
+#if GEMV_ISA == 2
+#define EXP_W 8 /* floats per call: 8 doubles in a 512-bit register */
+INLINE __m256 exp_lanes(const __m256 x) {
+    const __m512d xd = _mm512_cvtps_pd(x);
+    const __m512d z = _mm512_mul_pd(_mm512_set1_pd(EXP_INVLN2N), xd);
+    __m512d kd = _mm512_add_pd(z, _mm512_set1_pd(EXP_SHIFT));
+    const __m512i ki = _mm512_castpd_si512(kd);
+    kd = _mm512_sub_pd(kd, _mm512_set1_pd(EXP_SHIFT));
+    const __m512d r = _mm512_fmsub_pd(_mm512_set1_pd(EXP_INVLN2N), xd, kd); /* as glibc's FMA build */
+    const __m512i at = _mm512_and_si512(ki, _mm512_set1_epi64(EXP_N - 1));
+    __m512i t = _mm512_i64gather_epi64(at, (const long long *)EXP_T, 8);
+    t = _mm512_add_epi64(t, _mm512_slli_epi64(ki, 52 - 5));
+    const __m512d p = _mm512_fmadd_pd(_mm512_set1_pd(EXP_C0), r, _mm512_set1_pd(EXP_C1));
+    __m512d y = _mm512_fmadd_pd(_mm512_set1_pd(EXP_C2), r, _mm512_set1_pd(1.0));
+    y = _mm512_fmadd_pd(p, _mm512_mul_pd(r, r), y);
+    return _mm512_cvtpd_ps(_mm512_mul_pd(y, _mm512_castsi512_pd(t)));
+}
+#elif GEMV_ISA == 1
+#define EXP_W 4 /* 4 doubles in a 256-bit register */
+INLINE __m128 exp_lanes(const __m128 x) {
+    const __m256d xd = _mm256_cvtps_pd(x);
+    const __m256d z = _mm256_mul_pd(_mm256_set1_pd(EXP_INVLN2N), xd);
+    __m256d kd = _mm256_add_pd(z, _mm256_set1_pd(EXP_SHIFT));
+    const __m256i ki = _mm256_castpd_si256(kd);
+    kd = _mm256_sub_pd(kd, _mm256_set1_pd(EXP_SHIFT));
+    const __m256d r = _mm256_fmsub_pd(_mm256_set1_pd(EXP_INVLN2N), xd, kd);
+    const __m256i at = _mm256_and_si256(ki, _mm256_set1_epi64x(EXP_N - 1));
+    __m256i t = _mm256_i64gather_epi64((const long long *)EXP_T, at, 8);
+    t = _mm256_add_epi64(t, _mm256_slli_epi64(ki, 52 - 5));
+    const __m256d p = _mm256_fmadd_pd(_mm256_set1_pd(EXP_C0), r, _mm256_set1_pd(EXP_C1));
+    __m256d y = _mm256_fmadd_pd(_mm256_set1_pd(EXP_C2), r, _mm256_set1_pd(1.0));
+    y = _mm256_fmadd_pd(p, _mm256_mul_pd(r, r), y);
+    return _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(t)));
+}
+#endif
+
+/* exp of x[0 .. EXP_W) into y: the vector lanes, and libm where |x| >= 88 or x is not finite. */
+INLINE void exp_block(const float *x, float *y) {
+#ifdef EXP_W
+#if EXP_W == 8
+    _mm256_storeu_ps(y, exp_lanes(_mm256_loadu_ps(x)));
+#else
+    _mm_storeu_ps(y, exp_lanes(_mm_loadu_ps(x)));
+#endif
+    for (int k = 0; k < EXP_W; k++)
+        if (!(fabsf(x[k]) < 88.0f)) y[k] = expf(x[k]);
+#else
+    (void)x, (void)y;
+#endif
+}
+
+/* How many of `count` floats, the bits lo, lo + step, ..., give another exp than libm's expf
+ * (0 where there is no vector exp: nothing to differ). */
+long exp_mismatches(uint32_t lo, uint32_t step, long count) {
+#ifdef EXP_W
+    long bad = 0;
+    float x[EXP_W], y[EXP_W];
+    for (long i = 0; i < count; i += EXP_W) {
+        for (int k = 0; k < EXP_W; k++) {
+            const uint32_t u = lo + (uint32_t)(i + k) * step;
+            memcpy(&x[k], &u, 4);
+        }
+        exp_block(x, y);
+        for (int k = 0; k < EXP_W && i + k < count; k++) {
+            const float want = expf(x[k]);
+            bad += memcmp(&want, &y[k], 4) != 0;
+        }
+    }
+    return bad;
+#else
+    (void)lo, (void)step, (void)count;
+    return 0;
+#endif
+}
+
+__attribute__((constructor)) static void exp_check(void) {
+#ifdef EXP_W
+    /* 65,536 floats spread over both signs, and the two inputs a missing contraction of r
+     * changed (found by the exhaustive check: 0x1.04845ep+5 and -0x1.f8cbb2p+5, given as bits,
+     * since the compiler would fold expf of a constant to the correctly rounded value, which
+     * is not libm's there) */
+    exp_vector_ok = exp_mismatches(0x00000000u, 65537u, 32768) == 0 &&
+                    exp_mismatches(0x80000000u, 65537u, 32768) == 0 &&
+                    exp_mismatches(0x4202422fu, 1, 1) == 0 && exp_mismatches(0xc27c65d9u, 1, 1) == 0;
+#endif
+}
+
+/* Whether SiLU takes the vector exp here (exp_check found it equal to libm's). */
+int exp_vector(void) { return exp_vector_ok; }
+
 /* a[e] = silu(gate) * up for the elements e in [lo, hi) of a [n, ffn], g [n, 2 ffn] holding each
- * row's gate, then its up. libm's expf, not a vectorized polynomial: one measured 1-2% faster,
- * but its last bits moved int8 codes of the down projection's input and with them the decode
- * PPL by 0.012% on AVX2 (tests/test_fused.py's limit: 0.01%). */
+ * row's gate, then its up: z / (1 + exp(-z)) * up, in float32, exp as libm's expf (above). */
 static void silu_rows(const float *g, int n, long ffn, float *a, long lo, long hi) {
     (void)n;
-    for (long e = lo; e < hi; e++) {
+    long e = lo;
+#ifdef EXP_W
+    if (exp_vector_ok)
+        for (; e < hi; e++) {
+            const long i = e / ffn, j = e % ffn;
+            if (j + EXP_W > ffn || e + EXP_W > hi) { /* a row's or the range's last few */
+                const float z = g[i * 2 * ffn + j];
+                a[e] = z / (1.0f + expf(-z)) * g[i * 2 * ffn + ffn + j];
+                continue;
+            }
+            float z[EXP_W], m[EXP_W], x[EXP_W];
+            for (int k = 0; k < EXP_W; k++) z[k] = g[i * 2 * ffn + j + k], m[k] = -z[k];
+            exp_block(m, x);
+            for (int k = 0; k < EXP_W; k++)
+                a[e + k] = z[k] / (1.0f + x[k]) * g[i * 2 * ffn + ffn + j + k];
+            e += EXP_W - 1;
+        }
+#endif
+    for (; e < hi; e++) {
         const long i = e / ffn, j = e % ffn;
         const float z = g[i * 2 * ffn + j];
         a[e] = z / (1.0f + expf(-z)) * g[i * 2 * ffn + ffn + j];

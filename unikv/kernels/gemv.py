@@ -87,6 +87,8 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.decode_step.argtypes = [p, i, p, p, i, p, p, p, i]
     lib.decode_step.restype = ctypes.c_int
+    lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, lng]
+    lib.exp_mismatches.restype = lng
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
@@ -467,6 +469,19 @@ def decode_step(layers, kv: KVStep, step: Step, x: torch.Tensor | None, tokens: 
         torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else logits
+
+
+def vector_exp() -> bool:
+    """Whether SiLU's exp runs vectorized here (AVX-512 or AVX2, and the check at load found it
+    equal to this C library's expf; else it calls expf)."""
+    lib = _load()
+    return bool(lib is not None and lib.exp_vector())
+
+
+def exp_mismatches(lo: int, step: int, count: int) -> int:
+    """How many of `count` floats (the bit patterns lo, lo + step, ... modulo 2**32) get another
+    exp from gemv.c's vector exp than from the C library's expf (0 without a vector exp)."""
+    return int(_state["lib"].exp_mismatches(lo, step, count))  # type: ignore[attr-defined]
 
 
 def step_seconds() -> tuple[float, float]:

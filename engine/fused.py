@@ -238,20 +238,15 @@ def _describe_step(model):
     return step, embeds, kind[1], keep
 
 
-def _stack_array(model, n: int):
-    """`_all_usable` for n float32 rows of this model on CPU."""
-    cached, now = model.__dict__.get("_native_stack"), switches()
-    if cached is None or cached[0] != now:
-        return _all_usable(model, torch.empty(n, 0))
-    return cached[1] if cached[1] is not None and n <= cached[2] else None
-
-
 def _all_usable(model, x: torch.Tensor):
-    """A ctypes array of every layer's gemv.Layer, or None when one of them cannot take x.
+    """A ctypes array of every layer's gemv.Layer, or None when one of them cannot take x."""
+    return _stack_array(model, x.shape[0]) if _float32_cpu(model, x) else None
+
+
+def _stack_array(model, n: int):
+    """`_all_usable` for n float32 rows on CPU (the caller checked the model and the rows).
     Built once and kept until a breaker switches an implementation (`operators.switches`):
     a step checks one number, not 4 breakers per layer."""
-    if not _float32_cpu(model, x):
-        return None
     cached, now = model.__dict__.get("_native_stack"), switches()
     if cached is None or cached[0] != now:
         described = [_described(model, li) for li in range(model.cfg.num_layers)]
@@ -262,7 +257,7 @@ def _all_usable(model, x: torch.Tensor):
             rows = min(d.max_rows for d in described)
         # the layers are kept with the array: its pointers point into them
         cached = model.__dict__["_native_stack"] = (now, array, rows, layers)
-    return cached[1] if cached[1] is not None and x.shape[0] <= cached[2] else None
+    return cached[1] if cached[1] is not None and n <= cached[2] else None
 
 
 def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:

@@ -1750,17 +1750,27 @@ typedef struct {
 
 int layer_struct_size(void) { return (int)sizeof(layer_t); }
 
+/* Whether a layer call multiplies l by n rows (the refusals of lin_apply and decode_layers,
+ * before any work). */
+static int lin_fits(const lin_t *l, int n) {
+    if (l->kind == 0) return n <= GEMV_MAX_ROWS;
+    if (l->kind == 3) return l->in % 256 == 0 && (l->fmt == Q4_K || l->fmt == Q6_K);
+    if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS || (l->fmt & ~ROWS16) > Q4_1) return 0;
+    if (l->kind == 1) return n <= GEMV_MAX_ROWS && !(l->fmt & ROWS16);
+    if (l->kind != 2) return 0;
+    if (l->fmt & ROWS16) /* as gemv_qi8 */
+        return l->out % 16 == 0 && GEMV_I8_ISA != 0 && !(GEMV_I8_ISA == 1 && l->fmt == (Q8_0 | ROWS16));
+    return 1;
+}
+
 static int lin_apply(const lin_t *l, const float *x, int n, float *y, int threads) {
+    if (!lin_fits(l, n)) return -1;
     if (l->kind == 0) {
-        if (n > GEMV_MAX_ROWS) return -1;
         gemv_f32(x, n, (const float *)l->w, l->out, l->in, y, threads);
         return 0;
     }
-    if (l->kind == 3)
-        return l->in % 256 ? -1 : gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
-    if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS) return -1;
+    if (l->kind == 3) return gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
     if (l->kind == 1) {
-        if (n > GEMV_MAX_ROWS || (l->fmt & ROWS16)) return -1; /* interleaved: gemv_qi8 only */
         gemv_q(l->fmt, x, n, (const uint8_t *)l->w, l->out, l->in / 32, y, threads);
         return 0;
     }
@@ -2044,17 +2054,6 @@ typedef struct {
     void *buf;
 } prod_t;
 
-/* Whether a layer call multiplies l by n rows (lin_apply's refusals, before any work). */
-static int lin_fits(const lin_t *l, int n) {
-    if (l->kind == 0) return n <= GEMV_MAX_ROWS;
-    if (l->kind == 3) return l->in % 256 == 0 && (l->fmt == Q4_K || l->fmt == Q6_K);
-    if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS || (l->fmt & ~ROWS16) > Q4_1) return 0;
-    if (l->kind == 1) return n <= GEMV_MAX_ROWS && !(l->fmt & ROWS16);
-    if (l->kind != 2) return 0;
-    if (l->fmt & ROWS16) /* as gemv_qi8 */
-        return l->out % 16 == 0 && GEMV_I8_ISA != 0 && !(GEMV_I8_ISA == 1 && l->fmt == (Q8_0 | ROWS16));
-    return 1;
-}
 
 /* p: the product of l by x [n, l->in] into y [n, l->out], its activations made (kind 2: at most
  * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */

@@ -682,23 +682,27 @@ def test_log_sum_exp_prefers_many_strong_tokens_to_one_stronger(isa):
 @pytest.mark.parametrize("d,bs", [(64, 16), (40, 12), (128, 16)])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("picked", [9, 30])
-def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(rows, d, bs, picked,
-                                                                             isa):  # fmt: skip
+@pytest.mark.parametrize("group", [1, 3, 5])
+def test_attention_in_place_over_the_chosen_blocks_equals_the_gathered_path(
+    rows, d, bs, picked, group, isa
+):
     """unikv/kernels/sparse.c's `sparse_attend` reads the chosen blocks where they lie; against the
     reference (gather, then attention): one decode row and a scored chunk of 16 (causal
     within the step's own tokens, which end in a partly filled block whose empty slots hold
     NaN: never read), each head's blocks in a shuffled arena, or spread over three places of
     different sizes (a tiered cache's device and host arenas and a staged tensor), one and two
-    threads; head dims and block sizes that are and are not whole vectors of 8 keys or
-    channels (the kernel's wide and narrow paths); 12 blocks a head (36 in all: attended on one
-    thread, sparse.c's SERIAL_BLOCKS) and 33 (99: split over the threads)."""
+    threads; head dims and block sizes that are and are not whole vectors of 8 or 16 keys or
+    channels (the kernel's wide and narrow paths), and GQA groups of 1, 3 and 5 query heads (a
+    row's queries go through a block in fours: 5 is a four and a one); 12 blocks a head (36 in
+    all: attended on one thread, sparse.c's SERIAL_BLOCKS) and 33 (99: split over the
+    threads)."""
     from unikv.kernels import sparse as kernels
     from unikv.kvstrategies.full import attend_blocks_torch
 
     if kernels.unavailable() is not None:
         pytest.skip(kernels.unavailable())
     g = torch.Generator().manual_seed(rows)
-    h, group, n_blocks = 3, 3, 70
+    h, n_blocks = 3, 70
     arena = torch.randn(2, h, n_blocks * bs, d, generator=g)
     past = 60 * bs + 5 - rows  # the last block (60) holds the step's rows, partly filled
     chosen = torch.stack([torch.randperm(58, generator=g)[:picked] + 1 for _ in range(h)])

@@ -225,9 +225,25 @@ static void tile_best(const int8_t *qc, const float *qs, const int *xq, int nu, 
 /* Scores of the summaries in tiles [t0, t1) of one KV head: s[i] for summary t0 * TILE + i.
  * qc: the head's query codes (nq rounded up to QT, w each), qs their scales, xq 128 x their
  * code sums; tiles: the head's; scales: one per summary. */
+/* Scoring asks for the tile CHOOSE_AHEAD tiles ahead, into the L2 (prefetcht1). Why: a step's
+ * summaries (24 MiB at 8K tokens, 28 layers) come from memory, and the hardware prefetcher did
+ * not keep the scoring fed: 28 layers' choice, 2 threads, after a sweep of the caches, took
+ * 1.48-1.83 ms without it, 1.09-1.24 with 8 tiles ahead (4 and 16: between the two; into the
+ * L1, slower). */
+#ifndef CHOOSE_AHEAD
+#define CHOOSE_AHEAD 8
+#endif
+#ifndef CHOOSE_HINT
+#define CHOOSE_HINT 2
+#endif
 static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq, int w,
                         const int8_t *tiles, const float *scales, long t0, long t1, float *s) {
     for (long t = t0; t < t1; t++) {
+        if (CHOOSE_AHEAD) {
+            const char *p = (const char *)(tiles + (t + CHOOSE_AHEAD) * TILE * w);
+            for (int o = 0; o < TILE * w; o += 64) __builtin_prefetch(p + o, 0, CHOOSE_HINT);
+            __builtin_prefetch(scales + (t + CHOOSE_AHEAD) * TILE, 0, CHOOSE_HINT);
+        }
         float *o = s + (t - t0) * TILE;
         for (int k = 0; k < TILE; k++) o[k] = -INFINITY;
         for (int j = 0; j < nq; j += QT)
@@ -539,6 +555,10 @@ static void score_key_tiles(const float *qf, int nq, int d, const uint8_t *tiles
                 for (int u = 0; u < nu; u++)
                     key_query(qf + (long)(j + u) * d, mf, sf, d, ac + (long)u * d, scale + u, bias + u);
             }
+            if (CHOOSE_AHEAD) { /* a tile is 8d bytes */
+                const char *a = (const char *)(tiles + (t + CHOOSE_AHEAD) * 8 * d);
+                for (int o = 0; o < 8 * d; o += 64) __builtin_prefetch(a + o, 0, CHOOSE_HINT);
+            }
             key_tile(ac, scale, bias, nu, d, tiles + t * 8 * d, s + (t - t0) * TILE);
         }
     }
@@ -761,7 +781,13 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
  * query before, 12 after): a dot product written as one `omp simd` sum is one chain of
  * dependent adds and a horizontal sum through memory per key; `dot8` keeps eight keys' sums
  * apart and adds them across in one transpose. libm's expf is a call per score; `exp_neg` is a
- * polynomial the compiler vectorizes. */
+ * polynomial. Then (one core, 256 tokens of 3 KV heads in cache, a GQA group of 3: 7.2 ns a
+ * key and query before, 5.5 after; 30 layers' dense 8K cache from memory, 2 threads: 26.3 ms
+ * before, 20.1 after): a row's queries of one KV head go through a block together, so each
+ * value row is loaded once for all of them (`add_values_n`); with AVX-512 the dot products,
+ * exps and sums run 16 lanes wide (`dotw`, `exp_negw`); the compiler's own vectorization of
+ * the exp loop had fallen back to scalar code inside the inlined kernel; the common head dims
+ * are constants (`attend_range`), so a key's 16 rows are offsets from one register. */
 
 /* Ask for a block's floats ahead of its use: the blocks lie apart (a 16-token block's keys are
  * 4 KB of one head's rows), where the hardware prefetcher, which follows one stream within a
@@ -770,43 +796,259 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
 #ifndef PF_AHEAD
 #define PF_AHEAD 4 /* blocks */
 #endif
+#ifndef PF_HINT
+#define PF_HINT 2 /* prefetcht1: into the L2, where the L1 keeps the block being read; against
+                   * prefetcht0, level or faster in every case tried (30 layers' 8K dense cache:
+                   * 20.1 against 20.3 ms; 1/8 of it: 2.56 against 2.58; 64K keys from memory:
+                   * 12.6 against 14.2 ns a key and query) */
+#endif
 static inline void prefetch_block(const char *p, long floats) {
-    for (long o = 0; o < floats * 4; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (long o = 0; o < floats * 4; o += 64) __builtin_prefetch(p + o, 0, PF_HINT);
 }
 
-/* acc[0..d) += sum_j w[j] v_j over the n value rows vb, vb + d, ...: 64 channels at a time held
- * in registers across the rows (d % 8 == 0), the rest one channel at a time. */
-static inline void add_values(float *acc, const float *w, const float *vb, int n, int d) {
+/* The wide path's vectors: 16 floats where the compiler has AVX-512, else 8 (AVX2; two SSE or
+ * NEON registers elsewhere). */
+#if defined(__AVX512F__)
+#define AW 16
+#define AV 4 /* vectors of channels a query's values add per pass (registers: AV x UB + AV + 1) */
+#else
+#define AW 8
+#define AV 2
+#endif
+#define UB 4 /* a row's queries (of a GQA group) attended together over a block */
+typedef float vw __attribute__((vector_size(AW * 4)));
+static inline __attribute__((always_inline)) vw loadw(const float *p) {
+    vw x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline __attribute__((always_inline)) void storew(float *p, vw x) { memcpy(p, &x, sizeof x); }
+
+#if AW == 16
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define SHUF16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+/* Lane j of the result: the sum of a[j]'s 16 lanes (sum8x8's transpose-and-add, four levels). */
+static inline __attribute__((always_inline)) vw sum_across(const vw *a) {
+    vw b[8], c[4], e[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        b[i] = SHUF16(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14,
+                      30) +
+               SHUF16(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                      31);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        c[i] = SHUF16(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                      29) +
+               SHUF16(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                      31);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        e[i] = SHUF16(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                      27) +
+               SHUF16(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                      31);
+    return SHUF16(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF16(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+#else
+static inline __attribute__((always_inline)) vw sum_across(const vw *a) {
+    return sum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+}
+#endif
+
+/* The wide path's lane-wise max, exp and the sums and largest across the lanes. */
+typedef int32_t vwi __attribute__((vector_size(AW * 4)));
+static inline __attribute__((always_inline)) vw vmax(vw a, vw b) {
+    const vwi gt = a > b;
+    return (vw)(((vwi)a & gt) | ((vwi)b & ~gt));
+}
+/* exp_neg lane by lane: the same polynomial and the same steps. */
+static inline __attribute__((always_inline)) vw exp_negw(vw x) {
+    const vwi low = x < -87.0f;
+    const vw c = (vw)(((vwi)((vw){0} - 87.0f) & low) | ((vwi)x & ~low));
+    const vw n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vw r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    vw p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vwi two = (__builtin_convertvector(n, vwi) + 127) << 23;
+    return (vw)((vwi)(p * (vw)two) & ~(x == -INFINITY));
+}
+#if AW == 16
+#define SWAP8(x) SHUF16(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+#define SWAP4(x) SHUF16(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+#define SWAP2(x) SHUF16(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+#define SWAP1(x) SHUF16(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+static inline __attribute__((always_inline)) float hmax(vw x) {
+    x = vmax(x, SWAP8(x)), x = vmax(x, SWAP4(x)), x = vmax(x, SWAP2(x));
+    return vmax(x, SWAP1(x))[0];
+}
+static inline __attribute__((always_inline)) float hsum(vw x) {
+    x += SWAP8(x), x += SWAP4(x), x += SWAP2(x);
+    return (x + SWAP1(x))[0];
+}
+#else
+#define SWAP4(x) SHUF(x, x, 4, 5, 6, 7, 0, 1, 2, 3)
+#define SWAP2(x) SHUF(x, x, 2, 3, 0, 1, 6, 7, 4, 5)
+#define SWAP1(x) SHUF(x, x, 1, 0, 3, 2, 5, 4, 7, 6)
+static inline __attribute__((always_inline)) float hmax(vw x) {
+    x = vmax(x, SWAP4(x)), x = vmax(x, SWAP2(x));
+    return vmax(x, SWAP1(x))[0];
+}
+static inline __attribute__((always_inline)) float hsum(vw x) {
+    x += SWAP4(x), x += SWAP2(x);
+    return (x + SWAP1(x))[0];
+}
+#endif
+
+/* s[0..AW) = scale x q . k for the AW keys in rows kj, kj + d, ... (d % AW == 0): dot8 at the
+ * wide path's width. */
+static inline __attribute__((always_inline)) void dotw(const float *qv, const float *kj, int d,
+                                                       float scale, float *s) {
+    vw a[AW];
+#pragma GCC unroll 16
+    for (int j = 0; j < AW; j++) a[j] = (vw){0};
+    for (int c = 0; c < d; c += AW) {
+        const vw x = loadw(qv + c);
+#pragma GCC unroll 16
+        for (int j = 0; j < AW; j++) a[j] += x * loadw(kj + (long)j * d + c);
+    }
+    storew(s, sum_across(a) * scale);
+}
+
+/* For the U queries u of a row (acc + u d their sums, w + u ws their weights):
+ * acc_u[0..d) += sum_j w_u[j] v_j over the n value rows vb, vb + d, ...: AV vectors of channels
+ * at a time held in registers for every query across the rows, so that each value row is
+ * loaded once for all U queries; then single vectors, then single channels. */
+static inline __attribute__((always_inline)) void add_values_n(float *acc, const float *w, int ws,
+                                                               const float *vb, int n, int d,
+                                                               const int U) {
     int c0 = 0;
-    for (; c0 + 64 <= d; c0 += 64) {
-        v8 a[8];
-        for (int r = 0; r < 8; r++) a[r] = load8(acc + c0 + 8 * r);
+    for (; c0 + AV * AW <= d; c0 += AV * AW) {
+        vw a[UB][AV];
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++)
+#pragma GCC unroll 4
+            for (int r = 0; r < AV; r++) a[u][r] = loadw(acc + (long)u * d + c0 + AW * r);
         for (int j = 0; j < n; j++) {
             const float *vj = vb + (long)j * d + c0;
-            const float wj = w[j];
-            for (int r = 0; r < 8; r++) a[r] += wj * load8(vj + 8 * r);
+            vw x[AV];
+#pragma GCC unroll 4
+            for (int r = 0; r < AV; r++) x[r] = loadw(vj + AW * r);
+#pragma GCC unroll 4
+            for (int u = 0; u < U; u++) {
+                const float wj = w[u * ws + j];
+#pragma GCC unroll 4
+                for (int r = 0; r < AV; r++) a[u][r] += wj * x[r];
+            }
         }
-        for (int r = 0; r < 8; r++) store8(acc + c0 + 8 * r, a[r]);
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++)
+#pragma GCC unroll 4
+            for (int r = 0; r < AV; r++) storew(acc + (long)u * d + c0 + AW * r, a[u][r]);
     }
-    for (int j = 0; j < n && c0 < d; j++) {
-        const float *vj = vb + (long)j * d;
-        const float wj = w[j];
+    for (; c0 + AW <= d; c0 += AW)
+        for (int u = 0; u < U; u++) {
+            vw a = loadw(acc + (long)u * d + c0);
+            for (int j = 0; j < n; j++) a += w[u * ws + j] * loadw(vb + (long)j * d + c0);
+            storew(acc + (long)u * d + c0, a);
+        }
+    for (int u = 0; u < U && c0 < d; u++)
+        for (int j = 0; j < n; j++) {
+            const float *vj = vb + (long)j * d;
+            const float wj = w[u * ws + j];
 #pragma omp simd
-        for (int c = c0; c < d; c++) acc[c] += wj * vj[c];
+            for (int c = c0; c < d; c++) acc[(long)u * d + c] += wj * vj[c];
+        }
+}
+
+/* One block of `valid` keys kb and values vb against U queries q0, q0 + d, ... (consecutive
+ * heads of one row), each with its running softmax (m[u], l[u], acc + u d): its scores (s + u
+ * bs), the max raised where a score exceeds it (what is summed so far shrinks by e^(m - top)),
+ * the weights e^(score - max), then the values for all U at once. */
+static inline __attribute__((always_inline)) void attend_block_n(const float *q0, const int U,
+                                                                 const float *kb, const float *vb,
+                                                                 int valid, int d, int bs,
+                                                                 float scale, float *m, float *l,
+                                                                 float *acc, float *s) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++) {
+        const float *qv = q0 + (long)u * d;
+        float *su = s + u * bs;
+        int j = 0;
+        if (d % AW == 0)
+            for (; j + AW <= valid; j += AW) dotw(qv, kb + (long)j * d, d, scale, su + j);
+        else if (d % 8 == 0)
+            for (; j + 8 <= valid; j += 8) dot8(qv, kb + (long)j * d, d, scale, su + j);
+        for (; j < valid; j++) su[j] = dot1(qv, kb + (long)j * d, d) * scale;
+        float top = -INFINITY;
+        if (valid % AW == 0) {
+            vw t = loadw(su);
+            for (j = AW; j < valid; j += AW) t = vmax(t, loadw(su + j));
+            top = hmax(t);
+        } else
+            for (j = 0; j < valid; j++) top = MAX(su[j], top);
+        float *au = acc + (long)u * d;
+        if (top > m[u]) { /* a new max */
+            const float f = exp_neg(m[u] - top);
+            l[u] *= f;
+#pragma omp simd
+            for (int c = 0; c < d; c++) au[c] *= f;
+            m[u] = top;
+        }
+        const float mu = m[u];
+        if (valid % AW == 0) {
+            vw sum = {0};
+            for (j = 0; j < valid; j += AW) {
+                const vw e = exp_negw(loadw(su + j) - mu);
+                storew(su + j, e);
+                sum += e;
+            }
+            l[u] += hsum(sum);
+        } else {
+            float sum = 0.0f;
+            for (j = 0; j < valid; j++) {
+                su[j] = exp_neg(su[j] - mu);
+                sum += su[j];
+            }
+            l[u] += sum;
+        }
+    }
+    add_values_n(acc, s, bs, vb, valid, d, U);
+}
+
+static inline __attribute__((always_inline)) void attend_block(const float *q0, int U,
+                                                               const float *kb, const float *vb,
+                                                               int valid, const int d, int bs,
+                                                               float scale, float *m, float *l,
+                                                               float *acc, float *s) {
+    switch (U) {
+    case 1: attend_block_n(q0, 1, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
+    case 2: attend_block_n(q0, 2, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
+    case 3: attend_block_n(q0, 3, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
+    default: attend_block_n(q0, UB, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
     }
 }
 
 /* One range of head h's blocks (addresses kaddr/vaddr[0..nb), sequence positions pos) against
- * its nq = T * group queries, in one pass: per block and query the scores of the keys it sees,
- * then the running softmax (max m, sum l, weighted values acc [nq][d]), rescaled when the
- * block raises the max. The range's blocks are prefetched PF_AHEAD ahead.
- * Query row r sees the block's first `valid` keys (positions <= past + r): a partly filled
- * block's empty slots are never read, as keys or values. */
-static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
-                         const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long nb,
-                         long past, float scale, int h, float *m, float *l,
-                         float *acc, float *s) {
-    const int group = hq / hkv, nq = T * group, wide = d % 8 == 0;
+ * its nq = T * group queries, in one pass: per block, row and up to UB of the row's queries
+ * (`attend_block`), the running softmax (max m, sum l, weighted values acc [nq][d]). The
+ * range's blocks are prefetched PF_AHEAD ahead. Query row r sees the block's first `valid`
+ * keys (positions <= past + r): a partly filled block's empty slots are never read, as keys or
+ * values. s: UB x bs floats. */
+static inline __attribute__((always_inline)) void attend_range_d(
+    const float *q, int T, int hq, int hkv, const int d, int bs, const int64_t *kaddr,
+    const int64_t *vaddr, const int64_t *pos, long nb, long past, float scale, int h, float *m,
+    float *l, float *acc, float *s) {
+    const int group = hq / hkv, nq = T * group;
     for (int i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)nq * d);
     for (long b = 0; b < nb; b++) {
@@ -817,37 +1059,31 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
         const float *kb = (const float *)(intptr_t)kaddr[b];
         const float *vb = (const float *)(intptr_t)vaddr[b];
         const long p0 = pos[b] * bs;
-        for (int i = 0; i < nq; i++) { /* query i: row i / group, head h * group + i % group */
-            const int r = i / group;
+        for (int r = 0; r < T; r++) { /* row r: queries r * group + g, heads h * group + g */
             const long seen = past + r - p0 + 1;
             const int valid = seen >= bs ? bs : seen <= 0 ? 0 : (int)seen;
             if (!valid) continue;
-            const float *qv = q + ((long)r * hq + h * group + i % group) * d;
-            int j = 0;
-            if (wide)
-                for (; j + 8 <= valid; j += 8) dot8(qv, kb + (long)j * d, d, scale, s + j);
-            for (; j < valid; j++) s[j] = dot1(qv, kb + (long)j * d, d) * scale;
-            float top = -INFINITY;
-            for (j = 0; j < valid; j++) top = s[j] > top ? s[j] : top;
-            float *ai = acc + (long)i * d;
-            if (top > m[i]) { /* a new max: what is summed so far shrinks by e^(m - top) */
-                const float f = exp_neg(m[i] - top);
-                l[i] *= f;
-#pragma omp simd
-                for (int c = 0; c < d; c++) ai[c] *= f;
-                m[i] = top;
+            for (int g = 0; g < group; g += UB) {
+                const int i = r * group + g;
+                attend_block(q + ((long)r * hq + h * group + g) * d, group - g < UB ? group - g : UB,
+                             kb, vb, valid, d, bs, scale, m + i, l + i, acc + (long)i * d, s);
             }
-            const float mi = m[i];
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (j = 0; j < valid; j++) {
-                s[j] = exp_neg(s[j] - mi);
-                sum += s[j];
-            }
-            l[i] += sum;
-            add_values(ai, s, vb, valid, d);
         }
     }
+}
+
+/* attend_range_d with the common head dims as constants: a key's channels then lie at fixed
+ * offsets from one register, and a query's vectors stay in registers. */
+static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
+                         const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long nb,
+                         long past, float scale, int h, float *m, float *l, float *acc, float *s) {
+    if (d == 64)
+        attend_range_d(q, T, hq, hkv, 64, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s);
+    else if (d == 128)
+        attend_range_d(q, T, hq, hkv, 128, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc,
+                       s);
+    else
+        attend_range_d(q, T, hq, hkv, d, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s);
 }
 
 /* Fewer keys than this over all KV heads are attended on the calling thread alone: measured
@@ -900,7 +1136,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
     const long per = (nb + parts - 1) / parts, items = (long)hkv * parts;
     /* per item: m, l [nq], acc [nq][d]; per thread: one block's scores */
     const long stride = 2L * nq + (long)nq * d;
-    float *buf = malloc(sizeof(float) * (size_t)(items * stride + (long)threads * bs));
+    float *buf = malloc(sizeof(float) * (size_t)(items * stride + (long)threads * UB * bs));
     if (!buf) {
         free(kaddr);
         return -1;
@@ -909,7 +1145,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
      * the threads in turn (see ATTEND_PARTS). */
 #pragma omp parallel num_threads(threads)
     {
-        float *s = buf + items * stride + (long)omp_get_thread_num() * bs;
+        float *s = buf + items * stride + (long)omp_get_thread_num() * UB * bs;
 #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < items; t++) {
             const int h = (int)(t / parts);

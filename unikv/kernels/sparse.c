@@ -924,6 +924,13 @@ static inline __attribute__((always_inline)) void dotw(const float *qv, const fl
     storew(s, sum_across(a) * scale);
 }
 
+/* q . k for one key (d % AW == 0), in vectors. */
+static inline __attribute__((always_inline)) float dot1w(const float *qv, const float *kj, int d) {
+    vw a = loadw(qv) * loadw(kj);
+    for (int c = AW; c < d; c += AW) a += loadw(qv + c) * loadw(kj + c);
+    return hsum(a);
+}
+
 /* For the U queries u of a row (acc + u d their sums, w + u ws their weights):
  * acc_u[0..d) += sum_j w_u[j] v_j over the n value rows vb, vb + d, ...: AV vectors of channels
  * at a time held in registers for every query across the rows, so that each value row is
@@ -988,14 +995,19 @@ static inline __attribute__((always_inline)) void attend_block_n(const float *q0
             for (; j + AW <= valid; j += AW) dotw(qv, kb + (long)j * d, d, scale, su + j);
         else if (d % 8 == 0)
             for (; j + 8 <= valid; j += 8) dot8(qv, kb + (long)j * d, d, scale, su + j);
+        if (d % AW == 0) /* the compiler's own vectorization of dot1 fell back to scalar
+                            code inside this inlined kernel */
+            for (; j < valid; j++) su[j] = dot1w(qv, kb + (long)j * d, d) * scale;
         for (; j < valid; j++) su[j] = dot1(qv, kb + (long)j * d, d) * scale;
         float top = -INFINITY;
         if (valid % AW == 0) {
             vw t = loadw(su);
             for (j = AW; j < valid; j += AW) t = vmax(t, loadw(su + j));
             top = hmax(t);
-        } else
+        } else {
+#pragma omp simd reduction(max : top)
             for (j = 0; j < valid; j++) top = MAX(su[j], top);
+        }
         float *au = acc + (long)u * d;
         if (top > m[u]) { /* a new max */
             const float f = exp_neg(m[u] - top);
@@ -1015,6 +1027,7 @@ static inline __attribute__((always_inline)) void attend_block_n(const float *q0
             l[u] += hsum(sum);
         } else {
             float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
             for (j = 0; j < valid; j++) {
                 su[j] = exp_neg(su[j] - mu);
                 sum += su[j];

@@ -256,7 +256,12 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
     the packed table, every layer, the final norm and the output layer in one call) gives
     step_python's logits (the embedding, `model.layers`, the norm and the output layer's own
     entries) for the decode steps it serves; the rest go the model's way. Float32 output
-    layers take at most gemv.MAX_ROWS rows."""
+    layers take at most gemv.MAX_ROWS rows. A packed output layer rounds its input to int8 per
+    block, and the paths reach it through different code (the final norm and the product in
+    gemv.c's last region, or the model's norm and the output layer's entry): a last-bit
+    difference there can put one code on the other side of a rounding, and that row then
+    differs by about 1e-5 (seen on the AVX2 build at Q8_0: 2 rows of 100 at 6e-6 and 9e-6,
+    96 equal to the bit, 2 within 2e-7)."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama(qtype, packed_embedding=qtype is not None)
@@ -274,7 +279,7 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
     monkeypatch.setattr(m, "_step", fused.step_python)
     want = _serve(m, "full", m._stack)
     assert got.shape == want.shape and torch.isfinite(got).all()
-    assert _rel(got, want) < 1e-6, _rel(got, want)
+    assert _rel(got, want) < (1e-6 if qtype is None else 1e-5), _rel(got, want)
     packed = qtype is not None
     assert served == [(n, packed) for n in ([2, 3, 7, 5, 1] if packed else [2, 3, 1])]
 

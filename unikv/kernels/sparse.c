@@ -700,6 +700,12 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
     const long chunk = keys ? 8 : 4, base = t0 - t0 % chunk;
     const long chunks = nt ? (t1 - base + chunk - 1) / chunk : 0;
     const int team = (long)nq * ns * w < (1L << 17) ? 1 : threads;
+    /* A block's score as its summaries' largest is taken by the thread that scored them, right
+     * after its chunk, where every block lies within one chunk (parts divides a chunk's
+     * summaries): read later by the thread that ranks the head, the scores (16 KB a head at
+     * 8K tokens) had to cross to the other core first. 28 layers' choice at 8K, 2 threads, in
+     * cache: the ranking's part 0.25 ms before. */
+    const int early = temp <= 0.0f && room && (chunk * TILE) % parts == 0;
 #pragma omp parallel num_threads(team)
     {
 #pragma omp for schedule(static)
@@ -714,6 +720,14 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                 score_tiles(qc + h * nqp * w, qs + h * nqp, xq + h * nqp, nq, w,
                             codes + h * head_stride, scales + h * scale_stride, a, b,
                             ss + h * ns + (a - t0) * TILE);
+            if (early) { /* the chunk's blocks' largest, while its scores are in this core's
+                            cache: summaries [f0, f1), whole blocks (parts divides a chunk) */
+                const long f0 = a * TILE > s0 ? a * TILE : s0;
+                const long f1 = b * TILE < s0 + n * parts ? b * TILE : s0 + n * parts;
+                if (f1 > f0)
+                    block_max(ss + h * ns + (f0 - t0 * TILE), (f1 - f0) / parts, parts,
+                              s + h * (2 * n + 1) + (f0 - s0) / parts);
+            }
         }
         /* the mass of each block (an exp per summary): per head its best score, then runs of
            64 blocks over the threads; the largest (a few compares) per head below. The best
@@ -743,7 +757,7 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
             for (long b = hi; b < end; b++) o[lo + room + b - hi] = b;
             if (room) {
                 float *sh = s + h * (2 * n + 1), *tmp = sh + n;
-                if (temp <= 0.0f) /* from summary lo * parts */
+                if (temp <= 0.0f && !early) /* from summary lo * parts */
                     block_max(ss + h * ns + (s0 - t0 * TILE), n, parts, sh);
                 memcpy(tmp, sh, sizeof(float) * n);
                 const float thr = kth_largest(tmp, n, room);

@@ -293,6 +293,11 @@ def check_shapes(
     """Every tensor the engine needs is present (`shapes`: name -> shape) with its shape, or a
     `ModelLoadError` naming the tensor (as `display` spells it: the file format's own name) and
     the expected shape. `expected` (name -> shape) defaults to the Llama layout."""
+    if not 0 < cfg.num_layers <= len(shapes):  # every layer has tensors of its own; a header
+        # that claims more (one flipped byte can claim billions) is refused before the
+        # expected names are listed, which would take memory in proportion
+        raise ModelLoadError(f"{path}: the header says {cfg.num_layers} layers, the file holds "
+                             f"{len(shapes)} tensors")  # fmt: skip
     if expected is None:
         expected = _llama_shapes(cfg)
     for name, shape in expected.items():

@@ -207,6 +207,22 @@ def test_a_damaged_or_hostile_header_is_refused_with_its_reason(tmp_path, body, 
     assert reason in str(err.value)
 
 
+def test_a_header_claiming_more_layers_than_the_file_holds_is_refused(tmp_path):
+    """block_count is checked against the tensors before the expected names are listed: one
+    flipped byte there once claimed 2,046,820,354 layers, and listing their names took 20 GB
+    until the kernel killed the process (found by the property test below)."""
+    path = tmp_path / "tiny.gguf"
+    tinygguf.write(path, "Q8_0")
+    raw = bytearray(path.read_bytes())
+    key = b"llama.block_count"
+    at = raw.find(key) + len(key) + 4  # the key, its value type (uint32), then the value
+    assert int.from_bytes(raw[at : at + 4], "little") == tinygguf.LAYERS
+    raw[at : at + 4] = (2**31 - 1).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="the header says 2147483647 layers, the file holds"):
+        load_gguf(path, progress=False)
+
+
 def test_any_truncation_or_flipped_byte_loads_or_is_a_model_load_error(tmp_path):
     """A property over the tiny model's bytes: cut anywhere, or with a byte changed anywhere
     in its header, the loader returns or raises ModelLoadError, never anything else."""

@@ -283,6 +283,15 @@ def _packed(t, qtype: str, shape: tuple[int, int], cfg: ModelConfig, path: Path)
     return q
 
 
+def check_layer_count(cfg: ModelConfig, tensors: int, path: Path) -> None:
+    """Every layer has tensors of its own: a header or config that claims more layers than the
+    checkpoint holds tensors (one flipped byte can claim billions) is a ModelLoadError, before
+    anything lists the expected tensors, which takes memory in proportion to the layers."""
+    if not 0 < cfg.num_layers <= tensors:
+        raise ModelLoadError(f"{path}: {cfg.num_layers} layers declared, the checkpoint "
+                             f"holds {tensors} tensors")  # fmt: skip
+
+
 def check_shapes(
     cfg: ModelConfig,
     shapes: dict[str, tuple[int, ...]],
@@ -293,11 +302,7 @@ def check_shapes(
     """Every tensor the engine needs is present (`shapes`: name -> shape) with its shape, or a
     `ModelLoadError` naming the tensor (as `display` spells it: the file format's own name) and
     the expected shape. `expected` (name -> shape) defaults to the Llama layout."""
-    if not 0 < cfg.num_layers <= len(shapes):  # every layer has tensors of its own; a header
-        # that claims more (one flipped byte can claim billions) is refused before the
-        # expected names are listed, which would take memory in proportion
-        raise ModelLoadError(f"{path}: the header says {cfg.num_layers} layers, the file holds "
-                             f"{len(shapes)} tensors")  # fmt: skip
+    check_layer_count(cfg, len(shapes), path)
     if expected is None:
         expected = _llama_shapes(cfg)
     for name, shape in expected.items():

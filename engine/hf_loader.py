@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from . import deepseek
 from .config import ModelConfig, ModelLoadError
-from .gguf_loader import check_shapes, file_fingerprint
+from .gguf_loader import check_layer_count, check_shapes, file_fingerprint
 
 ARCHITECTURES = ("LlamaForCausalLM", *deepseek.ARCHITECTURES)
 # HF name (per layer after "model.layers.{i}.") -> the engine's name (after "blk.{i}.")
@@ -142,6 +142,15 @@ def load_hf(
     from safetensors import SafetensorError, safe_open
 
     cfg, files = checkpoint_config(path)
+    if cfg.mla is not None:  # the layers are listed below: first bound them by the tensors
+        count = 0
+        for f in files:
+            try:
+                with safe_open(f, framework="pt") as st:
+                    count += len(st.keys())
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+        check_layer_count(cfg, count, path)
     # DeepSeek checkpoints hold more than the engine runs (e.g. multi-token-prediction layers)
     wanted = deepseek.expected_shapes(cfg) if cfg.mla is not None else None
     tensors: dict[str, torch.Tensor] = {}

@@ -250,6 +250,8 @@ def broken(tmp_path, tokenizer):
         ({"kv_lora_rank": None}, r"missing key 'kv_lora_rank'"),
         ({"scoring_func": "relu"}, r"scoring_func = 'relu'; supported: softmax, sigmoid"),
         ({"quantization_config": {"quant_method": "fp8"}}, r"quantized checkpoints \(fp8\)"),
+        # bounded by the tensors before the expected ones are listed (2^31 layers' names)
+        ({"num_hidden_layers": 2**31 - 1}, r"2147483647 layers declared, the checkpoint holds"),
     ],
 )
 def test_bad_configs_name_the_key(broken, changes, message):

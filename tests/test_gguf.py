@@ -219,7 +219,7 @@ def test_a_header_claiming_more_layers_than_the_file_holds_is_refused(tmp_path):
     assert int.from_bytes(raw[at : at + 4], "little") == tinygguf.LAYERS
     raw[at : at + 4] = (2**31 - 1).to_bytes(4, "little")
     path.write_bytes(bytes(raw))
-    with pytest.raises(ModelLoadError, match="the header says 2147483647 layers, the file holds"):
+    with pytest.raises(ModelLoadError, match="2147483647 layers declared, the checkpoint holds"):
         load_gguf(path, progress=False)
 
 

@@ -13,7 +13,7 @@ when its format is packed); `--b` defaults to the package's sources, so
 
     cp unikv/kernels/*.c /tmp/before/   # then edit the package's
     python benchmarks/kernel_ab.py --a /tmp/before [--context 32] [--steps 40] [--rounds 10]
-        [--strategy full] [--weights native]
+        [--strategy full] [--weights native] [--model smollm2 | FILE.gguf]
 
 measures an edit against what it replaced (ratio below 1: the edit is faster). At long
 contexts `--prefill-once` prefills one sequence once and decodes it further each round.
@@ -92,6 +92,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10, help="rounds per build")
     p.add_argument("--strategy", default="full")
     p.add_argument("--weights", default="native")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="the model (a name or a GGUF file, as `unikv run --model` takes)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--prefill-once",
@@ -111,7 +116,7 @@ def main() -> None:
         models = []
         for interleave in (False, True):
             linear.INTERLEAVE = interleave
-            models.append(load_model("smollm2", progress=False, weights=args.weights))
+            models.append(load_model(args.model, progress=False, weights=args.weights))
         linear.INTERLEAVE = True
         held = [
             sum(
@@ -124,7 +129,7 @@ def main() -> None:
         print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
     else:
         builds = [load_build(args.a), load_build(args.b)]
-        models = [load_model("smollm2", progress=False, weights=args.weights)] * 2
+        models = [load_model(args.model, progress=False, weights=args.weights)] * 2
     shapes, real = [], native.hybrid_kernel
     native.hybrid_kernel = lambda shape: shapes.append(shape) or real(shape)
     try:

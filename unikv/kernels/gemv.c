@@ -96,9 +96,13 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
 /* How far ahead an interleaved group's thread asks for its bytes. Measured on the Intel Xeon,
  * SmolLM2-sized layer matrices at Q4_1, one activation row, 2 threads (against the GGUF order
  * in the same process): no prefetch 1.01x, 1,024 bytes 1.15x, 2,048 (the GGUF kernels') 1.19x,
- * 4,096 1.25x, 8,192 1.27x, 16,384 1.31x, within the runs' noise from 4,096 on. */
+ * 4,096 1.25x, 8,192 1.27x, 16,384 1.31x, within the runs' noise from 4,096 on. The whole
+ * decode step (benchmarks/kernel_ab.py, builds alternating in one process, 20-40 rounds; an
+ * identical build reads 0.99-1.02x), 8,192 against 4,096: the Q4_1 model 1.03-1.05x faster
+ * (three runs; AVX2 build 1.02x), the Q8_0 GGUF 0.99-1.04x (four runs, mean 1.01x); 16,384
+ * 0.97x and 2,048 0.93x at Q8_0. */
 #ifndef R16_PF_BYTES
-#define R16_PF_BYTES 4096
+#define R16_PF_BYTES 8192
 #endif
 
 /* Prefetch the PF_BYTES after row r (of `row` bytes) of a thread's rows [., hi) of w. */

@@ -118,6 +118,15 @@ def check_priority(priority: object) -> int:
     return priority
 
 
+def greedy_token(x: torch.Tensor) -> int:
+    """The index of the first largest of logits x [V] (a NaN counts as the largest, as argmax
+    has it). A CPU float32 row through numpy's argmax: 5 against torch's 33 us (max's index; its
+    argmax 84) over SmolLM2's 49,152 logits here, about 1% of a 4 ms decode step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 1:
+        return int(x.detach().numpy().argmax())
+    return int(x.max(-1).indices)
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -138,9 +147,7 @@ def sample(
         x = x.float().clone() if x is logits else x
         x[list(banned)] = float("-inf")
     if params.greedy:
-        # max's index, not argmax: the same first largest (NaN first, as argmax), 25 against
-        # 67 us over SmolLM2's 49,152 logits on 2 threads here (a 4 ms decode step at Q4_1)
-        return int(x.max(-1).indices)
+        return greedy_token(x)
     x = x.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]

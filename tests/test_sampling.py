@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from unikv.engine.sampling import SamplingParams, logprobs_of, sample
+from unikv.engine.sampling import SamplingParams, greedy_token, logprobs_of, sample
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, 1.0, -2.0])
 
@@ -24,6 +24,16 @@ def test_greedy_is_argmax():
     assert sample(big, SamplingParams(), None) == int(torch.argmax(big)) == 46000
     for dtype in (torch.bfloat16, torch.float16):
         assert sample(LOGITS.to(dtype), SamplingParams(), None) == 1
+    # float32 rows go through numpy's argmax: the same index as torch's for a strided row, a
+    # row that requires grad, infinities and rows of nothing but -inf or NaN
+    g = torch.Generator().manual_seed(0)
+    grid = torch.randn(300, 7, generator=g)
+    grid[[11, 250], 3] = float("inf")
+    grid[:, 5] = float("-inf")
+    grid[:, 6] = float("nan")
+    for row in (grid[:, 3], grid[:, 4], grid[:, 5], grid[:, 6], grid[17],
+                torch.randn(50, generator=g).requires_grad_()):  # fmt: skip
+        assert greedy_token(row) == int(torch.argmax(row.detach())), row
 
 
 def test_top_k_and_top_p_restrict_support():

@@ -56,14 +56,23 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _address(name: str) -> int:
+    """The address of C function `name`, worked out once per loaded build (a ctypes cast:
+    about 10 us, every decode step asks)."""
+    got = _state.get(f"address:{name}")
+    if got is None:
+        got = _state[f"address:{name}"] = kernels.address(_lib(), name)
+    return got  # type: ignore[return-value]
+
+
 def choose_address() -> int:
     """The address of `sparse_choose`, for native code that calls it (`gemv.decode_layers`)."""
-    return kernels.address(_lib(), "sparse_choose")
+    return _address("sparse_choose")
 
 
 def attend_address() -> int:
     """The address of `sparse_attend`, for native code that calls it (`gemv.decode_layers`)."""
-    return kernels.address(_lib(), "sparse_attend")
+    return _address("sparse_attend")
 
 
 TILE = 16  # summaries per tile (sparse.c's layout)

@@ -583,24 +583,6 @@ static inline float exp_neg(float x) {
     return x == -INFINITY ? 0.0f : p * two.f;
 }
 
-/* sh[b] = the sum of e^(temp x - top) over x in sp[b * parts .. (b + 1) * parts), for b < n:
- * with top = temp times the KV head's best score, about the softmax mass the block's summaries
- * would take at the attention's scale `temp` (up to the normalizer, the same for every block),
- * where the largest (`block_max`) counts only a block's best. A term below e^-87 counts as
- * e^-87 (`exp_neg`): blocks that far below the best take no attention. One flat pass of exps
- * over the summaries (in place: `sp` is not read again), then the sums. */
-static void block_mass(float *sp, long n, int parts, float temp, float top, float *sh) {
-#pragma omp simd
-    for (long i = 0; i < n * parts; i++) sp[i] = exp_neg(temp * sp[i] - top);
-    for (long b = 0; b < n; b++) {
-        const float *x = sp + b * parts;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int p = 0; p < parts; p++) sum += x[p];
-        sh[b] = sum;
-    }
-}
-
 /* sh[b] = the largest of sp[b * parts .. (b + 1) * parts), for b < n. For 8 parts (the
  * default) as a tree, three compares deep: one chain of seven serial compares per block was
  * a third of the choice's time. */
@@ -627,7 +609,7 @@ static void block_lse_mass(float *lb, const float *zb, long n);
  * summary b * parts) and their scales at scales + h * scale_stride. Writes out [hkv, lo + room
  * + (end - hi)] int64 per KV head: the sink blocks 0..lo-1, the `room` best of the candidates
  * [lo, hi), then the window hi..end-1; a block's score: its summaries' largest (temp = 0) or
- * their mass at scale temp (`block_mass`). Returns 0, or -1 for arguments out of its
+ * their mass at scale temp (`block_lse`). Returns 0, or -1 for arguments out of its
  * limits (or no memory). w <= 1024 keeps every integer dot exact as a float. */
 int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t *codes,
                   const float *scales, long head_stride, long scale_stride, int parts, int w,
@@ -652,10 +634,10 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
     /* the tiles that hold summaries [lo * parts, hi * parts), scored whole */
     const long s0 = lo * parts, t0 = s0 / TILE, t1 = (hi * parts + TILE - 1) / TILE;
     const long nt = n ? t1 - t0 : 0, ns = nt * TILE, nqs = (long)hkv * nqp;
-    float *qs = malloc(sizeof(float) * (nqs + (size_t)hkv * (ns + 2 * (size_t)n + 1) + w) +
+    float *qs = malloc(sizeof(float) * (nqs + (size_t)hkv * (ns + 2 * (size_t)n) + w) +
                        sizeof(int) * nqs + (size_t)nqs * w);
     if (!qs) return -1;
-    float *ss = qs + nqs, *s = ss + (long)hkv * ns, *qa = s + (long)hkv * (2 * n + 1);
+    float *ss = qs + nqs, *s = ss + (long)hkv * ns, *qa = s + (long)hkv * (2 * n);
     int *xq = (int *)(qa + w);
     int8_t *qc = (int8_t *)(xq + nqs);
     memset(qc, 0, (size_t)nqs * w); /* the padding queries: codes 0 */
@@ -732,33 +714,24 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                 const long f1 = b * TILE < s0 + n * parts ? b * TILE : s0 + n * parts;
                 if (f1 > f0 && temp <= 0.0f)
                     block_max(ss + h * ns + (f0 - t0 * TILE), (f1 - f0) / parts, parts,
-                              s + h * (2 * n + 1) + (f0 - s0) / parts);
+                              s + h * (2 * n) + (f0 - s0) / parts);
                 else if (f1 > f0)
                     block_lse(ss + h * ns + (f0 - t0 * TILE), (f1 - f0) / parts, parts, temp,
-                              s + h * (2 * n + 1) + n + (f0 - s0) / parts,
-                              s + h * (2 * n + 1) + (f0 - s0) / parts);
+                              s + h * (2 * n) + n + (f0 - s0) / parts,
+                              s + h * (2 * n) + (f0 - s0) / parts);
             }
         }
-        /* where a block spans chunks (parts does not divide one): the mass of each block (an
-           exp per summary): per head its best score, then runs of 64 blocks over the threads;
-           the largest (a few compares) per head below. The best goes in the spare float after
-           the head's two rows of n. */
+        /* where a block spans chunks (parts does not divide one): the mass of each block as
+           `block_lse` takes it, in runs of 64 blocks over the threads (against each run's best);
+           the largest (a few compares) per head below. */
         const long runs = temp > 0.0f && room && !early ? (n + 63) / 64 : 0;
         if (runs) {
 #pragma omp for schedule(static)
-            for (int h = 0; h < hkv; h++) {
-                const float *sp = ss + h * ns + (s0 - t0 * TILE);
-                float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-                for (long i = 0; i < n * parts; i++) m = MAX(sp[i], m);
-                s[h * (2 * n + 1) + 2 * n] = m * temp;
-            }
-#pragma omp for schedule(static)
             for (long c = 0; c < hkv * runs; c++) {
                 const long h = c / runs, b0 = (c % runs) * 64, nb = n - b0 < 64 ? n - b0 : 64;
-                float *sh = s + h * (2 * n + 1);
-                block_mass(ss + h * ns + (s0 - t0 * TILE) + b0 * parts, nb, parts, temp,
-                           sh[2 * n], sh + b0);
+                float *sh = s + h * (2 * n);
+                block_lse(ss + h * ns + (s0 - t0 * TILE) + b0 * parts, nb, parts, temp,
+                          sh + n + b0, sh + b0);
             }
         }
 #pragma omp for schedule(static)
@@ -767,10 +740,10 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
             for (long b = 0; b < lo; b++) o[b] = b;
             for (long b = hi; b < end; b++) o[lo + room + b - hi] = b;
             if (room) {
-                float *sh = s + h * (2 * n + 1), *tmp = sh + n;
+                float *sh = s + h * (2 * n), *tmp = sh + n;
                 if (temp <= 0.0f && !early) /* from summary lo * parts */
                     block_max(ss + h * ns + (s0 - t0 * TILE), n, parts, sh);
-                if (temp > 0.0f && early) /* the mass from block_lse's lb and zb */
+                if (temp > 0.0f) /* the mass from block_lse's lb and zb */
                     block_lse_mass(sh, tmp, n);
                 memcpy(tmp, sh, sizeof(float) * n);
                 const float thr = kth_largest(tmp, n, room);
@@ -944,8 +917,8 @@ static inline __attribute__((always_inline)) float hsum(vw x) {
  * that scored a chunk, while its scores are in that core's cache): with z = temp times the
  * chunk's best score, zb[b] = z and lb[b] = the sum of e^(temp x - z) over x in sp[b * parts ..
  * (b + 1) * parts), so that the block's mass against the head's best score top is
- * lb[b] e^(zb[b] - top): `block_mass`'s sum but where a term or the factor falls below e^-87
- * (blocks that far below the best take no attention). The exps in place (`sp` is not read
+ * lb[b] e^(zb[b] - top): the sum of e^(temp x - top) over the block, but where a term or the
+ * factor falls below e^-87 (blocks that far below the best take no attention). The exps in place (`sp` is not read
  * again), lane by lane. */
 static void block_lse(float *sp, long n, int parts, float temp, float *zb, float *lb) {
     const long all = n * parts;

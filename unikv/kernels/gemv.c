@@ -723,7 +723,7 @@ QI8_RANGE(Q4_1)
 /* acc + vpdpbusd of v against the four activation codes at p broadcast to every int32 lane,
  * the codes read by the instruction itself (`{1to16}`, a load-port broadcast): GCC 12 makes
  * _mm512_set1_epi32 of them a separate vpbroadcastd before each vpdpbusd. The interleaved Q8_0
- * decode step (16 of them a block and 16 rows) 1.07-1.10x faster in three same-process A/B
+ * decode step (16 of them a block and 16 rows) 1.05-1.10x faster in four same-process A/B
  * runs (benchmarks/kernel_ab.py --model the Q8_0 GGUF), the Q4_1 one level (0.99-1.03x). */
 typedef int32_t i32_alias __attribute__((may_alias));
 INLINE __m512i dpbusd_bcast4(__m512i acc, __m512i v, const int8_t *p) {

@@ -38,10 +38,19 @@ from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine import linear  # noqa: E402
+from unikv.engine.config import ModelLoadError  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import gemv, native, sparse  # noqa: E402
 
 PACKAGE = Path(gemv.__file__).parent
+
+
+def _load(args):
+    """The model of `--model` (a bad name or file: a one-line exit, not a traceback)."""
+    try:
+        return load_model(args.model, progress=False, weights=args.weights)
+    except ModelLoadError as e:
+        sys.exit(f"kernel_ab: {e}")
 
 
 def load_build(folder: Path) -> tuple[dict, dict]:
@@ -116,7 +125,7 @@ def main() -> None:
         models = []
         for interleave in (False, True):
             linear.INTERLEAVE = interleave
-            models.append(load_model(args.model, progress=False, weights=args.weights))
+            models.append(_load(args))
         linear.INTERLEAVE = True
         held = [
             sum(
@@ -129,7 +138,7 @@ def main() -> None:
         print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
     else:
         builds = [load_build(args.a), load_build(args.b)]
-        models = [load_model(args.model, progress=False, weights=args.weights)] * 2
+        models = [_load(args)] * 2
     shapes, real = [], native.hybrid_kernel
     native.hybrid_kernel = lambda shape: shapes.append(shape) or real(shape)
     try:

@@ -110,8 +110,17 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * spills and the Python interpreter's hot lines. Whole decode step, kernel_ab.py, against L1
  * (locality 3) on the Intel Xeon: Q4_1 model 1.05, 1.10, 1.18x faster; Q8_0 GGUF 1.10, 1.11x;
  * AVX2 build Q4_1 1.05x, Q8_0 0.99x; float32 weights (no software prefetch) 1.01x. prefetcht2
- * reads the same as t1 (0.99x); prefetchnta was 2.2x slower (its lines leave L1 before use). */
+ * reads the same as t1 (0.99x); prefetchnta was 2.2x slower (its lines leave L1 before use),
+ * at every distance from 1,024 to 8,192 bytes about 2x. */
 #define PF_LOCALITY 2
+
+/* How far ahead a float32 row asks for its weights: 2,048 floats (8 KB; the row goes on into the
+ * next one, which the same thread reads next). The float32 model's step against none, in
+ * kernel_ab.py: 512 floats 0.97x, 1,024 1.01x, 2,048 1.06 and 1.05x, 4,096 1.04x. (Into the L1,
+ * as an older build asked, software prefetch slowed every variant.) */
+#ifndef F32_PF_FLOATS
+#define F32_PF_FLOATS 2048
+#endif
 
 /* Prefetch the PF_BYTES after row r (of `row` bytes) of a thread's rows [., hi) of w. */
 INLINE void prefetch_ahead(const uint8_t *w, long r, long row, long hi) {
@@ -164,7 +173,8 @@ INLINE float hsum256(__m256 v) {
 /* Independent accumulators along a row, for one or two activation rows (more rows bring their
  * own chains). Measured here (one core, a model-sized set of weights, interleaved): one row of
  * W at a time with 2 chains streamed 2.3-2.9x faster than the split bmm at batch 1; 4 or 8 rows
- * of W interleaved at a time only 1.3-1.5x, and software prefetch slowed every variant. */
+ * of W interleaved at a time only 1.3-1.5x, and software prefetch into the L1 slowed every
+ * variant (into the L2 it gains: F32_PF_FLOATS). */
 
 /* ---- float32 weights ------------------------------------------------------------------- */
 
@@ -180,6 +190,7 @@ INLINE void f32_row(const float *restrict x, const float *restrict w, long in, f
     for (; k + 16 * U <= in; k += 16 * U)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
+            __builtin_prefetch(w + k + 16 * u + F32_PF_FLOATS, 0, PF_LOCALITY); /* a line each */
             const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
 #pragma GCC unroll 4
             for (int j = 0; j < N; j++)
@@ -293,6 +304,7 @@ INLINE void f32_row(const float *restrict x, const float *restrict w, long in, f
     for (; k + 8 * U <= in; k += 8 * U)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
+            if (u % 2 == 0) __builtin_prefetch(w + k + 8 * u + F32_PF_FLOATS, 0, PF_LOCALITY);
             const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
 #pragma GCC unroll 4
             for (int j = 0; j < N; j++)

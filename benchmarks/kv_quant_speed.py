@@ -32,7 +32,7 @@ from benchmarks.common import report  # noqa: E402
 from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.evaluate import read_text  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
-from unikv.engine.sampling import greedy_token  # noqa: E402
+from unikv.engine.sampling import greedy_rows  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def prefill(model, kv, ids: list[int], seq: int, chunk: int = 512) -> int:
         logits = model.forward(
             toks, pos, kv, StepBatch([seq], [len(part)]), torch.tensor([len(part) - 1])
         )
-    return greedy_token(logits[0])  # as engine.sampling.sample
+    return greedy_rows(logits)[0]  # as the engine picks a greedy token
 
 
 def decode(model, kv, first: int, start: int, n: int, seq: int, before_step=None) -> float:
@@ -81,7 +81,7 @@ def decode(model, kv, first: int, start: int, n: int, seq: int, before_step=None
         logits = model.forward(
             torch.tensor([token]), torch.tensor([start + i]), kv, StepBatch([seq], [1])
         )
-        token = greedy_token(logits[0])
+        token = greedy_rows(logits)[0]
     return time.perf_counter() - t0 - excluded
 
 

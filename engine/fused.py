@@ -203,10 +203,18 @@ def step_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv,
     if layers is not None:
         step, embeds = desc
         x = None if embeds else model.embed.rows(tokens).contiguous()
-        rows = torch.arange(n) if rows is None else rows.to(torch.int64).contiguous()
+        rows = _every_row(n) if rows is None else rows.to(torch.int64).contiguous()
         got = gemv.decode_step(layers, _kv_step(plan), step, x, tokens.to(torch.int64).contiguous(),
                                positions.contiguous(), rows)  # fmt: skip
     return step_python(model, tokens, positions, kv, rows) if got is None else got
+
+
+_EVERY_ROW = [torch.arange(n) for n in range(65)]
+
+
+def _every_row(n: int) -> torch.Tensor:
+    """0 .. n - 1 as int64 (every row's logits; read only): kept for the batch sizes of decode."""
+    return _EVERY_ROW[n] if n < len(_EVERY_ROW) else torch.arange(n)
 
 
 def _step_desc(model, rows: int):

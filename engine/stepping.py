@@ -15,7 +15,7 @@ import torch
 from unikv.kvstrategies.kv import KVCache, StepBatch
 
 from .requests import Request
-from .sampling import logprobs_of, sample
+from .sampling import greedy_rows, logprobs_of, sample
 from .scheduler import Work
 
 log = logging.getLogger("unikv.engine.engine")  # the engine's logger: its messages are the loop's
@@ -82,34 +82,44 @@ class StepRunner:
             batch,
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
+        # Greedy requests take their rows' argmax from one call over all of them (`greedy_rows`)
+        greedy = None
+        if any(w.needs_logits and w.req.params.greedy for w in plan):
+            greedy = greedy_rows(logits)
         out: list[int | BaseException | None] = []
         for w, span in zip(plan, spans, strict=True):
             try:  # this request's values: a failure here is its own
-                out.append(self._book(w, logits[span.start : span.stop]))
+                out.append(self._book(w, logits, span, greedy))
             except Exception as e:
                 out.append(e)
         return out
 
-    def _book(self, w: Work[Request], logits: torch.Tensor) -> int | None:
-        """The token sampled for `w` from its rows of logits (None: a prompt chunk, or a
-        prompt-only request); the log-probabilities it asked for go to `self.logprobs`."""
+    def _book(self, w: Work[Request], logits: torch.Tensor, span: range,
+              greedy: list[int] | None) -> int | None:  # fmt: skip
+        """The token sampled for `w` from its rows `span` of the step's logits (None: a prompt
+        chunk, or a prompt-only request; `greedy`: every row's argmax, or None); the
+        log-probabilities it asked for go to `self.logprobs`."""
         req, p = w.req, w.req.params
         lps: dict[str, object] = {}
         if req.wants_prompt_logits and req.num_computed < len(req.prompt_ids) - 1:
             # row i (position start + i) predicts the prompt token at start + i + 1
             start, n = req.num_computed, len(req.prompt_ids)
             nxt = req.prompt_ids[start + 1 : min(start + len(w.tokens), n - 1) + 1]
-            lps["prompt"] = logprobs_of(logits[: len(nxt)], nxt, p.prompt_logprobs)
+            lps["prompt"] = logprobs_of(logits[span.start : span.start + len(nxt)], nxt,
+                                        p.prompt_logprobs)  # fmt: skip
         token = None
         if w.needs_logits and p.max_new_tokens > 0:
-            row = logits[-1]
+            last = span.stop - 1
             banned = ()
             if len(req.output_ids) < p.min_tokens:
                 eos = self.tokenizer.eos_id
                 banned = (*p.stop_token_ids, *(() if eos is None or p.ignore_eos else (eos,)))
             seen = req.tokens if p.repetition_penalty != 1.0 else ()
-            token = sample(row, p, req.gen, seen, banned)
+            if greedy is not None and p.greedy and not banned and not seen:
+                token = greedy[last]  # what `sample` would pick: nothing changes the row
+            else:
+                token = sample(logits[last], p, req.gen, seen, banned)
             if p.logprobs is not None:
-                lps["token"] = logprobs_of(row.unsqueeze(0), [token], p.logprobs)[0]
+                lps["token"] = logprobs_of(logits[last : last + 1], [token], p.logprobs)[0]
         self.logprobs[id(w)] = lps
         return token

@@ -74,6 +74,7 @@ class DenseFormat(Format):
         self._native = self._in_place and all(a.is_contiguous() for a in self._layers)
         self._place_cache: dict[int, tuple[int, int, int] | None] = {}  # `_place`, per arena
         self._every_cache: dict[int, torch.Tensor] = {}  # `_all_blocks`, per count
+        self._ids_cache: dict = {}  # `_block_ids`, per sequence: (table, its version, ids)
 
     def prepare(self, step: Step) -> None:
         self.step = step
@@ -81,7 +82,11 @@ class DenseFormat(Format):
         self._blocks: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pool, bs, batch = self.pool, self.pool.block_size, step.batch
         seqs = list(zip(batch.seq_ids, step.past, batch.query_lens, strict=True))
-        self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
+        if max(batch.query_lens) <= bs:  # a decode step: one tensor of every sequence's slots
+            slots = [s for sid, p, n in seqs for s in pool.slot_list(sid, p, p + n)]
+            self._new_slots = torch.tensor(slots, dtype=torch.long, device=pool.device)
+        else:
+            self._new_slots = torch.cat([pool.slot_ids(sid, p, p + n) for sid, p, n in seqs])
         # A decode step (a few new tokens per sequence) reads every block in place through
         # `attention.blocks`, as a sparse selection's chosen ones: one C call per sequence and
         # layer, where PyTorch's attention costs more in dispatch and reads slower
@@ -292,7 +297,7 @@ class DenseFormat(Format):
             dev = self._layers[0].device
             table = self.pool.table(self.step.batch.seq_ids[i])
             if self.step.groups is None:
-                self._blocks[i] = (None, torch.tensor(table.block_ids(), device=dev))
+                self._blocks[i] = (None, self._block_ids(table))
                 return self._blocks[i]
             where: list[int] = []
             ids: list[int] = []
@@ -308,6 +313,18 @@ class DenseFormat(Format):
                 where += [g] * count
             self._blocks[i] = (torch.tensor(where, device=dev), torch.tensor(ids, device=dev))
         return self._blocks[i]
+
+    def forget(self, seq_id: int) -> None:
+        self._ids_cache.pop(seq_id, None)
+
+    def _block_ids(self, table) -> torch.Tensor:
+        """A resident sequence's block ids as a tensor, made again only when its table changed
+        (`BlockTable.version`: a new block every block_size tokens), not every decode step."""
+        got = self._ids_cache.get(table.seq_id)
+        if got is None or got[0] is not table or got[1] != table.version:
+            ids = torch.tensor(table.block_ids(), device=self._layers[0].device)
+            got = self._ids_cache[table.seq_id] = (table, table.version, ids)
+        return got[2]
 
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ks, vs = [], []

@@ -422,7 +422,7 @@ class BlockTable:
     `truncate` drops trailing blocks (after a strategy compacts the sequence).
     """
 
-    __slots__ = ("seq_id", "block_size", "num_tokens", "_refs")
+    __slots__ = ("seq_id", "block_size", "num_tokens", "version", "_refs")
 
     def __init__(self, seq_id: SeqId, block_size: int) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -430,6 +430,7 @@ class BlockTable:
         self.seq_id = seq_id
         self.block_size = block_size
         self.num_tokens = 0
+        self.version = 0  # counts the changes to which blocks the table lists
         self._refs: list[BlockRef] = []
 
     def __len__(self) -> int:
@@ -469,6 +470,7 @@ class BlockTable:
     def append_blocks(self, tier: str, block_ids: Iterable[int]) -> None:
         """Append blocks of `tier` at the end of the table."""
         self._refs.extend(BlockRef(tier, b) for b in block_ids)
+        self.version += 1
 
     def append_tokens(self, n: int) -> None:
         """Record that `n` more token slots are filled; the blocks must already be there."""
@@ -484,6 +486,7 @@ class BlockTable:
         """Replace the block at `index` (its data moved tiers); return the old ref."""
         old = self._refs[index]
         self._refs[index] = ref
+        self.version += 1
         return old
 
     def truncate(self, num_tokens: int) -> list[BlockRef]:
@@ -497,6 +500,7 @@ class BlockTable:
         keep = math.ceil(num_tokens / self.block_size)
         dropped = self._refs[keep:]
         del self._refs[keep:]
+        self.version += 1
         self.num_tokens = num_tokens
         return dropped
 

@@ -218,20 +218,29 @@ class UnifiedMemoryPool:
 
     def slot_ids(self, seq: SeqId, start: int, end: int) -> torch.Tensor:
         """Device-arena slot index (block_id * block_size + offset) of tokens [start, end)."""
-        table = self._require(seq)
-        bs = self.block_size
-        first, last = start // bs, -(-end // bs)
-        refs = table.refs[first:last]
-        if any(r.tier != TierKind.DEVICE for r in refs):
-            raise RuntimeError(f"sequence {seq!r} has blocks off the device tier; swap it in first")
-        if end - start <= bs:  # a decode step's few tokens: one tensor made from ints
-            return torch.tensor(
-                [refs[t // bs - first].block_id * bs + t % bs for t in range(start, end)],
-                dtype=torch.long, device=self.device,
-            )  # fmt: skip
+        if end - start <= self.block_size:  # a decode step's few tokens: a tensor made from ints
+            slots = self.slot_list(seq, start, end)
+            return torch.tensor(slots, dtype=torch.long, device=self.device)
+        refs = self._device_refs(seq, start, end)
+        bs, first = self.block_size, start // self.block_size
         ids = torch.tensor([r.block_id for r in refs], dtype=torch.long)
         slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
         return slots[start - first * bs : end - first * bs].to(self.device)
+
+    def slot_list(self, seq: SeqId, start: int, end: int) -> list[int]:
+        """`slot_ids` as a list of ints (a decode step's few tokens: the caller makes one
+        tensor of every sequence's)."""
+        refs, bs = self._device_refs(seq, start, end), self.block_size
+        first = start // bs
+        return [refs[t // bs - first].block_id * bs + t % bs for t in range(start, end)]
+
+    def _device_refs(self, seq: SeqId, start: int, end: int) -> tuple[BlockRef, ...]:
+        """The blocks of `seq` that hold tokens [start, end), refused unless all on the device."""
+        table, bs = self._require(seq), self.block_size
+        refs = table.refs[start // bs : -(-end // bs)]
+        if any(r.tier != TierKind.DEVICE for r in refs):
+            raise RuntimeError(f"sequence {seq!r} has blocks off the device tier; swap it in first")
+        return refs
 
     def slot_runs(self, seq: SeqId, end: int) -> list[tuple[int, int]]:
         """Tokens [0, end) of `seq` as (start_slot, end_slot) runs of consecutive device slots."""

@@ -253,6 +253,22 @@ def test_block_table_growth() -> None:
     t.check({"device": a})
 
 
+def test_block_table_version_counts_every_change_of_its_blocks() -> None:
+    """A reader that caches the block ids (the dense format's decode step) rereads them when
+    `version` moved: every change of which blocks are listed moves it; filling slots does not."""
+    t = BlockTable("s", BS)
+    seen = [t.version]
+    t.append_blocks("device", [3, 4])
+    seen.append(t.version)
+    t.append_tokens(5)
+    assert t.version == seen[-1]
+    t.move(1, BlockRef("host", 9))
+    seen.append(t.version)
+    t.truncate(2)
+    seen.append(t.version)
+    assert len(set(seen)) == len(seen) and t.block_ids() == [3]
+
+
 def test_block_table_detects_foreign_block() -> None:
     a = make(8)
     mine = a.allocate(1, "s1")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from unikv.engine.sampling import SamplingParams, greedy_token, logprobs_of, sample
+from unikv.engine.sampling import SamplingParams, greedy_rows, greedy_token, logprobs_of, sample
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, 1.0, -2.0])
 
@@ -34,6 +34,15 @@ def test_greedy_is_argmax():
     for row in (grid[:, 3], grid[:, 4], grid[:, 5], grid[:, 6], grid[17],
                 torch.randn(50, generator=g).requires_grad_()):  # fmt: skip
         assert greedy_token(row) == int(torch.argmax(row.detach())), row
+    # every row of a matrix at once: the same tokens, for a strided matrix and the fallbacks
+    for m in (
+        grid,
+        grid.t(),
+        grid[::3, 2:],
+        grid.to(torch.bfloat16),
+        grid.clone().requires_grad_(),
+    ):
+        assert greedy_rows(m) == [int(torch.argmax(r.detach())) for r in m], m.shape
 
 
 def test_top_k_and_top_p_restrict_support():

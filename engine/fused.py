@@ -33,6 +33,7 @@ from unikv.kernels.native import int64s as _int64s
 from unikv.kernels.operators import FnImplementation, register, switches
 from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
+from . import linear
 from .linear import NATIVE_FORMATS, Linear, _blocks, i8_weight
 from .quantized import K_FORMATS
 
@@ -80,29 +81,50 @@ def _kind(lin: Linear) -> tuple[int, int] | None:
     return None
 
 
-def _lin(lin: Linear, kind: int) -> gemv.Lin:
+def _lin(lin: Linear, kind: int, keep: list) -> gemv.Lin:
+    """gemv.c's lin_t of `lin` for its matmul entry's kind; the tensors it points into are
+    appended to `keep` (a weight interleaved later drops its GGUF-order forms: the description
+    holds them until it is rebuilt)."""
     w = lin.weight
     if kind == gemv.KIND_FLOAT:
+        keep.append(w.weight)
         return gemv.lin(kind, w.weight, w.out_features, w.in_features)
     if kind == gemv.KIND_PACKED_I8:
         blocks, head, rows16 = i8_weight(w)
+        keep += (blocks, head)
         return gemv.lin(kind, blocks, w.out_features, w.in_features, w.qtype, head, rows16)
-    return gemv.lin(kind, w.form("blocks", _blocks), w.out_features, w.in_features, w.qtype)
+    blocks = w.form("blocks", _blocks)
+    keep.append(blocks)
+    return gemv.lin(kind, blocks, w.out_features, w.in_features, w.qtype)
+
+
+def _epoch() -> tuple:
+    """What a kept native description depends on besides the model: the breakers' switches
+    (`operators.switches`), the packed weights' forms (`linear.forms_built`: interleaving a
+    weight, or giving it another form, changes which tensors its kernel reads) and the kernel
+    build loaded (gemv's state: a build without the VNNI path reads the GGUF order)."""
+    return switches(), linear.forms_built, gemv._state
+
+
+def _same(a: tuple | None, b: tuple) -> bool:
+    return a is not None and a[0] == b[0] and a[1] == b[1] and a[2] is b[2]
 
 
 class _Described:
     """One layer's gemv.Layer, built for the matmul entries its linear layers had chosen."""
 
-    __slots__ = ("chosen", "layer", "max_rows", "seen")
+    __slots__ = ("chosen", "keep", "layer", "max_rows", "seen")
 
     def __init__(self, model, li: int, chosen: tuple) -> None:
         cfg = model.cfg
         attn_norm, wqkv, wo, ffn_norm, wgu, wdown = model.layers[li]
         kinds = [_kind(lin) for lin in (wqkv, wo, wgu, wdown)]
-        self.chosen, self.layer, self.max_rows, self.seen = chosen, None, 0, -1
+        self.chosen, self.layer, self.max_rows, self.seen = chosen, None, 0, None
+        self.keep: list = []  # the tensors `layer` points into
         if any(k is None for k in kinds):
             return
-        lins = [_lin(lin, k[0]) for lin, k in zip((wqkv, wo, wgu, wdown), kinds, strict=True)]
+        lins = [_lin(lin, k[0], self.keep)
+                for lin, k in zip((wqkv, wo, wgu, wdown), kinds, strict=True)]  # fmt: skip
         self.max_rows = min(k[1] for k in kinds)
         rope = model.rope
         self.layer = gemv.Layer(
@@ -114,19 +136,18 @@ class _Described:
 
 
 def _described(model, li: int) -> _Described:
-    """Layer li's description, rebuilt when one of its matmul entries changed (a fallback);
-    its 4 breakers are asked only after some breaker switched (`operators.switches`): a step
-    that goes layer by layer asks for it twice a layer."""
+    """Layer li's description, rebuilt when one of its matmul entries switched (a fallback), a
+    weight's forms changed or another kernel build was loaded (`_epoch`): a step that goes
+    layer by layer asks twice a layer, and compares three numbers."""
     cache = model.__dict__.setdefault("_native_layers", {})
     got = cache.get(li)
-    now = switches()
-    if got is not None and got.seen == now:
+    now = _epoch()
+    if got is not None and _same(got.seen, now):
         return got
     layers = model.layers[li]
     chosen = tuple(layers[j].op.active.name for j in (1, 2, 4, 5))
-    if got is None or got.chosen != chosen:
-        got = cache[li] = _Described(model, li, chosen)
-    got.seen = now
+    got = cache[li] = _Described(model, li, chosen)
+    got.seen = _epoch()  # after the build, which may have interleaved a weight
     return got
 
 
@@ -220,12 +241,14 @@ def _every_row(n: int) -> torch.Tensor:
 def _step_desc(model, rows: int):
     """(gemv.Step of the model's output layer, final norm and, where gemv.c reads its table,
     embedding; whether it has the embedding), or None when the output layer has no native
-    description for `rows` rows. Kept until a breaker switches (`operators.switches`)."""
+    description for `rows` rows. Kept until `_epoch` moves (a breaker switched, a weight's
+    forms changed, another kernel build)."""
     if model.dtype != torch.float32 or model.device.type != "cpu":
         return None
-    cached, now = model.__dict__.get("_native_step"), switches()
-    if cached is None or cached[0] != now:
-        cached = model.__dict__["_native_step"] = (now, *_describe_step(model))
+    cached = model.__dict__.get("_native_step")
+    if cached is None or not _same(cached[0], _epoch()):
+        described = _describe_step(model)
+        cached = model.__dict__["_native_step"] = (_epoch(), *described)
     _, step, embeds, most, _keep = cached
     return None if step is None or rows > most else (step, embeds)
 
@@ -234,9 +257,10 @@ def _describe_step(model):
     kind = _kind(model.lm_head)
     if kind is None:
         return None, False, 0, None
-    head = _lin(model.lm_head, kind[0])  # (interleaves a packed head first, where it would be)
+    keep = [model.norm]  # what the description points into
+    head = _lin(model.lm_head, kind[0], keep)  # (interleaves a packed head first, where it would)
     step = gemv.Step(norm=model.norm.data_ptr(), eps=model.cfg.rms_norm_eps, head=head)
-    w, keep = model.embed.weight, [model.norm]
+    w = model.embed.weight
     embeds = getattr(w, "qtype", None) in gemv.FORMAT_CODE and gemv.unavailable() is None
     if embeds:
         table = w.rows16 if w.rows16 is not None else w.q.blocks
@@ -253,18 +277,19 @@ def _all_usable(model, x: torch.Tensor):
 
 def _stack_array(model, n: int):
     """`_all_usable` for n float32 rows on CPU (the caller checked the model and the rows).
-    Built once and kept until a breaker switches an implementation (`operators.switches`):
-    a step checks one number, not 4 breakers per layer."""
-    cached, now = model.__dict__.get("_native_stack"), switches()
-    if cached is None or cached[0] != now:
+    Built once and kept until `_epoch` moves (a breaker switched an implementation, a weight's
+    forms changed, another kernel build): a step compares three numbers, not 4 breakers per
+    layer."""
+    cached = model.__dict__.get("_native_stack")
+    if cached is None or not _same(cached[0], _epoch()):
         described = [_described(model, li) for li in range(model.cfg.num_layers)]
         layers = [d.layer for d in described]
         array, rows = None, 0
         if all(layer is not None for layer in layers):
             array = (ctypes.POINTER(gemv.Layer) * len(layers))(*map(ctypes.pointer, layers))
             rows = min(d.max_rows for d in described)
-        # the layers are kept with the array: its pointers point into them
-        cached = model.__dict__["_native_stack"] = (now, array, rows, layers)
+        # the descriptions are kept with the array: its pointers point into them
+        cached = model.__dict__["_native_stack"] = (_epoch(), array, rows, described)
     return cached[1] if cached[1] is not None and n <= cached[2] else None
 
 

@@ -57,6 +57,42 @@ def test_packed_layer_equals_its_ops_under_every_isa(native_model, isa, rows):
     _check_layers(native_model, rows, 2e-5)
 
 
+def test_a_layer_description_follows_the_build_and_the_weights_forms(native_model, monkeypatch):
+    """A layer's native description points into its weights in the layout the loaded build
+    reads (interleaved by 16 rows on the VNNI path, GGUF order in the portable build). Another
+    build (as the `isa` fixture loads) or a weight given another form rebuilds it, and it holds
+    the tensors it points into. (Kept across builds, a description of one layout was read by
+    another: a worker that ran the ISA tests crashed in the next decode.)"""
+    from unikv.engine import linear
+
+    def lins(d):
+        return [getattr(d.layer, f) for f in ("qkv", "wo", "gu", "down")]
+
+    def check(d):  # every pointer into a kept tensor, in the layout `i8_weight` gives now
+        kept = {t.data_ptr() for t in d.keep if t.numel()}
+        layers = native_model.layers[0]
+        for lin, w in zip(lins(d), (layers[j].weight for j in (1, 2, 4, 5)), strict=True):
+            assert lin.w in kept and (lin.h is None or lin.h in kept)
+            if lin.kind == gemv.KIND_PACKED_I8:
+                assert bool(lin.fmt & gemv.ROWS16) == linear.i8_weight(w)[2]
+
+    first = fused._described(native_model, 0)
+    assert fused._described(native_model, 0) is first  # kept while nothing moved
+    check(first)
+    monkeypatch.setenv("UNIKV_ISA", "portable")
+    monkeypatch.setattr(gemv, "_state", {})  # another build, loaded on first use
+    portable = fused._described(native_model, 0)
+    assert portable is not first and gemv.isa() == "portable"
+    check(portable)
+    assert not any(lin.fmt & gemv.ROWS16 for lin in lins(portable))
+    monkeypatch.undo()
+    back = fused._described(native_model, 0)
+    assert back is not portable
+    check(back)
+    linear._built()  # a weight gained or changed a form
+    assert fused._described(native_model, 0) is not back
+
+
 def test_rows_a_kernel_does_not_take_go_the_ops_way(model, monkeypatch):
     """Float32 weights: gemv takes at most MAX_ROWS rows, so 5 rows are the ops path's exactly
     (a prompt chunk); a position past the RoPE table fails as the ops path fails."""

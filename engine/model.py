@@ -153,7 +153,6 @@ class LlamaModel:
         decoded to float at load for want of a native kernel ("dequantized")."""
         return ModelReport(weights=weight_formats(self), dequantized=tuple(self.dequantized))
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,
@@ -164,8 +163,16 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run one packed step and return logits [M, V] for `logits_rows` (all rows if None).
 
-        tokens, positions: [N] for the N new tokens of `batch`, packed in batch order.
+        tokens, positions: [N] for the N new tokens of `batch`, packed in batch order. Runs in
+        inference mode: a caller's loop that is in it already saves entering it each step (a
+        few calls, each slow right after a step: docs/kernels.md, "Fixed costs of a step").
         """
+        if torch.is_inference_mode_enabled():
+            return self._forward(tokens, positions, kv, batch, logits_rows)
+        with torch.inference_mode():
+            return self._forward(tokens, positions, kv, batch, logits_rows)
+
+    def _forward(self, tokens, positions, kv: KVCache, batch: StepBatch, logits_rows):
         kv.begin_step(batch)
         try:
             # The logits before the commit: a failure here rolls the step back too, so the

@@ -82,9 +82,10 @@ class StepRunner:
             batch,
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
-        # Greedy requests take their rows' argmax from one call over all of them (`greedy_rows`)
+        # Greedy requests take their rows' argmax from one call over all of them (`greedy_rows`),
+        # where the step's rows are only the ones sampled (not a prompt's rows of logprobs)
         greedy = None
-        if any(w.needs_logits and w.req.params.greedy for w in plan):
+        if len(rows) <= len(plan) and any(w.needs_logits and w.req.params.greedy for w in plan):
             greedy = greedy_rows(logits)
         out: list[int | BaseException | None] = []
         for w, span in zip(plan, spans, strict=True):

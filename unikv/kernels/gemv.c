@@ -128,6 +128,11 @@ INLINE void prefetch_ahead(const uint8_t *w, long r, long row, long hi) {
     for (long o = (r * row + PF_BYTES) & ~63L; o < end; o += 64) __builtin_prefetch(w + o, 0, PF_LOCALITY);
 }
 
+/* Prefetch an interleaved group's block of gb bytes at o, R16_PF_BYTES ahead. */
+INLINE void prefetch_group(const uint8_t *o, long gb) {
+    for (long f = R16_PF_BYTES; f < R16_PF_BYTES + gb; f += 64) __builtin_prefetch(o + f, 0, PF_LOCALITY);
+}
+
 /* An fp16 value (little-endian at p) as float. */
 INLINE float half(const uint8_t *p) {
     uint16_t h;
@@ -764,7 +769,7 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
     for (int j = 0; j < N; j++) acc[j] = tacc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * gb;
-        for (long f = R16_PF_BYTES; f < R16_PF_BYTES + gb; f += 64) __builtin_prefetch(o + f, 0, PF_LOCALITY);
+        prefetch_group(o, gb);
         __m512i v[8];
         int off[8]; /* the element of each register's first activation code, in a->q's layout */
         if (fmt == Q8_0) {
@@ -1191,7 +1196,7 @@ INLINE void r16_group(const x16_t *restrict a, const uint8_t *restrict wg, float
     const __m256i m4 = _mm256_set1_epi8(0x0F), k256 = _mm256_set1_epi16(256), one = _mm256_set1_epi16(1);
     for (long b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * gb;
-        for (long f = R16_PF_BYTES; f < R16_PF_BYTES + gb; f += 64) __builtin_prefetch(o + f, 0, PF_LOCALITY);
+        prefetch_group(o, gb);
         for (int hh = 0; hh < 2; hh++) { /* rows 8 hh .. 8 hh + 7 */
             __m256i v[8];
 #pragma GCC unroll 4

@@ -73,3 +73,24 @@ def test_the_memory_report_names_the_attention_path():
     )
     assert _kernel_status(report()) == "PyTorch (this strategy has no C kernel)"
     assert "[attention kernel: PyTorch fallback (x)]" in _memory_lines(report(kernel="torch (x)"))
+
+
+def _isas_here() -> list[str]:
+    flags = set(kernels.cpu_flags().split())
+    if not kernels._x86():
+        return ["native", "portable"]
+    return [i for i in ("avx512", "avx2", "portable") if flags >= set(kernels.ISA_NEEDS[i])]
+
+
+@pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler here")
+@pytest.mark.parametrize("source", sorted(p.name for p in kernels.SOURCE.parent.glob("*.c")))
+def test_every_shipped_kernel_builds_for_every_instruction_set_this_cpu_runs(source, monkeypatch):
+    """A kernel that fails to build falls back to PyTorch, and its tests skip: without this
+    check a broken C file would leave the suite green. Each source, built as the engine builds
+    it (the attention kernel at the probe shape), for each ISA this CPU can run."""
+    path = kernels.SOURCE.parent / source
+    defines = [f"-DK{k}={v}" for k, v in sorted(kernels.PROBE_SHAPE.items())]
+    for isa in _isas_here():
+        monkeypatch.setenv("UNIKV_ISA", isa)
+        lib = kernels.build(path, defines if path == kernels.SOURCE else ())
+        assert lib.exists(), (source, isa)

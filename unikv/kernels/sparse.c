@@ -32,31 +32,49 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The `k`-th largest of a[0..n) (k in [1, n]); a is reordered. */
-static float kth_largest(float *a, long n, long k) {
-    long lo = 0, hi = n - 1, want = k - 1;
-    while (lo < hi) {
-        const float pivot = a[lo + (hi - lo) / 2];
-        long i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) {
-                const float t = a[i];
-                a[i] = a[j];
-                a[j] = t;
-                i++;
-                j--;
-            }
+/* The `k`-th largest of a[0..n) (k in [1, n]), found bit by bit in the scores' order as
+ * unsigned integers (`order_key`: the sign bit set for x >= 0, every bit flipped for x < 0; -0
+ * taken as 0): from the top bit down, a bit is kept where at least k keys are at or above the
+ * prefix with it set; once exactly k are, the least of them is the answer. Counting passes the
+ * compiler vectorizes, over fewer keys as the prefix grows (those below it are dropped), with
+ * no branch per score: the quickselect it replaces mispredicted about every other comparison
+ * (510 block scores, k = 61, random: 3.9 us against 0.73, AVX2 0.74, no SIMD 0.94; the same
+ * value in 200,000 random cases with ties, -0 and -inf). key: n uint32 of scratch. */
+static inline uint32_t order_key(float x) {
+    uint32_t u;
+    x += 0.0f; /* -0 -> +0 */
+    memcpy(&u, &x, 4);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+static float kth_largest(const float *a, long n, long k, uint32_t *key) {
+    for (long i = 0; i < n; i++) key[i] = order_key(a[i]);
+    uint32_t t = 0;
+    long m = n; /* key[0..m) holds every key at or above t */
+    for (int bit = 31; bit >= 0; bit--) {
+        const uint32_t c = t | (1u << bit);
+        uint32_t count = 0;
+        for (long i = 0; i < m; i++) count += key[i] >= c;
+        if (count < k) continue;
+        t = c;
+        if (count == k) { /* the k-th largest: the least of the k keys at or above c */
+            uint32_t least = UINT32_MAX;
+            for (long i = 0; i < m; i++) least = key[i] >= c && key[i] < least ? key[i] : least;
+            t = least;
+            break;
         }
-        if (want <= j)
-            hi = j;
-        else if (want >= i)
-            lo = i;
-        else
-            return a[want];
+        if (2 * (long)count <= m) { /* keep only those at or above t (no branch per key) */
+            long j = 0;
+            for (long i = 0; i < m; i++) {
+                key[j] = key[i];
+                j += key[i] >= c;
+            }
+            m = j;
+        }
     }
-    return a[want];
+    const uint32_t u = t & 0x80000000u ? t ^ 0x80000000u : ~t;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
 }
 
 /* Eight floats as one vector (GCC/Clang vector extensions: AVX/AVX2 registers, two SSE or NEON
@@ -145,19 +163,38 @@ static inline float dot1(const float *qv, const float *kj, int d) {
 #define CHOOSE_ISA 0
 #endif
 
+/* Scoring asks for the tile CHOOSE_AHEAD tiles ahead, into the L2 (prefetcht1). Why: a step's
+ * summaries (24 MiB at 8K tokens, 28 layers) come from memory, and the hardware prefetcher did
+ * not keep the scoring fed: 28 layers' choice, 2 threads, after a sweep of the caches, took
+ * 1.48-1.83 ms without it, 1.09-1.24 with 8 tiles ahead (4 and 16: between the two; into the
+ * L1, slower). The tile ahead is asked for a line at a time as the current one is multiplied
+ * (`pf`, one line per 4 channels; NULL: none): asked for at once, its 16 lines had the loads
+ * behind them wait for the core's line fill buffers (the same choice from a one-off harness:
+ * 2.38-2.41 -> 2.10-2.13 ms, ctypes calls included). Not for the keys' tiles (8 lines each):
+ * there a line per 8 channels made the choice slower (2.60 -> 3.09 ms). */
+#ifndef CHOOSE_AHEAD
+#define CHOOSE_AHEAD 8
+#endif
+#ifndef CHOOSE_HINT
+#define CHOOSE_HINT 2
+#endif
+
 /* best[k] = the largest of best[k] and, over the queries u < nu (of QT: qc + u * w their
  * codes, qs[u] their scales, xq[u] 128 x their code sums), float(dot of codes) x qs[u], for
  * the 16 summaries k of one tile. Inlined with nu a constant (`tile_best`), so a pass with
- * fewer than QT queries (a decode step of a 3-query group) multiplies only those. */
+ * fewer than QT queries (a decode step of a 3-query group) multiplies only those. Asks for the
+ * tile at pf as it goes (see CHOOSE_AHEAD). */
 static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, const float *qs,
                                                               const int *xq, const int nu, int w,
-                                                              const int8_t *tile, float *best) {
+                                                              const int8_t *tile, float *best,
+                                                              const char *pf) {
 #if CHOOSE_ISA == 2
     __m512i acc[QT];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
     for (int u = 0; u < nu; u++) acc[u] = _mm512_setzero_si512();
     for (int c = 0; c < w; c += 4) {
+        if (pf) __builtin_prefetch(pf + c * TILE, 0, CHOOSE_HINT);
         const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(tile + c * TILE), flip);
 #pragma GCC unroll 4
         for (int u = 0; u < nu; u++) {
@@ -178,6 +215,7 @@ static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, 
 #pragma GCC unroll 4
     for (int u = 0; u < nu; u++) acc[u][0] = acc[u][1] = _mm256_setzero_si256();
     for (int c = 0; c < w; c += 4) {
+        if (pf) __builtin_prefetch(pf + c * TILE, 0, CHOOSE_HINT);
         const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE)), flip);
         const __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + c * TILE + 32)), flip);
 #pragma GCC unroll 4
@@ -200,7 +238,7 @@ static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, 
     _mm256_storeu_ps(best, m0);
     _mm256_storeu_ps(best + 8, m1);
 #else /* the plain sum of c q: the same integer */
-    (void)xq;
+    (void)xq, (void)pf;
     for (int u = 0; u < nu; u++)
         for (int k = 0; k < TILE; k++) {
             int a = 0;
@@ -213,42 +251,29 @@ static inline __attribute__((always_inline)) void tile_best_n(const int8_t *qc, 
 }
 
 static void tile_best(const int8_t *qc, const float *qs, const int *xq, int nu, int w,
-                      const int8_t *tile, float *best) {
+                      const int8_t *tile, float *best, const char *pf) {
     switch (nu) {
-    case 1: tile_best_n(qc, qs, xq, 1, w, tile, best); break;
-    case 2: tile_best_n(qc, qs, xq, 2, w, tile, best); break;
-    case 3: tile_best_n(qc, qs, xq, 3, w, tile, best); break;
-    default: tile_best_n(qc, qs, xq, QT, w, tile, best); break;
+    case 1: tile_best_n(qc, qs, xq, 1, w, tile, best, pf); break;
+    case 2: tile_best_n(qc, qs, xq, 2, w, tile, best, pf); break;
+    case 3: tile_best_n(qc, qs, xq, 3, w, tile, best, pf); break;
+    default: tile_best_n(qc, qs, xq, QT, w, tile, best, pf); break;
     }
 }
 
 /* Scores of the summaries in tiles [t0, t1) of one KV head: s[i] for summary t0 * TILE + i.
  * qc: the head's query codes (nq rounded up to QT, w each), qs their scales, xq 128 x their
- * code sums; tiles: the head's; scales: one per summary. */
-/* Scoring asks for the tile CHOOSE_AHEAD tiles ahead, into the L2 (prefetcht1). Why: a step's
- * summaries (24 MiB at 8K tokens, 28 layers) come from memory, and the hardware prefetcher did
- * not keep the scoring fed: 28 layers' choice, 2 threads, after a sweep of the caches, took
- * 1.48-1.83 ms without it, 1.09-1.24 with 8 tiles ahead (4 and 16: between the two; into the
- * L1, slower). */
-#ifndef CHOOSE_AHEAD
-#define CHOOSE_AHEAD 8
-#endif
-#ifndef CHOOSE_HINT
-#define CHOOSE_HINT 2
-#endif
+ * code sums; tiles: the head's; scales: one per summary. The tile CHOOSE_AHEAD ahead is asked
+ * for by the first pass of queries over each tile. */
 static void score_tiles(const int8_t *qc, const float *qs, const int *xq, int nq, int w,
                         const int8_t *tiles, const float *scales, long t0, long t1, float *s) {
     for (long t = t0; t < t1; t++) {
-        if (CHOOSE_AHEAD) {
-            const char *p = (const char *)(tiles + (t + CHOOSE_AHEAD) * TILE * w);
-            for (int o = 0; o < TILE * w; o += 64) __builtin_prefetch(p + o, 0, CHOOSE_HINT);
-            __builtin_prefetch(scales + (t + CHOOSE_AHEAD) * TILE, 0, CHOOSE_HINT);
-        }
+        const char *p = CHOOSE_AHEAD ? (const char *)(tiles + (t + CHOOSE_AHEAD) * TILE * w) : NULL;
+        if (CHOOSE_AHEAD) __builtin_prefetch(scales + (t + CHOOSE_AHEAD) * TILE, 0, CHOOSE_HINT);
         float *o = s + (t - t0) * TILE;
         for (int k = 0; k < TILE; k++) o[k] = -INFINITY;
         for (int j = 0; j < nq; j += QT)
             tile_best(qc + (long)j * w, qs + j, xq + j, nq - j < QT ? nq - j : QT, w,
-                      tiles + t * TILE * w, o);
+                      tiles + t * TILE * w, o, j == 0 ? p : NULL);
         for (int k = 0; k < TILE; k++) o[k] *= scales[t * TILE + k];
     }
 }
@@ -745,8 +770,7 @@ int sparse_choose(const float *q, int rows, int hq, int hkv, int d, const int8_t
                     block_max(ss + h * ns + (s0 - t0 * TILE), n, parts, sh);
                 if (temp > 0.0f) /* the mass from block_lse's lb and zb */
                     block_lse_mass(sh, tmp, n);
-                memcpy(tmp, sh, sizeof(float) * n);
-                const float thr = kth_largest(tmp, n, room);
+                const float thr = kth_largest(sh, n, room, (uint32_t *)tmp);
                 long above = 0; /* blocks above the threshold: all taken; of those equal to it,
                                    the first in block order fill the rest, so the chosen come
                                    out sorted (without a branch per block) */
@@ -980,14 +1004,22 @@ static inline __attribute__((always_inline)) float dot1w(const float *qv, const 
     return hsum(a);
 }
 
+/* One key or value row of d floats asked for (see attend_range_d). */
+static inline void prefetch_row(const char *p, int d) {
+    for (int o = 0; o < d * 4; o += 64) __builtin_prefetch(p + o, 0, PF_HINT);
+}
+
 /* For the U queries u of a row (acc + u d their sums, w + u ws their weights):
  * acc_u[0..d) += sum_j w_u[j] v_j over the n value rows vb, vb + d, ...: AV vectors of channels
  * at a time held in registers for every query across the rows, so that each value row is
- * loaded once for all U queries; then single vectors, then single channels. */
+ * loaded once for all U queries; then single vectors, then single channels. Where pk is not
+ * NULL, the `ahead` key and value rows of a later block (pk, pv) are asked for as they go, one
+ * of each per value row added, the rest after. */
 static inline __attribute__((always_inline)) void add_values_n(float *acc, const float *w, int ws,
                                                                const float *vb, int n, int d,
-                                                               const int U) {
-    int c0 = 0;
+                                                               const int U, const char *pk,
+                                                               const char *pv, int ahead) {
+    int c0 = 0, asked = 0;
     for (; c0 + AV * AW <= d; c0 += AV * AW) {
         vw a[UB][AV];
 #pragma GCC unroll 4
@@ -995,6 +1027,11 @@ static inline __attribute__((always_inline)) void add_values_n(float *acc, const
 #pragma GCC unroll 4
             for (int r = 0; r < AV; r++) a[u][r] = loadw(acc + (long)u * d + c0 + AW * r);
         for (int j = 0; j < n; j++) {
+            if (pk && c0 == 0 && j < ahead) {
+                prefetch_row(pk + (long)j * d * 4, d);
+                prefetch_row(pv + (long)j * d * 4, d);
+                asked = j + 1;
+            }
             const float *vj = vb + (long)j * d + c0;
             vw x[AV];
 #pragma GCC unroll 4
@@ -1024,17 +1061,24 @@ static inline __attribute__((always_inline)) void add_values_n(float *acc, const
 #pragma omp simd
             for (int c = c0; c < d; c++) acc[(long)u * d + c] += wj * vj[c];
         }
+    if (pk)
+        for (int j = asked; j < ahead; j++) {
+            prefetch_row(pk + (long)j * d * 4, d);
+            prefetch_row(pv + (long)j * d * 4, d);
+        }
 }
 
 /* One block of `valid` keys kb and values vb against U queries q0, q0 + d, ... (consecutive
  * heads of one row), each with its running softmax (m[u], l[u], acc + u d): its scores (s + u
  * bs), the max raised where a score exceeds it (what is summed so far shrinks by e^(m - top)),
- * the weights e^(score - max), then the values for all U at once. */
+ * the weights e^(score - max), then the values for all U at once, asking for the bs key and
+ * value rows at pk and pv as it goes (NULL: none). */
 static inline __attribute__((always_inline)) void attend_block_n(const float *q0, const int U,
                                                                  const float *kb, const float *vb,
                                                                  int valid, int d, int bs,
                                                                  float scale, float *m, float *l,
-                                                                 float *acc, float *s) {
+                                                                 float *acc, float *s,
+                                                                 const char *pk, const char *pv) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; u++) {
         const float *qv = q0 + (long)u * d;
@@ -1084,51 +1128,68 @@ static inline __attribute__((always_inline)) void attend_block_n(const float *q0
             l[u] += sum;
         }
     }
-    add_values_n(acc, s, bs, vb, valid, d, U);
+    add_values_n(acc, s, bs, vb, valid, d, U, pk, pv, bs);
 }
 
 static inline __attribute__((always_inline)) void attend_block(const float *q0, int U,
                                                                const float *kb, const float *vb,
                                                                int valid, const int d, int bs,
                                                                float scale, float *m, float *l,
-                                                               float *acc, float *s) {
+                                                               float *acc, float *s,
+                                                               const char *pk, const char *pv) {
     switch (U) {
-    case 1: attend_block_n(q0, 1, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
-    case 2: attend_block_n(q0, 2, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
-    case 3: attend_block_n(q0, 3, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
-    default: attend_block_n(q0, UB, kb, vb, valid, d, bs, scale, m, l, acc, s); break;
+    case 1: attend_block_n(q0, 1, kb, vb, valid, d, bs, scale, m, l, acc, s, pk, pv); break;
+    case 2: attend_block_n(q0, 2, kb, vb, valid, d, bs, scale, m, l, acc, s, pk, pv); break;
+    case 3: attend_block_n(q0, 3, kb, vb, valid, d, bs, scale, m, l, acc, s, pk, pv); break;
+    default: attend_block_n(q0, UB, kb, vb, valid, d, bs, scale, m, l, acc, s, pk, pv); break;
     }
 }
 
 /* One range of head h's blocks (addresses kaddr/vaddr[0..nb), sequence positions pos) against
  * its nq = T * group queries, in one pass: per block, row and up to UB of the row's queries
- * (`attend_block`), the running softmax (max m, sum l, weighted values acc [nq][d]). The
- * range's blocks are prefetched PF_AHEAD ahead. Query row r sees the block's first `valid`
- * keys (positions <= past + r): a partly filled block's empty slots are never read, as keys or
- * values. s: UB x bs floats. */
+ * (`attend_block`), the running softmax (max m, sum l, weighted values acc [nq][d]). Query row
+ * r sees the block's first `valid` keys (positions <= past + r): a partly filled block's empty
+ * slots are never read, as keys or values. s: UB x bs floats.
+ *
+ * The blocks are asked for PF_AHEAD ahead: the first PF_AHEAD at the start where `start` is
+ * set, block b + PF_AHEAD's rows while block b's values are added (a key and a value row per
+ * value row), where b + PF_AHEAD < `ahead` (kaddr/vaddr hold that many: the range's own and
+ * the next ranges the same thread reads). Asked for all at once (128 prefetches of a 16-token
+ * block of 64 channels before its turn), the loads behind them waited for the core's line fill
+ * buffers: 30 layers' 8K cache, 2 threads, 21.5 -> 18.2 ms all of it, 4.0 -> 3.5 ms 1/8 of it
+ * (a one-off harness). */
 static inline __attribute__((always_inline)) void attend_range_d(
     const float *q, int T, int hq, int hkv, const int d, int bs, const int64_t *kaddr,
     const int64_t *vaddr, const int64_t *pos, long nb, long past, float scale, int h, float *m,
-    float *l, float *acc, float *s) {
+    float *l, float *acc, float *s, long ahead, int start) {
     const int group = hq / hkv, nq = T * group;
     for (int i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)nq * d);
     for (long b = 0; b < nb; b++) {
-        if (b + PF_AHEAD < nb) {
-            prefetch_block((const char *)(intptr_t)kaddr[b + PF_AHEAD], (long)bs * d);
-            prefetch_block((const char *)(intptr_t)vaddr[b + PF_AHEAD], (long)bs * d);
-        }
+        const char *pk = b + PF_AHEAD < ahead ? (const char *)(intptr_t)kaddr[b + PF_AHEAD] : NULL;
+        const char *pv = pk ? (const char *)(intptr_t)vaddr[b + PF_AHEAD] : NULL;
+        if (b == 0 && start)
+            for (long a = 0; a < PF_AHEAD && a < nb; a++) {
+                prefetch_block((const char *)(intptr_t)kaddr[a], (long)bs * d);
+                prefetch_block((const char *)(intptr_t)vaddr[a], (long)bs * d);
+            }
         const float *kb = (const float *)(intptr_t)kaddr[b];
         const float *vb = (const float *)(intptr_t)vaddr[b];
         const long p0 = pos[b] * bs;
         for (int r = 0; r < T; r++) { /* row r: queries r * group + g, heads h * group + g */
             const long seen = past + r - p0 + 1;
             const int valid = seen >= bs ? bs : seen <= 0 ? 0 : (int)seen;
-            if (!valid) continue;
+            if (!valid) {
+                if (pk) prefetch_block(pk, (long)bs * d), prefetch_block(pv, (long)bs * d);
+                pk = pv = NULL;
+                continue;
+            }
             for (int g = 0; g < group; g += UB) {
                 const int i = r * group + g;
                 attend_block(q + ((long)r * hq + h * group + g) * d, group - g < UB ? group - g : UB,
-                             kb, vb, valid, d, bs, scale, m + i, l + i, acc + (long)i * d, s);
+                             kb, vb, valid, d, bs, scale, m + i, l + i, acc + (long)i * d, s,
+                             pk, pv);
+                pk = pv = NULL;
             }
         }
     }
@@ -1138,14 +1199,17 @@ static inline __attribute__((always_inline)) void attend_range_d(
  * offsets from one register, and a query's vectors stay in registers. */
 static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
                          const int64_t *kaddr, const int64_t *vaddr, const int64_t *pos, long nb,
-                         long past, float scale, int h, float *m, float *l, float *acc, float *s) {
+                         long past, float scale, int h, float *m, float *l, float *acc, float *s,
+                         long ahead, int start) {
     if (d == 64)
-        attend_range_d(q, T, hq, hkv, 64, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s);
+        attend_range_d(q, T, hq, hkv, 64, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s,
+                       ahead, start);
     else if (d == 128)
         attend_range_d(q, T, hq, hkv, 128, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc,
-                       s);
+                       s, ahead, start);
     else
-        attend_range_d(q, T, hq, hkv, d, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s);
+        attend_range_d(q, T, hq, hkv, d, bs, kaddr, vaddr, pos, nb, past, scale, h, m, l, acc, s,
+                       ahead, start);
 }
 
 /* Fewer keys than this over all KV heads are attended on the calling thread alone: measured
@@ -1158,9 +1222,14 @@ static void attend_range(const float *q, int T, int hq, int hkv, int d, int bs,
 #ifndef SERIAL_KEYS
 #define SERIAL_KEYS 1024
 #endif
-/* With more threads than one, each KV head's blocks go in this many parts (items), which the
- * threads take in turn as they finish one (a dynamic schedule): a thread the machine slows
- * takes fewer instead of holding up the layer. */
+/* With more threads than one, each KV head's blocks go in this many parts (items), and each
+ * thread takes an equal run of consecutive items (heads in order, parts in order): one stretch
+ * of kaddr/vaddr, which its prefetches follow across the items' bounds, so only a thread's
+ * first item starts unasked for. The items had gone to the threads in turn as each finished one
+ * (a dynamic schedule, so that a thread the machine slows takes fewer); each item then started
+ * cold, and with 1/8 of an 8K cache an item is only about 33 blocks: 30 layers' 8K cache, 2
+ * threads (a one-off harness), all of it 17.5 -> 16.5 ms, 1/8 of it 3.21 -> 3.07 ms; in the
+ * 8K step (benchmarks/sparse.py) `full`'s attention 18.3 -> 16.6 ms, `sparse`'s 4.85 -> 4.67. */
 #ifndef ATTEND_PARTS
 #define ATTEND_PARTS 2
 #endif
@@ -1203,13 +1272,14 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
         free(kaddr);
         return -1;
     }
-    /* Items (a part of a head's blocks: one stretch of kaddr/vaddr, prefetched ahead) go to
-     * the threads in turn (see ATTEND_PARTS). */
+    /* Each thread's run of items [t_lo, t_hi): kaddr/vaddr up to `last` (see ATTEND_PARTS). */
 #pragma omp parallel num_threads(threads)
     {
-        float *s = buf + items * stride + (long)omp_get_thread_num() * UB * bs;
-#pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < items; t++) {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *s = buf + items * stride + (long)tid * UB * bs;
+        const long t_lo = items * tid / nt, t_hi = items * (tid + 1) / nt;
+        const long last = t_hi > t_lo ? item_end(t_hi - 1, parts, per, nb) : 0;
+        for (long t = t_lo; t < t_hi; t++) {
             const int h = (int)(t / parts);
             const long first = (long)h * nb + (t % parts) * per, end = item_end(t, parts, per, nb);
             float *m = buf + t * stride, *l = m + nq, *acc = l + nq;
@@ -1218,7 +1288,7 @@ int sparse_attend(const float *q, int T, int hq, int hkv, int d, int bs, const i
                 continue;
             }
             attend_range(q, T, hq, hkv, d, bs, kaddr + first, vaddr + first, blocks + first,
-                         end - first, past, scale, h, m, l, acc, s);
+                         end - first, past, scale, h, m, l, acc, s, last - first, t == t_lo);
         }
     }
     for (int h = 0; h < hkv; h++)

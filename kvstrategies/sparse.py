@@ -187,7 +187,7 @@ class SparseSelection(Selection):
         # seq -> per layer the blocks its last step read ([Hkv, B]; None: all): `likely`
         self._recent: dict[int, list[torch.Tensor | None]] = {}
         self.last_read: list[list[torch.Tensor | None]] = []  # per layer, per batch sequence
-        # `sparse.choose`, `sparse.quantize_keys`: the C kernels, else torch
+        # `sparse.choose`, `sparse.quantize_keys`, `sparse.summarize`: the C kernels, else torch
         self.operators = OperatorSet(pool.device)
         self.counts = {"steps": 0, "sparse_reads": 0, "blocks_read": 0, "blocks_stored": 0,
                        "repeat_blocks": 0, "chosen_blocks": 0}  # fmt: skip
@@ -482,12 +482,11 @@ class SparseSelection(Selection):
         if layer is not None:
             codes, scales = codes[layer : layer + 1], scales[layer : layer + 1]
             opened = opened[:, layer : layer + 1]
-        goes_on = start and self._index(start - 1) == first  # the open summary fills on
-        if first == last:  # one summary (most decode steps): one reduction
-            mins, maxs = k.amin(1), k.amax(1)
-            if goes_on:
-                mins, maxs = torch.minimum(mins, opened[0]), torch.maximum(maxs, opened[1])
-            mins, maxs = mins.unsqueeze(2), maxs.unsqueeze(2)  # [L, Hkv, 1, D]
+        goes_on = bool(start) and self._index(start - 1) == first  # the open summary fills on
+        ranged = self.opts["range_weight"] > 0
+        if first == last:  # one summary (most decode steps): `sparse.summarize`, in place
+            op = self.operators["sparse.summarize"] if layer is None else summarize_torch
+            op(k, opened, goes_on, ranged, codes, scales, first)  # (a layer's views: torch)
         else:
             shape = (k.shape[0], k.shape[2], last - first + 1, k.shape[3])
             mins = torch.full(shape, float("inf"), device=k.device)
@@ -499,16 +498,10 @@ class SparseSelection(Selection):
             kt = k.transpose(1, 2)  # [L, Hkv, n, D]
             mins.scatter_reduce_(2, idx, kt, "amin")
             maxs.scatter_reduce_(2, idx, kt, "amax")
-        opened[0], opened[1] = mins[:, :, -1], maxs[:, :, -1]
-        c, scales[:, :, first : last + 1] = _summaries(mins, maxs, self.opts["range_weight"] > 0)
-        # into the tiles: summary i is row i % 16 of tile i // 16, 4 channels at a time
-        c = c.unflatten(-1, (-1, 4))  # [L, Hkv, n, w / 4, 4]
-        rows = codes.transpose(3, 4)  # [L, Hkv, tiles, 16, w / 4, 4] (a view)
-        if first == last:
-            rows[:, :, first // kernels.TILE, first % kernels.TILE] = c[:, :, 0]
-        else:
+            opened[0], opened[1] = mins[:, :, -1], maxs[:, :, -1]
+            c, scales[:, :, first : last + 1] = _summaries(mins, maxs, ranged)
             i = torch.arange(first, last + 1, device=k.device)
-            rows[:, :, i // kernels.TILE, i % kernels.TILE] = c
+            _tile_rows(codes)[:, :, i // kernels.TILE, i % kernels.TILE] = c.unflatten(-1, (-1, 4))
         if layer is None:
             self._known[sid] = start + n
 
@@ -583,6 +576,34 @@ def _summaries(
     if ranged:  # 0.501: a margin for float32's rounding of r / scale
         codes = torch.cat([codes, (r / div).add_(0.501).ceil_().clamp_(0, 127)], -1)
     return codes.to(torch.int8), top
+
+
+def _tile_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Summary tiles [..., tiles, w / 4, 16, 4] as rows [..., tiles, 16, w / 4, 4] (a view):
+    summary i is row i % 16 of tile i // 16, 4 channels at a time."""
+    return codes.transpose(-3, -2)
+
+
+def summarize_torch(
+    k: torch.Tensor,
+    opened: torch.Tensor,
+    goes_on: bool,
+    ranged: bool,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    index: int,
+) -> None:
+    """Summary `index` of every layer and KV head after keys k [L, n, Hkv, D] (n tokens, all
+    within it): its running minimum and maximum `opened` [2, L, Hkv, D] (continued where
+    `goes_on`, else started anew), then its codes and scale from them (`_summaries`) into
+    `codes` [L, Hkv, tiles, w / 4, 16, 4] and `scales` [L, Hkv, cap]; in place (views too).
+    The registry op `sparse.summarize` (the C kernel writes the same bytes in one pass)."""
+    mins, maxs = k.amin(1), k.amax(1)  # [L, Hkv, D]
+    if goes_on:
+        mins, maxs = torch.minimum(mins, opened[0]), torch.maximum(maxs, opened[1])
+    opened[0], opened[1] = mins, maxs
+    c, scales[:, :, index] = _summaries(mins, maxs, ranged)
+    _tile_rows(codes)[:, :, index // kernels.TILE, index % kernels.TILE] = c.unflatten(-1, (-1, 4))
 
 
 def quantize_queries(qa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -688,4 +709,10 @@ register_op(FnImplementation(
     lambda device, owner: kernels.unavailable(),
 ), preference=10)  # fmt: skip
 register_op(FnImplementation("sparse.quantize_keys", "torch", quantize_key_tiles, ("*",)),
+            preference=90, reference=True)  # fmt: skip
+register_op(FnImplementation(
+    "sparse.summarize", "c", kernels.summarize, ("cpu",),
+    lambda device, owner: kernels.unavailable(),
+), preference=10)  # fmt: skip
+register_op(FnImplementation("sparse.summarize", "torch", summarize_torch, ("*",)),
             preference=90, reference=True)  # fmt: skip

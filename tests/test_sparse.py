@@ -443,6 +443,47 @@ def test_the_key_quantizer_kernel_makes_the_references_bytes(group, isa):
         kernels.quantize_key_tiles(x.transpose(1, 2)[:, :, :64], group)
 
 
+@pytest.mark.parametrize("ranged", [False, True])
+def test_the_summary_kernel_makes_the_references_bytes(ranged, isa):
+    """A decode step's keys into the centres' summaries: `sparse_summarize` (one pass in C)
+    against `summarize_torch`, byte for byte (codes, scales, the running minimum and maximum),
+    under every build: a summary started and one filling on, one token and several, keys from
+    a batch's slice, keys of every scale, a constant channel, centres that round at .5; a
+    refused call writes nothing."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import summarize_torch
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    g = torch.Generator().manual_seed(7 + ranged)
+    layers, h, d, tiles = 4, 3, 64, 3
+    w = 2 * d if ranged else d
+    batch = torch.randn(layers, 5, h, d, generator=g) * torch.logspace(-6, 4, d)
+    batch[..., 3] = 0.75  # constant: half-range 0
+    batch[..., 5] = torch.arange(5).float().view(1, 5, 1) * 0.5  # centres at .25 and .5 steps
+    codes = torch.randint(-127, 128, (layers, h, tiles, w // 4, 16, 4), generator=g,
+                          dtype=torch.int8)  # fmt: skip
+    got = (torch.randn(2, layers, h, d, generator=g).sort(0).values, codes,
+           torch.rand(layers, h, 16 * tiles, generator=g))  # fmt: skip
+    want = tuple(t.clone() for t in got)
+    untouched = codes.clone()
+    for keys, goes_on, index in ((batch[:, 1:2], False, 0), (batch[:, 2:4], True, 0),
+                                 (batch[:, 4:5], True, 0), (batch[:, :1], False, 17),
+                                 (batch[:, 1:4], True, 17), (batch[:, 4:], False, 47)):  # fmt: skip
+        kernels.summarize(keys, got[0], goes_on, ranged, got[1], got[2], index)
+        summarize_torch(keys, want[0], goes_on, ranged, want[1], want[2], index)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (goes_on, index)
+    written = (want[1] != untouched).flatten(3).any(-1)  # [L, Hkv, tiles]
+    assert written[:, :, 0].all() and written[:, :, 1].all() and written[:, :, 2].all()
+    before = tuple(t.clone() for t in got)
+    with pytest.raises(ValueError, match="rejected"):  # past the last tile: nothing written
+        kernels.summarize(batch[:, :1], got[0], True, ranged, got[1], got[2], 16 * tiles)
+    with pytest.raises(ValueError, match="float32 keys"):
+        kernels.summarize(batch[:, :1].double(), got[0], True, ranged, got[1], got[2], 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))
+
+
 def test_a_key_group_shares_its_minimum_and_step_as_it_fills():
     """key_group = 64: keys written over a prompt and single steps (the open group quantized
     again as it fills, across its tiles) come back within half their group's step, and each

@@ -3,9 +3,10 @@
 What lives here: `unavailable()` (why this machine cannot run the kernels, or None),
 `choose_blocks` (one sequence's blocks for one layer: the sinks, the best-scoring candidates
 per KV head, the window) and `attend_blocks` (attention over those blocks, read in place
-wherever each lies: the dense format's arenas, staged tensors), and `choose_address` /
-`attend_address` (the same choice and attention for native callers: the decode step of
-`gemv.c`). What does not: the PyTorch
+wherever each lies: the dense format's arenas, staged tensors), `summarize` (a decode step's
+keys into the centres' summaries) and `quantize_key_tiles` (keys in 4 bits), and
+`choose_address` / `attend_address` (the same choice and attention for native callers: the
+decode step of `gemv.c`). What does not: the PyTorch
 references and the registry entries that choose between them (`kvstrategies.sparse`,
 `kvstrategies.full`), the build and its cache (`kernels.native.build`: the same flags, cache
 directory and libgomp as the other kernels).
@@ -39,6 +40,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sparse_quantize_keys.restype = ctypes.c_int
     lib.sparse_attend.argtypes = [p, i, i, i, i, i, p, p, p, p, p, lng, lng, f, p, i]
     lib.sparse_attend.restype = ctypes.c_int
+    lib.sparse_summarize.argtypes = [p, lng, lng, lng, i, i, p, i, i, p, lng, p, lng, lng]
+    lib.sparse_summarize.restype = ctypes.c_int
     _state["lib"] = lib
     return lib
 
@@ -129,6 +132,45 @@ def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     if rc != 0:
         raise ValueError("sparse_quantize_keys rejected its arguments")
     return codes, params
+
+
+def summarize(
+    k: torch.Tensor,
+    opened: torch.Tensor,
+    goes_on: bool,
+    ranged: bool,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    index: int,
+) -> None:
+    """Summary `index` of every layer and KV head updated in place with a step's keys k [L,
+    n, Hkv, D] float32 (all n tokens within that summary), as
+    `kvstrategies.sparse.summarize_torch` does it, byte for byte: its running minimum and
+    maximum `opened` [2, L, Hkv, D] (continued where `goes_on`), its int8 codes in `codes` [L,
+    Hkv, tiles, w / 4, 16, 4] (w = 2D `ranged`, else D) and its scale in `scales` [L, Hkv,
+    cap]. Raises ValueError, having written nothing, for tensors it does not take."""
+    layers, n, h, d = k.shape
+    w = 2 * d if ranged else d
+    if (k.dtype != torch.float32 or k.stride(3) != 1 or k.stride(2) != d
+            or (n > 1 and k.stride(1) != h * d) or (layers > 1 and k.stride(0) < n * h * d)
+            or opened.dtype != torch.float32 or not opened.is_contiguous()
+            or tuple(opened.shape) != (2, layers, h, d) or codes.dtype != torch.int8
+            or not codes.is_contiguous() or codes.dim() != 6
+            or tuple(codes.shape[:2]) != (layers, h) or tuple(codes.shape[3:]) != (w // 4, TILE, 4)
+            or scales.dtype != torch.float32 or not scales.is_contiguous()
+            or tuple(scales.shape[:2]) != (layers, h) or scales.dim() != 3):  # fmt: skip
+        raise ValueError(
+            "summarize takes float32 keys [L, n, Hkv, D] (each token's heads contiguous), "
+            "contiguous float32 `opened` [2, L, Hkv, D], int8 tiles [L, Hkv, tiles, w / 4, 16, "
+            "4] and float32 scales [L, Hkv, cap]"
+        )
+    rc = _lib().sparse_summarize(
+        k.data_ptr(), layers, n, k.stride(0) if layers > 1 else n * h * d, h, d,
+        opened.data_ptr(), int(goes_on), int(ranged), codes.data_ptr(), codes.shape[2],
+        scales.data_ptr(), scales.shape[2], index,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"sparse_summarize rejected its arguments (summary {index})")
 
 
 def choose_blocks(

@@ -697,22 +697,14 @@ def pick_blocks(score: torch.Tensor, lo: int, hi: int, room: int, end: int) -> t
                       torch.arange(hi, end, device=dev).expand(h, -1)], dim=1)  # fmt: skip
 
 
-register_op(FnImplementation(
-    "sparse.choose", "c", kernels.choose_blocks, ("cpu",),
-    lambda device, owner: kernels.unavailable(),
-), preference=10)  # fmt: skip
-register_op(
-    FnImplementation("sparse.choose", "torch", choose_torch, ("*",)), preference=90, reference=True
-)
-register_op(FnImplementation(
-    "sparse.quantize_keys", "c", kernels.quantize_key_tiles, ("cpu",),
-    lambda device, owner: kernels.unavailable(),
-), preference=10)  # fmt: skip
-register_op(FnImplementation("sparse.quantize_keys", "torch", quantize_key_tiles, ("*",)),
-            preference=90, reference=True)  # fmt: skip
-register_op(FnImplementation(
-    "sparse.summarize", "c", kernels.summarize, ("cpu",),
-    lambda device, owner: kernels.unavailable(),
-), preference=10)  # fmt: skip
-register_op(FnImplementation("sparse.summarize", "torch", summarize_torch, ("*",)),
-            preference=90, reference=True)  # fmt: skip
+def _register(op: str, c_fn, torch_fn) -> None:
+    """`op`'s C kernel (`unikv/kernels/sparse.c`, on a CPU where it builds; preferred) and its
+    PyTorch reference (any device)."""
+    c = FnImplementation(op, "c", c_fn, ("cpu",), lambda device, owner: kernels.unavailable())
+    register_op(c, preference=10)
+    register_op(FnImplementation(op, "torch", torch_fn, ("*",)), preference=90, reference=True)
+
+
+_register("sparse.choose", kernels.choose_blocks, choose_torch)
+_register("sparse.quantize_keys", kernels.quantize_key_tiles, quantize_key_tiles)
+_register("sparse.summarize", kernels.summarize, summarize_torch)

@@ -1,33 +1,33 @@
 """Dynamic sparse attention: every token keeps its KV; each step reads only the blocks its
 queries need (the `sparse` selection, issue 35).
 
-Quest's rule (Tang et al., ICML 2024), for any model, without training, made finer: per layer
-and KV head the selection summarizes each block's keys in runs of `summary_tokens` tokens (2
-by default: 8 summaries to a 16-token block). A summary is its keys' per-channel centre c (the
-midpoint of their minimum and maximum) and, when `range_weight` w > 0, their half-range r. For
-a query q the largest q.k any of its keys can give is at most q.c + |q|.r; a summary is scored
-q.c + w |q|.r (w = 1: Quest's bound) and a block by its best summary. Quest summarizes a whole
-block with w = 1. What the development texts measured (BENCHMARKS.md): at the same bytes,
-finer summaries of the centre alone estimate a block's attention better than coarser ones
-with their range, and summaries of 2 tokens, w = 0, came nearest to choosing by the true
-attention. Per step, layer and KV head, the group's query heads (and, for a chunk of several
-tokens, all its queries) choose together: a summary takes its largest score over them, and a
-block its summaries' largest (`block_score` max) or their log-sum-exp at the attention's
-scale (lse, ranked by the sum of e^(scale (x - best)): about the softmax mass the block takes,
-so that many strong tokens outweigh one; with one token per summary it is what came nearest to
-choosing by the true attention on the shortest development text, BENCHMARKS.md). The choice
-is the registry op `sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else
-`choose_torch`): one call per sequence and layer.
+By default (`summary = "keys"`, `block_score = "lse"`) a step scores every stored token:
+its key in 4 bits, per group of `key_group` tokens and channel a float16 minimum and step
+(KIVI's per-channel quantization of keys), so a query's q.k is estimated per token
+(`key_scores`) as q.m + (q.s).code, an integer dot once q.s is rounded to int8 for the group.
+Per step, layer and KV head, the group's query heads (and, for a chunk of several tokens, all
+its queries) choose together: a token takes its largest score over them, and a block its
+tokens' log-sum-exp at the attention's scale (ranked by the sum of e^(scale (x - best)), about
+the softmax mass the block takes, so that many strong tokens outweigh one). It chooses about
+as well as the true attention does (on the shortest development text at 1/8: +0.89% against
+the oracle's +0.90%, BENCHMARKS.md) and is the one setting that meets both PPL goals on every
+development text, so it is the default. 34 bytes a token and KV head at head dim 64; the
+query is rounded again for every group (128 tokens by default; groups of 16 gave no better
+PPL and took 1.6 times as long to choose). The open group is quantized again as it fills, up
+to its last tile (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
 
-`summary = "keys"` scores token by token instead: every token's key in 4 bits, per group of
-`key_group` tokens and channel a float16 minimum and step (KIVI's per-channel quantization of
-keys), so a query's q.k is estimated per token (`key_scores`) and a block ranked by its
-tokens' (best, or with lse their mass). It chooses about as well as the true attention does
-(on the shortest text at 1/8: +0.89% against the oracle's +0.90%, BENCHMARKS.md), at 34 bytes
-a token and KV head at head dim 64, and more work to choose: the query is rounded again for
-every group (128 tokens by default; groups of 16 gave no better PPL on the development texts
-and took 1.6 times as long to choose). The open group is quantized again as it fills, up to
-its last tile (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
+`summary = "centres"` is Quest's rule (Tang et al., ICML 2024) made finer: each block's keys
+summarized in runs of `summary_tokens` tokens (2 by default: 8 summaries to a 16-token
+block). A summary is its keys' per-channel centre c (the midpoint of their minimum and
+maximum) and, when `range_weight` w > 0, their half-range r. For a query q the largest q.k
+any of its keys can give is at most q.c + |q|.r; a summary is scored q.c + w |q|.r (w = 1:
+Quest's bound) and a block by its best summary (`block_score = "max"`) or their log-sum-exp.
+At the same bytes, finer summaries of the centre alone estimate a block's attention better
+than coarser ones with their range; 2-token centres ranked by their largest were the default
+until they were found to miss the 1/8 PPL goal on the shortest development text (+1.9%,
+BENCHMARKS.md): the faster choice, kept as an option. The choice is the registry op
+`sparse.choose` (the C kernel `unikv/kernels/sparse.c`, else `choose_torch`): one call per
+sequence and layer.
 
 What a step reads, per sequence, layer and KV head: the sink blocks (the first `sink_tokens`),
 the recent window (the last `recent_window` stored tokens, from a block boundary, and the
@@ -42,7 +42,8 @@ a step of more than `prefill_tokens` new tokens for a sequence, or a prompt chun
 the prompt follows. Every other step selects: decode, and the short chunks `unikv eval ppl`
 scores (a chunk's queries choose together, as a small decode batch does).
 
-The summaries (centres) are kept here per sequence, on the device, as int8 codes with one
+The summaries are kept here per sequence, on the device: the keys' codes, minima and steps
+(above), or the centres as int8 codes with one
 float32 scale per summary ([layers, KV heads, summaries, head dim] centres, then as many half-ranges
 when w > 0, in the kernel's tiles of 16 summaries; the half-range widened by the centre's
 rounding and rounded up, so Quest's bound stays a bound), with the float32 minimum and
@@ -98,6 +99,7 @@ class _Plan:
 
 
 KEY_GROUP = 128  # summary = keys: tokens per minimum and step, by default
+SUMMARY_TOKENS = 2  # summary = centres: tokens per centre, by default
 
 
 @SELECTIONS.register
@@ -119,13 +121,13 @@ class SparseSelection(Selection):
         Option("recent_window", int, 16, "newest stored tokens always read", low=0),
         Option("dense_layers", int, 2, "first layers that read everything (their attention is "
                "the least sparse; Quest: 2)", low=0),
-        Option("summary_tokens", int, 2, "tokens per key summary (a block's score comes from "
-               "its summaries', see block_score; fewer tokens: a finer estimate, more bytes to "
-               "read)", low=1),
+        Option("summary_tokens", int, SUMMARY_TOKENS, "summary = centres: tokens per centre (a "
+               "block's score comes from its summaries', see block_score; fewer tokens: a finer "
+               "estimate, more bytes to read)", low=1),
         Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
                "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
                low=0, high=1),
-        Option("summary", str, "centres", "what a step scores the blocks from: centres, the "
+        Option("summary", str, "keys", "what a step scores the blocks from: centres, the "
                "per-channel centres of runs of summary_tokens keys (int8); keys, every token's "
                "key in 4 bits (per channel a minimum and a step for each key_group tokens), "
                "scored token by token: nearer the true attention, 34 bytes a token and KV "
@@ -134,7 +136,7 @@ class SparseSelection(Selection):
         Option("key_group", int, KEY_GROUP, "summary = keys: tokens that share a channel's minimum "
                "and step (fewer: a finer step, and the query rounded again for every group)",
                choices=(16, 32, 64, 128)),
-        Option("block_score", str, "max", "a block's score from its summaries' (each the "
+        Option("block_score", str, "lse", "a block's score from its summaries' (each the "
                "largest over the queries): max, their largest (Quest); lse, their log-sum-exp "
                "at the attention's scale (about the softmax mass the block takes: many strong "
                "tokens outweigh one)", choices=("max", "lse")),
@@ -158,7 +160,12 @@ class SparseSelection(Selection):
             raise ValueError(f"summary = keys needs a head dim divisible by 8, at most 1024, "
                              f"not {spec.head_dim}")  # fmt: skip
         if self.keys and self.opts["range_weight"] > 0:
-            raise ValueError("range_weight weighs the centres' ranges: summary = keys has none")
+            raise ValueError("range_weight weighs the centres' ranges: it needs summary = "
+                             "centres (the default, keys, has no ranges)")  # fmt: skip
+        if self.keys and self.opts["summary_tokens"] != SUMMARY_TOKENS:
+            raise ValueError(f"summary_tokens = {self.opts['summary_tokens']} sizes the "
+                             f"centres' runs: it needs summary = centres (keys score every "
+                             f"token)")  # fmt: skip
         if not self.keys and self.opts["key_group"] != KEY_GROUP:
             raise ValueError(f"key_group = {self.opts['key_group']} groups 4-bit keys: it "
                              f"needs summary = keys")  # fmt: skip

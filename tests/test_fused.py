@@ -519,15 +519,16 @@ def test_a_sparse_selection_chooses_inside_the_one_call_step(qtype, isa, monkeyp
     """`dense+resident+sparse` describes its choice (`native_choice`): the one-call step
     chooses and attends as the step layer by layer does, the same logits, the same blocks
     read at every layer, the same counts and stability, and the summaries of the keys it
-    wrote (later steps choose from them); a layer before `dense_layers` reads everything; with
-    a block scored by the log-sum-exp of one-token summaries too (the step passes `temp`), and
-    from 4-bit keys (summary = keys: the step passes their width, d / 2)."""
+    wrote (later steps choose from them); a layer before `dense_layers` reads everything; from
+    4-bit keys (the default, summary = keys: the step passes their width, d / 2, and `temp`
+    for the log-sum-exp), from centres (their largest), with their ranges, and as one-token
+    centres ranked by log-sum-exp."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama(qtype)
-    for opts in (SPARSE, {**SPARSE, "dense_layers": 1, "range_weight": 0.5},
-                 {**SPARSE, "summary_tokens": 1, "block_score": "lse"},
-                 {**SPARSE, "summary": "keys", "block_score": "lse"}):  # fmt: skip
+    centres = {**SPARSE, "summary": "centres", "block_score": "max"}  # before the keys' default
+    for opts in (SPARSE, centres, {**centres, "dense_layers": 1, "range_weight": 0.5},
+                 {**centres, "summary_tokens": 1, "block_score": "lse"}):  # fmt: skip
         served = _spy(monkeypatch)
         got, want = [], []
         a = _serve(m, "dense+resident+sparse", fused.layers_native, SCHEDULE, opts, 4, got)

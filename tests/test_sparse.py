@@ -56,10 +56,10 @@ def haystack(n: int, needle_at: int, direction: torch.Tensor, seed: int = 0) -> 
     return k
 
 
-@pytest.mark.parametrize("score", [{}, {"summary_tokens": 1, "block_score": "lse"},
-                                   {"summary": "keys", "block_score": "lse"},
-                                   {"summary": "keys", "block_score": "lse", "key_group": 16}],
-                         ids=["default", "token-lse", "keys-lse", "keys16-lse"])  # fmt: skip
+@pytest.mark.parametrize("score", [{}, {"summary": "centres", "block_score": "max"},
+                                   {"summary": "centres", "summary_tokens": 1},
+                                   {"key_group": 16}],
+                         ids=["keys-lse", "centres-max", "token-lse", "keys16-lse"])  # fmt: skip
 @pytest.mark.parametrize("share", [0.125, 0.25])
 @pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_the_needle_block_is_read_at_every_depth_and_budget(share, depth, score):
@@ -89,7 +89,7 @@ def test_the_bound_is_never_below_a_blocks_true_largest_score(sub):
     """range_weight 1: a block's score (its summaries' best) is Quest's upper bound of q . k
     over its keys, with summaries of a whole block, of 4 tokens, and of 5 (a block of 16 in
     runs of 5, 5, 5 and 1)."""
-    s = build(budget_tokens=64, range_weight=1.0, summary_tokens=sub)
+    s = build(budget_tokens=64, summary="centres", range_weight=1.0, summary_tokens=sub)
     parts = -(-BS // sub)
     k = torch.randn(LAYERS, 300, HEADS, DIM)
     step(s, 0, k, torch.randn(LAYERS, 300, HEADS * GROUP, DIM), more_prompt=True)
@@ -106,11 +106,11 @@ def test_the_bound_is_never_below_a_blocks_true_largest_score(sub):
 
 
 def test_a_summary_of_a_few_tokens_is_their_centre():
-    """The default summaries: per run of `summary_tokens` keys (across step boundaries: a
+    """summary = centres: per run of `summary_tokens` keys (across step boundaries: a
     decode step adds one token to the open run) the midpoint of their per-channel minimum
     and maximum, as int8 codes with one scale (their largest magnitude / 127), and nothing
     else."""
-    s = build(budget_tokens=64, summary_tokens=4)
+    s = build(budget_tokens=64, summary="centres", summary_tokens=4)
     k = torch.randn(LAYERS, 40, HEADS, DIM)
     step(s, 0, k[:, :37], torch.randn(LAYERS, 37, HEADS * GROUP, DIM), more_prompt=True)
     for t in range(37, 40):  # one token a step, into the open summary [36, 40)
@@ -606,11 +606,12 @@ def test_keys_in_4_bits_are_within_half_a_step_and_tile_both_ways():
     got = s.selection.summaries(0)[:, :, :40]  # [L, Hkv, tokens, D]
     assert ((got - k.transpose(1, 2)).abs() <= 0.5 * (k.amax(1) - k.amin(1)).unsqueeze(2) / 15
             + 1e-2).all()  # fmt: skip
-    for bad, match in (({"range_weight": 0.5}, "range_weight"), ({"summary": "all"}, "summary"),
-                       ({"key_group": 48}, "key_group"),
-                       ({"key_group": 32}, "summary = keys")):  # fmt: skip
+    for bad, match in (({"range_weight": 0.5}, "needs summary = centres"),
+                       ({"summary_tokens": 4}, "needs summary = centres"),
+                       ({"summary": "all"}, "summary"), ({"key_group": 48}, "key_group"),
+                       ({"summary": "centres", "key_group": 32}, "summary = keys")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            build(summary="keys", **bad) if "range_weight" in bad else build(**bad)
+            build(**bad)
     with pytest.raises(ValueError, match="divisible by 8"):
         kvstrategies.create("dense+resident+sparse", KVSpec(1, 1, 12), options={"summary": "keys"})
 

@@ -185,6 +185,8 @@ class SparseSelection(Selection):
         # seq -> the float32 minimum and maximum [2, L, Hkv, D] of the summary its newest
         # token is in (still filling: the next step's keys update it)
         self._open: dict[int, torch.Tensor] = {}
+        # seq -> (summary = keys) the open group's float32 minimum and maximum [L, Hkv, 2, D]
+        self._span: dict[int, torch.Tensor] = {}
         self._known: dict[int, int] = {}  # seq -> tokens summarized
         self._keys: list[torch.Tensor | None] = [None] * spec.num_layers  # the step's keys
         self._unseen: dict[int, int] = {}  # batch index -> first stored token not summarized
@@ -194,7 +196,7 @@ class SparseSelection(Selection):
         # seq -> per layer the blocks its last step read ([Hkv, B]; None: all): `likely`
         self._recent: dict[int, list[torch.Tensor | None]] = {}
         self.last_read: list[list[torch.Tensor | None]] = []  # per layer, per batch sequence
-        # `sparse.choose`, `sparse.quantize_keys`, `sparse.summarize`: the C kernels, else torch
+        # `sparse.choose`, `.quantize_keys`, `.summarize`, `.add_keys`: the C kernels, else torch
         self.operators = OperatorSet(pool.device)
         self.counts = {"steps": 0, "sparse_reads": 0, "blocks_read": 0, "blocks_stored": 0,
                        "repeat_blocks": 0, "chosen_blocks": 0}  # fmt: skip
@@ -315,8 +317,8 @@ class SparseSelection(Selection):
         return [None if r is None else set(r.unique().tolist()) for r in recent]
 
     def forget(self, seq_id: int) -> None:
-        for d in (self._open, self._codes, self._scales, self._layers, self._known, self._last,
-                  self._recent):  # fmt: skip
+        for d in (self._open, self._span, self._codes, self._scales, self._layers, self._known,
+                  self._last, self._recent):  # fmt: skip
             d.pop(seq_id, None)
 
     def before_step(self, batch: StepBatch) -> None:
@@ -335,6 +337,7 @@ class SparseSelection(Selection):
             "selection_stability": c["repeat_blocks"] / c["chosen_blocks"]
             if c["chosen_blocks"] else None,
             "summary_bytes": sum(c.nbytes + self._scales[sid].nbytes + self._open[sid].nbytes
+                                 + (self._span[sid].nbytes if sid in self._span else 0)
                                  for sid, c in self._codes.items()),
             "kernels": self.operators.report(),
         }  # fmt: skip
@@ -444,6 +447,7 @@ class SparseSelection(Selection):
             params[:, :, : self._scales[sid].shape[2]] = self._scales[sid]
         else:
             self._open[sid] = torch.zeros(*shape, self.group, d, device=device)
+            self._span[sid] = torch.zeros(*shape, 2, d, device=device)
         self._codes[sid], self._scales[sid] = codes, params
         self._layers[sid] = (list(codes.unbind(0)), list(params.unbind(0)))
 
@@ -458,6 +462,11 @@ class SparseSelection(Selection):
             codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
         have, end = start - g0 * g, last - g0 * g
         within = (last - 1) // g == g0  # all in the open group (a decode step): in place
+        span = self._span[sid] if layer is None else self._span[sid][layer : layer + 1]
+        if within and layer is None:  # `sparse.add_keys`: copied and quantized in one call
+            self.operators["sparse.add_keys"](k, opened, span, have, codes, params, g0)
+            self._known[sid] = start + n
+            return
         if within:
             opened[:, :, have:end] = k.transpose(1, 2)
             x = opened[:, :, :end]
@@ -469,9 +478,11 @@ class SparseSelection(Selection):
         t0 = g0 * g // tile
         codes[:, :, t0 : t0 + c.shape[1]] = c.view(*x.shape[:2], *c.shape[1:])
         params[:, :, g0 : g0 + p.shape[1]] = p.view(*x.shape[:2], *p.shape[1:])
+        o = last // g * g - g0 * g  # where the group still open after these tokens starts
         if not within:
-            o = last // g * g - g0 * g  # where the group still open after these tokens starts
             opened[:, :, : end - o] = x[:, :, o:end]
+        if end > o:  # the open group's range, as `sparse.add_keys` keeps it
+            span[:, :, 0], span[:, :, 1] = x[:, :, o:end].amin(2), x[:, :, o:end].amax(2)
         if layer is None:
             self._known[sid] = start + n
 
@@ -562,6 +573,32 @@ def quantize_key_tiles(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     c, m, s = quantize_keys(full.reshape(rows, -1, group, d))
     codes = kernels.tile_keys(c.view(rows, -1, kernels.TILE, d)[:, : -(-n // kernels.TILE)])
     return codes, torch.stack((m, s), dim=2)
+
+
+def add_keys_torch(
+    k: torch.Tensor,
+    opened: torch.Tensor,
+    span: torch.Tensor,
+    have: int,
+    codes: torch.Tensor,
+    params: torch.Tensor,
+    group_index: int,
+) -> None:
+    """A decode step's keys k [L, n, Hkv, D] into the open group `group_index` of every
+    layer's and KV head's 4-bit keys, in place: copied to tokens [have, have + n) of `opened`
+    [L, Hkv, G, D] (the group's keys so far), their running minimum and maximum `span` [L,
+    Hkv, 2, D] updated, and the group's first have + n keys quantized again
+    (`quantize_key_tiles`), their tiles into `codes` [L, Hkv, tiles, D / 8, 16, 4] from the
+    group's first tile and their minima and steps into `params` [L, Hkv, groups, 2, D]. The
+    registry op `sparse.add_keys` (the C kernel writes the same bytes, incrementally)."""
+    n, g = k.shape[1], opened.shape[2]
+    opened[:, :, have : have + n] = k.transpose(1, 2)
+    x = opened[:, :, : have + n]
+    span[:, :, 0], span[:, :, 1] = x.amin(2), x.amax(2)
+    c, p = quantize_key_tiles(x.flatten(0, 1), g)
+    first = group_index * g // kernels.TILE
+    codes[:, :, first : first + c.shape[1]] = c.view(*x.shape[:2], *c.shape[1:])
+    params[:, :, group_index] = p.view(*x.shape[:2], *p.shape[2:])
 
 
 def _summaries(
@@ -715,3 +752,4 @@ def _register(op: str, c_fn, torch_fn) -> None:
 _register("sparse.choose", kernels.choose_blocks, choose_torch)
 _register("sparse.quantize_keys", kernels.quantize_key_tiles, quantize_key_tiles)
 _register("sparse.summarize", kernels.summarize, summarize_torch)
+_register("sparse.add_keys", kernels.add_keys, add_keys_torch)

@@ -293,6 +293,13 @@ def _example(op: str):
         k, opened = torch.randn(3, 2, 2, 64) * torch.logspace(-2, 2, 64), torch.randn(2, 3, 2, 64)
         codes, scales = torch.zeros(3, 2, 2, 32, 16, 4, dtype=torch.int8), torch.zeros(3, 2, 32)
         return (k, opened.sort(0).values, True, True, codes, scales, 17), 0.0
+    if op == "sparse.add_keys":  # a step's 2 keys into group 1's tokens 30-31 (of 32): exact
+        k = torch.randn(3, 2, 2, 64) * torch.logspace(-2, 2, 64)
+        codes = torch.zeros(3, 2, 6, 8, 16, 4, dtype=torch.uint8)
+        params = torch.zeros(3, 2, 3, 2, 64, dtype=torch.float16)
+        opened = torch.randn(3, 2, 32, 64)
+        span = torch.stack((opened[:, :, :30].amin(2), opened[:, :, :30].amax(2)), 2)
+        return (k, opened, span, 30, codes, params, 1), 0.0
     if op == "sparse.quantize_keys":  # 4-bit keys in groups of 128, the last one of 16: exact
         return (torch.randn(6, 144, 64) * torch.logspace(-2, 2, 64), 128), 0.0
     if op in ("layer.qkv", "layer.out"):

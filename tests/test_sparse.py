@@ -484,6 +484,51 @@ def test_the_summary_kernel_makes_the_references_bytes(ranged, isa):
     assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))
 
 
+def test_the_add_keys_kernel_makes_the_references_bytes(isa):
+    """A decode step's keys into the 4-bit keys' open group: `sparse_add_keys` (one call in C,
+    computing again only the codes whose key or channel moved) against `add_keys_torch`
+    (the whole group quantized again), byte for byte (the open group's keys and range, the
+    tiles, the minima and steps), under every build: a group's first token, tokens filling it
+    on across a tile boundary, several tokens at once, one that widens every channel, its last
+    token, a later group; keys from a batch's slice, of every scale, a constant channel; a
+    refused call writes nothing."""
+    from unikv.kernels import sparse as kernels
+    from unikv.kvstrategies.sparse import add_keys_torch
+
+    if kernels.unavailable() is not None:
+        pytest.skip(kernels.unavailable())
+    gen = torch.Generator().manual_seed(11)
+    layers, h, d, g, groups = 4, 3, 64, 32, 3
+    batch = torch.randn(layers, 5, h, d, generator=gen) * torch.logspace(-6, 4, d)
+    batch[..., 3] = 0.75  # constant: step 0, codes 0
+    codes = torch.randint(0, 256, (layers, h, groups * g // 16, d // 8, 16, 4), generator=gen,
+                          dtype=torch.uint8)  # fmt: skip
+    params = torch.randn(layers, h, groups, 2, d, generator=gen).half()
+    got = (torch.randn(layers, h, g, d, generator=gen), torch.zeros(layers, h, 2, d), codes,
+           params)  # fmt: skip
+    want = tuple(t.clone() for t in got)
+    untouched = codes.clone()
+    for keys, have, index in ((batch[:, 1:2], 0, 1), (batch[:, 2:4], 1, 1), (batch[:, :5], 3, 1),
+                              (batch[:, 4:] * 1e3, 8, 1), (batch[:, 4:], 9, 1),
+                              (batch[:, 1:4], 10, 1), (batch[:, :5], 13, 1), (batch[:, :5], 18, 1),
+                              (batch[:, :5], 23, 1), (batch[:, 1:4], 28, 1), (batch[:, 4:], 31, 1),
+                              (batch[:, :1], 0, 2)):  # fmt: skip
+        kernels.add_keys(keys, got[0], got[1], have, got[2], got[3], index)
+        add_keys_torch(keys, want[0], want[1], have, want[2], want[3], index)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (have, index)
+    written = (want[2] != untouched).flatten(3).any(-1)  # [L, Hkv, tiles]: group 1, 2's first
+    assert written[:, :, 2:5].all() and not written[:, :, :2].any()
+    before = tuple(t.clone() for t in got)
+    with pytest.raises(ValueError, match="open group"):  # past the group's end: nothing written
+        kernels.add_keys(batch[:, :2], got[0], got[1], g - 1, got[2], got[3], 0)
+    with pytest.raises(ValueError, match="float32 keys"):
+        kernels.add_keys(batch[:, :1].double(), got[0], got[1], 0, got[2], got[3], 0)
+    with pytest.raises(ValueError, match="float16"):
+        kernels.add_keys(batch[:, :1], got[0], got[1], 0, got[2], got[3], groups)
+    assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))
+
+
 def test_a_key_group_shares_its_minimum_and_step_as_it_fills():
     """key_group = 64: keys written over a prompt and single steps (the open group quantized
     again as it fills, across its tiles) come back within half their group's step, and each

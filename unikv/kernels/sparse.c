@@ -416,19 +416,20 @@ int sparse_summarize(const float *k, long layers, long n, long k_layer, int hkv,
  * into tiles of 16 tokens ([d / 8][16][4] bytes: `codes` [rows][tiles][8d], tiles = n / 16
  * rounded up; a last tile's missing tokens repeat its last key, as the reference pads). The
  * same operations as torch's, in the same order, so that both give the same bytes. */
-int sparse_quantize_keys(const float *x, long rows, long n, long stride, int g, int d,
-                         uint8_t *codes, uint16_t *params, int threads) {
+static int quantize_key_rows(const float *x, long rows, long n, long stride, int g, int d,
+                             uint8_t *codes, long cstride, uint16_t *params, long pstride,
+                             int threads) {
     if (rows < 0 || n <= 0 || stride < n * d || g <= 0 || g % TILE || d <= 0 || d % 8 ||
         d > DMAX)
         return -1;
-    const long groups = (n + g - 1) / g, tiles = (n + TILE - 1) / TILE;
+    const long groups = (n + g - 1) / g;
 #pragma omp parallel for schedule(static) num_threads(rows * groups > 1 ? threads : 1)
     for (long rg = 0; rg < rows * groups; rg++) {
         const long r = rg / groups, gi = rg % groups;
         const int len = n - gi * g < g ? (int)(n - gi * g) : g; /* tokens in this group */
         const float *xg = x + r * stride + gi * g * d;
         float lo[DMAX], hi[DMAX], mf[DMAX], sf[DMAX];
-        uint16_t *m16 = params + rg * 2 * d, *s16 = m16 + d;
+        uint16_t *m16 = params + r * pstride + gi * 2 * d, *s16 = m16 + d;
         uint8_t c[TILE * DMAX];
         for (int ch = 0; ch < d; ch++) lo[ch] = hi[ch] = xg[ch];
         for (int k = 1; k < len; k++)
@@ -453,12 +454,102 @@ int sparse_quantize_keys(const float *x, long rows, long n, long stride, int g, 
                     c[k * d + ch] = (uint8_t)v;
                 }
             }
-            uint8_t *o = codes + (r * tiles + gi * (g / TILE) + t) * 8 * d;
+            uint8_t *o = codes + r * cstride + (gi * (g / TILE) + t) * 8 * d;
             for (int j = 0; j < d / 8; j++)
                 for (int k = 0; k < TILE; k++)
                     for (int i = 0; i < 4; i++)
                         o[(j * TILE + k) * 4 + i] =
                             (uint8_t)(c[k * d + 8 * j + i] | (c[k * d + 8 * j + 4 + i] << 4));
+        }
+    }
+    return 0;
+}
+
+/* The codes as [rows][tiles][8d] and the minima and steps as [rows][groups][2][d], contiguous. */
+int sparse_quantize_keys(const float *x, long rows, long n, long stride, int g, int d,
+                         uint8_t *codes, uint16_t *params, int threads) {
+    if (g <= 0 || d <= 0) return -1;
+    const long groups = (n + g - 1) / g, tiles = (n + TILE - 1) / TILE;
+    return quantize_key_rows(x, rows, n, stride, g, d, codes, tiles * 8 * d, params,
+                             groups * 2 * d, threads);
+}
+
+/* One key's codes (`quantize_key_rows`' operations) packed as a tile holds them: byte 4j + i
+ * = channel 8j + i's code, with channel 8j + 4 + i's in its high nibble. */
+static inline void key_bytes(const float *x, const float *mf, const float *sf, int d,
+                             uint8_t *pk) {
+    uint8_t c[DMAX];
+    for (int ch = 0; ch < d; ch++) {
+        float v = sf[ch] > 0.0f ? rintf((x[ch] - mf[ch]) / sf[ch]) : 0.0f;
+        v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f;
+        c[ch] = (uint8_t)v;
+    }
+    for (int j = 0; j < d / 8; j++)
+        for (int i = 0; i < 4; i++) pk[j * 4 + i] = (uint8_t)(c[8 * j + i] | (c[8 * j + 4 + i] << 4));
+}
+
+/* A decode step's keys into every layer's and KV head's open group of 4-bit keys, in place,
+ * as `kvstrategies.sparse.add_keys_torch` does it, byte for byte: the n tokens of k
+ * ([layers][n][hkv][d] float32, layer l at k + l * kstride) are copied to tokens [have, have
+ * + n) of `opened` ([layers][hkv][g][d]: the open group's keys so far), the group's running
+ * minimum and maximum `range` ([layers][hkv][2][d] float32) take them in, and the group's
+ * minima and steps (params + r * pstride) and tiles (codes + r * cstride, from the group's
+ * first tile; row r = l * hkv + h) become those of its first have + n keys quantized as one
+ * group. Incrementally: a code depends only on its key and its channel's minimum and step, so
+ * only the new tokens' codes (and the last tile's padding, which repeats the last key) are
+ * computed, and every earlier token's only in a channel whose float16 minimum or step moved.
+ * Why: quantizing the whole open group again each step read it twice (up to 128 keys a layer
+ * and head) and had the default strategy's loop at a short context, where every block is read
+ * and only the summaries are kept up, at 0.88 of its format's alone. */
+int sparse_add_keys(const float *k, long layers, long n, long kstride, int hkv, int d,
+                    float *opened, float *range, int g, long have, uint8_t *codes, long cstride,
+                    uint16_t *params, long pstride, int threads) {
+    if (layers <= 0 || n <= 0 || hkv <= 0 || d <= 0 || d % 8 || d > DMAX || have < 0 ||
+        g <= 0 || g % TILE || have + n > g || kstride < n * hkv * d || cstride < 0 || pstride < 0)
+        return -1;
+    const long rows = layers * hkv, len = have + n, last_tile = (len - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
+    for (long r = 0; r < rows; r++) {
+        const long l = r / hkv, h = r % hkv;
+        float *xg = opened + r * g * d, *lo = range + r * 2 * d, *hi = lo + d;
+        uint16_t *m16 = params + r * pstride, *s16 = m16 + d;
+        uint8_t *o = codes + r * cstride;
+        float mf[DMAX], sf[DMAX];
+        unsigned char moved[DMAX];
+        for (long j = 0; j < n; j++) {
+            const float *x = k + l * kstride + (j * hkv + h) * d;
+            memcpy(xg + (have + j) * d, x, sizeof(float) * d);
+            for (int ch = 0; ch < d; ch++) {
+                const float v = x[ch];
+                lo[ch] = (have || j) && lo[ch] <= v ? lo[ch] : v;
+                hi[ch] = (have || j) && hi[ch] >= v ? hi[ch] : v;
+            }
+        }
+        for (int ch = 0; ch < d; ch++) {
+            const uint16_t m = float_half(lo[ch]);
+            mf[ch] = half_float(m);
+            const uint16_t st = float_half((hi[ch] - mf[ch]) / 15.0f);
+            sf[ch] = half_float(st);
+            moved[ch] = !have || m != m16[ch] || st != s16[ch];
+            m16[ch] = m, s16[ch] = st;
+        }
+        /* token t's code in channel ch into its nibble, for the earlier tokens of a channel
+         * that moved (a few a step once a group has some keys) */
+        for (int ch = 0; ch < d; ch++)
+            if (moved[ch])
+                for (long t = 0; t < have; t++) {
+                    float v = sf[ch] > 0.0f ? rintf((xg[t * d + ch] - mf[ch]) / sf[ch]) : 0.0f;
+                    v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f;
+                    uint8_t *b = o + ((t / TILE * (d / 8) + ch / 8) * TILE + t % TILE) * 4 + ch % 4;
+                    const int sh = ch % 8 < 4 ? 0 : 4;
+                    *b = (uint8_t)((*b & (0xF0 >> sh)) | ((uint8_t)v << sh));
+                }
+        /* the new tokens whole, then the last tile's padding (the last key's bytes again) */
+        uint8_t pk[DMAX / 2];
+        for (long t = have; t < (last_tile + 1) * TILE; t++) {
+            if (t < len) key_bytes(xg + t * d, mf, sf, d, pk);
+            uint8_t *tile = o + t / TILE * 8 * d;
+            for (int j = 0; j < d / 8; j++) memcpy(tile + (j * TILE + t % TILE) * 4, pk + j * 4, 4);
         }
     }
     return 0;

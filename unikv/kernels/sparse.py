@@ -42,6 +42,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sparse_attend.restype = ctypes.c_int
     lib.sparse_summarize.argtypes = [p, lng, lng, lng, i, i, p, i, i, p, lng, p, lng, lng]
     lib.sparse_summarize.restype = ctypes.c_int
+    lib.sparse_add_keys.argtypes = [p, lng, lng, lng, i, i, p, p, i, lng, p, lng, p, lng, i]
+    lib.sparse_add_keys.restype = ctypes.c_int
     _state["lib"] = lib
     return lib
 
@@ -171,6 +173,53 @@ def summarize(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"sparse_summarize rejected its arguments (summary {index})")
+
+
+def add_keys(
+    k: torch.Tensor,
+    opened: torch.Tensor,
+    span: torch.Tensor,
+    have: int,
+    codes: torch.Tensor,
+    params: torch.Tensor,
+    group_index: int,
+) -> None:
+    """A decode step's keys k [L, n, Hkv, D] float32 into the open group `group_index` of every
+    layer's and KV head's 4-bit keys, in place, as `kvstrategies.sparse.add_keys_torch` does
+    it, byte for byte: copied to tokens [have, have + n) of `opened` [L, Hkv, G, D] (the
+    group's keys so far; G the group), taken into its running minimum and maximum `span` [L,
+    Hkv, 2, D] float32, and the group's first have + n keys quantized as one group: their
+    tiles into `codes` [L, Hkv, tiles, D / 8, 16, 4] uint8 from the group's first tile, their
+    minima and steps into `params` [L, Hkv, groups, 2, D] float16 (incrementally: see
+    sparse.c). Raises ValueError, having written nothing, for tensors it does not take."""
+    layers, n, h, d = k.shape
+    g = opened.shape[2] if opened.dim() == 4 else 0
+    first = group_index * g // TILE
+    if (k.dtype != torch.float32 or k.stride(3) != 1 or k.stride(2) != d
+            or (n > 1 and k.stride(1) != h * d) or (layers > 1 and k.stride(0) < n * h * d)
+            or opened.dtype != torch.float32 or not opened.is_contiguous()
+            or tuple(opened.shape[:2]) != (layers, h) or opened.shape[-1] != d
+            or g % TILE or not 0 <= have <= g - n or span.dtype != torch.float32
+            or not span.is_contiguous() or tuple(span.shape) != (layers, h, 2, d)
+            or codes.dtype != torch.uint8 or not codes.is_contiguous() or codes.dim() != 6
+            or tuple(codes.shape[:2]) != (layers, h) or tuple(codes.shape[3:]) != (d // 8, TILE, 4)
+            or codes.shape[2] < first + -(-(have + n) // TILE)
+            or params.dtype != torch.float16 or not params.is_contiguous() or params.dim() != 5
+            or tuple(params.shape[:2]) != (layers, h) or tuple(params.shape[3:]) != (2, d)
+            or not 0 <= group_index < params.shape[2]):  # fmt: skip
+        raise ValueError(
+            "add_keys takes float32 keys [L, n, Hkv, D] (each token's heads contiguous), a "
+            "contiguous float32 open group [L, Hkv, G, D] with room for them and its range [L, "
+            "Hkv, 2, D], uint8 tiles [L, Hkv, tiles, D / 8, 16, 4] and float16 minima and "
+            "steps [L, Hkv, groups, 2, D]"
+        )
+    rc = _lib().sparse_add_keys(
+        k.data_ptr(), layers, n, k.stride(0) if layers > 1 else n * h * d, h, d,
+        opened.data_ptr(), span.data_ptr(), g, have, codes[:, :, first].data_ptr(), codes.stride(1),
+        params[:, :, group_index].data_ptr(), params.stride(1), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"sparse_add_keys rejected its arguments (group {group_index})")
 
 
 def choose_blocks(

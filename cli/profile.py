@@ -164,16 +164,16 @@ def _sensor_line(sensor: Mapping[str, Any] | None) -> str:
 SPARSE_SELECTED = (
     "selected (the low class's default): every token is kept and each decode step reads the "
     "blocks its queries need, 1/8 of the stored tokens but at least 1,024; at 8K tokens on a "
-    "CPU, hybrid+resident+sparse decoded 1.3-1.5x faster than the pruned hybrid cache that was "
-    "the default and lost less PPL on every development text (worst +1.9% against +5.4%), "
-    "storing about 2.7x its bytes (BENCHMARKS.md)"
+    "CPU, hybrid+resident+sparse decoded 1.2-1.5x faster than the pruned hybrid cache that was "
+    "the default and lost less PPL on every development text (worst +1.7% against +5.3%), "
+    "storing about 2.8x its bytes (BENCHMARKS.md)"
 )
 SPARSE_WHY = (
     "opt-in for this class (--kv-selection sparse): the low class's default, whose steps are "
     "bound by reading; it keeps every token, adds summaries of the keys (half a packed cache's "
     "bytes) and saves reads only past about 1K tokens, where the high class's smaller cache and "
     "the medium class's tiered cache attend to every token, losslessly (tiered at 8K on a CPU, "
-    "sparse stepped 2.06x faster for up to +1.9% PPL; BENCHMARKS.md)"
+    "sparse stepped 2.06x faster for up to +0.9% PPL at a 1/8 budget; BENCHMARKS.md)"
 )
 
 

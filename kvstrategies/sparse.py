@@ -124,8 +124,9 @@ class SparseSelection(Selection):
         Option("summary_tokens", int, SUMMARY_TOKENS, "summary = centres: tokens per centre (a "
                "block's score comes from its summaries', see block_score; fewer tokens: a finer "
                "estimate, more bytes to read)", low=1),
-        Option("range_weight", float, 0.0, "weight of a summary's key range in its score: 1 is "
-               "Quest's upper bound of q.k, 0 the centre alone (only the centre is kept)",
+        Option("range_weight", float, 0.0, "summary = centres: weight of a centre's key range "
+               "in its score: 1 is Quest's upper bound of q.k, 0 the centre alone (only the "
+               "centre is kept)",
                low=0, high=1),
         Option("summary", str, "keys", "what a step scores the blocks from: centres, the "
                "per-channel centres of runs of summary_tokens keys (int8); keys, every token's "

@@ -409,6 +409,43 @@ int sparse_summarize(const float *k, long layers, long n, long k_layer, int hkv,
     return 0;
 }
 
+/* A channel's float16 minimum m and step s from its keys' minimum lo and maximum hi, and both
+ * as floats (the reference's order: s from the rounded minimum). */
+static inline void key_scale(float lo, float hi, uint16_t *m, uint16_t *s, float *mf, float *sf) {
+    *m = float_half(lo);
+    *mf = half_float(*m);
+    *s = float_half((hi - *mf) / 15.0f);
+    *sf = half_float(*s);
+}
+
+/* A key's code in a channel of minimum mf and step sf: round((x - mf) / sf) in 0..15, 0 where
+ * the step is 0 (and for a NaN). */
+static inline uint8_t key_code(float x, float mf, float sf) {
+    float v = sf > 0.0f ? rintf((x - mf) / sf) : 0.0f;
+    v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f;
+    return (uint8_t)v;
+}
+
+/* Keys xg[from..len) of one group (from < len) written into its tiles at o, through the end
+ * of the tile holding key len - 1: each key's codes packed as a tile holds them (byte 4j + i:
+ * channel 8j + i's code, channel 8j + 4 + i's in the high nibble), the last tile's slots past
+ * len - 1 repeating its last key (as the reference pads). */
+static void put_keys(const float *xg, long from, long len, int d, const float *mf,
+                     const float *sf, uint8_t *o) {
+    uint8_t c[DMAX], pk[DMAX / 2];
+    for (long t = from; t < (len + TILE - 1) / TILE * TILE; t++) {
+        if (t < len) { /* past it, the padding: key len - 1's bytes again */
+            const float *x = xg + t * d;
+            for (int ch = 0; ch < d; ch++) c[ch] = key_code(x[ch], mf[ch], sf[ch]);
+            for (int j = 0; j < d / 8; j++)
+                for (int i = 0; i < 4; i++)
+                    pk[j * 4 + i] = (uint8_t)(c[8 * j + i] | (c[8 * j + 4 + i] << 4));
+        }
+        uint8_t *tile = o + t / TILE * 8 * d;
+        for (int j = 0; j < d / 8; j++) memcpy(tile + (j * TILE + t % TILE) * 4, pk + j * 4, 4);
+    }
+}
+
 /* Keys x (row r's n tokens at x + r * stride, each d float32) as `quantize_keys` and
  * `tile_keys` make them, per group of g tokens (g a multiple of 16; the last group may hold
  * fewer): each channel's minimum m and step s = (max - m) / 15 as float16 (`params`
@@ -430,7 +467,6 @@ static int quantize_key_rows(const float *x, long rows, long n, long stride, int
         const float *xg = x + r * stride + gi * g * d;
         float lo[DMAX], hi[DMAX], mf[DMAX], sf[DMAX];
         uint16_t *m16 = params + r * pstride + gi * 2 * d, *s16 = m16 + d;
-        uint8_t c[TILE * DMAX];
         for (int ch = 0; ch < d; ch++) lo[ch] = hi[ch] = xg[ch];
         for (int k = 1; k < len; k++)
             for (int ch = 0; ch < d; ch++) {
@@ -438,29 +474,9 @@ static int quantize_key_rows(const float *x, long rows, long n, long stride, int
                 lo[ch] = v < lo[ch] ? v : lo[ch];
                 hi[ch] = v > hi[ch] ? v : hi[ch];
             }
-        for (int ch = 0; ch < d; ch++) {
-            m16[ch] = float_half(lo[ch]);
-            mf[ch] = half_float(m16[ch]);
-            s16[ch] = float_half((hi[ch] - mf[ch]) / 15.0f);
-            sf[ch] = half_float(s16[ch]);
-        }
-        for (int t = 0; t < (len + TILE - 1) / TILE; t++) {
-            for (int k = 0; k < TILE; k++) {
-                const int at = t * TILE + k < len ? t * TILE + k : len - 1; /* padded: the last */
-                const float *xk = xg + (long)at * d;
-                for (int ch = 0; ch < d; ch++) {
-                    float v = sf[ch] > 0.0f ? rintf((xk[ch] - mf[ch]) / sf[ch]) : 0.0f;
-                    v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f; /* (a NaN: 0) */
-                    c[k * d + ch] = (uint8_t)v;
-                }
-            }
-            uint8_t *o = codes + r * cstride + (gi * (g / TILE) + t) * 8 * d;
-            for (int j = 0; j < d / 8; j++)
-                for (int k = 0; k < TILE; k++)
-                    for (int i = 0; i < 4; i++)
-                        o[(j * TILE + k) * 4 + i] =
-                            (uint8_t)(c[k * d + 8 * j + i] | (c[k * d + 8 * j + 4 + i] << 4));
-        }
+        for (int ch = 0; ch < d; ch++)
+            key_scale(lo[ch], hi[ch], m16 + ch, s16 + ch, mf + ch, sf + ch);
+        put_keys(xg, 0, len, d, mf, sf, codes + r * cstride + gi * (g / TILE) * 8 * d);
     }
     return 0;
 }
@@ -474,25 +490,11 @@ int sparse_quantize_keys(const float *x, long rows, long n, long stride, int g, 
                              groups * 2 * d, threads);
 }
 
-/* One key's codes (`quantize_key_rows`' operations) packed as a tile holds them: byte 4j + i
- * = channel 8j + i's code, with channel 8j + 4 + i's in its high nibble. */
-static inline void key_bytes(const float *x, const float *mf, const float *sf, int d,
-                             uint8_t *pk) {
-    uint8_t c[DMAX];
-    for (int ch = 0; ch < d; ch++) {
-        float v = sf[ch] > 0.0f ? rintf((x[ch] - mf[ch]) / sf[ch]) : 0.0f;
-        v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f;
-        c[ch] = (uint8_t)v;
-    }
-    for (int j = 0; j < d / 8; j++)
-        for (int i = 0; i < 4; i++) pk[j * 4 + i] = (uint8_t)(c[8 * j + i] | (c[8 * j + 4 + i] << 4));
-}
-
 /* A decode step's keys into every layer's and KV head's open group of 4-bit keys, in place,
  * as `kvstrategies.sparse.add_keys_torch` does it, byte for byte: the n tokens of k
  * ([layers][n][hkv][d] float32, layer l at k + l * kstride) are copied to tokens [have, have
  * + n) of `opened` ([layers][hkv][g][d]: the open group's keys so far), the group's running
- * minimum and maximum `range` ([layers][hkv][2][d] float32) take them in, and the group's
+ * minimum and maximum `span` ([layers][hkv][2][d] float32) take them in, and the group's
  * minima and steps (params + r * pstride) and tiles (codes + r * cstride, from the group's
  * first tile; row r = l * hkv + h) become those of its first have + n keys quantized as one
  * group. Incrementally: a code depends only on its key and its channel's minimum and step, so
@@ -502,16 +504,16 @@ static inline void key_bytes(const float *x, const float *mf, const float *sf, i
  * and head) and had the default strategy's loop at a short context, where every block is read
  * and only the summaries are kept up, at 0.88 of its format's alone. */
 int sparse_add_keys(const float *k, long layers, long n, long kstride, int hkv, int d,
-                    float *opened, float *range, int g, long have, uint8_t *codes, long cstride,
+                    float *opened, float *span, int g, long have, uint8_t *codes, long cstride,
                     uint16_t *params, long pstride, int threads) {
     if (layers <= 0 || n <= 0 || hkv <= 0 || d <= 0 || d % 8 || d > DMAX || have < 0 ||
         g <= 0 || g % TILE || have + n > g || kstride < n * hkv * d || cstride < 0 || pstride < 0)
         return -1;
-    const long rows = layers * hkv, len = have + n, last_tile = (len - 1) / TILE;
+    const long rows = layers * hkv, len = have + n;
 #pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
     for (long r = 0; r < rows; r++) {
         const long l = r / hkv, h = r % hkv;
-        float *xg = opened + r * g * d, *lo = range + r * 2 * d, *hi = lo + d;
+        float *xg = opened + r * g * d, *lo = span + r * 2 * d, *hi = lo + d;
         uint16_t *m16 = params + r * pstride, *s16 = m16 + d;
         uint8_t *o = codes + r * cstride;
         float mf[DMAX], sf[DMAX];
@@ -526,10 +528,8 @@ int sparse_add_keys(const float *k, long layers, long n, long kstride, int hkv, 
             }
         }
         for (int ch = 0; ch < d; ch++) {
-            const uint16_t m = float_half(lo[ch]);
-            mf[ch] = half_float(m);
-            const uint16_t st = float_half((hi[ch] - mf[ch]) / 15.0f);
-            sf[ch] = half_float(st);
+            uint16_t m, st;
+            key_scale(lo[ch], hi[ch], &m, &st, mf + ch, sf + ch);
             moved[ch] = !have || m != m16[ch] || st != s16[ch];
             m16[ch] = m, s16[ch] = st;
         }
@@ -538,19 +538,12 @@ int sparse_add_keys(const float *k, long layers, long n, long kstride, int hkv, 
         for (int ch = 0; ch < d; ch++)
             if (moved[ch])
                 for (long t = 0; t < have; t++) {
-                    float v = sf[ch] > 0.0f ? rintf((xg[t * d + ch] - mf[ch]) / sf[ch]) : 0.0f;
-                    v = v > 15.0f ? 15.0f : v >= 0.0f ? v : 0.0f;
+                    const uint8_t v = key_code(xg[t * d + ch], mf[ch], sf[ch]);
                     uint8_t *b = o + ((t / TILE * (d / 8) + ch / 8) * TILE + t % TILE) * 4 + ch % 4;
                     const int sh = ch % 8 < 4 ? 0 : 4;
-                    *b = (uint8_t)((*b & (0xF0 >> sh)) | ((uint8_t)v << sh));
+                    *b = (uint8_t)((*b & (0xF0 >> sh)) | (v << sh));
                 }
-        /* the new tokens whole, then the last tile's padding (the last key's bytes again) */
-        uint8_t pk[DMAX / 2];
-        for (long t = have; t < (last_tile + 1) * TILE; t++) {
-            if (t < len) key_bytes(xg + t * d, mf, sf, d, pk);
-            uint8_t *tile = o + t / TILE * 8 * d;
-            for (int j = 0; j < d / 8; j++) memcpy(tile + (j * TILE + t % TILE) * 4, pk + j * 4, 4);
-        }
+        put_keys(xg, have, len, d, mf, sf, o); /* the new keys whole, the last tile's padding */
     }
     return 0;
 }

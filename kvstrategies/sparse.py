@@ -161,8 +161,9 @@ class SparseSelection(Selection):
             raise ValueError(f"summary = keys needs a head dim divisible by 8, at most 1024, "
                              f"not {spec.head_dim}")  # fmt: skip
         if self.keys and self.opts["range_weight"] > 0:
-            raise ValueError("range_weight weighs the centres' ranges: it needs summary = "
-                             "centres (the default, keys, has no ranges)")  # fmt: skip
+            raise ValueError(f"range_weight = {self.opts['range_weight']} weighs the centres' "
+                             f"ranges: it needs summary = centres (the default, keys, has no "
+                             f"ranges)")  # fmt: skip
         if self.keys and self.opts["summary_tokens"] != SUMMARY_TOKENS:
             raise ValueError(f"summary_tokens = {self.opts['summary_tokens']} sizes the "
                              f"centres' runs: it needs summary = centres (keys score every "

@@ -1,5 +1,6 @@
-"""Q4_K and Q6_K weights multiplied as their super-blocks (`gemv.c`'s `gemv_k`) against the same
-weights decoded to float32 at load (what `--weights native` did before: `gemv_f32` over 4.5 or
+"""Q4_K and Q6_K weights multiplied as their super-blocks, with float32 activations (`gemv.c`'s
+`gemv_k`) and with int8 ones (`gemv_ki8`, the registry's first entry), against the same weights
+decoded to float32 at load (what `--weights native` did before: `gemv_f32` over 4.5 or
 7.1 times the bytes), in one process.
 
 The packaged SmolLM2's rows are 576 wide, not whole 256-element super-blocks (llama-quantize
@@ -69,6 +70,8 @@ def main() -> None:
         qs = [random_weight(fmt, args.out, args.in_, rng) for _ in range(count)]
         packed = passes_per_s(lambda qs=qs, f=fmt: [gemv.gemv_kquant(x, q.blocks, f) for q in qs],
                               args.repeats)  # fmt: skip
+        i8 = passes_per_s(lambda qs=qs, f=fmt: [gemv.gemv_kquant_i8(x, q.blocks, f) for q in qs],
+                          args.repeats)  # fmt: skip
         dense = [dequantize(q) for q in qs]
         del qs
         floats = passes_per_s(lambda d=dense: [gemv.gemv_float(x, w) for w in d], args.repeats)
@@ -76,6 +79,7 @@ def main() -> None:
         kq_bytes, f_bytes = count * one, count * args.out * args.in_ * 4
         rows.append({"format": fmt, "matrices": count, "packed_pass_s": packed,
                      "float32_pass_s": floats, "ratio": packed / floats,
+                     "i8_pass_s": i8, "i8_gb_s": kq_bytes * i8 / 1e9,
                      "packed_gb_s": kq_bytes * packed / 1e9,
                      "float32_gb_s": f_bytes * floats / 1e9,
                      "packed_mib": kq_bytes / 2**20, "float32_mib": f_bytes / 2**20})  # fmt: skip
@@ -87,7 +91,10 @@ def main() -> None:
               f"{r['packed_pass_s']:.1f} passes/s ({r['packed_mib']:.0f} MiB, "
               f"{r['packed_gb_s']:.1f} GB/s = {r['packed_gb_s'] / stream:.0%} of the stream); "
               f"decoded at load {r['float32_pass_s']:.1f} ({r['float32_mib']:.0f} MiB, "
-              f"{r['float32_gb_s']:.1f} GB/s): {r['ratio']:.2f}x")  # fmt: skip
+              f"{r['float32_gb_s']:.1f} GB/s): {r['ratio']:.2f}x; int8 activations "
+              f"{r['i8_pass_s']:.1f} passes/s ({r['i8_gb_s']:.1f} GB/s = "
+              f"{r['i8_gb_s'] / stream:.0%} of the stream, "
+              f"{r['i8_pass_s'] / r['packed_pass_s']:.2f}x float32 activations)")  # fmt: skip
     print(json.dumps({"cpu": cpu_name(), "isa": gemv.isa(), "stream_gb_s": stream,
                       "settings": vars(args), "rows": rows}))  # fmt: skip
 

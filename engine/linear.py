@@ -23,8 +23,10 @@ Ops and their entries, in preference order (the last is the reference, available
   kernel on SmolLM2's layers (Intel Xeon, AVX-512), with the exact weights.
 - matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
-- matmul.q4_k, matmul.q6_k: gemv (CPU: `gemv.c`'s K-quant kernel, float32 activations, the
-  super-blocks decoded per call; from `gemv.GEMM_ROWS` rows on, the decoded GEMM), dequant.
+- matmul.q4_k, matmul.q6_k: gemv_i8 (CPU: `gemv.c`'s gemv_ki8, the activations rounded as for
+  the 32-element formats and the super-blocks multiplied in integers), gemv (CPU: its gemv_k,
+  float32 activations, the super-blocks decoded in registers; from `gemv.GEMM_ROWS` rows on
+  both take the decoded GEMM), dequant.
 - rmsnorm: fused (`F.rms_norm`, CPU and CUDA), torch. rope: rotate_half.
 
 NOTE: PyTorch's int4 and int8 CPU kernels (what larger batches use on packed weights) are fast
@@ -386,6 +388,15 @@ def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def _gemv_k_i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Q4_K / Q6_K with int8 activations (gemv.c's gemv_ki8): every batch below GEMM_ROWS; rows
+    wider than gemv.MAX_IN by the float-activation kernel."""
+    if x.shape[0] == 0 or x.shape[0] >= gemv.GEMM_ROWS or w.in_features > gemv.MAX_IN:
+        return _gemv_k(x, w)
+    y = gemv.gemv_kquant_i8(x.float(), w.form("blocks", _blocks), w.qtype)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _gemv_i8_available(device: torch.device, owner: object) -> str | None:
     return "a CPU kernel" if device.type != "cpu" else gemv.i8_unavailable()
 
@@ -403,6 +414,8 @@ def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     interleaved (`gemv.can_interleave`) a weight of whole groups of 16 rows is interleaved
     first (once), and needs no headers. (Where the kernel's path changed since, as the tests'
     `isa` fixture does, the GGUF blocks are read.)"""
+    if w.qtype in K_FORMATS:  # super-blocks: read in GGUF order, their own headers
+        return w.form("blocks", _blocks), NO_HEADERS, False
     here = gemv.can_interleave(w.qtype, w.out_features)
     if w.rows16 is None and w.may_interleave and here:
         w.interleave()
@@ -466,6 +479,7 @@ def _register() -> None:
     int4 = _aten("_weight_int4pack_mm_for_cpu")
     for fmt in K_FORMATS:
         op = f"matmul.{fmt.lower()}"
+        register(_PackedI8(op, _gemv_k_i8), 3)
         register(_Packed(op, "gemv", _gemv_k, "blocks", _blocks, _gemv_available), 5)
         register(FnImplementation(op, "dequant", _mm_dequant, ("*",)), 90, reference=True)
     for fmt in BLOCK_FORMATS:

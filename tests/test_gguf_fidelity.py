@@ -282,8 +282,9 @@ def test_a_k_quant_without_a_kernel_runs_dequantized_and_the_report_says_so(tmp_
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_a_k_quant_model_runs_on_its_super_blocks(tmp_path, qtype):
     """Q4_K and Q6_K weights stay packed (the file's bytes, named in the memory report) and
-    multiply by gemv.c's K-quant kernel, in prefill and decode (through the layer calls): the
-    logits equal the float32 model's up to float32 summation order."""
+    multiply by gemv.c's K-quant kernel with int8 activations (gemv_ki8), in prefill and decode
+    (through the layer calls): the logits equal the float32 model's within the int8
+    activations' error (two digits: 1e-5 to 1e-4 of a matmul, less on the logits)."""
     from unikv.kernels import gemv
     from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
 
@@ -304,10 +305,10 @@ def test_a_k_quant_model_runs_on_its_super_blocks(tmp_path, qtype):
             report = model.memory_report()
             assert qtype in report.weights and report.dequantized == ()
             kernels = model.operators.report()
-            assert kernels[f"matmul.{qtype.lower()}"]["active"] == "gemv"
+            assert kernels[f"matmul.{qtype.lower()}"]["active"] == "gemv_i8"
             assert kernels["layer.qkv"]["active"] == "native"
     err = ((logits["native"] - logits["float32"]).norm() / logits["float32"].norm()).item()
-    assert err < 1e-5, err
+    assert err < 1e-4, err
 
 
 def test_the_run_report_names_the_types_dequantized_at_load():

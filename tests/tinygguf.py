@@ -130,6 +130,88 @@ def synthetic_blocks(shape: tuple[int, int], qtype: str, rng) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+# ---- K-quants quantized for real (gguf only decodes them) ----------------------------------
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """w float32 [R, K] (K a multiple of 256) -> Q4_K super-blocks, uint8 [R, K / 256, 144]:
+    per sub-block of 32 the step (max - min) / 15 and the offset -min (min <= 0), both 6-bit
+    multiples of the super-block's fp16 d and dmin, the codes rounded to nearest (no search,
+    unlike llama-quantize's: valid blocks, a little less accurate than its)."""
+    r, k = w.shape
+    nb = k // 256
+    x = w.reshape(r, nb, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    hi = x.max(-1)
+    scale = (hi - lo) / 15.0  # [r, nb, 8]
+    mins = -lo
+    d = (scale.max(-1) / 63.0).astype(np.float16)  # [r, nb]
+    dmin = (mins.max(-1) / 63.0).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(
+        np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63
+    ).astype(np.int32)
+    m = np.clip(
+        np.round(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63
+    ).astype(np.int32)
+    step = (df * sc)[..., None]
+    off = (dmf * m)[..., None]
+    q = np.clip(
+        np.round(np.divide(x + off, step, out=np.zeros_like(x), where=step > 0)), 0, 15
+    ).astype(np.uint8)
+    out = np.zeros((r, nb, 144), dtype=np.uint8)
+    out[..., 0:2] = d.view(np.uint8).reshape(r, nb, 2)
+    out[..., 2:4] = dmin.view(np.uint8).reshape(r, nb, 2)
+    s = np.zeros((r, nb, 12), dtype=np.int32)
+    for i in range(4):
+        s[..., i] = (sc[..., i] & 63) | ((sc[..., i + 4] >> 4) << 6)
+        s[..., i + 4] = (m[..., i] & 63) | ((m[..., i + 4] >> 4) << 6)
+        s[..., i + 8] = (sc[..., i + 4] & 0xF) | ((m[..., i + 4] & 0xF) << 4)
+    out[..., 4:16] = s.astype(np.uint8)
+    for c in range(4):
+        out[..., 16 + 32 * c : 48 + 32 * c] = q[..., 2 * c, :] | (q[..., 2 * c + 1, :] << 4)
+    return out
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """w float32 [R, K] (K a multiple of 256) -> Q6_K super-blocks, uint8 [R, K / 256, 210]:
+    per sub-block of 16 the step max |w| / 31, an int8 multiple of the fp16 d, codes q - 32 in
+    [-32, 31] rounded to nearest."""
+    r, k = w.shape
+    nb = k // 256
+    x = w.reshape(r, nb, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31.0  # [r, nb, 16]
+    d = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.clip(
+        np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127
+    ).astype(np.int32)
+    step = (df * sc)[..., None]
+    q = (
+        np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31) + 32
+    ).astype(np.int32)
+    q = q.reshape(r, nb, 256)
+    ql = np.zeros((r, nb, 128), dtype=np.int32)
+    qh = np.zeros((r, nb, 64), dtype=np.int32)
+    for h in range(2):
+        for g in range(4):
+            part = q[..., 128 * h + 32 * g : 128 * h + 32 * g + 32]
+            a = 64 * h + 32 * (g & 1)
+            ql[..., a : a + 32] |= (part & 0xF) << (4 * (g >> 1))
+            qh[..., 32 * h : 32 * h + 32] |= (part >> 4) << (2 * g)
+    out = np.zeros((r, nb, 210), dtype=np.uint8)
+    out[..., :128] = ql.astype(np.uint8)
+    out[..., 128:192] = qh.astype(np.uint8)
+    out[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+    out[..., 208:210] = d.view(np.uint8).reshape(r, nb, 2)
+    return out
+
+
+def quantize_k(w: np.ndarray, qtype: str) -> np.ndarray:
+    """w float32 [R, K] as `qtype` (Q4_K or Q6_K) super-blocks, uint8 [R, K / 256, bytes]."""
+    return {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}[qtype](w)
+
+
 def write(
     path: Path,
     qtype: str = "F32",

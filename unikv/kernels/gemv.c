@@ -1642,6 +1642,403 @@ int gemv_k(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, 
     return 0;
 }
 
+/* ---- K-quants against int8 activations: Q4_K and Q6_K ------------------------------------
+ *
+ * Why: with float32 activations (gemv_k) each weight code becomes a float lane (a widening and
+ * a convert per 16 weights, on the ports the FMAs need too), and Q4_K / Q6_K read 55-61% of the
+ * stream. Here x is rounded as gemv_qi8 rounds it (per 32-element block d = amax / 127, two
+ * int8 digits by default) and the codes meet it in integers, as gemv_qi8 does for Q4_1:
+ *   Q4_K: w = d sc q - dmin m per sub-block of 32 (q 0..15): the sub-block's integer dot of q
+ *         with the codes, times d sc dx, less dmin m times dx sum(codes) (sx, per call);
+ *   Q6_K: w = d sc (q - 32) per sub-block of 16 (q 0..63): the integer dot of q less 32 times
+ *         the sum of the codes (`bias`, per call, per 4 codes: the lanes' own), exact, times
+ *         d sc dx. (The offset taken off in floats cancelled: gemv_k says so.)
+ * The integer dots are exact (a lane: 4 x 63 x 32640 < 2^24, a float32 exactly), so the result
+ * is the dequantized weight times the rounded x, the sums in another order: what
+ * kernels.gemv.quantize_blocks and the tests' reference compute. A 64-code register holds
+ * whole sub-blocks (Q4_K 2 of 32, Q6_K 4 of 16); its int32 lanes are converted once and meet a
+ * vector of their sub-blocks' scales (one permute) in one FMA.
+ *
+ * The activations' order is each path's own: on the VNNI path a 512-bit load of Q4_K's nibble
+ * bytes holds sub-blocks 4k and 4k + 2 in its low nibbles and 4k + 1, 4k + 3 in its high ones,
+ * so the codes of each 128 elements are stored in that order (elements 0..31, 64..95, 32..63,
+ * 96..127) once per call instead of shuffling the weights per row; Q6_K's and every AVX2
+ * register are in element order. */
+typedef struct {
+    const int8_t *q1, *q2; /* [n][in] the digit planes (two digits: 256 q1 + q2; one: see below) */
+    const int16_t *c;      /* [n][in] the whole codes (portable C) */
+    const float *dx, *sx;  /* [n][xs] per 32-element block: a code's scale, dx times the code sum */
+    const int32_t *bias;   /* [n][in / 4] (Q6_K): 32 times the sum of each 4 consecutive codes */
+    long nb, xs;           /* super-blocks per row; the stride of dx and sx */
+} kact_t;
+
+/* The 6-bit scales and mins of Q4_K super-block p as integers (ggml's get_scale_min_k4). */
+INLINE void q4k_scale_min(const uint8_t *sc, const int i, int *s, int *m) {
+    *s = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0xF) | ((sc[i - 4] >> 6) << 4);
+    *m = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+}
+
+#if GEMV_I8_ISA == 2
+/* v's 16 int32 lanes: the dot of its unsigned codes with the digit planes at p1 and p2 (one
+ * digit: p1 only), as gemv_qi8 combines them ((dot q1 << 8) + dot q2). */
+INLINE __m512i kdot(const __m512i v, const int8_t *p1, const int8_t *p2, const int D) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(p1));
+    if (D == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), v, _mm512_loadu_si512(p2));
+    return dot;
+}
+
+INLINE void q4k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    const long nb = a->nb, in = nb * 256;
+    /* register r's lanes 0..7 and 8..15 -> their sub-blocks (the order above) */
+    const __m512i idx[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+        _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+        _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[GEMV_MAX_ROWS][2];
+    __m256 macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+        acc[j][0] = acc[j][1] = _mm512_setzero_ps(), macc[j] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 144;
+        __m256 s8, m8;
+        q4k_scales(p, &s8, &m8);
+        const __m512i raw0 = _mm512_loadu_si512(p + 16), raw1 = _mm512_loadu_si512(p + 80);
+        const __m512i v[4] = {_mm512_and_si512(raw0, m4), _mm512_and_si512(_mm512_srli_epi16(raw0, 4), m4),
+                              _mm512_and_si512(raw1, m4), _mm512_and_si512(_mm512_srli_epi16(raw1, 4), m4)};
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const long e = j * in + b * 256, s = j * a->xs + b * 8;
+            const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(s8, _mm256_loadu_ps(a->dx + s)));
+            macc[j] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a->sx + s), macc[j]);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                acc[j][r & 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[r], sc),
+                                                _mm512_cvtepi32_ps(kdot(v[r], a->q1 + e + 64 * r,
+                                                                        a->q2 + e + 64 * r, D)),
+                                                acc[j][r & 1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+        y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1])) - hsum256(macc[j]);
+}
+
+INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    const long nb = a->nb, in = nb * 256;
+    /* register r (elements 64 r ..): its lanes 4 i .. 4 i + 3 -> sub-block 4 r + i */
+    const __m512i idx[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+        _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+        _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[GEMV_MAX_ROWS][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *ql = w + b * 210, *qh = ql + 128;
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_set1_ps(half(ql + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ql + 192)))));
+        __m512i v[4];
+        for (int h = 0; h < 2; h++) { /* elements 128 h ..: ql's 64 bytes, qh's 32 */
+            const __m512i l = _mm512_loadu_si512(ql + 64 * h);
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            /* bytes 0..31 qh (groups 0 and 2), 32..63 qh >> 2 (groups 1 and 3) */
+            const __m512i hx = _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+            v[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                       _mm512_and_si512(_mm512_slli_epi16(hx, 4), m30));
+            v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                           _mm512_and_si512(hx, m30));
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const long e = j * in + b * 256;
+            const __m512 dx = _mm512_permutexvar_ps(
+                pairs, _mm512_castps256_ps512(_mm256_loadu_ps(a->dx + j * a->xs + b * 8)));
+            const __m512 s = _mm512_mul_ps(sc, dx); /* per sub-block of 16: d sc dx */
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const __m512i dot = _mm512_sub_epi32(kdot(v[r], a->q1 + e + 64 * r, a->q2 + e + 64 * r, D),
+                                                     _mm512_loadu_si512(a->bias + (e + 64 * r) / 4));
+                acc[j][r & 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[r], s),
+                                                _mm512_cvtepi32_ps(dot), acc[j][r & 1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
+}
+
+#elif GEMV_I8_ISA == 1
+/* 8 int32 lanes: the dot of 32 unsigned codes v (bytes, at most 63) with the digit planes at
+ * p1 and p2 (vpmaddubsw's pairs at most 2 x 63 x 128, then vpmaddwd by 256 and by 1): lane i
+ * sums elements 4 i .. 4 i + 3. One digit: p1 holds zeros (quantize_x16's planes). */
+INLINE __m256i kdot(const __m256i v, const int8_t *p1, const int8_t *p2, const int D) {
+    (void)D;
+    const __m256i a = _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)p1));
+    const __m256i b = _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)p2));
+    return _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(b, _mm256_set1_epi16(1)));
+}
+
+INLINE void q4k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    const long nb = a->nb, in = nb * 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[GEMV_MAX_ROWS][2], macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = macc[j] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 144;
+        __m256 s8, m8;
+        q4k_scales(p, &s8, &m8);
+        __m256i v[8]; /* sub-block 2c: the low nibbles of bytes 32 c .., 2c + 1 the high ones */
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+            v[2 * c] = _mm256_and_si256(raw, m4);
+            v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const long e = j * in + b * 256, s = j * a->xs + b * 8;
+            float sc[8] __attribute__((aligned(32)));
+            _mm256_store_ps(sc, _mm256_mul_ps(s8, _mm256_loadu_ps(a->dx + s)));
+            macc[j] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a->sx + s), macc[j]);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+                acc[j][k & 1] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(sc[k]),
+                    _mm256_cvtepi32_ps(kdot(v[k], a->q1 + e + 32 * k, a->q2 + e + 32 * k, D)),
+                    acc[j][k & 1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1])) - hsum256(macc[j]);
+}
+
+INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    const long nb = a->nb, in = nb * 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    __m256 acc[GEMV_MAX_ROWS][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *ql = w + b * 210, *qh = ql + 128;
+        const __m128i sc16 = _mm_loadu_si128((const __m128i *)(ql + 192));
+        const __m256 d = _mm256_set1_ps(half(ql + 208));
+        const __m256 sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16))),
+                              _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))))};
+        __m256i v[8]; /* groups of 32 elements: 4 per half of 128 */
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            v[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+            v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+            v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+            v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const long e = j * in + b * 256;
+            const __m256 dx = _mm256_loadu_ps(a->dx + j * a->xs + b * 8);
+            for (int h = 0; h < 2; h++) {
+                /* d sc dx of sub-blocks 8 h .. 8 h + 7 (dx: one per pair) */
+                const __m256 s = _mm256_mul_ps(sc[h], _mm256_permutevar8x32_ps(
+                    dx, _mm256_add_epi32(pairs, _mm256_set1_epi32(4 * h))));
+#pragma GCC unroll 4
+                for (int g = 0; g < 4; g++) { /* lanes 0..3: sub-block 2g, 4..7: 2g + 1 */
+                    const long o = e + 128 * h + 32 * g;
+                    const __m256i dot = _mm256_sub_epi32(kdot(v[4 * h + g], a->q1 + o, a->q2 + o, D),
+                                                         _mm256_loadu_si256((const __m256i *)(a->bias + o / 4)));
+                    const __m256i lane = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1,
+                                                           2 * g + 1, 2 * g + 1, 2 * g + 1);
+                    acc[j][g & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s, lane),
+                                                    _mm256_cvtepi32_ps(dot), acc[j][g & 1]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
+}
+
+#else
+/* Portable C: the codes c as int16, the weights' integer codes per sub-block. */
+INLINE void q4k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    (void)D;
+    const long nb = a->nb, in = nb * 256;
+    float acc[GEMV_MAX_ROWS] = {0};
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 144, *q = p + 16;
+        const float d = half(p), dmin = half(p + 2);
+        for (int i = 0; i < 8; i++) {
+            int sc, m;
+            q4k_scale_min(p + 4, i, &sc, &m);
+            const uint8_t *qi = q + 32 * (i / 2);
+            const int shift = 4 * (i & 1);
+            for (int j = 0; j < N; j++) {
+                const int16_t *c = a->c + j * in + b * 256 + 32 * i;
+                int32_t s = 0;
+                for (int l = 0; l < 32; l++) s += ((qi[l] >> shift) & 0xF) * c[l];
+                const long k = j * a->xs + b * 8 + i;
+                acc[j] += d * (float)sc * a->dx[k] * (float)s - dmin * (float)m * a->sx[k];
+            }
+        }
+    }
+    for (int j = 0; j < N; j++) y[j * out] = acc[j];
+}
+
+INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, float *restrict y,
+                       long out, const int N, const int D) {
+    (void)D;
+    const long nb = a->nb, in = nb * 256;
+    float acc[GEMV_MAX_ROWS] = {0};
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *ql = w + b * 210, *qh = ql + 128;
+        const int8_t *sc = (const int8_t *)(ql + 192);
+        const float d = half(ql + 208);
+        for (int i = 0; i < 16; i++) { /* sub-block i: elements 16 i .. 16 i + 15 */
+            const int h = i / 8, g = (i % 8) / 2, l0 = 16 * (i & 1);
+            const uint8_t *lq = ql + 64 * h + 32 * (g & 1), *hq = qh + 32 * h;
+            for (int j = 0; j < N; j++) {
+                const int16_t *c = a->c + j * in + b * 256 + 16 * i;
+                int32_t s = 0;
+                for (int l = 0; l < 16; l++) {
+                    const int q = ((lq[l0 + l] >> (4 * (g >> 1))) & 0xF) | (((hq[l0 + l] >> (2 * g)) & 3) << 4);
+                    s += (q - 32) * c[l];
+                }
+                acc[j] += d * (float)sc[i] * a->dx[j * a->xs + b * 8 + i / 2] * (float)s;
+            }
+        }
+    }
+    for (int j = 0; j < N; j++) y[j * out] = acc[j];
+}
+#endif
+
+/* Rows [lo, hi) of a K-quant W against a's n rows, in groups of up to 4 x rows. */
+#define KI8_RANGE(NAME, ROW, BYTES)                                                              \
+    static void NAME(const kact_t *a, int n, const uint8_t *w, float *y, long out, long lo,      \
+                     long hi, int digits) {                                                      \
+        const long row = a->nb * BYTES, in = a->nb * 256;                                        \
+        for (long r = lo; r < hi; r++) {                                                         \
+            prefetch_ahead(w, r, row, hi);                                                       \
+            for (int g = 0; g < n; g += 4) {                                                     \
+                kact_t s = *a; /* x rows g .. g + 3 */                                           \
+                s.q1 += g * in, s.q2 += g * in, s.bias += g * in / 4;                           \
+                if (s.c != NULL) s.c += g * in; /* (portable C only) */                          \
+                s.dx += g * a->xs, s.sx += g * a->xs;                                            \
+                const uint8_t *wr = w + r * row;                                                 \
+                float *yr = y + g * out + r;                                                     \
+                switch ((n - g < 4 ? n - g : 4) + 4 * (digits == 2)) {                           \
+                case 1: ROW(&s, wr, yr, out, 1, 1); break;                                       \
+                case 2: ROW(&s, wr, yr, out, 2, 1); break;                                       \
+                case 3: ROW(&s, wr, yr, out, 3, 1); break;                                       \
+                case 4: ROW(&s, wr, yr, out, 4, 1); break;                                       \
+                case 5: ROW(&s, wr, yr, out, 1, 2); break;                                       \
+                case 6: ROW(&s, wr, yr, out, 2, 2); break;                                       \
+                case 7: ROW(&s, wr, yr, out, 3, 2); break;                                       \
+                default: ROW(&s, wr, yr, out, 4, 2); break;                                      \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }
+KI8_RANGE(q4k_i8_range, q4k_i8_row, 144)
+KI8_RANGE(q6k_i8_range, q6k_i8_row, 210)
+
+/* x [n, nb * 256] in the K-quant kernels' form (k): rounded as gemv_qi8 rounds it (act_make,
+ * into *buf), then Q6_K's bias and the VNNI path's sx (into *extra); both for free. 0, or -1 (no
+ * memory; then neither needs freeing). */
+static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t *k, void **buf,
+                     void **extra) {
+    const long in = nb * 256, nb32 = nb * 8;
+    act_t a;
+    *extra = NULL;
+    /* Q8_0's layout on the VNNI path is element order; Q4_1 asks the AVX2 path for the planes */
+    if (act_make(GEMV_I8_ISA == 2 ? Q8_0 : Q4_1, x, n, nb32, digits, &a, buf)) return -1;
+    /* Q6_K's bias, then sx (the VNNI path's: dx's stride, nb32 rounded up to 16) */
+    int32_t *bias = malloc(sizeof(int32_t) * (size_t)n * in / 4 + sizeof(float) * n * (nb32 + 15) / 16 * 16);
+    if (bias == NULL) {
+        free(*buf);
+        return -1;
+    }
+    *extra = bias;
+    *k = (kact_t){.nb = nb, .bias = bias};
+#if GEMV_I8_ISA == 2
+    float *sx = (float *)(bias + (size_t)n * in / 4);
+    k->q1 = a.q, k->q2 = a.q2, k->dx = a.dx, k->sx = sx, k->xs = a.nb16;
+    for (long i = 0; i < (long)n * a.nb16; i++) sx[i] = a.t[i] * (-1.0f / 128.0f); /* exact */
+    for (long i = 0; fmt == Q6_K && i < (long)n * in / 4; i++) { /* 4 whole codes, summed */
+        int s = 0;
+        for (int u = 0; u < 4; u++) s += digits == 2 ? 256 * a.q[4 * i + u] + a.q2[4 * i + u] : a.q[4 * i + u];
+        bias[i] = 32 * s;
+    }
+    if (fmt == Q4_K) /* each 128 elements as elements 0..31, 64..95, 32..63, 96..127 */
+        for (int d = 0; d < digits; d++) {
+            int8_t *q = d == 0 ? a.q : a.q2, t[32];
+            for (long o = 0; o < (long)n * in; o += 128) {
+                memcpy(t, q + o + 32, 32);
+                memcpy(q + o + 32, q + o + 64, 32);
+                memcpy(q + o + 64, t, 32);
+            }
+        }
+#else
+    k->q1 = a.q1, k->q2 = a.q2, k->c = a.c, k->dx = a.dx, k->sx = a.sx, k->xs = nb32;
+    for (long i = 0; fmt == Q6_K && i < (long)n * in / 4; i++)
+        bias[i] = 32 * (a.c[4 * i] + a.c[4 * i + 1] + a.c[4 * i + 2] + a.c[4 * i + 3]);
+#endif
+    return 0;
+}
+
+/* Rows [lo, hi) of a K-quant W (fmt) against k's n rows. */
+static void kact_rows(int fmt, const kact_t *k, int n, const uint8_t *w, float *y, long out,
+                      long lo, long hi, int digits) {
+    if (fmt == Q4_K)
+        q4k_i8_range(k, n, w, y, out, lo, hi, digits);
+    else
+        q6k_i8_range(k, n, w, y, out, lo, hi, digits);
+}
+
+/* One chunk of at most GEMV_I8_MAX_ROWS x rows: its activations made once, then the rows split
+ * among the threads. */
+static int ki8_chunk(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
+                     int threads, int digits) {
+    kact_t k;
+    void *buf, *extra;
+    if (kact_make(fmt, x, n, nb, digits, &k, &buf, &extra)) return -1;
+    SPLIT(kact_rows(fmt, &k, n, w, y, out, lo, hi, digits));
+    free(extra);
+    free(buf);
+    return 0;
+}
+
+/* y [n, out] = x [n, nb * 256] @ W^T, W Q4_K or Q6_K super-blocks [out, nb, bytes], x rounded to
+ * `digits` (1 or 2) int8 codes per 32-element block as gemv_qi8 rounds it; any n >= 1, in
+ * chunks of GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
+int gemv_ki8(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
+             int threads, int digits) {
+    if (n < 1 || (fmt != Q4_K && fmt != Q6_K) || nb * 8 > GEMV_MAX_BLOCKS || (digits != 1 && digits != 2))
+        return -1;
+    for (int c0 = 0; c0 < n; c0 += GEMV_I8_MAX_ROWS) {
+        const int m = n - c0 < GEMV_I8_MAX_ROWS ? n - c0 : GEMV_I8_MAX_ROWS;
+        if (ki8_chunk(fmt, x + (long)c0 * nb * 256, m, w, out, nb, y + (long)c0 * out, threads, digits))
+            return -1;
+    }
+    return 0;
+}
+
 /* ---- prefill: the weights decoded for a float32 GEMM ------------------------------------------
  *
  * At many rows (a prompt's prefill) the products are bound by arithmetic, not by the weight
@@ -1787,7 +2184,9 @@ int layer_struct_size(void) { return (int)sizeof(layer_t); }
  * before any work). */
 static int lin_fits(const lin_t *l, int n) {
     if (l->kind == 0) return n <= GEMV_MAX_ROWS;
-    if (l->kind == 3) return l->in % 256 == 0 && (l->fmt == Q4_K || l->fmt == Q6_K);
+    if (l->fmt == Q4_K || l->fmt == Q6_K) /* gemv_k (kind 3) or gemv_ki8 (kind 2) */
+        return l->in % 256 == 0 && (l->kind == 3 || (l->kind == 2 && l->in / 32 <= GEMV_MAX_BLOCKS));
+    if (l->kind == 3) return 0;
     if (l->in % 32 || l->in / 32 > GEMV_MAX_BLOCKS || (l->fmt & ~ROWS16) > Q4_1) return 0;
     if (l->kind == 1) return n <= GEMV_MAX_ROWS && !(l->fmt & ROWS16);
     if (l->kind != 2) return 0;
@@ -1803,6 +2202,7 @@ static int lin_apply(const lin_t *l, const float *x, int n, float *y, int thread
         return 0;
     }
     if (l->kind == 3) return gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
+    if (l->fmt == Q4_K || l->fmt == Q6_K) return gemv_ki8(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads, 2);
     if (l->kind == 1) {
         gemv_q(l->fmt, x, n, (const uint8_t *)l->w, l->out, l->in / 32, y, threads);
         return 0;
@@ -2083,6 +2483,8 @@ typedef struct {
     int n;
     float *y;
     act_t a; /* kind 2 */
+    kact_t k; /* kind 2 at Q4_K / Q6_K; extra: its second buffer */
+    void *extra;
     float *xs; /* kind 1 at Q4_1, kind 3 at Q4_K: sums of x per 32 elements */
     void *buf;
 } prod_t;
@@ -2092,6 +2494,8 @@ typedef struct {
  * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */
 static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y) {
     *p = (prod_t){.l = l, .x = x, .n = n, .y = y};
+    if (l->kind == 2 && (l->fmt == Q4_K || l->fmt == Q6_K))
+        return kact_make(l->fmt, x, n, l->in / 256, 2, &p->k, &p->buf, &p->extra);
     if (l->kind == 2) return act_make(l->fmt, x, n, l->in / 32, 2, &p->a, &p->buf);
     const long runs = (long)n * (l->in / 32);
     if ((l->kind == 1 && l->fmt == Q4_1) || (l->kind == 3 && l->fmt == Q4_K && GEMV_ISA >= 1)) {
@@ -2110,6 +2514,8 @@ static void prod_rows(const prod_t *p, long lo, long hi) {
     const uint8_t *w = (const uint8_t *)l->w;
     if (l->kind == 0) {
         f32_range(p->x, n, (const float *)l->w, l->in, p->y, out, lo, hi);
+    } else if (l->kind == 2 && (l->fmt == Q4_K || l->fmt == Q6_K)) {
+        kact_rows(l->fmt, &p->k, n, w, p->y, out, lo, hi, 2);
     } else if (l->kind == 2) {
         act_rows(l->fmt, &p->a, n, w, l->h, p->y, out, lo, hi, 2);
     } else if (l->kind == 1) {
@@ -2158,6 +2564,7 @@ static void team_product(team_t *tm, const lin_t *l, const float *x, int n, floa
             for (long c; (c = atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) < chunks;)
                 prod_rows(&p, c * chunk, c * chunk + chunk < out ? c * chunk + chunk : out);
             free(p.buf);
+            free(p.extra);
         } else {
             atomic_store(tm->failed, 1);
         }

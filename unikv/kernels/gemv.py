@@ -4,14 +4,14 @@ What lives here: `unavailable()` (why this machine cannot run the kernel, or Non
 (the most activation rows one call takes: decode; larger batches keep PyTorch's matrix
 products), `gemv_float` and `gemv_packed` (y = x @ W.T for float32 row-major weights and for
 GGUF Q8_0 / Q4_0 / Q4_1 blocks, float32 activations), `gemv_kquant` (Q4_K / Q6_K super-blocks,
-float32 activations, any number of rows), `i8_unavailable()`, `headers` and
-`gemv_packed_i8` (the same blocks against activations rounded per 32-element block to one or
-two int8 codes, multiplied in integers: VNNI where the CPU has it, int16 products on AVX2 and in
-portable C), `isa()` / `i8_isa()` (which path the build holds), and `quantize_blocks` (that
-rounding in torch: what the int8 kernel's result is checked against), `dequantize` and
-`gemm_packed` (packed rows decoded to float32 for PyTorch's GEMM: a prefill's many rows), and
-`Layer` / `Lin`,
-`layer_qkv` / `layer_out` (a Llama layer's dense part in two calls: `engine.fused`).
+float32 activations, any number of rows), `i8_unavailable()`, `headers`, `gemv_packed_i8`
+and `gemv_kquant_i8` (the same blocks and super-blocks against activations rounded per
+32-element block to one or two int8 codes, multiplied in integers: VNNI where the CPU has it,
+int16 products on AVX2 and in portable C), `isa()` / `i8_isa()` (which path the build holds),
+`quantize_blocks` (that rounding in torch: what the int8 kernels' results are checked against),
+`dequantize` and `gemm_packed` (packed rows decoded to float32 for PyTorch's GEMM: a prefill's
+many rows), and `Layer` / `Lin`, `layer_qkv` / `layer_out` (a Llama layer's dense part in two
+calls: `engine.fused`).
 What does not: the registry entries that
 choose between this and PyTorch (`engine.linear`), the build and its cache
 (`kernels.native.build`, shared with the attention kernel: same flags, same cache
@@ -67,6 +67,8 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv_qi8.restype = ctypes.c_int
     lib.gemv_k.argtypes = [i, p, i, p, lng, lng, p, i]
     lib.gemv_k.restype = ctypes.c_int
+    lib.gemv_ki8.argtypes = [i, p, i, p, lng, lng, p, i, i]
+    lib.gemv_ki8.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [i, p, lng, lng, p, i]
     lib.dequant_rows.restype = ctypes.c_int
     lib.dequant_index.argtypes = [i, p, lng, lng, p, i, p]
@@ -155,6 +157,30 @@ def gemv_kquant(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"gemv_k: {qtype} is not a K-quant it reads")
+    return y
+
+
+def gemv_kquant_i8(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, digits: int = 2
+) -> torch.Tensor:
+    """As `gemv_kquant` (any N; in / 32 at most MAX_IN / 32 blocks) with x rounded per 32-element
+    block to `digits` int8 codes first, as `gemv_packed_i8` rounds it (`quantize_blocks`), and
+    the super-blocks multiplied in integers (gemv.c's gemv_ki8: vpdpbusd, vpmaddubsw on AVX2,
+    int16 in portable C) -> float32 [N, out]."""
+    if digits not in (1, 2):
+        raise ValueError(f"digits must be 1 or 2, got {digits}")
+    n = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
+    rc = _state["lib"].gemv_ki8(  # type: ignore[attr-defined]
+        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), blocks.shape[0],
+        blocks.shape[1], y.data_ptr(), torch.get_num_threads(), digits,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"gemv_ki8: {qtype} rows of {blocks.shape[1]} super-blocks are not "
+            f"K-quant rows it reads (at most {MAX_IN // 256}), or no memory"
+        )
     return y
 
 

@@ -14,13 +14,15 @@ Ops and their entries, in preference order (the last is the reference, available
 - matmul.bf16 (bf16 weights, float32 compute): split_bmm (CPU, CUDA), mm (dequantize).
 - matmul.q8_0: gemv_i8 (CPU, AVX512-VNNI: the activations rounded per 32-element block to two
   int8 codes, llama.cpp's Q8_0 / Q8_1 activations plus a code for the rest, and the GGUF blocks
-  multiplied in integers; decode, 16-token chunks, any batch below `gemv.GEMM_ROWS`), gemv
+  multiplied in integers; decode, 16-token chunks, and a prefill's rows where `_prefill`
+  measured that faster than the decoded GEMM), gemv
   (CPU, AVX-512: the GGUF blocks decoded in registers, float32 activations; up to
   `gemv.MAX_ROWS` rows), int4x2 (CPU: PyTorch's int4 kernel over two nibble planes,
   group-exact), int8 (CPU: PyTorch's weight-only int8 kernel, requantized per row), dequant.
-  From `gemv.GEMM_ROWS` rows on (a prefill) gemv_i8 and gemv decode the blocks in panels for
-  PyTorch's float32 GEMM (`gemv.gemm_packed`): at 512 rows 2.1x gemv_i8 and 1.8x the int4
-  kernel on SmolLM2's layers (Intel Xeon, AVX-512), with the exact weights.
+  From `gemv.GEMM_ROWS` rows on (a prefill) gemv, and gemv_i8 where `_prefill` chose so, decode
+  the blocks in panels for PyTorch's float32 GEMM (`gemv.gemm_packed`): at 512 rows 2.1x
+  gemv_i8 and 1.8x the int4 kernel on SmolLM2's layers (Intel Xeon, AVX-512), with the exact
+  weights; 0.70x gemv_i8 on the AMD EPYC (Zen 4).
 - matmul.q4_0, matmul.q4_1: gemv_i8, gemv (as for Q8_0), int4 (CPU:
   `_weight_int4pack_mm_for_cpu`, group size 32), dequant.
 - matmul.q4_k, matmul.q6_k: gemv_i8 (CPU: `gemv.c`'s gemv_ki8, the activations rounded as for
@@ -41,6 +43,7 @@ float32 activations per matmul; the model's decode is checked in tests/test_line
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -369,13 +372,49 @@ def _gemv_packed(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
 
 def _gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """A prefill's many rows: the blocks decoded in panels for PyTorch's float32 GEMM
-    (`gemv.gemm_packed`; from gemv.GEMM_ROWS rows on it does more work per second than the
-    int8 kernel, and computes with the exact weights and float32 activations)."""
+    (`gemv.gemm_packed`; the exact weights and float32 activations; from gemv.GEMM_ROWS rows on
+    it does more work per second than the int8 kernel on some machines: `_prefill`)."""
     if w.rows16 is not None:
         y = gemv.gemm_packed(x.float(), w.rows16, w.qtype, rows16=True)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     y = gemv.gemm_packed(x.float(), w.form("blocks", _blocks), w.qtype)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+# How a prefill's many rows (gemv.GEMM_ROWS or more) multiply packed weights on the int8 entries:
+# the int8 kernel in chunks of gemv.I8_MAX_ROWS, or the blocks decoded for PyTorch's float32 GEMM
+# (`_gemm`: exact weights, float32 activations). Which is faster is a fact about the machine, not
+# the code: on the Intel Xeon (AVX-512) the GEMM did 2.1x the int8 kernel's work at 512 rows; on
+# the AMD EPYC (Zen 4) the int8 kernel prefilled 512 tokens of the Q8_0 model at 1.43x the GEMM's
+# rate (885 against 620 tok/s; PyTorch's float32 GEMM there is slower). So the first
+# prefill-sized product of each format times both on its own arguments (twice each, alternating)
+# and the format keeps the int8 kernel only where it was PREFILL_MARGIN times faster (a near tie
+# keeps the exact weights, and the choice cannot flip between runs on a tie). `PREFILL` holds
+# the choices: qtype -> "int8" or "gemm" (tests and benchmarks may set them).
+PREFILL: dict[str, str] = {}
+PREFILL_MARGIN = 1.15
+_clock = time.perf_counter  # (the tests' fake clock replaces it)
+
+
+def _prefill(x: torch.Tensor, w: PackedWeight, int8: Callable) -> torch.Tensor:
+    """x (gemv.GEMM_ROWS rows or more) @ w.T by this machine's faster way for w's format."""
+    way = PREFILL.get(w.qtype)
+    if way == "int8":
+        return int8(x, w)
+    if way == "gemm":
+        return _gemm(x, w)
+    best: dict[str, float] = {}
+    ys: dict[str, torch.Tensor] = {}
+    for name, f in (("gemm", _gemm), ("int8", int8)) * 2:
+        t0 = _clock()
+        ys[name] = f(x, w)
+        best[name] = min(best.get(name, float("inf")), _clock() - t0)
+    faster = best["gemm"] > PREFILL_MARGIN * best["int8"]
+    PREFILL[w.qtype] = "int8" if faster else "gemm"
+    log.info("prefill rows of %s weights: %s (%d rows: the int8 kernel %.2f ms, the decoded GEMM "
+             "%.2f ms)", w.qtype, PREFILL[w.qtype], x.shape[0], 1e3 * best["int8"],
+             1e3 * best["gemm"])  # fmt: skip
+    return ys[PREFILL[w.qtype]]  # (the chosen way's numbers from the first call on)
 
 
 def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -389,10 +428,17 @@ def _gemv_k(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def _gemv_k_i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """Q4_K / Q6_K with int8 activations (gemv.c's gemv_ki8): every batch below GEMM_ROWS; rows
-    wider than gemv.MAX_IN by the float-activation kernel."""
-    if x.shape[0] == 0 or x.shape[0] >= gemv.GEMM_ROWS or w.in_features > gemv.MAX_IN:
+    """Q4_K / Q6_K with int8 activations (gemv.c's gemv_ki8): every batch (from GEMM_ROWS rows
+    on where `_prefill` found it faster than the decoded GEMM); rows wider than gemv.MAX_IN by
+    the float-activation kernel."""
+    if x.shape[0] == 0 or w.in_features > gemv.MAX_IN:
         return _gemv_k(x, w)
+    if x.shape[0] >= gemv.GEMM_ROWS:
+        return _prefill(x, w, _k_i8)
+    return _k_i8(x, w)
+
+
+def _k_i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     y = gemv.gemv_kquant_i8(x.float(), w.form("blocks", _blocks), w.qtype)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -425,18 +471,21 @@ def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 def _gemv_packed_i8(large: Callable[[torch.Tensor, PackedWeight], torch.Tensor]):
-    """The int8-activation entry: every batch (decode, chunks, prefill in chunks of
-    gemv.I8_MAX_ROWS) by gemv.c's int8 kernel; rows wider than gemv.MAX_IN, or none, by
-    `large`."""
+    """The int8-activation entry: every batch (decode, chunks; a prefill's rows in chunks of
+    gemv.I8_MAX_ROWS where `_prefill` found that faster than the decoded GEMM) by gemv.c's int8
+    kernel; rows wider than gemv.MAX_IN, or none, by `large`."""
+
+    def i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        blocks, head, rows16 = i8_weight(w)
+        y = gemv.gemv_packed_i8(x.float(), blocks, head, w.qtype, rows16=rows16)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def fn(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         if x.shape[0] == 0 or w.in_features > gemv.MAX_IN:
             return large(x, w)
         if x.shape[0] >= gemv.GEMM_ROWS:
-            return _gemm(x, w)
-        blocks, head, rows16 = i8_weight(w)
-        y = gemv.gemv_packed_i8(x.float(), blocks, head, w.qtype, rows16=rows16)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+            return _prefill(x, w, i8)
+        return i8(x, w)
 
     return fn
 

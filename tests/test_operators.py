@@ -813,9 +813,12 @@ def test_prefill_rows_multiply_by_the_decoded_gemm_under_every_isa(fmt, isa, mon
     """From gemv.GEMM_ROWS rows on (a prefill) the packed entries decode the blocks in panels
     for PyTorch's GEMM: the decoding equals gguf's (but for a fused multiply-add's last bit),
     the product is x @ W.T over the exact weights, panels of any size (one row, a partial last
-    one) give the same product, and one row fewer stays on the decode kernels."""
+    one) give the same product, and one row fewer stays on the decode kernels (the int8
+    entries pinned to the GEMM for prefill rows: `linear.PREFILL`)."""
     from unikv.engine.quantized import dequantize
     from unikv.kernels import gemv
+
+    monkeypatch.setattr(linear, "PREFILL", {fmt: "gemm"})
 
     if gemv.unavailable() is not None:
         pytest.skip(gemv.unavailable())
@@ -860,6 +863,38 @@ def test_prefill_rows_multiply_by_the_decoded_gemm_under_every_isa(fmt, isa, mon
         monkeypatch.setattr(gemv, "gemm_packed", lambda *a, c=calls: c.append(1) or real(*a))
         got = impl(x, w)
         assert calls == [1] and ((got - want).norm() / want.norm()).item() < 1e-6, name
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_K"])
+def test_a_prefill_takes_the_way_it_measured_faster_once_per_format(fmt, monkeypatch):
+    """The int8 entries time the int8 kernel and the decoded GEMM on the first prefill-sized
+    product of a format (twice each) and keep the int8 kernel only where it was PREFILL_MARGIN
+    times faster; later products go the chosen way without timing, and both ways give the
+    product (the int8 kernel's within 1e-4 of float32 activations)."""
+    from unikv.kernels import gemv
+
+    impl = _gemv_entry(f"matmul.{fmt.lower()}", "gemv_i8")
+    k_quant = fmt == "Q4_K"
+    q = _k_packed(fmt, rows=48) if k_quant else _packed(fmt, rows=48, cols=96)
+    w = linear.PackedWeight(q, torch.float32)
+    x = torch.randn(gemv.GEMM_ROWS + 3, q.shape[1])
+    want = operators.reference(f"matmul.{fmt.lower()}")(x, w)
+    real = gemv.gemm_packed
+    for gemm_s, int8_s, way in [(3.0, 1.0, "int8"), (1.1, 1.0, "gemm")]:
+        monkeypatch.setattr(linear, "PREFILL", {})
+        ticks = iter([0.0, gemm_s, 10.0, 10.0 + int8_s] * 2)  # gemm, int8, gemm, int8
+        monkeypatch.setattr(linear, "_clock", lambda t=ticks: next(t))
+        calls = []
+        monkeypatch.setattr(
+            gemv, "gemm_packed", lambda *a, c=calls, **k: c.append(1) or real(*a, **k)
+        )
+        first = impl(x, w)
+        assert linear.PREFILL[fmt] == way and len(linear.PREFILL) == 1  # timed both, twice each
+        assert calls == [1, 1]
+        got = impl(x, w)  # no clock now: the iterator is spent, a call to it would raise
+        assert calls == ([1, 1] if way == "int8" else [1, 1, 1])
+        for y in (first, got):
+            assert ((y - want).norm() / want.norm()).item() < (1e-4 if way == "int8" else 1e-5)
 
 
 def test_gemv_unavailable_says_why(monkeypatch):

@@ -30,14 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_profile import cpu_name  # noqa: E402
-from benchmarks.native_weights import NAMES, TEXTS  # noqa: E402
+from benchmarks.native_weights import ppl_by_text  # noqa: E402
 from tests.tinygguf import quantize_k  # noqa: E402
-from unikv.engine.evaluate import perplexity  # noqa: E402
 from unikv.engine.linear import Linear, PackedWeight  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.quantized import FORMATS, QuantizedTensor  # noqa: E402
 from unikv.kernels import gemv, operators  # noqa: E402
-from unikv.kvstrategies.kv import ContiguousKVCache  # noqa: E402
 
 ENTRIES = {"int8": "gemv_i8", "float32": "gemv"}  # activations -> the matmul entry pinned
 
@@ -66,17 +64,7 @@ def main() -> None:
     for label, entry in ENTRIES.items():
         m, tok = load_model("smollm2", progress=False, weights="float32")
         models[label] = with_k_quant_down(m, args.format, entry)
-    rows = {}
-    for name in NAMES:
-        path = next(TEXTS.glob(name + ".*"))
-        ids = tok.encode(path.read_text())[: args.tokens]
-        got = {}
-        for label, m in models.items():
-            c = m.cfg
-            kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, m.dtype)
-            got[label] = perplexity(m, ids, kv).ppl
-        got["change"] = got["int8"] / got["float32"] - 1
-        rows[name] = got
+    rows = ppl_by_text(models, tok, args.tokens)  # int8 first: the change is int8 / float32
     worst = max(abs(r["change"]) for r in rows.values())
     where = f"{cpu_name()}; kernels {gemv.isa()} (int8: {gemv.i8_isa()})"
     print(f"{where}; ffn_down as {args.format}, int8 against float32 activations")

@@ -42,6 +42,25 @@ def kernels_used(model) -> dict[str, str]:
     return {f: "; ".join(w.how) for f, w in weight_formats(model).items()}
 
 
+def ppl_by_text(models: dict, tok, tokens: int) -> dict[str, dict[str, float]]:
+    """Each development text's first `tokens` tokens through a `full` cache, the models (label
+    -> model, two of them) alternating text by text: text -> {label: PPL, "change": the first's
+    PPL over the second's, less 1}."""
+    (a, _), (b, _) = models.items()
+    rows = {}
+    for name in NAMES:
+        path = next(TEXTS.glob(name + ".*"))
+        ids = tok.encode(path.read_text())[:tokens]
+        got = {}
+        for label, m in models.items():
+            c = m.cfg
+            kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, m.dtype)
+            got[label] = perplexity(m, ids, kv).ppl
+        got["change"] = got[a] / got[b] - 1
+        rows[name] = got
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -51,17 +70,7 @@ def main() -> None:
     ref, tok = load_model("smollm2", progress=False, weights="float32")
     native, _ = load_model("smollm2", progress=False, weights="native")
     how = kernels_used(native)
-    rows = {}
-    for name in NAMES:
-        path = next(TEXTS.glob(name + ".*"))
-        ids = tok.encode(path.read_text())[: args.tokens]
-        got = {}
-        for label, m in (("native", native), ("float32", ref)):
-            c = m.cfg
-            kv = ContiguousKVCache(c.num_layers, c.num_kv_heads, c.head_dim, m.dtype)
-            got[label] = perplexity(m, ids, kv).ppl
-        got["change"] = got["native"] / got["float32"] - 1
-        rows[name] = got
+    rows = ppl_by_text({"native": native, "float32": ref}, tok, args.tokens)
     worst = max(abs(r["change"]) for r in rows.values())
     where = f"{cpu_name()}; kernels {gemv.isa()} (int8: {gemv.i8_isa()}), torch " + str(
         torch.backends.cpu.get_cpu_capability()

@@ -1,5 +1,6 @@
 """Q4_K and Q6_K weights multiplied as their super-blocks, with float32 activations (`gemv.c`'s
-`gemv_k`) and with int8 ones (`gemv_ki8`, the registry's first entry), against the same weights
+`gemv_k`) and with int8 ones (`gemv_ki8`, the registry's first entry; where that path reads a
+format interleaved by 16 rows, as the entry then holds it, that way too), against the same weights
 decoded to float32 at load (what `--weights native` did before: `gemv_f32` over 4.5 or
 7.1 times the bytes), in one process.
 
@@ -8,8 +9,9 @@ falls back to Q5_0 / Q8_0 for them), so this times synthetic weights the size of
 model's layers: `--matrices` matrices of [`--out`, `--in`] random super-blocks with sane scales
 (about `--mib` MiB of K-quant bytes in all, more than the caches), multiplied one after the
 other as a decode step would, at `--rows` activation rows; the median of `--repeats` passes after
-one untimed pass. Prints tokens/s-equivalent (passes per second), the bytes each way reads per
-pass, GB/s, and a 1 GiB stream on the same threads (`decode_profile.stream_gb_s`).
+one untimed pass, the ways taking turns in each round. Prints tokens/s-equivalent (passes per
+second), the bytes each way reads per pass, GB/s, and a 1 GiB stream on the same threads
+(`decode_profile.stream_gb_s`) before and after; the shares are of the faster stream.
 
     python benchmarks/kquant_speed.py [--rows 1] [--threads 2] [--mib 256]
 """
@@ -39,14 +41,18 @@ def random_weight(fmt: str, out: int, in_: int, rng) -> QuantizedTensor:
     return QuantizedTensor(fmt, torch.from_numpy(raw.copy()).view(out, -1, FORMATS[fmt]))
 
 
-def passes_per_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def passes_per_s(fns: dict, repeats: int) -> dict:
+    """Passes per second of each way (the median of `repeats`), the ways taking turns in each
+    round after one untimed pass each, so a drift in this machine's pace reaches them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1 / statistics.median(times)
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1 / statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -63,29 +69,40 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     x = torch.randn(args.rows, args.in_)
+    streams = [stream_gb_s(args.threads)]
     rows = []
     for fmt in ("Q4_K", "Q6_K"):
         one = args.out * args.in_ // 256 * FORMATS[fmt]
         count = max(1, (args.mib << 20) // one)
         qs = [random_weight(fmt, args.out, args.in_, rng) for _ in range(count)]
-        packed = passes_per_s(lambda qs=qs, f=fmt: [gemv.gemv_kquant(x, q.blocks, f) for q in qs],
-                              args.repeats)  # fmt: skip
-        i8 = passes_per_s(lambda qs=qs, f=fmt: [gemv.gemv_kquant_i8(x, q.blocks, f) for q in qs],
-                          args.repeats)  # fmt: skip
         dense = [dequantize(q) for q in qs]
-        del qs
-        floats = passes_per_s(lambda d=dense: [gemv.gemv_float(x, w) for w in d], args.repeats)
-        del dense
+        ways = {
+            "packed": lambda qs=qs, f=fmt: [gemv.gemv_kquant(x, q.blocks, f) for q in qs],
+            "i8": lambda qs=qs, f=fmt: [gemv.gemv_kquant_i8(x, q.blocks, f) for q in qs],
+            "float32": lambda d=dense: [gemv.gemv_float(x, w) for w in d],
+        }
+        if gemv.can_interleave(fmt, args.out):  # the int8 entry's form for Q4_K on VNNI
+            r16 = [gemv.interleave(q.blocks, fmt) for q in qs]
+            ways["i8_rows16"] = lambda r16=r16, f=fmt: [
+                gemv.gemv_kquant_i8(x, b, f, rows16=True) for b in r16
+            ]
+        rate = passes_per_s(ways, args.repeats)
+        del qs, dense, ways
+        i16 = rate.get("i8_rows16")
         kq_bytes, f_bytes = count * one, count * args.out * args.in_ * 4
-        rows.append({"format": fmt, "matrices": count, "packed_pass_s": packed,
-                     "float32_pass_s": floats, "ratio": packed / floats,
-                     "i8_pass_s": i8, "i8_gb_s": kq_bytes * i8 / 1e9,
-                     "packed_gb_s": kq_bytes * packed / 1e9,
-                     "float32_gb_s": f_bytes * floats / 1e9,
+        rows.append({"format": fmt, "matrices": count, "packed_pass_s": rate["packed"],
+                     "float32_pass_s": rate["float32"], "ratio": rate["packed"] / rate["float32"],
+                     "i8_pass_s": rate["i8"], "i8_gb_s": kq_bytes * rate["i8"] / 1e9,
+                     "i8_rows16_pass_s": i16,
+                     "i8_rows16_gb_s": kq_bytes * i16 / 1e9 if i16 else None,
+                     "packed_gb_s": kq_bytes * rate["packed"] / 1e9,
+                     "float32_gb_s": f_bytes * rate["float32"] / 1e9,
                      "packed_mib": kq_bytes / 2**20, "float32_mib": f_bytes / 2**20})  # fmt: skip
-    stream = stream_gb_s(args.threads)
+    streams.append(stream_gb_s(args.threads))
+    stream = max(streams)  # the shares below against the faster of two streams, before and after
     print(f"{cpu_name()}, kernels {gemv.isa()}; {args.rows} row(s), {args.threads} thread(s); "
-          f"a {args.threads}-thread stream reads {stream:.1f} GB/s")  # fmt: skip
+          f"a {args.threads}-thread stream reads {streams[0]:.1f} GB/s before, "
+          f"{streams[1]:.1f} after")  # fmt: skip
     for r in rows:
         print(f"  {r['format']}: {r['matrices']} x [{args.out}, {args.in_}]: packed "
               f"{r['packed_pass_s']:.1f} passes/s ({r['packed_mib']:.0f} MiB, "
@@ -95,7 +112,12 @@ def main() -> None:
               f"{r['i8_pass_s']:.1f} passes/s ({r['i8_gb_s']:.1f} GB/s = "
               f"{r['i8_gb_s'] / stream:.0%} of the stream, "
               f"{r['i8_pass_s'] / r['packed_pass_s']:.2f}x float32 activations)")  # fmt: skip
-    print(json.dumps({"cpu": cpu_name(), "isa": gemv.isa(), "stream_gb_s": stream,
+        if r["i8_rows16_pass_s"]:
+            print(f"    int8 activations, rows interleaved by 16: {r['i8_rows16_pass_s']:.1f} "
+                  f"passes/s ({r['i8_rows16_gb_s']:.1f} GB/s = "
+                  f"{r['i8_rows16_gb_s'] / stream:.0%} of the stream, "
+                  f"{r['i8_rows16_pass_s'] / r['i8_pass_s']:.2f}x the GGUF order)")  # fmt: skip
+    print(json.dumps({"cpu": cpu_name(), "isa": gemv.isa(), "stream_gb_s": streams,
                       "settings": vars(args), "rows": rows}))  # fmt: skip
 
 

@@ -439,7 +439,8 @@ def _gemv_k_i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def _k_i8(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    y = gemv.gemv_kquant_i8(x.float(), w.form("blocks", _blocks), w.qtype)
+    blocks, _, rows16 = i8_weight(w)
+    y = gemv.gemv_kquant_i8(x.float(), blocks, w.qtype, rows16=rows16)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -458,15 +459,15 @@ NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
 def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """What gemv_i8 multiplies: (blocks, headers, interleaved). Where its path reads the format
     interleaved (`gemv.can_interleave`) a weight of whole groups of 16 rows is interleaved
-    first (once), and needs no headers. (Where the kernel's path changed since, as the tests'
-    `isa` fixture does, the GGUF blocks are read.)"""
-    if w.qtype in K_FORMATS:  # super-blocks: read in GGUF order, their own headers
-        return w.form("blocks", _blocks), NO_HEADERS, False
+    first (once), and needs no headers (the VNNI path's Q4_K too). (Where the kernel's path
+    changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
     here = gemv.can_interleave(w.qtype, w.out_features)
     if w.rows16 is None and w.may_interleave and here:
         w.interleave()
     if w.rows16 is not None and here:
         return w.rows16, NO_HEADERS, True
+    if w.qtype in K_FORMATS:  # super-blocks in GGUF order: their own headers
+        return w.form("blocks", _blocks), NO_HEADERS, False
     return w.form("blocks", _blocks), w.form("i8", _i8_form)[0], False
 
 

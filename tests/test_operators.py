@@ -606,20 +606,32 @@ def test_the_k_quant_int8_kernel_equals_int8_activations_times_the_weights(
         gemv.gemv_kquant_i8(torch.randn(1, 256), q.blocks[:, :1].contiguous(), fmt, digits=3)
 
 
-@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+ROWS16_FORMATS = [*linear.BLOCK_FORMATS, "Q4_K"]  # the formats an int8 path reads interleaved
+
+
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 def test_interleaved_rows_hold_the_same_bytes(fmt):
     """gemv.c's ROWS16 layout is a permutation of the blocks (Q8_0's codes xor 0x80): the
     round trip gives the GGUF blocks back, a lookup of some rows reads back only theirs, the
     bytes are where gemv.c looks for them, and a weight that is not whole groups is refused."""
     from unikv.kernels import gemv
 
-    q = _packed(fmt, rows=48, cols=96)
+    q = _k_packed(fmt, rows=48, cols=768) if fmt == "Q4_K" else _packed(fmt, rows=48, cols=96)
     blocks = q.blocks.contiguous()
     r16 = gemv.interleave(blocks, fmt)
     assert r16.shape == blocks.shape and r16.is_contiguous()
     assert torch.equal(gemv.deinterleave(r16, fmt), blocks)
     index = torch.tensor([47, 0, 17, 17, 31])
     assert torch.equal(gemv.deinterleave_rows(r16, fmt, index), blocks[index])
+    if fmt == "Q4_K":  # group 1, super-block 2, row 3: d, dmin, scale byte 5, codes 4..7
+        group = r16.reshape(3, 3, 16 * 144)[1, 2]
+        assert torch.equal(group[2048 + 6 : 2048 + 8], blocks[19, 2, 0:2])
+        assert torch.equal(group[2080 + 6 : 2080 + 8], blocks[19, 2, 2:4])
+        assert group[2112 + 16 * 5 + 3] == blocks[19, 2, 4 + 5]
+        assert torch.equal(group[64 + 12 : 64 + 16], blocks[19, 2, 16 + 4 : 16 + 8])
+        with pytest.raises(ValueError, match="whole groups of 16"):
+            gemv.interleave(blocks[:40], fmt)
+        return
     # group 1 (rows 16..31), block 2: row 3's scale, and its codes 4..7 (quad 1)
     bs, hdr = blocks.shape[2], 4 if fmt == "Q4_1" else 2
     group = r16.reshape(3, 3, 16 * bs)[1, 2]
@@ -653,7 +665,7 @@ def test_silu_s_vector_exp_gives_the_c_library_s_bits(isa):
 @pytest.mark.parametrize("fmt", [*linear.BLOCK_FORMATS, "Q4_K", "Q6_K"])
 def test_an_embedding_lookup_decodes_only_its_rows_in_either_order(fmt, isa, monkeypatch):
     """gemv.dequantize_index (a tied embedding's lookup, one call a step) gives the rows of the
-    whole decoded weight, from the GGUF blocks and (the 32-element formats) from the rows
+    whole decoded weight, from the GGUF blocks and (the 32-element formats, Q4_K) from the rows
     interleaved by 16; PackedWeight.rows takes it, and gives what torch decodes without gemv.c.
     An index outside the weight is refused, not read."""
     from unikv.engine.quantized import dequantize
@@ -665,7 +677,7 @@ def test_an_embedding_lookup_decodes_only_its_rows_in_either_order(fmt, isa, mon
     dense = dequantize(q)
     assert torch.equal(gemv.dequantize_index(q.blocks, fmt, index), dense[index])
     w = linear.PackedWeight(q, torch.float32)
-    if fmt in linear.BLOCK_FORMATS:
+    if fmt in ROWS16_FORMATS:
         r16 = gemv.interleave(q.blocks.contiguous(), fmt)
         assert torch.equal(gemv.dequantize_index(r16, fmt, index, rows16=True), dense[index])
         w.interleave()
@@ -678,21 +690,22 @@ def test_an_embedding_lookup_decodes_only_its_rows_in_either_order(fmt, isa, mon
             gemv.dequantize_index(q.blocks, fmt, torch.tensor(bad))
 
 
-@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
     """A PackedWeight held interleaved (gemv_i8's form on the VNNI path) gives the same rows,
     the same dense weight and, to every matmul entry of its op (the float-activation gemv, the
     int4 kernels and the reference included, after a breaker's fallback), the same product as
     the GGUF-order weight; the GGUF blocks are rebuilt only when an entry reads them, and are
     then counted in `nbytes`."""
-    q = _packed(fmt, rows=64, cols=96)
+    q = _k_packed(fmt, rows=64, cols=256) if fmt == "Q4_K" else _packed(fmt, rows=64, cols=96)
+    cols = q.shape[1]
     plain, w = linear.PackedWeight(q, torch.float32), linear.PackedWeight(q, torch.float32)
     w.form("blocks", linear._blocks)  # a form of the GGUF order (a fallback entry ran first)
     w.interleave()
     assert w._q is None and "blocks" not in w.forms
     assert w.nbytes == q.nbytes  # one copy, the same size
     index = torch.tensor([3, 63, 16, 16])
-    assert torch.equal(w.rows(index), plain.rows(index)) and w.rows(index).shape == (4, 96)
+    assert torch.equal(w.rows(index), plain.rows(index)) and w.rows(index).shape == (4, cols)
     from unikv.kernels import gemv
 
     with monkeypatch.context() as m:  # without gemv.c the groups are read back in torch
@@ -700,7 +713,7 @@ def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
         assert torch.equal(w.rows(index), plain.rows(index))
     assert torch.equal(w.to_dense(), plain.to_dense()) and w._q is None
     op = f"matmul.{fmt.lower()}"
-    x = torch.randn(3, 96)
+    x = torch.randn(3, cols)
     for impl in operators.implementations(op):
         if impl.available(torch.device("cpu")) is not None or impl.name == "gemv_i8":
             continue
@@ -709,43 +722,62 @@ def test_an_interleaved_weight_serves_every_reader(fmt, monkeypatch):
     assert w.nbytes >= 2 * q.nbytes  # both copies, counted
 
 
+def _i8_product(x, blocks, fmt, digits=2, rows16=False):
+    """gemv.c's int8 kernel for `fmt` (gemv_ki8 for Q4_K, gemv_qi8 for the rest)."""
+    from unikv.kernels import gemv
+
+    if fmt == "Q4_K":
+        return gemv.gemv_kquant_i8(x, blocks, fmt, digits, rows16=rows16)
+    head = NO_HEADERS if rows16 else gemv.headers(blocks, fmt)
+    return gemv.gemv_packed_i8(x, blocks, head, fmt, digits, rows16=rows16)
+
+
+NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", linear.BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, monkeypatch):
-    """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1; AVX2: Q4_0, Q4_1) compute the
+    """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1, Q4_K; AVX2: Q4_0, Q4_1) compute the
     GGUF-order kernel's product (the same integer dots; only the float32 sums' order differs)
     for 1 to 37 activation rows, one or two digits, one block or many, one group of 16 rows or
     many; the registry's entry interleaves a weight of whole groups on first use, and the paths
-    that do not read a format so (the portable one, AVX2's Q8_0) refuse it, in Python and in
-    C."""
+    that do not read a format so (the portable one, AVX2's Q8_0 and Q4_K) refuse it, in Python
+    and in C."""
     from unikv.kernels import gemv
 
     if gemv.unavailable() is not None:
         pytest.skip(gemv.unavailable())
+    k = fmt == "Q4_K"
     if not gemv.can_interleave(fmt, 16):
-        blocks = _packed(fmt, 16, 32).blocks.contiguous()
+        blocks = (_k_packed(fmt, 16, 256) if k else _packed(fmt, 16, 32)).blocks.contiguous()
         with pytest.raises(ValueError, match="interleaved rows"):
-            gemv.gemv_packed_i8(torch.randn(1, 32), blocks, blocks, fmt, rows16=True)
-        x, y = torch.randn(1, 32), torch.empty(1, 16)
-        rc = gemv._state["lib"].gemv_qi8(  # the C entry refuses it too
-            gemv.FORMAT_CODE[fmt] | gemv.ROWS16, x.data_ptr(), 1, blocks.data_ptr(),
-            blocks.data_ptr(), 16, 1, y.data_ptr(), 1, 2,
-        )  # fmt: skip
+            _i8_product(torch.randn(1, 256 if k else 32), blocks, fmt, rows16=True)
+        x, y = torch.randn(1, 256), torch.empty(1, 16)
+        code, lib = gemv.FORMAT_CODE[fmt] | gemv.ROWS16, gemv._state["lib"]
+        if k:  # the C entries refuse it too
+            rc = lib.gemv_ki8(code, x.data_ptr(), 1, blocks.data_ptr(), 16, 1, y.data_ptr(), 1, 2)
+        else:
+            rc = lib.gemv_qi8(code, x.data_ptr(), 1, blocks.data_ptr(), blocks.data_ptr(), 16, 1,
+                              y.data_ptr(), 1, 2)  # fmt: skip
         assert rc == -1
         pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    shapes = ([(16, 256), (96, 512), (80, 1536), (256, 2048)] if k
+              else [(16, 32), (96, 96), (80, 1568), (256, 576)])  # fmt: skip
     try:
-        for out, cols in [(16, 32), (96, 96), (80, 1568), (256, 576)]:
+        for out, cols in shapes:
             torch.manual_seed(out + cols)
-            q = _packed(fmt, out, cols)
+            q = _k_packed(fmt, out, cols) if k else _packed(fmt, out, cols)
             blocks = q.blocks.contiguous()
-            r16, head = gemv.interleave(blocks, fmt), gemv.headers(blocks, fmt)
+            r16 = gemv.interleave(blocks, fmt)
             for rows in (1, 2, 3, 5, 16, 37):
                 x = torch.randn(rows, cols) * torch.rand(rows, cols).pow(4) * 3
+                x[0, : 32 if cols > 32 else 0] = 0  # an all-zero block: its scale is 0
                 for digits in (1, 2):
-                    want = gemv.gemv_packed_i8(x, blocks, head, fmt, digits=digits)
-                    got = gemv.gemv_packed_i8(x, r16, head[:0], fmt, digits, rows16=True)
+                    want = _i8_product(x, blocks, fmt, digits)
+                    got = _i8_product(x, r16, fmt, digits, rows16=True)
                     err = ((got - want).norm() / want.norm()).item()
                     assert err < 1e-5, f"{fmt} {rows}x{cols} @ {out}: {err:.2e}"
         entry = _gemv_entry(f"matmul.{fmt.lower()}", "gemv_i8")
@@ -757,7 +789,7 @@ def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, mo
         monkeypatch.setattr(linear, "INTERLEAVE", False)
         kept = linear.PackedWeight(q, torch.float32)
         monkeypatch.setattr(linear, "INTERLEAVE", True)
-        assert torch.equal(entry(x, kept), gemv.gemv_packed_i8(x, blocks, head, fmt))
+        assert torch.equal(entry(x, kept), _i8_product(x, blocks, fmt))
         assert kept.rows16 is None and kept._q is q
     finally:
         torch.set_num_threads(before)
@@ -835,7 +867,7 @@ def test_prefill_rows_multiply_by_the_decoded_gemm_under_every_isa(fmt, isa, mon
         monkeypatch.setattr(gemv, "PANEL_BYTES", panel)
         got = gemv.gemm_packed(x, blocks, fmt)
         assert ((got - want).norm() / want.norm()).item() < 1e-6, panel
-    if fmt in linear.BLOCK_FORMATS:  # interleaved rows decode the same, on every build
+    if fmt in ROWS16_FORMATS:  # interleaved rows decode the same, on every build
         r16 = gemv.interleave(blocks[:64], fmt)
         assert torch.equal(gemv.dequantize(r16, fmt, rows16=True), got_w[:64])
         monkeypatch.setattr(gemv, "PANEL_BYTES", 4 * x.shape[1] * 16)  # panels of 16 rows

@@ -90,7 +90,8 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  *   d      [16] fp16, the rows' scales;   m [16] fp16 (Q4_1 only), their offsets.
  * Only a weight with a multiple of 16 rows takes it. engine/gemv.py's `interleave` writes it
  * and `deinterleave` reads it back (torch; tests/test_operators.py checks the round trip).
- * gemv_qi8 reads it on the VNNI path only, dequant_rows (a prefill's GEMM) on every build. */
+ * gemv_qi8 reads it on the VNNI path only, dequant_rows (a prefill's GEMM) on every build.
+ * Q4_K has its own interleaved layout (q4k_r16_group, below), read by gemv_ki8 on the VNNI path. */
 #define ROWS16 8
 
 /* How far ahead an interleaved group's thread asks for its bytes. Measured on the Intel Xeon,
@@ -100,7 +101,9 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * decode step (benchmarks/kernel_ab.py, builds alternating in one process, 20-40 rounds; an
  * identical build reads 0.99-1.02x), 8,192 against 4,096: the Q4_1 model 1.03-1.05x faster
  * (three runs; AVX2 build 1.02x), the Q8_0 GGUF 0.99-1.04x (four runs, mean 1.01x); 16,384
- * 0.97x and 2,048 0.93x at Q8_0. */
+ * 0.97x and 2,048 0.93x at Q8_0. Interleaved Q4_K on the AMD EPYC (Zen 4), 256 MiB of
+ * [8192, 2048] matrices, one row, 2 threads, builds alternating: 4,096 26-28, 8,192 26-28,
+ * 16,384 25-26 GB/s. */
 #ifndef R16_PF_BYTES
 #define R16_PF_BYTES 8192
 #endif
@@ -1972,6 +1975,132 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
 KI8_RANGE(q4k_i8_range, q4k_i8_row, 144)
 KI8_RANGE(q6k_i8_range, q6k_i8_row, 210)
 
+#if GEMV_I8_ISA == 2
+/* ---- Q4_K interleaved by 16 rows (the VNNI path) ------------------------------------------
+ *
+ * Why: in GGUF order each row's super-block pays its own scale unpack (about 30 scalar
+ * instructions) and, per 64 codes, a convert, a scale permute and an FMA: on the AMD EPYC
+ * (Zen 4) the GGUF-order kernel above multiplies about 15 GB/s a core in cache, and two cores
+ * read 75% of the stream. Interleaved as the 32-element formats are (ROWS16), one register
+ * holds 4 codes of 16 rows: one vpdpbusd per digit against 4 broadcast activation codes makes
+ * 16 rows' partial dots, and the scales of 16 rows unpack together in byte lanes.
+ *
+ * Q4_K | ROWS16: for rows 16 g .. 16 g + 15 and super-block b, at byte (g nb + b) 2304:
+ *   codes  [32 quads][16 rows][4 bytes]: quad c of a row is bytes 4c .. 4c + 3 of its 128
+ *          code bytes (low nibbles: elements 64 (c / 8) + 4 (c % 8) .., sub-block 2 (c / 8);
+ *          high nibbles 32 further, sub-block 2 (c / 8) + 1);
+ *   d [16], dmin [16] fp16;  scales [12][16]: byte j of the 16 rows' 12 scale bytes.
+ * The high nibbles are multiplied unshifted (16 q, at most 240: vpdpbusd's unsigned operand),
+ * the sub-block's dot shifted right by 4 after (exact). The activations are in element order. */
+#define K16_BYTES (16 * 144)
+
+/* Sub-block i's scales d sc and mins dmin m of 16 interleaved rows (S: their scale bytes,
+ * [12][16]) as float lanes (ggml's get_scale_min_k4, on 16 rows' bytes at once). */
+INLINE void k16_scales(const uint8_t *S, const int i, const __m512 d, const __m512 dmin, __m512 *sc,
+                       __m512 *m) {
+    const __m128i k3f = _mm_set1_epi8(0x3F), k0f = _mm_set1_epi8(0x0F), k30 = _mm_set1_epi8(0x30);
+    __m128i s, n;
+    if (i < 4) {
+        s = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * i)), k3f);
+        n = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * (i + 4))), k3f);
+    } else {
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(S + 16 * (i + 4)));
+        s = _mm_or_si128(_mm_and_si128(lo, k0f),
+                         _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * (i - 4))), 2), k30));
+        n = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), k0f),
+                         _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * i)), 2), k30));
+    }
+    *sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s)));
+    *m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)));
+}
+
+/* 16 interleaved Q4_K rows (wg: their group) against N x rows: y[j * out + r] for r < 16. Per
+ * 64 elements (sub-blocks 2k and 2k + 1): 8 registers of codes, each a low and a high vector,
+ * one vpdpbusd per digit and x row (CH chains each); then per sub-block one convert and one
+ * FMA for 16 rows, and one FMA for their mins. */
+INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, float *restrict y,
+                          long out, const int N, const int D) {
+    const long nb = a->nb, in = nb * 256;
+    const int CH = N == 1 ? 2 : 1; /* independent chains per sub-block and digit */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[GEMV_MAX_ROWS], macc[GEMV_MAX_ROWS];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j] = macc[j] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *o = wg + b * K16_BYTES, *S = o + 2112;
+        prefetch_group(o, K16_BYTES);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2048)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2080)));
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m512i s[GEMV_MAX_ROWS][2][2][2]; /* [x row][low / high][digit][chain] */
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++)
+                for (int h = 0; h < 2; h++)
+                    for (int t = 0; t < D; t++)
+                        for (int c = 0; c < CH; c++) s[j][h][t][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m512i raw = _mm512_loadu_si512(o + 64 * (8 * k + c));
+                const __m512i v[2] = {_mm512_and_si512(raw, m4), _mm512_andnot_si512(m4, raw)};
+#pragma GCC unroll 4
+                for (int j = 0; j < N; j++)
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const long e = j * in + b * 256 + 64 * k + 32 * h + 4 * c;
+                        s[j][h][0][c % CH] = dpbusd_bcast4(s[j][h][0][c % CH], v[h], a->q1 + e);
+                        if (D == 2) s[j][h][1][c % CH] = dpbusd_bcast4(s[j][h][1][c % CH], v[h], a->q2 + e);
+                    }
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * k + h;
+                __m512 sc, mn;
+                k16_scales(S, i, d, dmin, &sc, &mn);
+#pragma GCC unroll 4
+                for (int j = 0; j < N; j++) {
+                    __m512i dot = CH == 2 ? _mm512_add_epi32(s[j][h][0][0], s[j][h][0][1]) : s[j][h][0][0];
+                    if (D == 2)
+                        dot = _mm512_add_epi32(
+                            _mm512_slli_epi32(dot, 8),
+                            CH == 2 ? _mm512_add_epi32(s[j][h][1][0], s[j][h][1][1]) : s[j][h][1][0]);
+                    if (h) dot = _mm512_srai_epi32(dot, 4); /* the high nibbles were 16 q */
+                    const long x = j * a->xs + b * 8 + i;
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sc, _mm512_set1_ps(a->dx[x])),
+                                             acc[j]);
+                    macc[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sx[x]), macc[j]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) _mm512_storeu_ps(y + j * out, _mm512_sub_ps(acc[j], macc[j]));
+}
+
+/* Groups [g0, g1) of an interleaved Q4_K W against all n x rows, the x rows 4 at a time. */
+static void q4k_r16_range(const kact_t *a, int n, const uint8_t *w, float *y, long out, long g0,
+                          long g1, int digits) {
+    const long in = a->nb * 256;
+    for (long g = g0; g < g1; g++)
+        for (int j = 0; j < n; j += 4) {
+            kact_t s = *a; /* x rows j .. j + 3 */
+            s.q1 += j * in, s.q2 += j * in, s.dx += j * a->xs, s.sx += j * a->xs;
+            const uint8_t *wg = w + g * a->nb * K16_BYTES;
+            float *yg = y + j * out + 16 * g;
+            switch ((n - j < 4 ? n - j : 4) + 4 * (digits == 2)) {
+            case 1: q4k_r16_group(&s, wg, yg, out, 1, 1); break;
+            case 2: q4k_r16_group(&s, wg, yg, out, 2, 1); break;
+            case 3: q4k_r16_group(&s, wg, yg, out, 3, 1); break;
+            case 4: q4k_r16_group(&s, wg, yg, out, 4, 1); break;
+            case 5: q4k_r16_group(&s, wg, yg, out, 1, 2); break;
+            case 6: q4k_r16_group(&s, wg, yg, out, 2, 2); break;
+            case 7: q4k_r16_group(&s, wg, yg, out, 3, 2); break;
+            default: q4k_r16_group(&s, wg, yg, out, 4, 2); break;
+            }
+        }
+}
+#endif
+
 /* x [n, nb * 256] in the K-quant kernels' form (k): rounded as gemv_qi8 rounds it (act_make,
  * into *buf), then Q6_K's bias and the VNNI path's sx (into *extra); both for free. 0, or -1 (no
  * memory; then neither needs freeing). */
@@ -2019,6 +2148,12 @@ static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t
 /* Rows [lo, hi) of a K-quant W (fmt) against k's n rows. */
 static void kact_rows(int fmt, const kact_t *k, int n, const uint8_t *w, float *y, long out,
                       long lo, long hi, int digits) {
+#if GEMV_I8_ISA == 2
+    if (fmt == (Q4_K | ROWS16)) {
+        q4k_r16_range(k, n, w, y, out, lo / 16, hi / 16, digits);
+        return;
+    }
+#endif
     if (fmt == Q4_K)
         q4k_i8_range(k, n, w, y, out, lo, hi, digits);
     else
@@ -2038,12 +2173,15 @@ static int ki8_chunk(int fmt, const float *x, int n, const uint8_t *w, long out,
     return 0;
 }
 
-/* y [n, out] = x [n, nb * 256] @ W^T, W Q4_K or Q6_K super-blocks [out, nb, bytes], x rounded to
- * `digits` (1 or 2) int8 codes per 32-element block as gemv_qi8 rounds it; any n >= 1, in
- * chunks of GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
+/* y [n, out] = x [n, nb * 256] @ W^T, W Q4_K or Q6_K super-blocks [out, nb, bytes] (or, on the
+ * VNNI path, Q4_K | ROWS16: interleaved by 16 rows, whole groups), x rounded to `digits` (1 or
+ * 2) int8 codes per 32-element block as gemv_qi8 rounds it; any n >= 1, in chunks of
+ * GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
 int gemv_ki8(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
              int threads, int digits) {
-    if (n < 1 || (fmt != Q4_K && fmt != Q6_K) || nb * 8 > GEMV_MAX_BLOCKS || (digits != 1 && digits != 2))
+    const int r16 = fmt == (Q4_K | ROWS16) && GEMV_I8_ISA == 2 && out % 16 == 0;
+    if (n < 1 || (fmt != Q4_K && fmt != Q6_K && !r16) || nb * 8 > GEMV_MAX_BLOCKS ||
+        (digits != 1 && digits != 2))
         return -1;
     for (int c0 = 0; c0 < n; c0 += GEMV_I8_MAX_ROWS) {
         const int m = n - c0 < GEMV_I8_MAX_ROWS ? n - c0 : GEMV_I8_MAX_ROWS;
@@ -2092,9 +2230,22 @@ static void dequant_row(const int fmt, const uint8_t *restrict p, const long nb,
     }
 }
 
-/* Row r (0..15) of 16 interleaved rows (one group, ROWS16) -> y [nb * 32]. */
+/* Row r (0..15) of 16 interleaved rows (one group, ROWS16) -> y [nb * 32] (Q4_K: [nb * 256],
+ * each super-block put back in GGUF order and decoded as dequant_row decodes it). */
 static void dequant_r16_row(const int fmt, const uint8_t *restrict g, const long nb, const int r,
                             float *restrict y) {
+    if (fmt == Q4_K) {
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *o = g + b * 16 * 144;
+            uint8_t blk[144];
+            memcpy(blk, o + 2048 + 2 * r, 2);     /* d */
+            memcpy(blk + 2, o + 2080 + 2 * r, 2); /* dmin */
+            for (int j = 0; j < 12; j++) blk[4 + j] = o[2112 + 16 * j + r];
+            for (int c = 0; c < 32; c++) memcpy(blk + 16 + 4 * c, o + 64 * c + 4 * r, 4);
+            decode_q4_k(blk, y + b * 256);
+        }
+        return;
+    }
     const long bs = block_bytes(fmt), codes = fmt == Q8_0 ? 512 : 256;
     for (long b = 0; b < nb; b++) {
         const uint8_t *o = g + b * 16 * bs;
@@ -2117,19 +2268,20 @@ static void dequant_r16_row(const int fmt, const uint8_t *restrict g, const long
     }
 }
 
-/* 16 interleaved rows (one group, ROWS16) -> y [16, nb * 32]. */
+/* 16 interleaved rows (one group, ROWS16) -> y [16, nb * 32 (Q4_K: 256)]. */
 static void dequant_group16(const int fmt, const uint8_t *restrict g, const long nb,
                             float *restrict y) {
-    for (int r = 0; r < 16; r++) dequant_r16_row(fmt, g, nb, r, y + r * nb * 32);
+    const long in = nb * (fmt == Q4_K ? 256 : 32);
+    for (int r = 0; r < 16; r++) dequant_r16_row(fmt, g, nb, r, y + r * in);
 }
 
 int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int threads) {
     if (fmt & ROWS16) { /* interleaved (whole groups of 16 rows) */
         const int f = fmt & ~ROWS16;
-        if (f > Q4_1 || rows < 0 || rows % 16 || nb < 1) return -1;
-        const long gbytes = 16 * nb * block_bytes(f);
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * nb * 32 >= 65536)
-        for (long g = 0; g < rows / 16; g++) dequant_group16(f, w + g * gbytes, nb, y + g * 16 * nb * 32);
+        if ((f > Q4_1 && f != Q4_K) || rows < 0 || rows % 16 || nb < 1) return -1;
+        const long gbytes = 16 * nb * (f == Q4_K ? 144 : block_bytes(f)), in = nb * (f == Q4_K ? 256 : 32);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * in >= 65536)
+        for (long g = 0; g < rows / 16; g++) dequant_group16(f, w + g * gbytes, nb, y + g * 16 * in);
         return 0;
     }
     if (fmt < Q8_0 || fmt > Q6_K || rows < 0 || nb < 1) return -1;
@@ -2147,7 +2299,7 @@ int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int th
 int dequant_index(int fmt, const uint8_t *w, long rows, long nb, const int64_t *index, int n,
                   float *y) {
     const int f = fmt & ~ROWS16, k = f == Q4_K || f == Q6_K;
-    if (f < Q8_0 || f > Q6_K || nb < 1 || n < 0 || ((fmt & ROWS16) && (k || rows % 16)))
+    if (f < Q8_0 || f > Q6_K || nb < 1 || n < 0 || ((fmt & ROWS16) && ((k && f != Q4_K) || rows % 16)))
         return -1;
     for (int i = 0; i < n; i++)
         if (index[i] < 0 || index[i] >= rows) return -1;
@@ -2176,7 +2328,8 @@ typedef struct {
     int kind; /* 0: float32 [out, in] (gemv_f32); 1: packed blocks, float32 activations
                  (gemv_q); 2: packed blocks, int8x2 activations (gemv_qi8); 3: K-quant
                  super-blocks (gemv_k) */
-    int fmt; /* Q8_0 / Q4_0 / Q4_1 (kinds 1 and 2; kind 2 also | ROWS16), Q4_K / Q6_K (kind 3) */
+    int fmt; /* Q8_0 / Q4_0 / Q4_1 (kinds 1 and 2; kind 2 also | ROWS16), Q4_K / Q6_K (kinds 2
+              * and 3; kind 2 also Q4_K | ROWS16) */
     const void *w; /* the weight, or its blocks */
     const uint16_t *h; /* kind 2: the block headers of gemv.headers() */
     long out, in; /* in: elements of a row (a multiple of 32 when packed) */
@@ -2198,6 +2351,9 @@ int layer_struct_size(void) { return (int)sizeof(layer_t); }
  * before any work). */
 static int lin_fits(const lin_t *l, int n) {
     if (l->kind == 0) return n <= GEMV_MAX_ROWS;
+    if (l->fmt == (Q4_K | ROWS16)) /* gemv_ki8, interleaved (the VNNI path) */
+        return l->kind == 2 && l->in % 256 == 0 && l->in / 32 <= GEMV_MAX_BLOCKS && l->out % 16 == 0 &&
+               GEMV_I8_ISA == 2;
     if (l->fmt == Q4_K || l->fmt == Q6_K) /* gemv_k (kind 3) or gemv_ki8 (kind 2) */
         return l->in % 256 == 0 && (l->kind == 3 || (l->kind == 2 && l->in / 32 <= GEMV_MAX_BLOCKS));
     if (l->kind == 3) return 0;
@@ -2216,7 +2372,8 @@ static int lin_apply(const lin_t *l, const float *x, int n, float *y, int thread
         return 0;
     }
     if (l->kind == 3) return gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
-    if (l->fmt == Q4_K || l->fmt == Q6_K) return gemv_ki8(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads, 2);
+    if ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K)
+        return gemv_ki8(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads, 2);
     if (l->kind == 1) {
         gemv_q(l->fmt, x, n, (const uint8_t *)l->w, l->out, l->in / 32, y, threads);
         return 0;
@@ -2508,7 +2665,7 @@ typedef struct {
  * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */
 static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y) {
     *p = (prod_t){.l = l, .x = x, .n = n, .y = y};
-    if (l->kind == 2 && (l->fmt == Q4_K || l->fmt == Q6_K))
+    if (l->kind == 2 && ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K))
         return kact_make(l->fmt, x, n, l->in / 256, 2, &p->k, &p->buf, &p->extra);
     if (l->kind == 2) return act_make(l->fmt, x, n, l->in / 32, 2, &p->a, &p->buf);
     const long runs = (long)n * (l->in / 32);
@@ -2528,7 +2685,7 @@ static void prod_rows(const prod_t *p, long lo, long hi) {
     const uint8_t *w = (const uint8_t *)l->w;
     if (l->kind == 0) {
         f32_range(p->x, n, (const float *)l->w, l->in, p->y, out, lo, hi);
-    } else if (l->kind == 2 && (l->fmt == Q4_K || l->fmt == Q6_K)) {
+    } else if (l->kind == 2 && ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K)) {
         kact_rows(l->fmt, &p->k, n, w, p->y, out, lo, hi, 2);
     } else if (l->kind == 2) {
         act_rows(l->fmt, &p->a, n, w, l->h, p->y, out, lo, hi, 2);

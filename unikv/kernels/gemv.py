@@ -161,20 +161,25 @@ def gemv_kquant(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
 
 
 def gemv_kquant_i8(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: str, digits: int = 2
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, digits: int = 2, rows16: bool = False
 ) -> torch.Tensor:
     """As `gemv_kquant` (any N; in / 32 at most MAX_IN / 32 blocks) with x rounded per 32-element
     block to `digits` int8 codes first, as `gemv_packed_i8` rounds it (`quantize_blocks`), and
     the super-blocks multiplied in integers (gemv.c's gemv_ki8: vpdpbusd, vpmaddubsw on AVX2,
-    int16 in portable C) -> float32 [N, out]."""
+    int16 in portable C) -> float32 [N, out]. `rows16`: the blocks interleaved by `interleave`
+    (Q4_K, where `can_interleave`)."""
     if digits not in (1, 2):
         raise ValueError(f"digits must be 1 or 2, got {digits}")
+    if rows16 and not can_interleave(qtype, blocks.shape[0]):
+        raise ValueError(f"no int8 path here ({i8_isa()}) reads {qtype} as interleaved rows "
+                         f"of {blocks.shape[0]}: the VNNI path reads Q4_K so, in whole groups "
+                         "of 16")  # fmt: skip
     n = x.shape[0]
     x = x.contiguous()
     y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
     rc = _state["lib"].gemv_ki8(  # type: ignore[attr-defined]
-        FORMAT_CODE[qtype], x.data_ptr(), n, blocks.data_ptr(), blocks.shape[0],
-        blocks.shape[1], y.data_ptr(), torch.get_num_threads(), digits,
+        FORMAT_CODE[qtype] | (ROWS16 if rows16 else 0), x.data_ptr(), n, blocks.data_ptr(),
+        blocks.shape[0], blocks.shape[1], y.data_ptr(), torch.get_num_threads(), digits,
     )  # fmt: skip
     if rc != 0:
         raise ValueError(
@@ -292,25 +297,35 @@ def gemv_packed_i8(
 # ---- rows interleaved by 16 (gemv.c's ROWS16 layout) -----------------------------------------
 
 _HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # bytes of fp16 fields before a block's codes
-# the formats each int8 path reads interleaved (gemv.c's gemv_qi8 refuses the rest)
-_ROWS16_FORMATS = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1"), "avx2": ("Q4_0", "Q4_1")}
+# the formats each int8 path reads interleaved (gemv.c's gemv_qi8 / gemv_ki8 refuse the rest)
+_ROWS16_FORMATS = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1", "Q4_K"), "avx2": ("Q4_0", "Q4_1")}
 
 
 def can_interleave(qtype: str, rows: int) -> bool:
     """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): a
-    multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1, on the AVX2 path Q4_0 / Q4_1."""
+    multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1 / Q4_K, on the AVX2 path Q4_0 /
+    Q4_1."""
     return qtype in _ROWS16_FORMATS.get(i8_isa(), ()) and rows % 16 == 0
 
 
 def interleave(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """GGUF blocks uint8 [rows, nb, bytes] (rows a multiple of 16) -> the same bytes in gemv.c's
     ROWS16 layout, the same shape: per group of 16 rows and block, the codes as [quads][16
-    rows][4 bytes] (Q8_0's xor 0x80), then the 16 rows' fp16 d, then (Q4_1) their fp16 m."""
+    rows][4 bytes] (Q8_0's xor 0x80), then the 16 rows' fp16 d, then (Q4_1) their fp16 m.
+    Q4_K, per super-block: its 128 code bytes so, then the 16 rows' fp16 d, their fp16 dmin,
+    and their 12 scale bytes as [12][16 rows]."""
     rows, nb, bs = blocks.shape
-    hdr, g = _HEADER[qtype], rows // 16
+    g = rows // 16
     if rows % 16:
         raise ValueError(f"{rows} rows: interleaving takes whole groups of 16")
     per = blocks.reshape(g, 16, nb, bs).permute(0, 2, 1, 3)  # [G, nb, 16 rows, bytes]
+    if qtype == "Q4_K":
+        quads = per[..., 16:].reshape(g, nb, 16, 32, 4).permute(0, 1, 3, 2, 4)
+        scales = per[..., 4:16].transpose(2, 3)  # [G, nb, 12, 16 rows]
+        parts = [quads.reshape(g, nb, 2048), per[..., 0:2].reshape(g, nb, 32),
+                 per[..., 2:4].reshape(g, nb, 32), scales.reshape(g, nb, 192)]  # fmt: skip
+        return torch.cat(parts, dim=-1).reshape(rows, nb, bs)
+    hdr = _HEADER[qtype]
     codes = per[..., hdr:]
     if qtype == "Q8_0":
         codes = codes ^ 0x80
@@ -324,8 +339,15 @@ def interleave(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 def deinterleave(rows16: torch.Tensor, qtype: str) -> torch.Tensor:
     """`interleave`'s inverse: the GGUF blocks, uint8 [rows, nb, bytes]."""
     rows, nb, bs = rows16.shape
-    hdr, g = _HEADER[qtype], rows // 16
+    g = rows // 16
     flat = rows16.reshape(g, nb, 16 * bs)
+    if qtype == "Q4_K":
+        codes = flat[..., :2048].reshape(g, nb, 32, 16, 4).transpose(2, 3).reshape(g, nb, 16, 128)
+        d, dmin = (flat[..., o : o + 32].reshape(g, nb, 16, 2) for o in (2048, 2080))
+        scales = flat[..., 2112:].reshape(g, nb, 12, 16).transpose(2, 3)
+        per = torch.cat((d, dmin, scales, codes), dim=-1)  # [G, nb, 16, 144]
+        return per.permute(0, 2, 1, 3).reshape(rows, nb, bs)
+    hdr = _HEADER[qtype]
     n = 16 * (bs - hdr)
     codes = flat[..., :n].reshape(g, nb, (bs - hdr) // 4, 16, 4).permute(0, 1, 3, 2, 4)
     codes = codes.reshape(g, nb, 16, bs - hdr)

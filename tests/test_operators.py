@@ -738,12 +738,12 @@ NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", ROWS16_FORMATS)
 def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, monkeypatch):
-    """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1, Q4_K; AVX2: Q4_0, Q4_1) compute the
+    """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1, Q4_K; AVX2: Q4_0, Q4_1, Q4_K) compute the
     GGUF-order kernel's product (the same integer dots; only the float32 sums' order differs)
     for 1 to 37 activation rows, one or two digits, one block or many, one group of 16 rows or
     many; the registry's entry interleaves a weight of whole groups on first use, and the paths
-    that do not read a format so (the portable one, AVX2's Q8_0 and Q4_K) refuse it, in Python
-    and in C."""
+    that do not read a format so (the portable one, AVX2's Q8_0) refuse it, in Python and in
+    C."""
     from unikv.kernels import gemv
 
     if gemv.unavailable() is not None:

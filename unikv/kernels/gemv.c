@@ -91,7 +91,7 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * Only a weight with a multiple of 16 rows takes it. engine/gemv.py's `interleave` writes it
  * and `deinterleave` reads it back (torch; tests/test_operators.py checks the round trip).
  * gemv_qi8 reads it on the VNNI path only, dequant_rows (a prefill's GEMM) on every build.
- * Q4_K has its own interleaved layout (q4k_r16_group, below), read by gemv_ki8 on the VNNI path. */
+ * Q4_K has its own interleaved layout (q4k_r16_group, below), read by gemv_ki8 (VNNI, AVX2). */
 #define ROWS16 8
 
 /* How far ahead an interleaved group's thread asks for its bytes. Measured on the Intel Xeon,
@@ -1975,49 +1975,49 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
 KI8_RANGE(q4k_i8_range, q4k_i8_row, 144)
 KI8_RANGE(q6k_i8_range, q6k_i8_row, 210)
 
-#if GEMV_I8_ISA == 2
-/* ---- Q4_K interleaved by 16 rows (the VNNI path) ------------------------------------------
+#if GEMV_I8_ISA >= 1
+/* ---- Q4_K interleaved by 16 rows (the VNNI and AVX2 paths) ---------------------------------
  *
  * Why: in GGUF order each row's super-block pays its own scale unpack (about 30 scalar
  * instructions) and, per 64 codes, a convert, a scale permute and an FMA: on the AMD EPYC
- * (Zen 4) the GGUF-order kernel above multiplies about 15 GB/s a core in cache, and two cores
- * read 75% of the stream. Interleaved as the 32-element formats are (ROWS16), one register
- * holds 4 codes of 16 rows: one vpdpbusd per digit against 4 broadcast activation codes makes
- * 16 rows' partial dots, and the scales of 16 rows unpack together in byte lanes.
+ * (Zen 4) the GGUF-order kernel above multiplies about 12-15 GB/s a core in cache, and two
+ * cores read 75% of the stream. Interleaved as the 32-element formats are (ROWS16), one
+ * register holds 4 codes of 16 rows (AVX2: 8): one vpdpbusd per digit (AVX2: vpmaddubsw per
+ * digit plane, summed in int16 over the sub-block and widened once) against 4 broadcast
+ * activation codes makes those rows' partial dots, and the scales of 16 rows unpack together in
+ * byte lanes; per sub-block one convert and one FMA serve 16 (8) rows.
  *
  * Q4_K | ROWS16: for rows 16 g .. 16 g + 15 and super-block b, at byte (g nb + b) 2304:
  *   codes  [32 quads][16 rows][4 bytes]: quad c of a row is bytes 4c .. 4c + 3 of its 128
  *          code bytes (low nibbles: elements 64 (c / 8) + 4 (c % 8) .., sub-block 2 (c / 8);
  *          high nibbles 32 further, sub-block 2 (c / 8) + 1);
  *   d [16], dmin [16] fp16;  scales [12][16]: byte j of the 16 rows' 12 scale bytes.
- * The high nibbles are multiplied unshifted (16 q, at most 240: vpdpbusd's unsigned operand),
- * the sub-block's dot shifted right by 4 after (exact). The activations are in element order. */
+ * The activations are in element order. */
 #define K16_BYTES (16 * 144)
 
-/* Sub-block i's scales d sc and mins dmin m of 16 interleaved rows (S: their scale bytes,
- * [12][16]) as float lanes (ggml's get_scale_min_k4, on 16 rows' bytes at once). */
-INLINE void k16_scales(const uint8_t *S, const int i, const __m512 d, const __m512 dmin, __m512 *sc,
-                       __m512 *m) {
+/* Sub-block i's 6-bit scales (*s) and mins (*m) of 16 interleaved rows (S: their scale bytes,
+ * [12][16]) as 16 bytes each: ggml's get_scale_min_k4 on 16 rows at once. */
+INLINE void k16_scale_bytes(const uint8_t *S, const int i, __m128i *s, __m128i *m) {
     const __m128i k3f = _mm_set1_epi8(0x3F), k0f = _mm_set1_epi8(0x0F), k30 = _mm_set1_epi8(0x30);
-    __m128i s, n;
     if (i < 4) {
-        s = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * i)), k3f);
-        n = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * (i + 4))), k3f);
-    } else {
+        *s = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * i)), k3f);
+        *m = _mm_and_si128(_mm_loadu_si128((const __m128i *)(S + 16 * (i + 4))), k3f);
+    } else { /* the low 4 bits from byte i + 4, the high 2 from the top of bytes i - 4 and i */
         const __m128i lo = _mm_loadu_si128((const __m128i *)(S + 16 * (i + 4)));
-        s = _mm_or_si128(_mm_and_si128(lo, k0f),
-                         _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * (i - 4))), 2), k30));
-        n = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), k0f),
-                         _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * i)), 2), k30));
+        const __m128i sh = _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * (i - 4))), 2);
+        const __m128i mh = _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(S + 16 * i)), 2);
+        *s = _mm_or_si128(_mm_and_si128(lo, k0f), _mm_and_si128(sh, k30));
+        *m = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), k0f), _mm_and_si128(mh, k30));
     }
-    *sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s)));
-    *m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)));
 }
 
+#if GEMV_I8_ISA == 2
 /* 16 interleaved Q4_K rows (wg: their group) against N x rows: y[j * out + r] for r < 16. Per
  * 64 elements (sub-blocks 2k and 2k + 1): 8 registers of codes, each a low and a high vector,
  * one vpdpbusd per digit and x row (CH chains each); then per sub-block one convert and one
- * FMA for 16 rows, and one FMA for their mins. */
+ * FMA for 16 rows, and one FMA for their mins. The high nibbles are multiplied unshifted (16 q,
+ * at most 240: vpdpbusd's unsigned operand), the sub-block's dot shifted right by 4 after
+ * (exact). */
 INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, float *restrict y,
                           long out, const int N, const int D) {
     const long nb = a->nb, in = nb * 256;
@@ -2055,8 +2055,10 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const int i = 2 * k + h;
-                __m512 sc, mn;
-                k16_scales(S, i, d, dmin, &sc, &mn);
+                __m128i sb, mb;
+                k16_scale_bytes(S, i, &sb, &mb);
+                const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sb)));
+                const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mb)));
 #pragma GCC unroll 4
                 for (int j = 0; j < N; j++) {
                     __m512i dot = CH == 2 ? _mm512_add_epi32(s[j][h][0][0], s[j][h][0][1]) : s[j][h][0][0];
@@ -2076,6 +2078,76 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
 #pragma GCC unroll 4
     for (int j = 0; j < N; j++) _mm512_storeu_ps(y + j * out, _mm512_sub_ps(acc[j], macc[j]));
 }
+#else
+/* The same on AVX2, 8 rows at a time (hh: rows 8 hh .. 8 hh + 7, a 256-bit half of each quad
+ * register): per sub-block and x row, vpmaddubsw of the 8 code vectors against each digit
+ * plane's 4 broadcast codes (pairs at most 2 x 15 x 128), summed in int16 (at most 30,720)
+ * and widened once by vpmaddwd (by 256 for q1, 1 for q2); one digit: q1 holds zeros. Both
+ * halves take each broadcast as it is made, and the mins go into the same accumulator: with
+ * the halves in turn GCC kept the broadcasts (and the accumulators) on the stack, 16 registers
+ * being all AVX2 has. */
+INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, float *restrict y,
+                          long out, const int N, const int D) {
+    (void)D;
+    const long nb = a->nb, in = nb * 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[GEMV_MAX_ROWS][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *o = wg + b * K16_BYTES, *S = o + 2112;
+        prefetch_group(o, K16_BYTES);
+        for (int i = 0; i < 8; i++) { /* sub-block i: elements 32 i .., quads 8 (i / 2) .. */
+            const int k = i / 2, h = i % 2;
+            __m256i s1[GEMV_MAX_ROWS][2], s2[GEMV_MAX_ROWS][2];
+#pragma GCC unroll 4
+            for (int j = 0; j < N; j++) s1[j][0] = s1[j][1] = s2[j][0] = s2[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *r = o + 64 * (8 * k + c);
+                __m256i v[2];
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(r + 32 * hh));
+                    v[hh] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                }
+#pragma GCC unroll 4
+                for (int j = 0; j < N; j++) {
+                    const long e = j * in + b * 256 + 32 * i + 4 * c;
+                    const __m256i b1 = bcast4_256(a->q1 + e), b2 = bcast4_256(a->q2 + e);
+#pragma GCC unroll 2
+                    for (int hh = 0; hh < 2; hh++) {
+                        s1[j][hh] = _mm256_add_epi16(s1[j][hh], _mm256_maddubs_epi16(v[hh], b1));
+                        s2[j][hh] = _mm256_add_epi16(s2[j][hh], _mm256_maddubs_epi16(v[hh], b2));
+                    }
+                }
+            }
+            __m128i sb, mb;
+            k16_scale_bytes(S, i, &sb, &mb);
+#pragma GCC unroll 2
+            for (int hh = 0; hh < 2; hh++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 2048 + 16 * hh)));
+                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 2080 + 16 * hh)));
+                const __m128i sh = hh ? _mm_srli_si128(sb, 8) : sb, mh = hh ? _mm_srli_si128(mb, 8) : mb;
+                const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sh)));
+                const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mh)));
+#pragma GCC unroll 4
+                for (int j = 0; j < N; j++) {
+                    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s1[j][hh], _mm256_set1_epi16(256)),
+                                                         _mm256_madd_epi16(s2[j][hh], _mm256_set1_epi16(1)));
+                    const long x = j * a->xs + b * 8 + i;
+                    acc[j][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(a->dx[x])),
+                                                 acc[j][hh]);
+                    acc[j][hh] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->sx[x]), acc[j][hh]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < N; j++)
+        for (int hh = 0; hh < 2; hh++) _mm256_storeu_ps(y + j * out + 8 * hh, acc[j][hh]);
+}
+#endif
 
 /* Groups [g0, g1) of an interleaved Q4_K W against all n x rows, the x rows 4 at a time. */
 static void q4k_r16_range(const kact_t *a, int n, const uint8_t *w, float *y, long out, long g0,
@@ -2148,7 +2220,7 @@ static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t
 /* Rows [lo, hi) of a K-quant W (fmt) against k's n rows. */
 static void kact_rows(int fmt, const kact_t *k, int n, const uint8_t *w, float *y, long out,
                       long lo, long hi, int digits) {
-#if GEMV_I8_ISA == 2
+#if GEMV_I8_ISA >= 1
     if (fmt == (Q4_K | ROWS16)) {
         q4k_r16_range(k, n, w, y, out, lo / 16, hi / 16, digits);
         return;
@@ -2179,7 +2251,7 @@ static int ki8_chunk(int fmt, const float *x, int n, const uint8_t *w, long out,
  * GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
 int gemv_ki8(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
              int threads, int digits) {
-    const int r16 = fmt == (Q4_K | ROWS16) && GEMV_I8_ISA == 2 && out % 16 == 0;
+    const int r16 = fmt == (Q4_K | ROWS16) && GEMV_I8_ISA >= 1 && out % 16 == 0;
     if (n < 1 || (fmt != Q4_K && fmt != Q6_K && !r16) || nb * 8 > GEMV_MAX_BLOCKS ||
         (digits != 1 && digits != 2))
         return -1;
@@ -2351,9 +2423,9 @@ int layer_struct_size(void) { return (int)sizeof(layer_t); }
  * before any work). */
 static int lin_fits(const lin_t *l, int n) {
     if (l->kind == 0) return n <= GEMV_MAX_ROWS;
-    if (l->fmt == (Q4_K | ROWS16)) /* gemv_ki8, interleaved (the VNNI path) */
+    if (l->fmt == (Q4_K | ROWS16)) /* gemv_ki8, interleaved (the VNNI and AVX2 paths) */
         return l->kind == 2 && l->in % 256 == 0 && l->in / 32 <= GEMV_MAX_BLOCKS && l->out % 16 == 0 &&
-               GEMV_I8_ISA == 2;
+               GEMV_I8_ISA >= 1;
     if (l->fmt == Q4_K || l->fmt == Q6_K) /* gemv_k (kind 3) or gemv_ki8 (kind 2) */
         return l->in % 256 == 0 && (l->kind == 3 || (l->kind == 2 && l->in / 32 <= GEMV_MAX_BLOCKS));
     if (l->kind == 3) return 0;

@@ -172,8 +172,8 @@ def gemv_kquant_i8(
         raise ValueError(f"digits must be 1 or 2, got {digits}")
     if rows16 and not can_interleave(qtype, blocks.shape[0]):
         raise ValueError(f"no int8 path here ({i8_isa()}) reads {qtype} as interleaved rows "
-                         f"of {blocks.shape[0]}: the VNNI path reads Q4_K so, in whole groups "
-                         "of 16")  # fmt: skip
+                         f"of {blocks.shape[0]}: the VNNI and AVX2 paths read Q4_K so, in "
+                         "whole groups of 16")  # fmt: skip
     n = x.shape[0]
     x = x.contiguous()
     y = torch.empty((n, blocks.shape[0]), dtype=torch.float32)
@@ -298,13 +298,16 @@ def gemv_packed_i8(
 
 _HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # bytes of fp16 fields before a block's codes
 # the formats each int8 path reads interleaved (gemv.c's gemv_qi8 / gemv_ki8 refuse the rest)
-_ROWS16_FORMATS = {"avx512-vnni": ("Q8_0", "Q4_0", "Q4_1", "Q4_K"), "avx2": ("Q4_0", "Q4_1")}
+_ROWS16_FORMATS = {
+    "avx512-vnni": ("Q8_0", "Q4_0", "Q4_1", "Q4_K"),
+    "avx2": ("Q4_0", "Q4_1", "Q4_K"),
+}
 
 
 def can_interleave(qtype: str, rows: int) -> bool:
     """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): a
     multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1 / Q4_K, on the AVX2 path Q4_0 /
-    Q4_1."""
+    Q4_1 / Q4_K."""
     return qtype in _ROWS16_FORMATS.get(i8_isa(), ()) and rows % 16 == 0
 
 

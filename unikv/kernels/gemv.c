@@ -471,9 +471,11 @@ INLINE void q_row(const float *restrict x, const float *restrict xsum, const uin
  * Not many chunks, though: each starts on bytes no prefetch asked for yet. A SmolLM2 Q4_1
  * decode step (Intel Xeon, 2 threads, benchmarks/kernel_ab.py against 8 chunks a thread and
  * a fork per product) took 0.94x as long at 4 chunks; with decode_layers' team (below) 1.155x
- * at 32 chunks, 0.92x at 4, 0.935x at 2, 0.92x at 1 (the runs' spread: about 3%). */
+ * at 32 chunks, 0.92x at 4, 0.935x at 2, 0.92x at 1 (the runs' spread: about 3%). On the AMD
+ * EPYC (Zen 4), against 4 chunks: the Q4_1 step 0.94-0.98x as long at 2 (three runs), 0.94-0.99x
+ * at 1 (two), 1.09x at 8; the float32 step 0.96x at 2. So 2. */
 #ifndef SPLIT_CHUNKS
-#define SPLIT_CHUNKS 4
+#define SPLIT_CHUNKS 2
 #endif
 INLINE long split_chunk(const long out, const int threads) {
     const long c = (out / ((long)threads * SPLIT_CHUNKS) + 15) / 16 * 16;

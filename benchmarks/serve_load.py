@@ -120,17 +120,20 @@ class Proc:
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority=None) -> dict:
     """Stream one completion; return its TTFT, inter-token gaps and token count. A kept-alive
-    connection the server closed as the request went out (llama-server does this now and then:
-    "Server disconnected without sending a response") is tried once more on a new one."""
+    connection the server closed as the request went out (both servers close one idle for 5 s:
+    the client then reads "Server disconnected without sending a response", or a reset, before
+    any response) is tried once more on a new one; a response broken off is an error."""
+    answered: list = []
     try:
-        return await _one(client, url, prompt, new, priority)
-    except httpx.RemoteProtocolError as e:
-        if "without sending a response" not in str(e):  # broken off mid-stream: an error
+        return await _one(client, url, prompt, new, priority, answered)
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        if answered:  # broken off after the response began: an error
             raise
-        return await _one(client, url, prompt, new, priority)
+        return await _one(client, url, prompt, new, priority, [])
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority) -> dict:
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, new: int, priority,
+               answered: list) -> dict:  # fmt: skip
     body = {
         "model": "smollm2",
         "prompt": prompt,
@@ -144,6 +147,7 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, new: int, prior
     t0 = time.perf_counter()
     first, last, gaps, pieces = None, None, [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        answered.append(r.status_code)
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():

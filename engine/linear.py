@@ -459,8 +459,8 @@ NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
 def i8_weight(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """What gemv_i8 multiplies: (blocks, headers, interleaved). Where its path reads the format
     interleaved (`gemv.can_interleave`) a weight of whole groups of 16 rows is interleaved
-    first (once), and needs no headers (the VNNI path's Q4_K too). (Where the kernel's path
-    changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
+    first (once), and needs no headers (Q4_K too, on the VNNI and AVX2 paths). (Where the
+    kernel's path changed since, as the tests' `isa` fixture does, the GGUF blocks are read.)"""
     here = gemv.can_interleave(w.qtype, w.out_features)
     if w.rows16 is None and w.may_interleave and here:
         w.interleave()

@@ -2248,9 +2248,9 @@ static int ki8_chunk(int fmt, const float *x, int n, const uint8_t *w, long out,
 }
 
 /* y [n, out] = x [n, nb * 256] @ W^T, W Q4_K or Q6_K super-blocks [out, nb, bytes] (or, on the
- * VNNI path, Q4_K | ROWS16: interleaved by 16 rows, whole groups), x rounded to `digits` (1 or
- * 2) int8 codes per 32-element block as gemv_qi8 rounds it; any n >= 1, in chunks of
- * GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
+ * VNNI and AVX2 paths, Q4_K | ROWS16: interleaved by 16 rows, whole groups), x rounded to
+ * `digits` (1 or 2) int8 codes per 32-element block as gemv_qi8 rounds it; any n >= 1, in
+ * chunks of GEMV_I8_MAX_ROWS. Returns 0, or -1 for bad arguments or no memory. */
 int gemv_ki8(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, float *y,
              int threads, int digits) {
     const int r16 = fmt == (Q4_K | ROWS16) && GEMV_I8_ISA >= 1 && out % 16 == 0;

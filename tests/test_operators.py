@@ -728,11 +728,8 @@ def _i8_product(x, blocks, fmt, digits=2, rows16=False):
 
     if fmt == "Q4_K":
         return gemv.gemv_kquant_i8(x, blocks, fmt, digits, rows16=rows16)
-    head = NO_HEADERS if rows16 else gemv.headers(blocks, fmt)
+    head = linear.NO_HEADERS if rows16 else gemv.headers(blocks, fmt)
     return gemv.gemv_packed_i8(x, blocks, head, fmt, digits, rows16=rows16)
-
-
-NO_HEADERS = torch.zeros((0,), dtype=torch.int16)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -2421,6 +2421,12 @@ typedef struct {
 
 int layer_struct_size(void) { return (int)sizeof(layer_t); }
 
+/* Whether l is a K-quant weight multiplied by gemv_ki8 (kind 2: Q4_K or Q6_K, Q4_K also
+ * interleaved; what lin_fits let through). */
+INLINE int lin_ki8(const lin_t *l) {
+    return l->kind == 2 && ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K);
+}
+
 /* Whether a layer call multiplies l by n rows (the refusals of lin_apply and decode_layers,
  * before any work). */
 static int lin_fits(const lin_t *l, int n) {
@@ -2446,7 +2452,7 @@ static int lin_apply(const lin_t *l, const float *x, int n, float *y, int thread
         return 0;
     }
     if (l->kind == 3) return gemv_k(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads);
-    if ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K)
+    if (lin_ki8(l))
         return gemv_ki8(l->fmt, x, n, l->w, l->out, l->in / 256, y, threads, 2);
     if (l->kind == 1) {
         gemv_q(l->fmt, x, n, (const uint8_t *)l->w, l->out, l->in / 32, y, threads);
@@ -2739,7 +2745,7 @@ typedef struct {
  * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */
 static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y) {
     *p = (prod_t){.l = l, .x = x, .n = n, .y = y};
-    if (l->kind == 2 && ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K))
+    if (lin_ki8(l))
         return kact_make(l->fmt, x, n, l->in / 256, 2, &p->k, &p->buf, &p->extra);
     if (l->kind == 2) return act_make(l->fmt, x, n, l->in / 32, 2, &p->a, &p->buf);
     const long runs = (long)n * (l->in / 32);
@@ -2759,7 +2765,7 @@ static void prod_rows(const prod_t *p, long lo, long hi) {
     const uint8_t *w = (const uint8_t *)l->w;
     if (l->kind == 0) {
         f32_range(p->x, n, (const float *)l->w, l->in, p->y, out, lo, hi);
-    } else if (l->kind == 2 && ((l->fmt & ~ROWS16) == Q4_K || l->fmt == Q6_K)) {
+    } else if (lin_ki8(l)) {
         kact_rows(l->fmt, &p->k, n, w, p->y, out, lo, hi, 2);
     } else if (l->kind == 2) {
         act_rows(l->fmt, &p->a, n, w, l->h, p->y, out, lo, hi, 2);

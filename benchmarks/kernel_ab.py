@@ -21,11 +21,14 @@ contexts `--prefill-once` prefills one sequence once and decodes it further each
 `--layouts` instead runs the package's one build over two loads of the model: A with the packed
 weights in GGUF order (`engine.linear.INTERLEAVE` off), B interleaved by 16 rows where the int8
 kernel's VNNI path reads them (gemv.c's ROWS16), so B / A is what the layout gives a step.
+`--pages` likewise: A with the weights in the allocator's 4 KiB pages (`UNIKV_HUGE_PAGES=0`
+while it loads), B in huge pages (`memory.hugepages`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +44,7 @@ from unikv.engine import linear  # noqa: E402
 from unikv.engine.config import ModelLoadError  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels import gemv, native, sparse  # noqa: E402
+from unikv.memory import hugepages  # noqa: E402
 
 PACKAGE = Path(gemv.__file__).parent
 
@@ -95,6 +99,11 @@ def main() -> None:
         help="one build, two loads of the model: A's packed weights in GGUF order, B's "
         "interleaved by 16 rows (where the VNNI path reads them)",
     )
+    p.add_argument(
+        "--pages",
+        action="store_true",
+        help="one build, two loads of the model: A's weights in 4 KiB pages, B's in huge pages",
+    )
     p.add_argument("--b", type=Path, default=PACKAGE, help="build B (default: the package's)")
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
@@ -115,10 +124,24 @@ def main() -> None:
         "--steps a round)",
     )
     args = p.parse_args()
-    if (args.a is None) == (not args.layouts):
-        p.error("give --a (two builds) or --layouts (two layouts of the weights), not both")
+    two = args.layouts or args.pages  # one build, two loads of the model
+    if (args.a is not None) + args.layouts + args.pages != 1:
+        p.error("give one of --a (two builds), --layouts (two layouts of the weights) and "
+                "--pages (two kinds of pages)")  # fmt: skip
     torch.set_num_threads(args.threads)
-    if args.layouts:
+    if args.pages:
+        args.a = args.b = PACKAGE
+        gemv._load(), sparse._load()
+        builds = [(gemv._state, sparse._state)] * 2
+        models, saved = [], os.environ.get(hugepages.ENV)
+        for value in ("0", "1"):
+            os.environ[hugepages.ENV] = value
+            models.append(_load(args))
+        os.environ.pop(hugepages.ENV)
+        if saved is not None:
+            os.environ[hugepages.ENV] = saved
+        print(f"A: {models[0][0].huge_pages}; B: {models[1][0].huge_pages}")
+    elif args.layouts:
         args.a = args.b = PACKAGE
         gemv._load(), sparse._load()
         builds = [(gemv._state, sparse._state)] * 2
@@ -142,12 +165,12 @@ def main() -> None:
     shapes, real = [], native.hybrid_kernel
     native.hybrid_kernel = lambda shape: shapes.append(shape) or real(shape)
     try:
-        kvs = [build(m, tok, args.strategy) for m, tok in models[: 1 + args.layouts]]
+        kvs = [build(m, tok, args.strategy) for m, tok in models[: 1 + two]]
     finally:
         native.hybrid_kernel = real
-    kvs = kvs * (2 - args.layouts)  # one cache for two builds, or one per model
+    kvs = kvs * (2 - two)  # one cache for two builds, or one per model
     tok = models[0][1]
-    packed = None if args.layouts else hybrid_libs([args.a, args.b], shapes)
+    packed = None if two else hybrid_libs([args.a, args.b], shapes)
     # with --prefill-once the sequence grows by --steps a round (warm-up rounds included)
     need = args.context + (2 * args.rounds + 2) * args.steps * args.prefill_once
     context_length = models[0][0].cfg.context_length
@@ -164,7 +187,7 @@ def main() -> None:
         firsts = None
         if args.prefill_once:
             first = prefill(models[0][0], kvs[0], ids, 0)
-            firsts = [first, prefill(models[1][0], kvs[1], ids, 0) if args.layouts else first]
+            firsts = [first, prefill(models[1][0], kvs[1], ids, 0) if two else first]
         for r in range(2 * args.rounds + 2):  # the first round of each: warm-up
             i = r % 2
             gemv._state, sparse._state = builds[i]
@@ -172,7 +195,7 @@ def main() -> None:
             if packed:
                 kv.format.attention.kernel = packed[i]
             if args.prefill_once:
-                grown = r // 2 if args.layouts else r  # rounds this cache's sequence grew by
+                grown = r // 2 if two else r  # rounds this cache's sequence grew by
                 t = decode(model, kv, firsts[i], len(ids) + grown * args.steps, args.steps, 0)
             else:
                 first = prefill(model, kv, ids, r)

@@ -392,6 +392,8 @@ def _memory_lines(mem: MemoryReport) -> str:
             for fmt, w in model.weights.items()
         ]
         lines.append(f"[weights: {', '.join(parts)}]")
+    if model.huge_pages:
+        lines.append(f"[{model.huge_pages}]")
     if model.dequantized:
         lines.append(f"[dequantized at load (no native kernel): {', '.join(model.dequantized)}]")
     lines += [f"[fallback: {problem}]" for problem in mem.operator_fallbacks]

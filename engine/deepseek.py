@@ -363,6 +363,7 @@ class DeepseekModel(LlamaModel):
             latent_kv=kv_footprint(self.cfg, self.dtype),
             routing={"topk": self.topk, "block": self.topk_block} if moe else None,
             experts=self.experts.stats() if moe else None,
+            huge_pages=self.huge_pages,
         )
 
     def _layer_ops(self) -> tuple:

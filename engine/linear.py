@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from unikv.kernels import gemv
 from unikv.kernels.operators import Breaker, FnImplementation, OperatorSet, choose, register
+from unikv.memory import hugepages
 
 from .quantized import K_FORMATS, QuantizedTensor, dequantize, int4_groups, int8_rows
 
@@ -140,10 +141,22 @@ class PackedWeight:
     def interleave(self) -> None:
         """Hold the blocks interleaved by 16 rows instead of in GGUF order (gemv_i8's form)."""
         if self.rows16 is None:
-            self.rows16, self._q = gemv.interleave(self._q.blocks, self.qtype), None
+            rows16 = hugepages.place(gemv.interleave(self._q.blocks, self.qtype))
+            self.rows16, self._q = rows16, None
             for name in ("blocks", "i8"):  # forms of the GGUF order: rebuilt if asked for
                 self.forms.pop(name, None)
             _built()
+
+    def place(self) -> None:
+        """Hold the GGUF blocks in huge pages (`memory.hugepages`), and every form that is
+        those blocks themselves; an interleaved weight's blocks were placed by `interleave`."""
+        if self._q is None:
+            return
+        old = self._q.blocks
+        new = hugepages.place(old)
+        if new is not old:
+            self._q = QuantizedTensor(self.qtype, new)
+            self.forms = {k: new if f is old else f for k, f in self.forms.items()}
 
     def form(self, name: str, build: Callable[[QuantizedTensor], object]) -> object:
         f = self.forms.get(name)
@@ -257,14 +270,15 @@ def build_linear(
         if op is not None:
             q = QuantizedTensor(qtype, torch.cat([t.blocks for t in tensors]))
             lin = Linear(PackedWeight(q, dtype), operators[op], qtype, note)
-            if prepare:
+            if prepare:  # (interleaved now where gemv_i8 reads that: `interleave` places it)
                 _prepare(lin)
+                lin.weight.place()
             return lin
         note = f"{qtype} {note}"
     dense = [dequantize(t) if isinstance(t, QuantizedTensor) else t for t in tensors]
     keep_bf16 = all(t.dtype == torch.bfloat16 for t in dense) and dtype != torch.bfloat16
     wdtype = torch.bfloat16 if keep_bf16 else dtype
-    w = torch.cat([t.to(device=device, dtype=wdtype) for t in dense])
+    w = hugepages.place(torch.cat([t.to(device=device, dtype=wdtype) for t in dense]))
     op = "matmul.bf16" if keep_bf16 else "matmul.float"
     return Linear(SplitLinear(w, parts), operators[op], "BF16" if keep_bf16 else "float", note)
 

@@ -12,6 +12,7 @@ import torch
 
 from unikv.kernels.operators import OperatorSet
 from unikv.kvstrategies.kv import KVCache, KVSpec, StepBatch
+from unikv.memory import hugepages
 
 from . import (
     fused,  # noqa: F401  (registers layer.qkv, layer.out and model.layers)
@@ -108,6 +109,8 @@ class LlamaModel:
         self.norm = w("output_norm.weight")
         self.layers = [self._build_layer(i, w, lin) for i in range(cfg.num_layers)]
         self.rope = self._build_rope()
+        # where the weights just placed lie (memory.hugepages): read once, smaps is slow
+        self.huge_pages = hugepages.report().line()
 
     def _build_layer(self, i: int, w, lin) -> tuple:
         """Layer i's weights: `w(name)` gives a tensor, `lin(*names)` one fused `Linear`."""
@@ -151,7 +154,8 @@ class LlamaModel:
         """The weights' formats (tensors and bytes per format); the kernels are reported by
         the engine from `operators` (every model class has them), and the GGUF types that were
         decoded to float at load for want of a native kernel ("dequantized")."""
-        return ModelReport(weights=weight_formats(self), dequantized=tuple(self.dequantized))
+        return ModelReport(weights=weight_formats(self), dequantized=tuple(self.dequantized),
+                           huge_pages=self.huge_pages)  # fmt: skip
 
     def forward(
         self,

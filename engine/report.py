@@ -63,14 +63,17 @@ class WeightFormat:
 @dataclass(frozen=True, slots=True)
 class ModelReport:
     """What a model class reports: its weights per format, the GGUF types decoded to float at
-    load for want of a native kernel; a latent-KV model its bytes per token against
-    multi-head KV, an MoE model its routing and expert store."""
+    load for want of a native kernel, how many weight bytes lie in huge pages; a latent-KV
+    model its bytes per token against multi-head KV, an MoE model its routing and expert
+    store."""
 
     weights: dict[str, WeightFormat] = field(default_factory=dict)
     dequantized: tuple[str, ...] = ()
     latent_kv: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
     experts: dict[str, Any] | None = None
+    # how the process's weights lie in memory (memory.hugepages: one line, read at load)
+    huge_pages: str = ""
 
 
 @dataclass(frozen=True, slots=True)

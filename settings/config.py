@@ -85,6 +85,7 @@ OTHER_ENV = frozenset(
         "UNIKV_ISA",
         "UNIKV_API_KEY",
         "UNIKV_CHECK_OWNER",
+        "UNIKV_HUGE_PAGES",
         "UNIKV_LOG_LEVEL",
         "UNIKV_STORE_SECRET",
     }  # fmt: skip

@@ -12,7 +12,7 @@ time of the Python functions in `unikv/kernels/gemv.py` that call it (and the at
 microseconds per op, so the step's wall time is also measured without it; "python" is that wall
 time minus the ops' share of the profiled run, scaled to the unprofiled one.
 
-    python benchmarks/decode_profile.py [--context 64] [--steps 32] [--strategy full]
+    python benchmarks/decode_profile.py [--context 64] [--steps 32] [--rounds 5] [--strategy full]
         [--weights float32|native] [--threads 2] [--layer native|ops] [--step native|layers]
         [--isas avx512,avx2 [--repeats 2]]
 
@@ -112,14 +112,20 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(isas) or 'baseline'})"
 
 
-def stream_gb_s(threads: int, gib: int = 1, repeats: int = 3, huge: bool = False) -> float:
-    """Memory read bandwidth in GB/s: the fastest of `repeats` sums over a `gib` GiB float32
-    buffer (larger than any cache) on `threads` threads, after one pass that faults it in;
-    `huge`: the buffer in huge pages, as the weights are (`memory.hugepages`; where they are
-    off, the same 4 KiB pages)."""
-    buf = torch.ones(gib << 28)
-    if huge:
-        buf = hugepages.place(buf)
+def stream_buffers(gib: int = 1) -> dict[str, torch.Tensor]:
+    """Two float32 buffers of `gib` GiB (larger than any cache), faulted in: "4k" in the
+    allocator's 4 KiB pages, "huge" in huge pages as the weights are (`memory.hugepages`;
+    where they are off, the same 4 KiB pages)."""
+    bufs = {"4k": torch.ones(gib << 28)}
+    bufs["huge"] = hugepages.place(bufs["4k"])
+    return bufs
+
+
+def stream_gb_s(buf: torch.Tensor | None = None, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s: the fastest of `repeats` sums over `buf` on torch's
+    threads, after one pass (None: a new 1 GiB buffer in 4 KiB pages)."""
+    if buf is None:
+        buf = torch.ones(1 << 28)
     buf.sum()
     best = float("inf")
     for _ in range(repeats):
@@ -177,7 +183,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--weights", default="float32")
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of --steps steps, each followed by a stream")  # fmt: skip
     p.add_argument("--strategy", default="full")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isas", default=None, help="e.g. avx512,avx2: one child run each")
@@ -203,8 +211,23 @@ def main() -> None:
     pos = len(ids)
     decode(m, kv, first, pos, 8, 0)  # warm-up: calibrations, breakers' budgets
     pos += 8
-    wall = decode(m, kv, first, pos, args.steps, 0) / args.steps
-    pos += args.steps
+    # The step against the same moment's memory bandwidth (issue 34's yardstick): this VM's
+    # stream moved by 1.5x within a minute, so each round times `--steps` steps and then a
+    # sum over a 1 GiB buffer in 4 KiB pages and one in huge pages (on the AMD EPYC VM 1.2x
+    # the first, where they are on; the weights lie in them); the step is held to the faster.
+    # Each round decodes a sequence of its own from the same context (so the KV cache each
+    # step also reads is the same size in every round), and frees it.
+    bufs = stream_buffers()
+    rounds = []
+    for r in range(1, args.rounds + 1):
+        tok0 = prefill(m, kv, ids, r)
+        decode(m, kv, tok0, len(ids), 2, r)  # the caches back after the stream
+        t = decode(m, kv, tok0, len(ids) + 2, args.steps, r) / args.steps
+        kv.free(r)
+        rounds.append((t, {k: stream_gb_s(buf) for k, buf in bufs.items()}))
+    del bufs
+    wall = statistics.median(t for t, _ in rounds)
+    streams = {k: statistics.median(s[k] for _, s in rounds) for k in ("4k", "huge")}
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         t0 = time.perf_counter()
         decode(m, kv, first, pos, args.steps, 0)
@@ -244,10 +267,8 @@ def main() -> None:
     matmul_ms = sum(rows.get(k, 0.0) for k in WEIGHT_PARTS) or float("nan")
     m_pages = m.huge_pages  # where the weights lie
     del m, kv, prof
-    # the same run's memory bandwidth (issue 34's yardstick): a sum over 4 KiB pages and one
-    # over huge pages (on the AMD EPYC VM 1.2x the first); the step is held to the faster
-    streams = {"4k": stream_gb_s(args.threads), "huge": stream_gb_s(args.threads, huge=True)}
-    stream = max(streams.values())
+    stream = statistics.median(max(s.values()) for _, s in rounds)
+    weight_gb = weight_bytes / 1e9
     out = {
         "cpu": cpu_name(),
         "isa": ckernels.isa() if os.environ.get("UNIKV_NO_KERNEL") != "1" else "none",
@@ -262,7 +283,9 @@ def main() -> None:
         "stream_4k_gb_s": streams["4k"],
         "stream_huge_gb_s": streams["huge"],
         "huge_pages": m_pages,
-        "bandwidth_share": weight_bytes / wall / 1e9 / stream,
+        # the median over rounds of each round's step against its own faster stream
+        "bandwidth_share": statistics.median(weight_gb / t / max(s.values()) for t, s in rounds),
+        "rounds": [{"ms_per_step": t * 1e3, "stream_gb_s": s} for t, s in rounds],
         "wall_ms_per_step": wall * 1e3,
         "tok_s": 1 / wall,
         "profiled_wall_ms": prof_wall * 1e3,
@@ -280,7 +303,8 @@ def main() -> None:
     print(f"tokens/s x {weight_bytes / 2**20:.0f} MiB of weights = {out['step_gb_s']:.1f} GB/s; "
           f"a {args.threads}-thread stream reads {streams['4k']:.1f} GB/s in 4 KiB pages, "
           f"{streams['huge']:.1f} in huge pages: {out['bandwidth_share']:.0%} of the faster "
-          f"(goal 85%); {m_pages}")  # fmt: skip
+          f"(goal 85%; medians of {args.rounds} rounds, each step against its round's stream); "
+          f"{m_pages}")  # fmt: skip
     for k, v in rows.items():
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")

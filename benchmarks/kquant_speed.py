@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     x = torch.randn(args.rows, args.in_)
-    streams = [stream_gb_s(args.threads)]
+    streams = [stream_gb_s()]
     rows = []
     for fmt in ("Q4_K", "Q6_K"):
         one = args.out * args.in_ // 256 * FORMATS[fmt]
@@ -90,7 +90,7 @@ def main() -> None:
         ways["float32"] = lambda d=dense: [gemv.gemv_float(x, w) for w in d]
         rate = passes_per_s(ways, args.repeats)
         del qs, dense, ways
-        streams.append(stream_gb_s(args.threads))  # after each format
+        streams.append(stream_gb_s())  # after each format
         i16 = rate.get("i8_rows16")
         kq_bytes, f_bytes = count * one, count * args.out * args.in_ * 4
         rows.append({"format": fmt, "matrices": count, "packed_pass_s": rate["packed"],

@@ -262,7 +262,8 @@ def build_linear(
     format with a native kernel on `device` stay packed (the kernel's form is prepared now
     unless `prepare` is False: an embedding table only reads rows); anything else is decoded
     to `dtype` (`Linear.note` says why). bf16 tensors under a float32 model keep bf16
-    (matmul.bf16)."""
+    (matmul.bf16). What a kernel streams (the float weight, the packed blocks in the order
+    its kernel reads) is held in huge pages where the host has them (`memory.hugepages`)."""
     qtypes = {t.qtype if isinstance(t, QuantizedTensor) else None for t in tensors}
     note = ""
     if len(qtypes) == 1 and (qtype := next(iter(qtypes))) is not None:

@@ -11,17 +11,24 @@ and the KV arenas (`memory.tiers`, allocated lazily in 4 KiB pages).
 Why: a decode step reads every weight once, front to back. In 4 KiB pages a thread's stream
 walks the page table every 4 KiB, and under a VM's nested paging each walk is long. On the
 AMD EPYC (Zen 4) VM a 1 GiB float32 sum read 56 GB/s in 4 KiB pages and 68 GB/s in 2 MiB pages
-(2 threads; 28 against 35 on one), and the interleaved int8 kernel over SmolLM2-sized matrices
-1.04-1.12x more. Where THP is `madvise` (this VM's setting, and many distributions') memory
-from malloc stays in 4 KiB pages unless someone asks; PyTorch's own switch
+(2 threads; 28 against 35 on one), the interleaved int8 kernel over SmolLM2-sized matrices
+1.04-1.12x more, and the packaged Q4_1 model's decode step ran 1.07-1.15x as fast
+(`benchmarks/kernel_ab.py --pages`).
+
+Where THP is `madvise` (this VM's setting, and many distributions') memory from malloc stays
+in 4 KiB pages unless someone asks; PyTorch's own switch
 (`THP_MEM_ALLOC_ENABLE`) asks only for allocations of 2 MiB and more, which leaves most of a
 small model's matrices out. So the weights are copied, one after another, into chunks of at
 least `CHUNK` bytes: each chunk is one mapping, 2 MiB-aligned, advised before it is touched.
 
 A chunk is freed when the last tensor placed in it is (each tensor holds its chunk's mapping);
 a chunk's unused tail (at most `CHUNK`) is the cost. Fork shares the chunks copy-on-write, as
-it does malloc's memory. Where THP is `never`, the platform has no `madvise` (not Linux), or
-`UNIKV_HUGE_PAGES=0`, `place` returns its tensor unchanged.
+it does malloc's memory. Where the host's THP defrag setting is `madvise` (the default), the
+first touch of a chunk may compact memory to find free 2 MiB pages: on a fragmented host the
+load takes longer, and pages it cannot find stay 4 KiB (the report counts what it got).
+
+Where THP is `never`, the platform has no `madvise` (not Linux), or `UNIKV_HUGE_PAGES=0`,
+`place` returns its tensor unchanged.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ setting), `enabled` (the `UNIKV_HUGE_PAGES` switch) and `report` (how many of th
 the kernel actually backs by huge pages, read from /proc/self/smaps).
 
 What does not: which tensors are placed (the engine's loader decides: packed and float weights),
-and the KV arenas (`memory.tiers`, allocated lazily in 4 KiB pages).
+and the KV arenas (`memory.tiers`, allocated lazily in 4 KiB pages: in huge pages a `full`
+cache at 8K context stepped 0.95x the time but took twice the resident memory its blocks
+count, docs/kernels.md).
 
 Why: a decode step reads every weight once, front to back. In 4 KiB pages a thread's stream
 walks the page table every 4 KiB, and under a VM's nested paging each walk is long. On the

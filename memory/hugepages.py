@@ -1,7 +1,8 @@
 """Long-lived host tensors in transparent huge pages: the weights a decode step streams.
 
 What lives here: `place` (a CPU tensor copied into 2 MiB-aligned anonymous memory advised
-`MADV_HUGEPAGE`, or the tensor itself where that cannot help), `mode` (the kernel's THP
+`MADV_HUGEPAGE`, or the tensor itself where that cannot help), `empty` (such memory, for a
+producer to fill), `mode` (the kernel's THP
 setting), `enabled` (the `UNIKV_HUGE_PAGES` switch) and `report` (how many of the placed bytes
 the kernel actually backs by huge pages, read from /proc/self/smaps).
 
@@ -35,6 +36,7 @@ Where THP is `never`, the platform has no `madvise` (not Linux), or `UNIKV_HUGE_
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -103,10 +105,22 @@ _placed = [0]  # bytes placed by this process so far
 def place(t: torch.Tensor) -> torch.Tensor:
     """`t` (a CPU tensor) copied into a huge-page chunk, same shape, dtype and values; `t`
     itself where placing cannot help (not enabled, not on the CPU, under `SMALLEST` bytes)."""
-    global _current
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < SMALLEST or not enabled():
+    if t.device.type != "cpu":
         return t
+    out = empty(tuple(t.shape), t.dtype)
+    if out is None:
+        return t
+    return out.copy_(t)
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialized CPU tensor in a huge-page chunk (what `place` copies into), for a
+    producer to write in place (`torch.cat(..., out=)`: no second copy of a weight at load);
+    None where placing cannot help (not enabled, under `SMALLEST` bytes)."""
+    global _current
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < SMALLEST or not enabled():
+        return None
     with _lock:
         raw = _current.take(nbytes) if _current is not None else None
         if raw is None:
@@ -116,9 +130,7 @@ def place(t: torch.Tensor) -> torch.Tensor:
             if nbytes < CHUNK:  # a tensor of a chunk or more has its own (freed with it)
                 _current = chunk
         _placed[0] += nbytes
-    out = raw.view(t.dtype).view(t.shape)  # [*t.shape]
-    out.copy_(t)
-    return out
+    return raw.view(dtype).view(shape)  # [*shape]
 
 
 @dataclass(frozen=True, slots=True)

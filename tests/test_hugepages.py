@@ -161,13 +161,23 @@ def test_packed_weights_lie_in_chunks_and_multiply_alike(qtype, monkeypatch):
 
 
 @needs_thp
-def test_float_weights_are_placed_too():
+def test_float_weights_are_stacked_straight_into_a_chunk():
     cpu = torch.device("cpu")
-    w = torch.randn(256, 512)
-    lin = linear.build_linear([w], torch.float32, cpu, 4, OperatorSet(cpu))
+    parts = [torch.randn(256, 512), torch.randn(64, 512), torch.randn(64, 512)]  # q, k, v
+    lin = linear.build_linear(parts, torch.float32, cpu, 4, OperatorSet(cpu))
     held = lin.weight.weight
-    assert torch.equal(held, w)
+    assert torch.equal(held, torch.cat(parts))
     assert any(a <= held.data_ptr() < b for a, b in hugepages._spans.values())
+
+
+def test_empty_gives_chunk_memory_or_none(monkeypatch):
+    assert hugepages.empty((10, 10), torch.float32) is None  # under SMALLEST
+    if ON:
+        t = hugepages.empty((300, 257), torch.bfloat16)
+        assert t.shape == (300, 257) and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert any(a <= t.data_ptr() < b for a, b in hugepages._spans.values())
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert hugepages.empty((1 << 20,), torch.float32) is None
 
 
 def test_the_run_report_says_where_the_weights_lie():

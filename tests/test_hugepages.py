@@ -26,7 +26,8 @@ needs_thp = pytest.mark.skipif(not ON, reason=f"THP is {hugepages.mode()!r} here
 
 @pytest.fixture
 def thp(monkeypatch, tmp_path):
-    """Set the THP mode `place` reads (a file like the kernel's)."""
+    """Set the THP mode `place` reads (a file like the kernel's), the switch left on."""
+    monkeypatch.delenv(hugepages.ENV, raising=False)
 
     def set_mode(text: str | None) -> None:
         f = tmp_path / "enabled"

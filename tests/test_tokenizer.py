@@ -1,5 +1,7 @@
 """The GGUF tokenizer must tokenize exactly like transformers does for the same file."""
 
+import copy
+
 import pytest
 
 from unikv.engine.tokenizer import IncrementalDecoder
@@ -43,6 +45,18 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
     ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == ref
     assert ours.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_is_compiled_once_and_follows_its_text(tokenizer):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    first = tokenizer.apply_chat_template(messages)
+    compiled = tokenizer.__dict__["_compiled"][1]
+    assert tokenizer.apply_chat_template(messages) == first
+    assert tokenizer.__dict__["_compiled"][1] is compiled  # rendered, not compiled again
+    other = copy.copy(tokenizer)  # (the fixture is shared: its template stays)
+    other.chat_template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert other.apply_chat_template(messages) == "[What is 2+2?]"
+    assert tokenizer.apply_chat_template(messages) == first
 
 
 def test_incremental_decoder_holds_back_split_characters(tokenizer):

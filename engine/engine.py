@@ -54,6 +54,9 @@ PUBLISH_S = 0.05  # the memory report readers on other threads see is at most th
 # it), and under load every TRIM_S.
 IDLE_TRIM_S = 1.0
 TRIM_S = 30.0
+# While requests run, the compute thread takes turns back to back for up to BURST_S before it
+# hands back to the event loop (`Engine._turns`); each turn's tokens go out as it ends.
+BURST_S = 0.05
 
 
 class Engine:
@@ -341,6 +344,10 @@ class Engine:
     def _flush(self) -> None:
         """Deliver what the last turn collected (on the event loop: asyncio queues)."""
         out, self._outbox = self._outbox, []
+        self._deliver(out)
+
+    @staticmethod
+    def _deliver(out: list) -> None:
         for req, item in out:
             req.queue.put_nowait(item)
 
@@ -404,12 +411,37 @@ class Engine:
             raise RuntimeError(f"the engine loop stopped: {why}")
 
     async def _step(self) -> bool:
-        """One turn on the compute thread (`_turn`), then its deliveries on the event loop;
-        False when nothing ran."""
+        """Turns on the compute thread (`_turns`; one `_turn` where a hook awaits each step),
+        their deliveries on the event loop; False when nothing ran."""
+        if self.after_step is not None:
+            turns, args = self._turn, (time.monotonic(),)
+        else:
+            loop = asyncio.get_running_loop()
+            turns, args = self._turns, (lambda out: loop.call_soon_threadsafe(self._deliver, out),)
         try:
-            return await compute.run(self._turn, time.monotonic())
+            return await compute.run(turns, *args)
         finally:
             self._flush()
+
+    def _turns(self, deliver: Callable[[list], object]) -> bool:
+        """Turns back to back while requests run, for up to BURST_S, each turn's deliveries
+        handed to `deliver` (the event loop's queue) as it ends; whether any turn ran.
+
+        Why: handing every turn to the event loop and back cost about 0.2 ms a decode step (two
+        thread wake-ups, with cold caches after the step's weights went through them): through
+        the engine a SmolLM2 step took 0.49-0.56 ms between its C calls where the benchmarks'
+        loop took 0.22. New requests and cancellations are read at each turn's start, as
+        before; a cancellation that arrives while a turn runs takes effect at the next one."""
+        end = time.perf_counter() + BURST_S
+        ran_any = False
+        while True:
+            ran = self._turn(time.monotonic())
+            ran_any = ran_any or ran
+            if not ran or self._closed or self._idle() or time.perf_counter() >= end:
+                return ran_any
+            out, self._outbox = self._outbox, []
+            if out:
+                deliver(out)
 
     def _turn(self, now: float) -> bool:
         """Admit, reap cancellations, plan, run the forward pass and book its results; publish

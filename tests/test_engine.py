@@ -136,6 +136,24 @@ async def test_cancel_frees_memory_at_once_and_spares_others(engine, model, toke
     assert done.token_ids == greedy_reference(model, tokenizer.encode(PROMPTS[0]), 16)
 
 
+async def test_turns_back_to_back_deliver_each_turns_tokens_as_it_ends(engine, monkeypatch):
+    """While requests run the compute thread takes turns back to back (engine.BURST_S); each
+    turn's pieces go to the event loop as that turn ends, not when the burst does."""
+    from unikv.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BURST_S", 60.0)  # one burst for the whole request
+    sizes, real = [], Engine._deliver
+    monkeypatch.setattr(Engine, "_deliver", staticmethod(lambda out: (sizes.append(len(out)),
+                                                                      real(out))))  # fmt: skip
+    handle = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    pieces = [p async for p in handle.pieces()]
+    assert len(handle.completion.token_ids) == 12
+    assert "".join(p.text for p in pieces) == handle.completion.text
+    # one delivery per turn: the prompt's turn, then a piece (or none, a split character held
+    # back) per token; the last turn's piece and the completion in the final flush
+    assert len(sizes) >= 10 and max(sizes) <= 2, sizes
+
+
 async def test_cancelling_the_awaiting_task_cancels_the_request(engine):
     task = asyncio.create_task(
         engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True))

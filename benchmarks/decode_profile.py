@@ -121,11 +121,9 @@ def stream_buffers(gib: int = 1) -> dict[str, torch.Tensor]:
     return bufs
 
 
-def stream_gb_s(buf: torch.Tensor | None = None, repeats: int = 3) -> float:
-    """Memory read bandwidth in GB/s: the fastest of `repeats` sums over `buf` on torch's
-    threads, after one pass (None: a new 1 GiB buffer in 4 KiB pages)."""
-    if buf is None:
-        buf = torch.ones(1 << 28)
+def stream_gb_s(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s: the fastest of `repeats` sums over `buf` (one of
+    `stream_buffers`) on torch's threads, after one pass."""
     buf.sum()
     best = float("inf")
     for _ in range(repeats):

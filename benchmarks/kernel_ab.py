@@ -129,10 +129,11 @@ def main() -> None:
         p.error("give one of --a (two builds), --layouts (two layouts of the weights) and "
                 "--pages (two kinds of pages)")  # fmt: skip
     torch.set_num_threads(args.threads)
-    if args.pages:
+    if two:  # the package's one build for both
         args.a = args.b = PACKAGE
         gemv._load(), sparse._load()
         builds = [(gemv._state, sparse._state)] * 2
+    if args.pages:
         models, saved = [], os.environ.get(hugepages.ENV)
         for value in ("0", "1"):
             os.environ[hugepages.ENV] = value
@@ -142,9 +143,6 @@ def main() -> None:
             os.environ[hugepages.ENV] = saved
         print(f"A: {models[0][0].huge_pages}; B: {models[1][0].huge_pages}")
     elif args.layouts:
-        args.a = args.b = PACKAGE
-        gemv._load(), sparse._load()
-        builds = [(gemv._state, sparse._state)] * 2
         models = []
         for interleave in (False, True):
             linear.INTERLEAVE = interleave

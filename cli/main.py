@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from unikv import version
 from unikv.kernels import operators
+from unikv.memory import hugepages
 from unikv.settings.logs import LOG_ENV, LOG_LEVELS, configure_logging
 
 from . import advise, serve
@@ -732,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     try:
         args.log_level = configure_logging(args.log_level, args.log_format)
+        hugepages.enabled()  # a bad UNIKV_HUGE_PAGES: one line here, not a traceback at load
         if args.command == "serve":
             return serve.run_serve(args) or 0
         # Under --json every human line (and any stray print) goes to stderr: stdout is the

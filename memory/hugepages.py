@@ -2,9 +2,9 @@
 
 What lives here: `place` (a CPU tensor copied into 2 MiB-aligned anonymous memory advised
 `MADV_HUGEPAGE`, or the tensor itself where that cannot help), `empty` (such memory, for a
-producer to fill), `mode` (the kernel's THP
-setting), `enabled` (the `UNIKV_HUGE_PAGES` switch) and `report` (how many of the placed bytes
-the kernel actually backs by huge pages, read from /proc/self/smaps).
+producer to fill), `mode` (the kernel's THP setting), `enabled` (that and the
+`UNIKV_HUGE_PAGES` switch) and `report` (how many of the placed bytes the kernel actually
+backs by huge pages, read from /proc/self/smaps).
 
 What does not: which tensors are placed (the engine's loader decides: packed and float weights),
 and the KV arenas (`memory.tiers`, allocated lazily in 4 KiB pages: in huge pages a `full`
@@ -67,12 +67,13 @@ def mode() -> str:
 
 def enabled() -> bool:
     """Whether `place` copies tensors into huge-page chunks here: THP `always` or `madvise`,
-    `madvise(2)` in this Python, and `UNIKV_HUGE_PAGES` not "0"."""
-    return (
-        os.environ.get(ENV, "1").strip() != "0"
-        and mode() in ("always", "madvise")
-        and hasattr(mmap, "MADV_HUGEPAGE")
-    )
+    `madvise(2)` in this Python, and `UNIKV_HUGE_PAGES` not "0" (ValueError for a value
+    other than 0 or 1)."""
+    switch = os.environ.get(ENV, "1").strip()
+    if switch not in ("0", "1", ""):
+        raise ValueError(f"{ENV}={switch!r}: expected 0 (weights in 4 KiB pages) or 1 (in huge "
+                         "pages where the kernel has them, the default)")  # fmt: skip
+    return switch != "0" and mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 class _Chunk:

@@ -190,3 +190,17 @@ def test_the_run_report_says_where_the_weights_lie():
     mem = MemoryReport(KVReport("full", 0, 0), ModelReport(huge_pages=line))
     assert f"[{line}]" in _memory_lines(mem).splitlines()
     assert "huge pages" not in _memory_lines(MemoryReport(KVReport("full", 0, 0)))
+
+
+@pytest.mark.parametrize("value", ["off", "false", "2", "yes please"])
+def test_a_bad_switch_is_refused_in_one_line_naming_it(monkeypatch, capsys, value):
+    from unikv.cli.main import EX_USAGE, main  # noqa: PLC0415
+
+    monkeypatch.setenv(hugepages.ENV, value)
+    with pytest.raises(ValueError, match=f"UNIKV_HUGE_PAGES={value!r}: expected 0"):
+        hugepages.enabled()
+    assert main(["run", "--prompt", "hi"]) == EX_USAGE  # before any model loads
+    err = capsys.readouterr().err.strip().splitlines()
+    want = (f"unikv: error: UNIKV_HUGE_PAGES={value!r}: expected 0 (weights in 4 KiB pages) "
+            "or 1 (in huge pages where the kernel has them, the default)")  # fmt: skip
+    assert err == [want]

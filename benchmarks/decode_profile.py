@@ -14,7 +14,7 @@ time minus the ops' share of the profiled run, scaled to the unprofiled one.
 
     python benchmarks/decode_profile.py [--context 64] [--steps 32] [--rounds 5] [--strategy full]
         [--weights float32|native] [--threads 2] [--layer native|ops] [--step native|layers]
-        [--isas avx512,avx2 [--repeats 2]]
+        [--isas avx512,avx2 [--repeats 2]] [--inside]
 
 `--step layers` runs a decode step layer by layer (gemv.c's two layer calls each, the strategy's
 `append` and `attend` between them) instead of one gemv.c call for every layer (`model.layers`,
@@ -22,6 +22,14 @@ where the strategy describes its step as plain arenas: `full`): the baseline of 
 `--layer ops` runs a Llama layer's dense part as torch ops (each matmul, norm and RoPE through
 its registry entry) instead of gemv.c's two layer calls (`engine/fused.py`): the baseline of
 what those calls save.
+
+`--inside` splits the one C call of the timed steps (gemv.c's run_step, built with
+STEP_PROFILE: a clock read around each part, about 1% of the step) per thread: making each
+product's activations, multiplying, waiting at a barrier, the fork and join of each layer's
+parallel region, and on the calling thread RoPE, a sparse choice and the attention (the KV
+writes and the strategy's kernel); "the rest" is the norms, residual adds and SiLU, and a
+thread's idle time between the regions. It also prints the bytes each kind of matrix read over
+its multiplying time: how near the products alone come to the stream.
 
 Each run reports the matmuls' effective bandwidth (the bytes of every weight a step reads,
 over the matmul time), the whole step's (those bytes times tokens/s) against a stream over a
@@ -54,6 +62,7 @@ from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noq
 from unikv.engine import fused  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.engine.model import weight_formats  # noqa: E402
+from unikv.kernels import gemv  # noqa: E402
 from unikv.kernels import native as ckernels  # noqa: E402
 from unikv.kernels.operators import summary  # noqa: E402
 from unikv.memory import hugepages  # noqa: E402
@@ -193,7 +202,15 @@ def main() -> None:
     p.add_argument("--step", choices=("native", "layers"), default="native",
                    help="a decode step's layers in one gemv.c call (where the strategy allows: "
                         "full), or layer by layer")  # fmt: skip
+    p.add_argument("--inside", action="store_true",
+                   help="build gemv.c with STEP_PROFILE and split the timed steps' one C call "
+                        "into its parts per thread (multiplying, per matrix; barriers; RoPE; "
+                        "attention)")  # fmt: skip
     args = p.parse_args()
+    if args.inside and (args.isas or args.step == "layers" or args.layer == "ops"):
+        p.error("--inside splits the one-call step: not with --isas, --step layers or --layer ops")
+    if args.inside:  # before the model loads the kernel
+        gemv.DEFINES = ("-DSTEP_PROFILE",)
     if args.isas:
         compare(args)
         return
@@ -216,11 +233,13 @@ def main() -> None:
     # Each round decodes a sequence of its own from the same context (so the KV cache each
     # step also reads is the same size in every round), and frees it.
     bufs = stream_buffers()
-    rounds = []
+    rounds, inside = [], []
     for r in range(1, args.rounds + 1):
         tok0 = prefill(m, kv, ids, r)
         decode(m, kv, tok0, len(ids), 2, r)  # the caches back after the stream
+        gemv.step_profile(reset=True)
         t = decode(m, kv, tok0, len(ids) + 2, args.steps, r) / args.steps
+        inside.append(gemv.step_profile(reset=True))
         kv.free(r)
         rounds.append((t, {k: stream_gb_s(buf) for k, buf in bufs.items()}))
     del bufs
@@ -307,7 +326,38 @@ def main() -> None:
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")
     print(f"  kernels: {kernels}")
+    if args.inside:
+        out["inside"] = print_inside(inside, args.steps * args.rounds)
     print(json.dumps(out))
+
+
+def print_inside(rounds: list[dict | None], steps: int) -> dict:
+    """The rounds' `gemv.step_profile` summed and printed: each part's share of the C call per
+    thread, and each kind of matrix's bytes over its multiplying time. Returned for the JSON."""
+    if any(r is None for r in rounds):
+        sys.exit("decode_profile: --inside: the kernel counted nothing (not the profiling "
+                 "build, or the step did not take the one-call path)")  # fmt: skip
+    nthreads = min(len(r["threads"]) for r in rounds)
+    threads = [{k: sum(r["threads"][t][k] for r in rounds) for k in gemv.PROFILE_PARTS}
+               for t in range(nthreads)]  # fmt: skip
+    call = threads[0]["call"]
+    matrices = {k: [sum(r["matrices"][k][j] for r in rounds) for j in (0, 1)]
+                for k in gemv.PROFILE_MATRICES}  # fmt: skip
+    print(f"inside the step's C call (gemv.c built with STEP_PROFILE; {steps} steps): "
+          f"{call / steps * 1e3:.2f} ms per call")  # fmt: skip
+    print("  " + " " * 22 + "".join(f"thread {t:<3d}" for t in range(nthreads)))
+    for part in gemv.PROFILE_PARTS[:-1]:
+        shares = [th[part] / call for th in threads]
+        if any(shares):
+            print(f"  {part:22s}" + "".join(f"{x:9.1%} " for x in shares))
+    idle = [1 - sum(th[p] for p in gemv.PROFILE_PARTS[:-1]) / call for th in threads]
+    print(f"  {'the rest (norms; idle)':22s}" + "".join(f"{x:9.1%} " for x in idle))
+    rates = {k: b / (s / nthreads) / 1e9 for k, (s, b) in matrices.items() if s > 0}
+    print("  weights read while multiplying (all threads' bytes over their mean time): "
+          + ", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items()))  # fmt: skip
+    return {"ms_per_call": call / steps * 1e3,
+            "shares": [{k: v / call for k, v in th.items()} for th in threads],
+            "matrix_gb_s": rates}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -320,6 +320,35 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
     assert served == [(n, packed) for n in ([2, 3, 7, 5, 1] if packed else [2, 3, 1])]
 
 
+@pytest.mark.parametrize("qtype", [None, "Q4_1"])
+def test_the_profiling_build_gives_the_same_bits_and_splits_the_call(qtype, monkeypatch):
+    """gemv.c built with STEP_PROFILE (benchmarks/decode_profile.py --inside) gives the same
+    logits to the bit as the kernel it profiles, and counts what its decode steps did: the
+    whole call, and its products' time and bytes per kind of matrix (the two-layer model's
+    QKV product reads twice the output projection's bytes, gate|up twice down's); the plain
+    build counts nothing."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype)
+    monkeypatch.setattr(gemv, "_state", {})
+    assert gemv.step_profile() is None
+    want = _serve(m, "full", m._stack)
+    monkeypatch.setattr(gemv, "DEFINES", ("-DSTEP_PROFILE",))
+    monkeypatch.setattr(gemv, "_state", {})
+    gemv.step_profile(reset=True)
+    got = _serve(m, "full", m._stack)
+    assert torch.equal(got, want)
+    counted = gemv.step_profile(reset=True)
+    first = counted["threads"][0]
+    assert first["call"] > 0 and 0 < first["multiply"] < first["call"]
+    assert 0 < first["attention"] < first["call"] and first["make"] > 0
+    b = {k: nbytes for k, (seconds, nbytes) in counted["matrices"].items()}
+    assert all(seconds > 0 for seconds, _ in counted["matrices"].values())
+    assert b["qkv"] == pytest.approx(2 * b["out"]) and b["gate|up"] == pytest.approx(2 * b["down"])
+    again = gemv.step_profile()  # reset: nothing counted since
+    assert again["threads"] == [] and set(again["matrices"].values()) == {(0.0, 0.0)}
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_a_one_call_step_gives_the_same_bits_on_any_number_of_threads(qtype, isa, monkeypatch):
     """decode_layers shares each product's rows among a team of threads (gemv.c's

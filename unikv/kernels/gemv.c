@@ -2713,6 +2713,48 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
     return rc;
 }
 
+/* ---- where a decode step's time goes inside its call (a profiling build) ----------------------
+ *
+ * Built with -DSTEP_PROFILE (benchmarks/decode_profile.py --inside), run_step counts, per thread,
+ * the seconds it spends making a product's activations, multiplying (and the weight bytes it
+ * reads, per kind of matrix), waiting at the barriers inside a region, and between a region's
+ * start or end and its own work (the fork and join); on the calling thread also the seconds
+ * between the regions (RoPE; a sparse choice; the KV writes and the attention) and in the whole
+ * call. step_profile() copies them out. Without the define the macros are empty: nothing is
+ * counted, and step_profile_size() is 0. */
+enum { P_MAKE, P_ROWS, P_WAIT, P_SYNC, P_ROPE, P_CHOOSE, P_ATTEND, P_CALL, P_PARTS };
+enum { M_QKV, M_OUT, M_GATE_UP, M_DOWN, M_HEAD, M_KINDS };
+#define PROF_THREADS 16
+#ifdef STEP_PROFILE
+/* The bytes of l's weight (its blocks; kind 2's separate headers not counted). */
+static double lin_bytes(const lin_t *l) {
+    const int f = l->fmt & ~ROWS16;
+    const double rows = (double)l->out;
+    if (l->kind == 0) return 4.0 * rows * l->in;
+    if (f == Q4_K || f == Q6_K) return rows * (l->in / 256) * (f == Q4_K ? 144 : 210);
+    return rows * (l->in / 32) * block_bytes(f);
+}
+/* [thread][part] seconds, then [thread][kind][seconds, bytes] */
+static double prof_part[PROF_THREADS][P_PARTS], prof_rows[PROF_THREADS][M_KINDS][2];
+#define PROF_NOW(t) const double t = omp_get_wtime()
+#define PROF_ADD(tid, part, t0) (prof_part[(tid) % PROF_THREADS][part] += omp_get_wtime() - (t0))
+int step_profile_size(void) { return PROF_THREADS * (P_PARTS + 2 * M_KINDS); }
+void step_profile(double *out) {
+    memcpy(out, prof_part, sizeof prof_part);
+    memcpy(out + PROF_THREADS * P_PARTS, prof_rows, sizeof prof_rows);
+}
+void step_profile_reset(void) {
+    memset(prof_part, 0, sizeof prof_part);
+    memset(prof_rows, 0, sizeof prof_rows);
+}
+#else
+#define PROF_NOW(t)
+#define PROF_ADD(tid, part, t0) ((void)0)
+int step_profile_size(void) { return 0; }
+void step_profile(double *out) { (void)out; }
+void step_profile_reset(void) {}
+#endif
+
 /* ---- one product shared by a team of threads ---------------------------------------------------
  *
  * Why: SPLIT forks and joins the threads for every product, five times a layer with attention,
@@ -2796,14 +2838,14 @@ static void prod_rows(const prod_t *p, long lo, long hi) {
  * could not make a product's activations (the call's result is then thrown away). */
 typedef struct {
     atomic_long *ctr;
-    int next, threads;
+    int next, threads, tid;
     atomic_int *failed;
 } team_t;
 
 /* y [n, l->out] = x [n, l->in] l^T by the whole team: every thread makes the activations, then
  * takes chunks of rows until none is left; whole when it returns (one barrier per chunk of
  * GEMV_I8_MAX_ROWS x rows at kind 2, as gemv_qi8 goes). */
-static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y) {
+static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y, int kind) {
     const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n;
     const long out = l->out, chunk = split_chunk(out, tm->threads);
     const long chunks = (out + chunk - 1) / chunk;
@@ -2811,15 +2853,32 @@ static void team_product(team_t *tm, const lin_t *l, const float *x, int n, floa
         const int m = n - r0 < step ? n - r0 : step;
         atomic_long *ctr = tm->ctr + tm->next++;
         prod_t p;
+        PROF_NOW(t0);
         if (prod_make(&p, l, x + (long)r0 * l->in, m, y + (long)r0 * out) == 0) {
-            for (long c; (c = atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) < chunks;)
-                prod_rows(&p, c * chunk, c * chunk + chunk < out ? c * chunk + chunk : out);
+            PROF_ADD(tm->tid, P_MAKE, t0);
+            PROF_NOW(t1);
+            long rows = 0;
+            for (long c; (c = atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) < chunks;) {
+                const long hi = c * chunk + chunk < out ? c * chunk + chunk : out;
+                prod_rows(&p, c * chunk, hi);
+                rows += hi - c * chunk;
+            }
+#ifdef STEP_PROFILE
+            const double dt = omp_get_wtime() - t1;
+            prof_part[tm->tid % PROF_THREADS][P_ROWS] += dt;
+            prof_rows[tm->tid % PROF_THREADS][kind][0] += dt;
+            prof_rows[tm->tid % PROF_THREADS][kind][1] += lin_bytes(l) * rows / out;
+#else
+            (void)kind, (void)rows;
+#endif
             free(p.buf);
             free(p.extra);
         } else {
             atomic_store(tm->failed, 1);
         }
+        PROF_NOW(t2);
 #pragma omp barrier
+        PROF_ADD(tm->tid, P_WAIT, t2);
     }
 }
 
@@ -2986,41 +3045,57 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                                       st->tokens, n, a))
         rc = -1; /* a token outside the table, or a table gemv.c does not read */
     atomic_int failed = 0;
+    PROF_NOW(t_call);
     for (int r = 0; r <= nlayers && rc == 0; r++) {
         const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
         for (long c = 0; c < ncount; c++) atomic_init(&ctr[c], 0);
+        PROF_NOW(t_fork);
+#ifdef STEP_PROFILE
+        double ended[PROF_THREADS]; /* when each thread's work in the region ended */
+#endif
 #pragma omp parallel num_threads(threads)
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            team_t tm = {.ctr = ctr, .next = 0, .threads = nt, .failed = &failed};
+            PROF_ADD(tid, P_SYNC, t_fork);
+            team_t tm = {.ctr = ctr, .next = 0, .threads = nt, .tid = tid, .failed = &failed};
             float *hid = priv + (long)tid * 2 * n * hidden, *h = hid + n * hidden;
             memcpy(hid, a, sizeof(float) * n * hidden);
             if (P != NULL) { /* layer r - 1 after its attention: layer_out */
-                team_product(&tm, &P->wo, attn, n, two);
+                team_product(&tm, &P->wo, attn, n, two, M_OUT);
                 for (long j = 0; j < n * hidden; j++) hid[j] += two[j];
                 rms_rows(hid, n, hidden, P->ffn_norm, P->eps, h);
-                team_product(&tm, &P->gu, h, n, g);
+                team_product(&tm, &P->gu, h, n, g, M_GATE_UP);
                 const long all = n * P->ffn;
                 silu_rows(g, n, P->ffn, act, all * tid / nt, all * (tid + 1) / nt);
+                PROF_NOW(t_silu);
 #pragma omp barrier
-                team_product(&tm, &P->down, act, n, tdown);
+                PROF_ADD(tid, P_WAIT, t_silu);
+                team_product(&tm, &P->down, act, n, tdown, M_DOWN);
                 for (long j = 0; j < n * hidden; j++) hid[j] += tdown[j];
             }
             if (L != NULL) { /* layer r up to its attention: layer_qkv before RoPE */
                 rms_rows(hid, n, hidden, L->attn_norm, L->eps, h);
-                team_product(&tm, &L->qkv, h, n, tqkv);
+                team_product(&tm, &L->qkv, h, n, tqkv, M_QKV);
             } else if (st != NULL) { /* the output layer over the rows asked for */
                 for (int i = 0; i < st->nrows; i++)
                     memcpy(h + i * hidden, hid + st->rows[i] * hidden, sizeof(float) * hidden);
                 rms_rows(h, st->nrows, hidden, st->norm, st->eps, h);
-                team_product(&tm, &st->head, h, st->nrows, out);
+                team_product(&tm, &st->head, h, st->nrows, out, M_HEAD);
             }
             if (tid == 0) memcpy(a, hid, sizeof(float) * n * hidden);
+#ifdef STEP_PROFILE
+            ended[tid % PROF_THREADS] = omp_get_wtime();
+#endif
         }
+#ifdef STEP_PROFILE
+        for (int t = 0; t < threads && t < PROF_THREADS; t++) PROF_ADD(t, P_SYNC, ended[t]);
+#endif
         if (atomic_load(&failed)) rc = -1;
         if (rc || L == NULL) break;
         const int li = r;
+        PROF_NOW(t_rope);
         rope_rows(L, tqkv, n, pos, q, k, v);
+        PROF_ADD(0, P_ROPE, t_rope);
         /* Each sequence's blocks this layer: its choice (a plan, from `first` on), else all. */
         const choice_t *c = kv->choice;
         for (int s = 0; s < nseq && rc == 0; s++) {
@@ -3036,6 +3111,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                            c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
                            p[2], p[3], c->alpha, c->temp, picked, threads);
             choose_seconds += omp_get_wtime() - t0;
+            PROF_ADD(0, P_CHOOSE, t0);
             chosen[s] = picked, nchosen[s] = p[0] + p[2] + (p[3] - p[1]);
         }
         if (rc) break;
@@ -3043,6 +3119,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
         if (kv->own != NULL) {
             rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
             attend_seconds += omp_get_wtime() - t0;
+            PROF_ADD(0, P_ATTEND, t0);
             continue;
         }
         float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
@@ -3070,7 +3147,9 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                             kv->scale, attn + r0 * hq * d, threads);
         }
         attend_seconds += omp_get_wtime() - t0;
+        PROF_ADD(0, P_ATTEND, t0);
     }
+    PROF_ADD(0, P_CALL, t_call);
     if (rc == 0 && st == NULL) memcpy(out, a, sizeof(float) * n * hidden);
     free(chosen);
     free(nchosen);

@@ -39,12 +39,18 @@ ROWS16 = 8  # gemv.c's flag on a format code: the blocks interleaved by 16 rows 
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
 _state: dict[str, object] = {}  # "lib": the CDLL, or "error": why there is none
+# Extra compiler defines for the build `_load` makes: ("-DSTEP_PROFILE",) for the profiling
+# build that `step_profile` reads (benchmarks/decode_profile.py --inside); set before the load.
+DEFINES: tuple[str, ...] = ()
+# step_profile's parts, in gemv.c's order (P_MAKE ... P_CALL; M_QKV ... M_HEAD)
+PROFILE_PARTS = ("make", "multiply", "wait", "fork/join", "rope", "choose", "attention", "call")
+PROFILE_MATRICES = ("qkv", "out", "gate|up", "down", "head")
 
 
 def _load() -> ctypes.CDLL | None:
     if "lib" in _state or "error" in _state:
         return _state.get("lib")  # type: ignore[return-value]
-    lib = kernels.open_library(SOURCE, _state, "matmul kernel gemv.c")
+    lib = kernels.open_library(SOURCE, _state, "matmul kernel gemv.c", DEFINES)
     if lib is None:
         return None
     isa = kernels.isa()  # what the build was made for (it raised already if unknown)
@@ -92,6 +98,7 @@ def _load() -> ctypes.CDLL | None:
     lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, lng]
     lib.exp_mismatches.restype = lng
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
+    lib.step_profile.argtypes = [p]
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -540,3 +547,31 @@ def step_seconds() -> tuple[float, float]:
     far; zeros where the kernel is not built."""
     lib = _load()
     return (0.0, 0.0) if lib is None else (lib.decode_choose_seconds(), lib.decode_attend_seconds())
+
+
+def step_profile(reset: bool = False) -> dict | None:
+    """What a profiling build (`DEFINES = ("-DSTEP_PROFILE",)`) has counted inside its decode
+    steps so far: {"threads": [{part: seconds} per thread that counted], "matrices": {kind:
+    (seconds, bytes) summed over the threads}}, the parts `PROFILE_PARTS` (the calling thread,
+    0, alone counts rope, choose, attention and call) and the kinds `PROFILE_MATRICES`; then
+    zeroed where `reset`. None where the build does not count (any other build)."""
+    lib = _load()
+    size = 0 if lib is None else lib.step_profile_size()
+    if not size:
+        return None
+    buf = (ctypes.c_double * size)()
+    lib.step_profile(buf)
+    if reset:
+        lib.step_profile_reset()
+    nparts, nkinds = len(PROFILE_PARTS), len(PROFILE_MATRICES)
+    threads = size // (nparts + 2 * nkinds)
+    parts = [
+        dict(zip(PROFILE_PARTS, buf[t * nparts : (t + 1) * nparts], strict=True))
+        for t in range(threads)
+    ]
+    rows = buf[threads * nparts :]
+    matrices = {
+        kind: tuple(sum(rows[(t * nkinds + m) * 2 + j] for t in range(threads)) for j in (0, 1))
+        for m, kind in enumerate(PROFILE_MATRICES)
+    }
+    return {"threads": [p for p in parts if any(p.values())], "matrices": matrices}

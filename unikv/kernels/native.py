@@ -162,16 +162,18 @@ def build(source: Path, defines: Sequence[str] = ()) -> Path:
     return lib
 
 
-def open_library(source: Path, state: dict, label: str) -> ctypes.CDLL | None:
-    """The C file `source` built (`build`) and loaded, or None with the reason kept in
-    `state["error"]` (`UNIKV_NO_KERNEL=1`, no compiler, a failed build; logged once as
+def open_library(
+    source: Path, state: dict, label: str, defines: Sequence[str] = ()
+) -> ctypes.CDLL | None:
+    """The C file `source` built (`build`, with `defines`) and loaded, or None with the reason
+    kept in `state["error"]` (`UNIKV_NO_KERNEL=1`, no compiler, a failed build; logged once as
     "`label`: PyTorch fallback (reason)"). The caller declares the library's functions and
     keeps it in `state["lib"]`."""
     if os.environ.get("UNIKV_NO_KERNEL") == "1":
         state["error"] = "disabled by UNIKV_NO_KERNEL=1"
         return None
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, defines)))
     except (OSError, RuntimeError) as e:
         state["error"] = str(e)
         log.warning("%s: PyTorch fallback (%s)", label, e)

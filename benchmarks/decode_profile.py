@@ -233,12 +233,14 @@ def main() -> None:
     # Each round decodes a sequence of its own from the same context (so the KV cache each
     # step also reads is the same size in every round), and frees it.
     bufs = stream_buffers()
-    rounds, inside = [], []
+    rounds, inside, layers_inside = [], [], 0
     for r in range(1, args.rounds + 1):
         tok0 = prefill(m, kv, ids, r)
         decode(m, kv, tok0, len(ids), 2, r)  # the caches back after the stream
         gemv.step_profile(reset=True)
+        before = gemv.inside_layers()
         t = decode(m, kv, tok0, len(ids) + 2, args.steps, r) / args.steps
+        layers_inside += gemv.inside_layers() - before
         inside.append(gemv.step_profile(reset=True))
         kv.free(r)
         rounds.append((t, {k: stream_gb_s(buf) for k, buf in bufs.items()}))
@@ -283,6 +285,7 @@ def main() -> None:
     weight_bytes = sum(w.bytes for w in weight_formats(m).values())
     matmul_ms = sum(rows.get(k, 0.0) for k in WEIGHT_PARTS) or float("nan")
     m_pages = m.huge_pages  # where the weights lie
+    m_layers = m.cfg.num_layers
     del m, kv, prof
     stream = statistics.median(max(s.values()) for _, s in rounds)
     weight_gb = weight_bytes / 1e9
@@ -328,6 +331,9 @@ def main() -> None:
     print(f"  kernels: {kernels}")
     if args.inside:
         out["inside"] = print_inside(inside, args.steps * args.rounds)
+        out["inside"]["layers_attending_inside"] = layers_inside
+        print(f"  attention inside the layers' regions (the other threads reading ahead): "
+              f"{layers_inside} of {m_layers * args.steps * args.rounds} layer steps")  # fmt: skip
     print(json.dumps(out))
 
 

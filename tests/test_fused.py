@@ -321,6 +321,37 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1"])
+def test_a_short_attention_runs_inside_the_region_with_the_same_bits(qtype, monkeypatch):
+    """On 2 threads, a step whose every sequence attends fewer keys than gemv.c's INSIDE_KEYS
+    runs its attention on thread 0 inside the layer's parallel region while thread 1 reads its
+    next chunks ahead (touch_ahead); the logits are those of one thread (every attention
+    between the regions) to the bit. A sequence past INSIDE_KEYS (2 KV heads x 512 tokens)
+    takes its steps the other way."""
+    from tests.test_operators import _tiny_llama
+
+    m = _tiny_llama(qtype, context=640)
+    short = [{0: 5, 1: 3}, {0: 1, 1: 1}, {0: 1}]
+    long = [{0: 520}, {0: 1}, {0: 1}]
+    threads, runs, inside = torch.get_num_threads(), {}, {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for name, schedule in (("short", short), ("long", long)):
+                before = gemv.inside_layers()
+                runs[name, n] = _serve(m, "full", fused.layers_native, schedule)
+                inside[name, n] = gemv.inside_layers() - before
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs["short", 1], runs["short", 2])
+    # past INSIDE_KEYS the attention itself splits over 2 threads: the same numbers, summed in
+    # another order
+    assert _rel(runs["long", 2], runs["long", 1]) < 1e-5
+    layers = m.cfg.num_layers
+    assert inside == {("short", 1): 0, ("long", 1): 0, ("short", 2): 2 * layers,
+                      ("long", 2): 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_1"])
 def test_the_profiling_build_gives_the_same_bits_and_splits_the_call(qtype, monkeypatch):
     """gemv.c built with STEP_PROFILE (benchmarks/decode_profile.py --inside) gives the same
     logits to the bit as the kernel it profiles, and counts what its decode steps did: the

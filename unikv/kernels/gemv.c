@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define GEMV_MAX_ROWS 4
 #define GEMV_I8_MAX_ROWS 16 /* gemv_qi8: rows in chunks of 16, groups of 4; each chunk one pass */
@@ -2725,7 +2726,6 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
 enum { P_MAKE, P_ROWS, P_WAIT, P_SYNC, P_ROPE, P_CHOOSE, P_ATTEND, P_CALL, P_PARTS };
 enum { M_QKV, M_OUT, M_GATE_UP, M_DOWN, M_HEAD, M_KINDS };
 #define PROF_THREADS 16
-#ifdef STEP_PROFILE
 /* The bytes of l's weight (its blocks; kind 2's separate headers not counted). */
 static double lin_bytes(const lin_t *l) {
     const int f = l->fmt & ~ROWS16;
@@ -2734,6 +2734,7 @@ static double lin_bytes(const lin_t *l) {
     if (f == Q4_K || f == Q6_K) return rows * (l->in / 256) * (f == Q4_K ? 144 : 210);
     return rows * (l->in / 32) * block_bytes(f);
 }
+#ifdef STEP_PROFILE
 /* [thread][part] seconds, then [thread][kind][seconds, bytes] */
 static double prof_part[PROF_THREADS][P_PARTS], prof_rows[PROF_THREADS][M_KINDS][2];
 #define PROF_NOW(t) const double t = omp_get_wtime()
@@ -2843,8 +2844,9 @@ typedef struct {
 } team_t;
 
 /* y [n, l->out] = x [n, l->in] l^T by the whole team: every thread makes the activations, then
- * takes chunks of rows until none is left; whole when it returns (one barrier per chunk of
- * GEMV_I8_MAX_ROWS x rows at kind 2, as gemv_qi8 goes). */
+ * takes chunks of rows until none is left, thread t chunk t first (the chunk `touch_ahead` read
+ * for it) and then the next one no thread has taken; whole when it returns (one barrier per
+ * chunk of GEMV_I8_MAX_ROWS x rows at kind 2, as gemv_qi8 goes). */
 static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y, int kind) {
     const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n;
     const long out = l->out, chunk = split_chunk(out, tm->threads);
@@ -2858,7 +2860,8 @@ static void team_product(team_t *tm, const lin_t *l, const float *x, int n, floa
             PROF_ADD(tm->tid, P_MAKE, t0);
             PROF_NOW(t1);
             long rows = 0;
-            for (long c; (c = atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) < chunks;) {
+            for (long c = tm->tid; c < chunks;
+                 c = tm->threads + atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) {
                 const long hi = c * chunk + chunk < out ? c * chunk + chunk : out;
                 prod_rows(&p, c * chunk, hi);
                 rows += hi - c * chunk;
@@ -2997,6 +3000,134 @@ typedef struct {
 
 int step_struct_size(void) { return (int)sizeof(step_t); }
 
+/* Layer li's work between its QKV product (tqkv [n, (hq + 2 hkv) d]) and its output
+ * projection: RoPE into q, k, v; each sequence's choice of blocks (`kv->choice`, from its
+ * first layer on: into chosen / nchosen, [nseq]); then the cache's own layer work, or the new
+ * keys and values written into their slots and `attend` over each sequence's blocks, into attn
+ * [n, hq, d]. Run by the calling thread between two parallel regions (with `threads` for the
+ * choice and the attention), or inside one by its thread 0 (one thread; see INSIDE_KEYS).
+ * 0, or -1 (refused). */
+static int layer_attention(const kv_step_t *kv, const layer_t *L, int li, const float *tqkv,
+                           int n, const int64_t *pos, float *q, float *k, float *v, float *attn,
+                           const int64_t **chosen, int64_t *nchosen, int threads) {
+    const int hq = L->hq, hkv = L->hkv, d = L->d, nseq = kv->nseq;
+    int rc = 0;
+    PROF_NOW(t_rope);
+    rope_rows(L, tqkv, n, pos, q, k, v);
+    PROF_ADD(0, P_ROPE, t_rope);
+    /* Each sequence's blocks this layer: its choice (a plan, from `first` on), else all. */
+    const choice_t *c = kv->choice;
+    for (int s = 0; s < nseq && rc == 0; s++) {
+        chosen[s] = NULL, nchosen[s] = 0;
+        if (c == NULL || li < c->first || c->plan[4 * s] < 0) continue;
+        const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
+        const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
+        int64_t *picked = c->out + li * c->per_layer + c->at[s];
+        const double t0 = omp_get_wtime();
+        rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
+                       (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
+                       (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
+                       c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1], p[2],
+                       p[3], c->alpha, c->temp, picked, threads);
+        choose_seconds += omp_get_wtime() - t0;
+        PROF_ADD(0, P_CHOOSE, t0);
+        chosen[s] = picked, nchosen[s] = p[0] + p[2] + (p[3] - p[1]);
+    }
+    if (rc) return -1;
+    const double t0 = omp_get_wtime();
+    if (kv->own != NULL) {
+        rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
+        attend_seconds += omp_get_wtime() - t0;
+        PROF_ADD(0, P_ATTEND, t0);
+        return rc ? -1 : 0;
+    }
+    float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < hkv; h++) {
+            const long at = ((long)h * kv->slots + kv->new_slots[i]) * d;
+            memcpy(arena + at, k + ((long)i * hkv + h) * d, sizeof(float) * d);
+            memcpy(arena + (long)hkv * kv->slots * d + at, v + ((long)i * hkv + h) * d,
+                   sizeof(float) * d);
+        }
+    int64_t bases[MAX_PLACES], slots[MAX_PLACES];
+    bases[0] = (int64_t)(intptr_t)arena, slots[0] = kv->slots;
+    for (int gi = 0; gi < kv->nplaces; gi++) {
+        const int64_t *pl = kv->places + 3 * gi;
+        bases[gi + 1] = pl[0] + li * pl[1], slots[gi + 1] = pl[2];
+    }
+    for (int s = 0; s < nseq && rc == 0; s++) {
+        const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
+        const int64_t *all = (const int64_t *)(intptr_t)kv->blocks[s];
+        const int64_t *blocks = chosen[s] ? chosen[s] : all;
+        const long nb = chosen[s] ? nchosen[s] : kv->nb[s];
+        rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, bases, slots,
+                        kv->where ? (const int64_t *)(intptr_t)kv->where[s] : NULL,
+                        (const int64_t *)(intptr_t)kv->ids[s], blocks, nb, kv->past[s],
+                        kv->scale, attn + r0 * hq * d, threads);
+    }
+    attend_seconds += omp_get_wtime() - t0;
+    PROF_ADD(0, P_ATTEND, t0);
+    return rc ? -1 : 0;
+}
+
+/* ---- the other threads' reads during a short attention --------------------------------------
+ *
+ * Why: at a short context (SmolLM2 at 64 tokens) a layer's attention is a one-thread call of
+ * about 12 us (sparse_attend takes one thread below its SERIAL_KEYS), and the step's other
+ * threads had nothing to do but wait, with the memory idle: 10-12% of the call
+ * (`decode_profile.py --inside`). Now, where every sequence's attention is that short
+ * (INSIDE_KEYS) and the cache has no layer work or choice of its own, thread 0 runs RoPE and the
+ * attention inside the layer's parallel region (one thread, as before), and each other thread
+ * t reads, until thread 0 is done, the first chunk it will multiply in each of the next
+ * products (chunk t of the output projection, gate|up, down and the next layer's QKV; at most
+ * half its L2 cache), so those bytes come from its L2 when it gets there. Reads, not software
+ * prefetches: on the AMD EPYC (Zen 4) a run of prefetches over 128 or 384 KB left the region as
+ * cold as before (a one-off test: they were dropped once the core's miss buffers filled), where
+ * plain loads left it in the cache. The products are the same bits whichever thread takes which
+ * chunk. */
+#ifndef INSIDE_KEYS
+#define INSIDE_KEYS 1024 /* sparse.c's SERIAL_KEYS: below it sparse_attend uses one thread */
+#endif
+
+static volatile int touched_sink; /* keeps touch_ahead's loads */
+static long inside_layers; /* layers whose attention ran inside a region, by every call so far */
+long decode_inside_layers(void) { return inside_layers; }
+
+/* Thread tid of nt reads its first chunk of each of the `count` products lin[], up to `cap`
+ * bytes in all, until *done. */
+static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, long cap,
+                        atomic_int *done) {
+    int sum = 0;
+    for (int i = 0; i < count && cap > 0; i++) {
+        const lin_t *l = lin[i];
+        const long chunk = split_chunk(l->out, nt), lo = tid * chunk;
+        if (lo >= l->out) continue;
+        const long hi = lo + chunk < l->out ? lo + chunk : l->out;
+        const long row = (long)(lin_bytes(l) / l->out);
+        const char *w = (const char *)l->w + lo * row;
+        const long n = (hi - lo) * row < cap ? (hi - lo) * row : cap;
+        for (long o = 0; o < n; o += 64) {
+            if (o % 4096 == 0 && atomic_load_explicit(done, memory_order_acquire)) {
+                touched_sink = sum;
+                return;
+            }
+            sum += *(const volatile char *)(w + o);
+        }
+        cap -= n;
+    }
+    touched_sink = sum;
+}
+
+/* Half this core's L2 cache (what touch_ahead may fill), or 256 KB where it is not known. */
+static long touch_cap(void) {
+    static long cap = 0;
+    if (cap == 0) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        cap = l2 > 0 ? l2 / 2 : 256L << 10;
+    }
+    return cap;
+}
+
 static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
                     const float *x, int n, const int64_t *pos, const step_t *st, float *out,
                     int threads) {
@@ -3045,10 +3176,14 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                                       st->tokens, n, a))
         rc = -1; /* a token outside the table, or a table gemv.c does not read */
     atomic_int failed = 0;
+    /* short attentions inside the regions, the other threads reading ahead (touch_ahead) */
+    int inside = threads > 1 && kv->own == NULL && kv->choice == NULL;
+    for (int s = 0; s < nseq && inside; s++) inside = (long)hkv * kv->nb[s] * kv->bs < INSIDE_KEYS;
     PROF_NOW(t_call);
     for (int r = 0; r <= nlayers && rc == 0; r++) {
         const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
         for (long c = 0; c < ncount; c++) atomic_init(&ctr[c], 0);
+        atomic_int done = 0; /* thread 0's attention, inside */
         PROF_NOW(t_fork);
 #ifdef STEP_PROFILE
         double ended[PROF_THREADS]; /* when each thread's work in the region ended */
@@ -3076,6 +3211,19 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
             if (L != NULL) { /* layer r up to its attention: layer_qkv before RoPE */
                 rms_rows(hid, n, hidden, L->attn_norm, L->eps, h);
                 team_product(&tm, &L->qkv, h, n, tqkv, M_QKV);
+                if (inside && tid == 0) {
+                    inside_layers++;
+                    if (layer_attention(kv, L, r, tqkv, n, pos, q, k, v, attn, chosen, nchosen, 1))
+                        atomic_store(&failed, 1);
+                    atomic_store_explicit(&done, 1, memory_order_release);
+                } else if (inside) { /* the next products' first chunks of this thread */
+                    const lin_t *next[4] = {&L->wo, &L->gu, &L->down, NULL};
+                    const lin_t *after = r + 1 < nlayers ? &layers[r + 1]->qkv
+                                         : st != NULL     ? &st->head
+                                                          : NULL;
+                    next[3] = after;
+                    touch_ahead(next, after ? 4 : 3, tid, nt, touch_cap(), &done);
+                }
             } else if (st != NULL) { /* the output layer over the rows asked for */
                 for (int i = 0; i < st->nrows; i++)
                     memcpy(h + i * hidden, hid + st->rows[i] * hidden, sizeof(float) * hidden);
@@ -3092,62 +3240,8 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
 #endif
         if (atomic_load(&failed)) rc = -1;
         if (rc || L == NULL) break;
-        const int li = r;
-        PROF_NOW(t_rope);
-        rope_rows(L, tqkv, n, pos, q, k, v);
-        PROF_ADD(0, P_ROPE, t_rope);
-        /* Each sequence's blocks this layer: its choice (a plan, from `first` on), else all. */
-        const choice_t *c = kv->choice;
-        for (int s = 0; s < nseq && rc == 0; s++) {
-            chosen[s] = NULL, nchosen[s] = 0;
-            if (c == NULL || li < c->first || c->plan[4 * s] < 0) continue;
-            const int64_t *p = c->plan + 4 * s; /* lo, hi, room, end */
-            const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
-            int64_t *picked = c->out + li * c->per_layer + c->at[s];
-            const double t0 = omp_get_wtime();
-            rc = c->choose(q + r0 * hq * d, (int)t, hq, hkv, d,
-                           (const int8_t *)(intptr_t)(c->codes[s] + li * c->codes_layer[s]),
-                           (const float *)(intptr_t)(c->scales[s] + li * c->scales_layer[s]),
-                           c->head_stride[s], c->scale_stride[s], c->parts, c->w, p[0], p[1],
-                           p[2], p[3], c->alpha, c->temp, picked, threads);
-            choose_seconds += omp_get_wtime() - t0;
-            PROF_ADD(0, P_CHOOSE, t0);
-            chosen[s] = picked, nchosen[s] = p[0] + p[2] + (p[3] - p[1]);
-        }
-        if (rc) break;
-        const double t0 = omp_get_wtime();
-        if (kv->own != NULL) {
-            rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
-            attend_seconds += omp_get_wtime() - t0;
-            PROF_ADD(0, P_ATTEND, t0);
-            continue;
-        }
-        float *arena = (float *)(intptr_t)(kv->base + li * kv->layer_bytes);
-        for (int i = 0; i < n; i++)
-            for (int h = 0; h < hkv; h++) {
-                const long at = ((long)h * kv->slots + kv->new_slots[i]) * d;
-                memcpy(arena + at, k + ((long)i * hkv + h) * d, sizeof(float) * d);
-                memcpy(arena + (long)hkv * kv->slots * d + at, v + ((long)i * hkv + h) * d,
-                       sizeof(float) * d);
-            }
-        int64_t bases[MAX_PLACES], slots[MAX_PLACES];
-        bases[0] = (int64_t)(intptr_t)arena, slots[0] = kv->slots;
-        for (int gi = 0; gi < kv->nplaces; gi++) {
-            const int64_t *pl = kv->places + 3 * gi;
-            bases[gi + 1] = pl[0] + li * pl[1], slots[gi + 1] = pl[2];
-        }
-        for (int s = 0; s < nseq && rc == 0; s++) {
-            const long r0 = kv->rows[s], t = kv->rows[s + 1] - r0;
-            const int64_t *all = (const int64_t *)(intptr_t)kv->blocks[s];
-            const int64_t *blocks = chosen[s] ? chosen[s] : all;
-            const long nb = chosen[s] ? nchosen[s] : kv->nb[s];
-            rc = kv->attend(q + r0 * hq * d, (int)t, hq, hkv, d, kv->bs, bases, slots,
-                            kv->where ? (const int64_t *)(intptr_t)kv->where[s] : NULL,
-                            (const int64_t *)(intptr_t)kv->ids[s], blocks, nb, kv->past[s],
-                            kv->scale, attn + r0 * hq * d, threads);
-        }
-        attend_seconds += omp_get_wtime() - t0;
-        PROF_ADD(0, P_ATTEND, t0);
+        if (inside) continue; /* done in the region, on thread 0 */
+        rc = layer_attention(kv, L, r, tqkv, n, pos, q, k, v, attn, chosen, nchosen, threads);
     }
     PROF_ADD(0, P_CALL, t_call);
     if (rc == 0 && st == NULL) memcpy(out, a, sizeof(float) * n * hidden);

@@ -99,6 +99,7 @@ def _load() -> ctypes.CDLL | None:
     lib.exp_mismatches.restype = lng
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
     lib.step_profile.argtypes = [p]
+    lib.decode_inside_layers.restype = lng
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -547,6 +548,14 @@ def step_seconds() -> tuple[float, float]:
     far; zeros where the kernel is not built."""
     lib = _load()
     return (0.0, 0.0) if lib is None else (lib.decode_choose_seconds(), lib.decode_attend_seconds())
+
+
+def inside_layers() -> int:
+    """How many layers of decode_layers / decode_step calls so far ran their attention inside
+    the call's parallel region (a short attention, the other threads reading ahead: gemv.c's
+    touch_ahead); 0 where the kernel is not built."""
+    lib = _load()
+    return 0 if lib is None else int(lib.decode_inside_layers())
 
 
 def step_profile(reset: bool = False) -> dict | None:

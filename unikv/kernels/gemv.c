@@ -2979,7 +2979,9 @@ int choice_size(void) { return (int)sizeof(choice_t); }
  * The dense work runs as one parallel region per layer (team_product): region r holds layer
  * r - 1's output projection, norm and MLP and layer r's norm and QKV projection; between two
  * regions the calling thread applies RoPE, writes the keys and values, and runs the choice and
- * attention (each with its own threads); the last region ends with the output layer (st). Every thread keeps its own copy of the hidden state
+ * attention (each with its own threads: layer_attention), or, where every attention is short,
+ * thread 0 does so at the end of region r while the others read ahead (touch_ahead); the last
+ * region ends with the output layer (st). Every thread keeps its own copy of the hidden state
  * and computes the norms and residual adds itself (a few KB: cheaper than a barrier); SiLU is
  * split between them. The same operations on the same numbers as layer_qkv and layer_out. */
 /* What a decode step does around its layers (decode_step): each new row's input is the

@@ -3122,12 +3122,8 @@ static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, lon
 
 /* Half this core's L2 cache (what touch_ahead may fill), or 256 KB where it is not known. */
 static long touch_cap(void) {
-    static long cap = 0;
-    if (cap == 0) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        cap = l2 > 0 ? l2 / 2 : 256L << 10;
-    }
-    return cap;
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? l2 / 2 : 256L << 10;
 }
 
 static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
@@ -3181,6 +3177,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
     /* short attentions inside the regions, the other threads reading ahead (touch_ahead) */
     int inside = threads > 1 && kv->own == NULL && kv->choice == NULL;
     for (int s = 0; s < nseq && inside; s++) inside = (long)hkv * kv->nb[s] * kv->bs < INSIDE_KEYS;
+    const long cap = inside ? touch_cap() : 0;
     PROF_NOW(t_call);
     for (int r = 0; r <= nlayers && rc == 0; r++) {
         const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
@@ -3224,7 +3221,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                                          : st != NULL     ? &st->head
                                                           : NULL;
                     next[3] = after;
-                    touch_ahead(next, after ? 4 : 3, tid, nt, touch_cap(), &done);
+                    touch_ahead(next, after ? 4 : 3, tid, nt, cap, &done);
                 }
             } else if (st != NULL) { /* the output layer over the rows asked for */
                 for (int i = 0; i < st->nrows; i++)

@@ -2726,13 +2726,12 @@ int layer_out(const layer_t *L, const float *x, const float *attn, int n, float 
 enum { P_MAKE, P_ROWS, P_WAIT, P_SYNC, P_ROPE, P_CHOOSE, P_ATTEND, P_CALL, P_PARTS };
 enum { M_QKV, M_OUT, M_GATE_UP, M_DOWN, M_HEAD, M_KINDS };
 #define PROF_THREADS 16
-/* The bytes of l's weight (its blocks; kind 2's separate headers not counted). */
-static double lin_bytes(const lin_t *l) {
+/* The bytes of one row of l's weight (its blocks; kind 2's separate headers not counted). */
+static long lin_row_bytes(const lin_t *l) {
     const int f = l->fmt & ~ROWS16;
-    const double rows = (double)l->out;
-    if (l->kind == 0) return 4.0 * rows * l->in;
-    if (f == Q4_K || f == Q6_K) return rows * (l->in / 256) * (f == Q4_K ? 144 : 210);
-    return rows * (l->in / 32) * block_bytes(f);
+    if (l->kind == 0) return 4L * l->in;
+    if (f == Q4_K || f == Q6_K) return l->in / 256 * k_block_bytes(f);
+    return l->in / 32 * block_bytes(f);
 }
 #ifdef STEP_PROFILE
 /* [thread][part] seconds, then [thread][kind][seconds, bytes] */
@@ -2870,7 +2869,7 @@ static void team_product(team_t *tm, const lin_t *l, const float *x, int n, floa
             const double dt = omp_get_wtime() - t1;
             prof_part[tm->tid % PROF_THREADS][P_ROWS] += dt;
             prof_rows[tm->tid % PROF_THREADS][kind][0] += dt;
-            prof_rows[tm->tid % PROF_THREADS][kind][1] += lin_bytes(l) * rows / out;
+            prof_rows[tm->tid % PROF_THREADS][kind][1] += (double)lin_row_bytes(l) * rows;
 #else
             (void)kind, (void)rows;
 #endif
@@ -3103,7 +3102,7 @@ static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, lon
         const long chunk = split_chunk(l->out, nt), lo = tid * chunk;
         if (lo >= l->out) continue;
         const long hi = lo + chunk < l->out ? lo + chunk : l->out;
-        const long row = (long)(lin_bytes(l) / l->out);
+        const long row = lin_row_bytes(l);
         const char *w = (const char *)l->w + lo * row;
         const long n = (hi - lo) * row < cap ? (hi - lo) * row : cap;
         for (long o = 0; o < n; o += 64) {

@@ -214,8 +214,8 @@ class Format(ABC):
         for a layer's store and attention (`NativeHook`), can say yes."""
         return None
 
-    def new_keys(self, layer: int) -> torch.Tensor:
-        """The keys the step wrote for `layer`, [N, Hkv, D] (after a native step, for a
+    def new_keys(self) -> torch.Tensor:
+        """The keys the step wrote, [L, N, Hkv, D] float32 (after a native step, for a
         selection that summarizes them); only formats with a `native_step` have them."""
         raise NotImplementedError(f"format {self.name!r} takes no native step")
 

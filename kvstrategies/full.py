@@ -178,8 +178,9 @@ class DenseFormat(Format):
             self._place_cache[key] = (key, stride, views[0].shape[2]) if plain else None
         return self._place_cache[key]
 
-    def new_keys(self, layer: int) -> torch.Tensor:
-        return self._layers[layer][0].index_select(1, self._new_slots).transpose(0, 1)
+    def new_keys(self) -> torch.Tensor:
+        return torch.stack([a[0].index_select(1, self._new_slots).transpose(0, 1)
+                            for a in self._layers])  # fmt: skip
 
     def _kv_pieces(self, layer: int, count: bool = True) -> list[list[torch.Tensor]]:
         """Per batch sequence, its [P, Hkv, S_r, D] pieces of `layer` in token order: views

@@ -361,8 +361,8 @@ class PackedFormat(Format):
         hook = kernels.address(lib, "hybrid_layer")
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs, dense))
 
-    def new_keys(self, layer: int) -> torch.Tensor:
-        return self._new_keys[layer]
+    def new_keys(self) -> torch.Tensor:
+        return self._new_keys
 
     def attend_tokens(self, layer: int, q: torch.Tensor, step: Step,
                       chosen: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip

@@ -14,7 +14,9 @@ the oracle's +0.90%, BENCHMARKS.md) and is the one setting that meets both PPL g
 development text, so it is the default. 34 bytes a token and KV head at head dim 64; the
 query is rounded again for every group (128 tokens by default; groups of 16 gave no better
 PPL and took 1.6 times as long to choose). The open group is quantized again as it fills, up
-to its last tile (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes).
+to its last tile (`sparse.quantize_keys`: the C kernel, else PyTorch, the same bytes); while a
+sequence's steps choose nothing (all it stores fits the budget) its new keys are only kept,
+and quantized when a choice (or `summaries`) first reads the group: the same bytes.
 
 `summary = "centres"` is Quest's rule (Tang et al., ICML 2024) made finer: each block's keys
 summarized in runs of `summary_tokens` tokens (2 by default: 8 summaries to a 16-token
@@ -190,6 +192,10 @@ class SparseSelection(Selection):
         # seq -> (summary = keys) the open group's float32 minimum and maximum [L, Hkv, 2, D]
         self._span: dict[int, torch.Tensor] = {}
         self._known: dict[int, int] = {}  # seq -> tokens summarized
+        # seq (summary = keys) whose open group holds keys not yet quantized: copied into
+        # `_open` alone at a step that chose nothing for it (`_settle` quantizes them before
+        # any choice, or `summaries`, reads the group)
+        self._stale: set[int] = set()
         self._keys: list[torch.Tensor | None] = [None] * spec.num_layers  # the step's keys
         self._unseen: dict[int, int] = {}  # batch index -> first stored token not summarized
         self._step: Step | None = None
@@ -210,6 +216,9 @@ class SparseSelection(Selection):
         self._native: NativeChoice | None = None  # the choice a native step was given
         self.last_read = [[] for _ in range(self.spec.num_layers)]
         self._plans = [self._plan(step, i) for i in range(len(step.batch.seq_ids))]
+        for sid, plan in zip(step.batch.seq_ids, self._plans, strict=True):
+            if plan is not None and sid in self._stale:  # this step's choice reads its codes
+                self._settle(sid)
         # Stored tokens this selection did not see written (an attached prefix): summarized
         # from the format's keys, layer by layer, as the step reads them.
         self._unseen = {
@@ -280,34 +289,42 @@ class SparseSelection(Selection):
         )  # fmt: skip
         return self._native
 
-    def _read_back(self, step: Step, choice: NativeChoice) -> list[torch.Tensor]:
+    def _read_back(self, step: Step, choice: NativeChoice) -> None:
         """After a native step: what `reads` would have recorded layer by layer (counts,
-        stability, `last_read`, `likely`), from the blocks the step chose; the step's keys."""
+        stability, `last_read`, `likely`), from the blocks the step chose."""
         h, layers, first = self.spec.num_kv_heads, self.spec.num_layers, choice.first
+        if all(plan is None for plan in self._plans):  # nobody chose: `_record`'s Nones
+            for sid in step.batch.seq_ids:
+                self._recent.pop(sid, None)
+            for layer in range(first, layers):
+                self.last_read[layer] = [None] * len(self._plans)
+            return
         # per sequence with a plan, its choices at every layer from `first` on, [Hkv, width] each
         picked = [None if plan is None else choice.out[first:, at : at + h * plan.width]
                   .view(layers - first, h, plan.width).unbind(0)
                   for plan, at in zip(self._plans, choice.at, strict=True)]  # fmt: skip
         for layer in range(first, layers):
             self._record(step, layer, lambda i, sid, plan, j=layer - first: picked[i][j])
-        return [self.format.new_keys(layer) for layer in range(layers)]
 
     def after_step(self, step: Step) -> None:
-        keys = self._keys
+        keys, k = self._keys, None
         if self._native is not None and all(k is None for k in keys):  # one native call
-            keys = self._read_back(step, self._native)
+            self._read_back(step, self._native)
+            k = self.format.new_keys()  # [L, N, Hkv, D] float32
+        elif all(k is not None for k in keys):
+            k = torch.stack(keys).float()
         self._native = None
         self._keys = [None] * self.spec.num_layers
         for i in self._unseen:  # every layer summarized its stored tokens in `reads`
             self._known[step.batch.seq_ids[i]] = step.past[i]
         self._unseen = {}
-        if any(k is None for k in keys):
+        if k is None:
             return
-        k = torch.stack(keys).float()  # [L, N, Hkv, D]
         for i, (sid, past) in enumerate(zip(step.batch.seq_ids, step.past, strict=True)):
             if self._known.get(sid, 0) != past:  # not summarized up to here: from storage
                 continue
-            self._add(sid, k[:, step.batch.rows(i)], past)
+            # a sequence that chose nothing this step (a short one) keeps its keys unquantized
+            self._add(sid, k[:, step.batch.rows(i)], past, keep=self._plans[i] is None)
         self.counts["steps"] += 1
 
     def likely(self, seq_id: int) -> list[set[int] | None] | None:
@@ -322,6 +339,7 @@ class SparseSelection(Selection):
         for d in (self._open, self._span, self._codes, self._scales, self._layers, self._known,
                   self._last, self._recent):  # fmt: skip
             d.pop(seq_id, None)
+        self._stale.discard(seq_id)
 
     def before_step(self, batch: StepBatch) -> None:
         self._keys = [None] * self.spec.num_layers
@@ -453,17 +471,33 @@ class SparseSelection(Selection):
         self._codes[sid], self._scales[sid] = codes, params
         self._layers[sid] = (list(codes.unbind(0)), list(params.unbind(0)))
 
-    def _add_keys(self, sid: int, k: torch.Tensor, start: int, layer: int | None) -> None:
+    def _add_keys(self, sid: int, k: torch.Tensor, start: int, layer: int | None,
+                  keep: bool = False) -> None:  # fmt: skip
         """`_add` for summary = keys: the groups tokens [start, start + n) fall in quantized
-        again whole, as far as their last tile (the open one's earlier keys from `_open`)."""
-        g, n, tile = self.group, k.shape[1], kernels.TILE
+        again whole, as far as their last tile (the open one's earlier keys from `_open`);
+        `keep` (a decode step within the open group): the keys only copied into `_open`."""
+        g, n = self.group, k.shape[1]
         g0, last = start // g, start + n  # the first group written; the tokens known after
-        self._grow_keys(sid, last, k.device)
-        codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
-        if layer is not None:
-            codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
         have, end = start - g0 * g, last - g0 * g
         within = (last - 1) // g == g0  # all in the open group (a decode step): in place
+        keep = keep and within and layer is None
+        if sid in self._stale and not (keep and have):  # the open group changes or closes
+            self._settle(sid)
+        self._grow_keys(sid, last, k.device)
+        codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
+        if keep:
+            # Why: at a step that chooses nothing (a sequence whose stored tokens fit the
+            # budget: every short one) the codes are read by no one, and keeping them up to
+            # date each step read the group's keys again where a channel's range moved:
+            # a quarter of a millisecond a step on 30 layers, all of it cache misses after
+            # the weights stream by. The codes come out the same bytes when `_settle` makes
+            # them (a group's codes are a function of its keys alone).
+            opened[:, :, have:end] = k.transpose(1, 2)
+            self._stale.add(sid)
+            self._known[sid] = last
+            return
+        if layer is not None:
+            codes, params, opened = (x[layer : layer + 1] for x in (codes, params, opened))
         span = self._span[sid] if layer is None else self._span[sid][layer : layer + 1]
         if within and layer is None:  # `sparse.add_keys`: copied and quantized in one call
             self.operators["sparse.add_keys"](k, opened, span, have, codes, params, g0)
@@ -476,26 +510,46 @@ class SparseSelection(Selection):
             x = torch.empty(k.shape[0], k.shape[2], end, k.shape[3], device=k.device)
             x[:, :, :have] = opened[:, :, :have]
             x[:, :, have:end] = k.transpose(1, 2)
+        o = last // g * g - g0 * g  # where the group still open after these tokens starts
+        self._quantize(x, g0, codes, params, span, o)
+        if not within:
+            opened[:, :, : end - o] = x[:, :, o:end]
+        if layer is None:
+            self._known[sid] = start + n
+
+    def _quantize(self, x: torch.Tensor, g0: int, codes: torch.Tensor, params: torch.Tensor,
+                  span: torch.Tensor, o: int) -> None:  # fmt: skip
+        """Keys x [L, Hkv, n, D] from group g0's first token on quantized whole (the C kernel's
+        `sparse.quantize_keys`) into `codes` and `params`; the open group's (from token o of x
+        on) minimum and maximum into `span`."""
+        g, tile = self.group, kernels.TILE
         c, p = self.operators["sparse.quantize_keys"](x.flatten(0, 1), g)  # the C kernel's
         t0 = g0 * g // tile
         codes[:, :, t0 : t0 + c.shape[1]] = c.view(*x.shape[:2], *c.shape[1:])
         params[:, :, g0 : g0 + p.shape[1]] = p.view(*x.shape[:2], *p.shape[1:])
-        o = last // g * g - g0 * g  # where the group still open after these tokens starts
-        if not within:
-            opened[:, :, : end - o] = x[:, :, o:end]
-        if end > o:  # the open group's range, as `sparse.add_keys` keeps it
-            span[:, :, 0], span[:, :, 1] = x[:, :, o:end].amin(2), x[:, :, o:end].amax(2)
-        if layer is None:
-            self._known[sid] = start + n
+        if x.shape[2] > o:  # the open group's range, as `sparse.add_keys` keeps it
+            span[:, :, 0], span[:, :, 1] = x[:, :, o:].amin(2), x[:, :, o:].amax(2)
 
-    def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None) -> None:
+    def _settle(self, sid: int) -> None:
+        """The open group's keys kept by `keep` steps quantized (its codes, minima and steps,
+        and the range `sparse.add_keys` goes on from): the bytes a step-by-step
+        `sparse.add_keys` would have written."""
+        self._stale.discard(sid)
+        known, g = self._known[sid], self.group
+        g0 = (known - 1) // g
+        x = self._open[sid][:, :, : known - g0 * g]
+        self._quantize(x, g0, self._codes[sid], self._scales[sid], self._span[sid], 0)
+
+    def _add(self, sid: int, k: torch.Tensor, start: int, layer: int | None = None,
+             keep: bool = False) -> None:  # fmt: skip
         """Keys `k` [L, n, Hkv, D] of tokens [start, start + n) into the summaries (of every
-        layer, or of `layer` alone with k [1, n, Hkv, D])."""
+        layer, or of `layer` alone with k [1, n, Hkv, D]); `keep`: no choice reads them
+        before the next step's `prepare` (summary = keys then only keeps them, `_add_keys`)."""
         n = k.shape[1]
         if not n:
             return
         if self.keys:
-            return self._add_keys(sid, k, start, layer)
+            return self._add_keys(sid, k, start, layer, keep)
         first, last = self._index(start), self._index(start + n - 1)
         self._grow(sid, last + 1, k.device)
         codes, scales, opened = self._codes[sid], self._scales[sid], self._open[sid]
@@ -530,6 +584,8 @@ class SparseSelection(Selection):
         float32 (codes x scale; unfilled ones are zeros); as keys [L, Hkv, tokens, D] (the
         minimum + code x step of their tile)."""
         if self.keys:
+            if sid in self._stale:
+                self._settle(sid)
             p = self._scales[sid].float().unsqueeze(3)  # [L, Hkv, groups, 1, 2, D]
             c = kernels.untile_keys(self._codes[sid]).float().unflatten(2, (-1, self.group))
             return (p[..., 0, :] + c * p[..., 1, :]).flatten(2, 3)

@@ -552,6 +552,48 @@ def test_a_key_group_shares_its_minimum_and_step_as_it_fills():
         assert torch.allclose(params[:, :, g, 1], (hi - lo) / 15, atol=1e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("group,budget", [(16, 64), (128, 64)], ids=["closing", "open"])
+def test_keys_kept_unquantized_while_nothing_is_chosen_give_the_same_choices_and_bytes(
+    group, budget, monkeypatch
+):
+    """summary = keys: while a sequence's steps choose nothing (all it stores fits the budget)
+    its keys are only kept, and quantized when a choice first reads them: across groups that
+    closed meanwhile (groups of 16), and with the first choice reading the kept group's first
+    blocks (groups of 128). Every step's blocks read and every summary byte equal a selection
+    that quantizes at every step; the groups' bytes are those of all the keys quantized whole."""
+    from unikv.kvstrategies.sparse import SparseSelection, quantize_key_tiles
+
+    k = torch.randn(LAYERS, 130, HEADS, DIM) * torch.logspace(-1, 1, DIM)
+    q = torch.randn(LAYERS, 130, HEADS * GROUP, DIM)
+    runs, kept, real = [], [], SparseSelection._add_keys
+    for eager in (False, True):
+        if eager:  # the reference: never keeps
+            monkeypatch.setattr(SparseSelection, "_add_keys",
+                                lambda self, sid, k, start, layer, keep=False:
+                                real(self, sid, k, start, layer, False))  # fmt: skip
+        s = build(summary="keys", key_group=group, budget_tokens=budget, sink_tokens=16)
+        step(s, 0, k[:, :20], q[:, :20], more_prompt=True)
+        reads, stale = [], []
+        for t in range(20, 130):
+            step(s, 0, k[:, t : t + 1], q[:, t : t + 1])
+            reads.append([x[0] for x in s.selection.last_read])
+            stale.append(0 in s.selection._stale)
+        runs.append((s.selection, reads))
+        kept.append(stale)
+    (lazy, a), (ref, b) = runs
+    assert any(kept[0]) and not all(kept[0]) and not any(kept[1])  # kept, then chosen
+    assert sum(x is not None for r in b for x in r) > 100  # the reference chose at many steps
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(x, y, strict=True):
+            assert (u is None and v is None) or torch.equal(u, v)
+    assert torch.equal(lazy.summaries(0), ref.summaries(0))
+    assert torch.equal(lazy._codes[0], ref._codes[0])
+    assert torch.equal(lazy._scales[0], ref._scales[0])
+    codes, params = quantize_key_tiles(k.transpose(1, 2).flatten(0, 1), group)
+    assert torch.equal(lazy._codes[0][:, :, : codes.shape[1]].flatten(0, 1), codes)
+    assert torch.equal(lazy._scales[0][:, :, : params.shape[1]].flatten(0, 1), params)
+
+
 @pytest.mark.parametrize("rows,room", [(1, 5), (1, 0), (16, 40), (100, 700 - 16)])
 def test_the_choice_kernel_chooses_what_the_reference_chooses(rows, room, isa):
     """unikv/kernels/sparse.c against the PyTorch reference (`sparse.choose`), bit for bit: the

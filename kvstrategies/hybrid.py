@@ -359,7 +359,8 @@ class PackedFormat(Format):
             kernels.int64s(sink, keep), self._new_keys.data_ptr(),
         )  # fmt: skip
         hook = kernels.address(lib, "hybrid_layer")
-        return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs, dense))
+        return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs, dense),
+                          past=list(step.past))  # fmt: skip
 
     def new_keys(self) -> torch.Tensor:
         return self._new_keys

@@ -185,13 +185,15 @@ class NativeHook:
     picks at that layer, as for a `NativeStep`, or every block); it returns 0, or -1 (refused:
     the step is then run layer by layer, which rewrites whatever was written). `rows` is each
     sequence's first row, then N. `context` points into `keep`, which lives until
-    `end_step`."""
+    `end_step`. `past` (each sequence's stored tokens before the step, all of which the
+    function reads) lets the graph see that the attention is short (gemv.c's INSIDE_KEYS)."""
 
     function: int
     context: int
     rows: list[int]
     keep: tuple
     choice: NativeChoice | None = None  # a selection's per-layer choice (None: every block)
+    past: list[int] | None = None
 
 
 class KVCache(ABC):

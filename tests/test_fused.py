@@ -321,34 +321,56 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1"])
-def test_a_short_attention_runs_inside_the_region_with_the_same_bits(qtype, monkeypatch):
+@pytest.mark.parametrize("strategy", ["full", "hybrid+resident+sparse"])
+def test_a_short_attention_runs_inside_the_region_with_the_same_bits(qtype, strategy,
+                                                                     monkeypatch):  # fmt: skip
     """On 2 threads, a step whose every sequence attends fewer keys than gemv.c's INSIDE_KEYS
     runs its attention on thread 0 inside the layer's parallel region while thread 1 reads its
     next chunks ahead (touch_ahead); the logits are those of one thread (every attention
-    between the regions) to the bit. A sequence past INSIDE_KEYS (2 KV heads x 512 tokens)
-    takes its steps the other way."""
+    between the regions) to the bit. So does a packed cache's own layer work (hybrid's, under
+    the default strategy's sparse selection, which chooses nothing this short). A sequence
+    past INSIDE_KEYS (2 KV heads x 512 tokens) takes its steps the other way."""
     from tests.test_operators import _tiny_llama
+    from unikv.kvstrategies import hybrid
+    from unikv.kvstrategies.quant import plan_from_scores
 
+    def calibrated(spec, opts):  # a channel order of random scores, other for the values
+        g = torch.Generator().manual_seed(3)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return plan_from_scores(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
+
+    monkeypatch.setattr(hybrid, "channel_plan", calibrated)
     m = _tiny_llama(qtype, context=640)
     short = [{0: 5, 1: 3}, {0: 1, 1: 1}, {0: 1}]
     long = [{0: 520}, {0: 1}, {0: 1}]
-    threads, runs, inside = torch.get_num_threads(), {}, {}
+    threads, runs, inside, served = torch.get_num_threads(), {}, {}, {}
+    calls, real = [], gemv.decode_layers
+
+    def counted(*args):  # the one-call steps gemv.c served
+        got = real(*args)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(gemv, "decode_layers", counted)
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for name, schedule in (("short", short), ("long", long)):
-                before = gemv.inside_layers()
-                runs[name, n] = _serve(m, "full", fused.layers_native, schedule)
+                before, calls[:] = gemv.inside_layers(), []
+                runs[name, n] = _serve(m, strategy, fused.layers_native, schedule)
                 inside[name, n] = gemv.inside_layers() - before
+                served[name, n] = sum(calls)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(runs["short", 1], runs["short", 2])
     # past INSIDE_KEYS the attention itself splits over 2 threads: the same numbers, summed in
     # another order
     assert _rel(runs["long", 2], runs["long", 1]) < 1e-5
-    layers = m.cfg.num_layers
-    assert inside == {("short", 1): 0, ("long", 1): 0, ("short", 2): 2 * layers,
-                      ("long", 2): 0}  # fmt: skip
+    # every layer of every one-call step of the short schedule: its two decode steps, and
+    # the first (5 and 3 rows) where the cache and the weights take so many rows in one call
+    assert served["short", 2] >= 2 and served["long", 2] >= 2
+    every = served["short", 2] * m.cfg.num_layers
+    assert inside == {("short", 1): 0, ("long", 1): 0, ("short", 2): every, ("long", 2): 0}
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1"])

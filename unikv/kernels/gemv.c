@@ -2944,13 +2944,13 @@ typedef struct {
     float scale;
     const int64_t *new_slots; /* [n]: the slot of each new row's key and value */
     const int64_t *rows; /* [nseq + 1]: each sequence's first row, then n */
-    const int64_t *past; /* [nseq]: tokens stored before the step */
+    const int64_t *past; /* [nseq]: tokens stored before the step (own: NULL, or the same) */
     const int64_t *nb; /* [nseq]: blocks each sequence reads (per KV head) */
     const int64_t *ids; /* [nseq]: addresses of int64 [blocks]: each block's index in the arena */
     const int64_t *blocks; /* [nseq]: addresses of int64 [hkv, nb]: the blocks read, in order */
     const choice_t *choice; /* NULL: every sequence reads every block at every layer */
-    layer_fn own; /* not NULL: the cache's own layer work, on `own_ctx` (only nseq and rows
-                   * above are read then) */
+    layer_fn own; /* not NULL: the cache's own layer work, on `own_ctx` (only nseq, rows,
+                   * past and choice above are read then; own reads every stored token) */
     const void *own_ctx;
     /* Further places a read block may lie in, after the arena above (place 0, where the new
      * keys and values are written): a tiered cache's host arena, read in place. */
@@ -3077,8 +3077,9 @@ static int layer_attention(const kv_step_t *kv, const layer_t *L, int li, const 
  * about 12 us (sparse_attend takes one thread below its SERIAL_KEYS), and the step's other
  * threads had nothing to do but wait, with the memory idle: 10-12% of the call
  * (`decode_profile.py --inside`). Now, where every sequence's attention is that short
- * (INSIDE_KEYS) and the cache has no layer work or choice of its own, thread 0 runs RoPE and the
- * attention inside the layer's parallel region (one thread, as before), and each other thread
+ * (INSIDE_KEYS) and no sequence has a choice to make (short_attention), thread 0 runs RoPE and
+ * the attention inside the layer's parallel region (one thread, as before; a packed cache's own
+ * layer work, hybrid_attend.c's hybrid_layer, on one thread too), and each other thread
  * t reads, until thread 0 is done, the first chunk it will multiply in each of the next
  * products (chunk t of the output projection, gate|up, down and the next layer's QKV; at most
  * half its L2 cache), so those bytes come from its L2 when it gets there. Reads, not software
@@ -3111,6 +3112,21 @@ static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, lon
         }
         cap -= n;
     }
+}
+
+/* Whether every sequence's attention in this step is short (fewer than INSIDE_KEYS keys read
+ * over its KV heads) and chooses no blocks (no plan: a choice runs on the step's threads). A
+ * cache's own layer work reads every stored token; without `past` it is taken as long. */
+static int short_attention(const kv_step_t *kv, int hkv) {
+    for (int s = 0; s < kv->nseq; s++) {
+        if (kv->choice != NULL && kv->choice->plan[4 * s] >= 0) return 0;
+        const long n = kv->rows[s + 1] - kv->rows[s];
+        const long keys = kv->own == NULL   ? (long)kv->nb[s] * kv->bs
+                          : kv->past != NULL ? kv->past[s] + n
+                                             : INSIDE_KEYS;
+        if ((long)hkv * keys >= INSIDE_KEYS) return 0;
+    }
+    return 1;
 }
 
 /* Half this core's L2 cache (what touch_ahead may fill), or 256 KB where it is not known. */
@@ -3168,8 +3184,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
         rc = -1; /* a token outside the table, or a table gemv.c does not read */
     atomic_int failed = 0;
     /* short attentions inside the regions, the other threads reading ahead (touch_ahead) */
-    int inside = threads > 1 && kv->own == NULL && kv->choice == NULL;
-    for (int s = 0; s < nseq && inside; s++) inside = (long)hkv * kv->nb[s] * kv->bs < INSIDE_KEYS;
+    const int inside = threads > 1 && short_attention(kv, hkv);
     const long cap = inside ? touch_cap() : 0;
     PROF_NOW(t_call);
     for (int r = 0; r <= nlayers && rc == 0; r++) {

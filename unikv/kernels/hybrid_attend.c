@@ -35,6 +35,10 @@
  * token r % tq, sees current tokens 0..r % tq).
  */
 #include <math.h>
+#include <omp.h>
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,8 +129,20 @@ static inline void unpack(const uint8_t *restrict p, int n, int bits, float *res
     }
 }
 
+/* fp16 to float (exact either way): by the vector conversion where there is one. Why: the
+ * scalar loop converted one value at a time (a 16-bit insert, a convert, a store), and the
+ * fp16 side buffer a 64-token block leaves (up to 63 tokens a head, both K and V) is converted
+ * at every layer of every decode step. */
 static inline void h2f(const _Float16 *restrict p, int n, float *restrict out) {
-    for (int i = 0; i < n; i++) out[i] = (float)p[i];
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+#endif
+    for (; i < n; i++) out[i] = (float)p[i];
 }
 
 /* exp(x) for x <= 0 to about 2e-7 relative: 2^(x log2 e) split into an integer power (built in
@@ -249,9 +265,6 @@ static inline void key_row(int c, const _Float16 *kfp, const uint8_t *km, const 
 #else
 #define VW 4
 #endif
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 typedef float vf __attribute__((vector_size(4 * VW)));
 typedef int32_t vi __attribute__((vector_size(4 * VW)));
 typedef uint8_t vb __attribute__((vector_size(VW)));
@@ -287,7 +300,29 @@ static inline vf h2f_v(const _Float16 *p) {
  * its m = KT * bits / 8 bytes holds tokens j, j + m, ...) as floats; t0 a multiple of VW. */
 static inline vf codes_v(const uint8_t *p, int bits, int t0) {
     const int m = KT * bits / 8;
-    if (m % VW) { /* a run shorter than a vector: unpack the row (constant per build) */
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (m < VW && m <= 8 && VW % m == 0) { /* a row shorter than a vector (16-token blocks) */
+        /* Lane i is token t0 + i: byte (t0 + i) % m (m divides VW: i % m), shifted right by
+         * bits * ((t0 + i) / m). Why: unpacking the row into floats and loading a vector of
+         * them cost a stalled store-to-load forward per channel; the default strategy's
+         * attention at 64 tokens (SmolLM2, 16-token blocks) spent most of its time there. */
+        uint64_t raw = 0;
+        memcpy(&raw, p, m < 8 ? m : 8);
+        uint8_t idx[16];
+        for (int i = 0; i < 16; i++) idx[i] = (uint8_t)(i % m);
+        const __m128i g = _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)raw),
+                                           _mm_loadu_si128((const __m128i *)idx));
+        int32_t sh[VW];
+        for (int i = 0; i < VW; i++) sh[i] = bits * ((t0 + i) / m);
+#if defined(__AVX512F__)
+        vi c = (vi)_mm512_srlv_epi32(_mm512_cvtepu8_epi32(g), _mm512_loadu_si512(sh));
+#else
+        vi c = (vi)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(g), _mm256_loadu_si256((const __m256i *)sh));
+#endif
+        return __builtin_convertvector(c & ((1 << bits) - 1), vf);
+    }
+#endif
+    if (m % VW) { /* a run that does not fill whole vectors: unpack the row */
         float row[KT];
         unpack(p, KT, bits, row);
         return loadv(row + t0);
@@ -484,13 +519,15 @@ static void dense(const Shape *sh, const _Float16 *ak, const _Float16 *av, int n
  *     ck + j * cstride + h * D (the step's [T, H, D] activations, stored channel order)
  *   out_raw: if not NULL, the normalized output in the model's layout [nq][H * G][KDV];
  *     otherwise out [H][R][D] (stored value order) and lse [H][R] for a merge by the caller.
+ *   threads: the parallel region's (0: the process's OpenMP threads). The work is split in
+ *     items whose results are merged in a fixed order, so any count gives the same bits.
  */
-void hybrid_attend(const uint8_t *arena, const int64_t *blocks, long bstride, int64_t masked,
-                   int nb, int mask0, long rec,
-                   const long *off, int H, int G, int nq, const float *q_raw, const int64_t *korder,
-                   const int64_t *vorder, float scale, const _Float16 *ak, const _Float16 *av,
-                   int na, long na_stride, const float *ck, const float *cv, long cstride,
-                   int tq, float *out_raw, float *out, float *lse) {
+static void attend_on(const uint8_t *arena, const int64_t *blocks, long bstride, int64_t masked,
+                      int nb, int mask0, long rec, const long *off, int H, int G, int nq,
+                      const float *q_raw, const int64_t *korder, const int64_t *vorder,
+                      float scale, const _Float16 *ak, const _Float16 *av, int na,
+                      long na_stride, const float *ck, const float *cv, long cstride, int tq,
+                      float *out_raw, float *out, float *lse, int threads) {
     enum { T = KT, D = KD }; /* the shape is compiled in (record sizes come from kernels.py) */
     const int R = G * nq;
     if (KSF && fp8_table[0x38] == 0.0f) fp8_init(); /* 0x38 is 1.0 */
@@ -514,7 +551,7 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, long bstride, in
     float *part = malloc(sizeof(float) * item_floats * (items ? items : 1));
     const long scratch_n = (long)R * (T > na + tq ? T : na + tq) + 2L * D + T + 16;
 
-#pragma omp parallel
+#pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
     {
         float *scratch = malloc(sizeof(float) * scratch_n);
         vf *wide = aligned_alloc(64, sizeof(vf) * R * D);
@@ -587,6 +624,17 @@ void hybrid_attend(const uint8_t *arena, const int64_t *blocks, long bstride, in
     }
 }
 
+/* attend_on with the process's OpenMP threads (the per-layer path's call, through ctypes). */
+void hybrid_attend(const uint8_t *arena, const int64_t *blocks, long bstride, int64_t masked,
+                   int nb, int mask0, long rec, const long *off, int H, int G, int nq,
+                   const float *q_raw, const int64_t *korder, const int64_t *vorder, float scale,
+                   const _Float16 *ak, const _Float16 *av, int na, long na_stride,
+                   const float *ck, const float *cv, long cstride, int tq, float *out_raw,
+                   float *out, float *lse) {
+    attend_on(arena, blocks, bstride, masked, nb, mask0, rec, off, H, G, nq, q_raw, korder,
+              vorder, scale, ak, av, na, na_stride, ck, cv, cstride, tq, out_raw, out, lse, 0);
+}
+
 /* ---- one layer of a native decode step ---------------------------------------------------------
  *
  * gemv.c's decode_layers runs every layer of a decode step in one call; a cache that is not
@@ -621,13 +669,13 @@ typedef struct {
 int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
 
 /* Layer `layer` of the step described by `st`: k, v [n][H][D] (the model's channel order, after
- * RoPE), q [n][H * G][D]; out [n][H * G][KDV]. Returns 0, or -1 (no memory, or a latent cache,
+ * RoPE), q [n][H * G][D]; out [n][H * G][KDV]; the attention on `threads` (1 inside gemv.c's
+ * parallel region: see its INSIDE_KEYS). Returns 0, or -1 (no memory, or a latent cache,
  * which this does not serve): the caller then goes layer by layer. */
 int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float *k,
                  const float *v, int n, float *out, int threads, const int64_t *const *chosen,
                  const int64_t *nchosen) {
     enum { D = KD };
-    (void)threads; /* hybrid_attend's parallel region takes the process's OpenMP threads */
     if (KLAT || st->rows[st->nseq] != n) return -1;
     const int H = st->H;
     const long hd = (long)H * D;
@@ -669,11 +717,11 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
             bstride = nc;
         }
         if (rc == 0)
-            hybrid_attend(arena, picked ? picked : blocks, bstride, st->nb[s] ? blocks[0] : -1,
-                          (int)nb, (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
-                          q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
-                          vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd,
-                          vp + r0 * hd, hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL);
+            attend_on(arena, picked ? picked : blocks, bstride, st->nb[s] ? blocks[0] : -1,
+                      (int)nb, (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
+                      q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
+                      vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd, vp + r0 * hd,
+                      hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL, threads);
         free(picked);
         if (rc) break;
         for (long i = r0; i < r0 + t; i++)

@@ -296,7 +296,8 @@ def _stack_array(model, n: int):
 def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:
     """gemv.c's kv_step_t of `plan` (its arrays kept alive on the struct)."""
     keep: list = []
-    choice = None if plan.choice is None else _choice(plan.choice, keep)
+    choosing = plan.choice is not None and plan.choice.choosing  # a sequence has a plan
+    choice = _choice(plan.choice, keep) if choosing else None
     if isinstance(plan, NativeHook):  # the cache's own function per layer
         past = None if plan.past is None else _int64s(plan.past, keep)
         step = gemv.KVStep(nseq=len(plan.rows) - 1, rows=_int64s(plan.rows, keep),

@@ -158,7 +158,9 @@ class NativeChoice:
     weight `alpha` on their ranges (a block's score: its summaries' largest, or with `temp` > 0
     their log-sum-exp at that scale); a sequence without a plan, and every layer before `first`,
     reads every block. The step writes each choice into `out` (int64 [L, row]) at `at[i]`
-    ([Hkv, lo + room + end - hi]), for the selection to account for after the step."""
+    ([Hkv, lo + room + end - hi]), for the selection to account for after the step. Where no
+    sequence has a plan (every one short), the step has nothing to choose: `choosing` is
+    False, and the graph runs as without a choice."""
 
     choose: int
     first: int
@@ -171,6 +173,10 @@ class NativeChoice:
     scales: list[torch.Tensor | None]
     out: torch.Tensor
     at: list[int]
+
+    @property
+    def choosing(self) -> bool:
+        return any(p is not None for p in self.plans)
 
 
 @dataclass(frozen=True, slots=True)

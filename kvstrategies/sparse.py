@@ -272,6 +272,12 @@ class SparseSelection(Selection):
         from the format (`_unseen`: per layer, in Python) or the C choice is not serving."""
         if self._unseen or self.operators["sparse.choose"].active.name != "c":
             return None
+        if all(plan is None for plan in self._plans):  # nothing to choose: every block read
+            n = len(self._plans)
+            self._native = NativeChoice(kernels.choose_address(), self.opts["dense_layers"], 0, 0,
+                                        0.0, 0.0, [None] * n, [None] * n, [None] * n, _NO_BLOCKS,
+                                        [0] * n)  # fmt: skip
+            return self._native
         h, plans, codes, scales, at, row = self.spec.num_kv_heads, [], [], [], [], 0
         for i, plan in enumerate(self._plans):
             sid = step.batch.seq_ids[i]
@@ -602,6 +608,7 @@ class SparseSelection(Selection):
             self._add(sid, k, have, layer)
 
 
+_NO_BLOCKS = torch.empty(0, 1, dtype=torch.int64)  # a native choice's `out` where none chooses
 QMAX = 63  # a query code's largest magnitude (unikv/kernels/sparse.c says why)
 KMAX = 127  # the same against 4-bit keys (unsigned codes: no offset to make room for)
 

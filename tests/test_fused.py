@@ -626,6 +626,52 @@ def test_a_sparse_selection_chooses_inside_the_one_call_step(qtype, isa, monkeyp
         got[0].close(), want[0].close()
 
 
+def test_a_packed_decode_loop_keeps_its_step_structure_with_the_same_numbers(monkeypatch):
+    """A packed cache's decode loop builds its one-call step's C structure once between two
+    completed blocks (the same sequences, rows and packed blocks), then changes only the side
+    buffer's counts and slots: the logits, side buffers and packed blocks of the step layer by
+    layer, through a block completed (the structure built again) and a sequence that ends."""
+    from tests.test_operators import _tiny_llama
+    from unikv.kvstrategies import hybrid
+    from unikv.kvstrategies.quant import plan_from_scores
+
+    def calibrated(spec, opts):
+        g = torch.Generator().manual_seed(3)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return plan_from_scores(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
+
+    monkeypatch.setattr(hybrid, "channel_plan", calibrated)
+    contexts, real = [], hybrid.PackedFormat.native_step
+
+    def counted(self, step):  # the C structure each one-call step is given (kept alive here)
+        hook = real(self, step)
+        if hook is not None:
+            contexts.append(hook.keep[0])
+        return hook
+
+    monkeypatch.setattr(hybrid.PackedFormat, "native_step", counted)
+    m = _tiny_llama(context=128)
+    # 14 and 9 tokens, then 8 steps of a token each (sequence 0 completes its first 16-token
+    # block at the second, sequence 1 at the seventh: those steps go layer by layer), then
+    # sequence 1 alone
+    schedule = [{0: 14}, {1: 9}] + [{0: 1, 1: 1}] * 8 + [{1: 1}] * 3
+    served = _spy(monkeypatch)
+    a = _serve(m, "hybrid+resident+all", fused.layers_native, schedule, kept=(got := []))
+    b = _serve(m, "hybrid+resident+all", fused.layers_python, schedule, kept=(want := []))
+    assert torch.isfinite(a).all() and _rel(a, b) < 1e-6, _rel(a, b)
+    # built for: the two prompts, the first decode step, the steps after each completed block,
+    # sequence 1 alone; every other step reused the one before's
+    built = sum(1 for i, c in enumerate(contexts) if i == 0 or c is not contexts[i - 1])
+    assert len(served) >= 8 and built == 6 and len(contexts) >= 11, (served, contexts)
+    for sid in (0, 1):
+        assert torch.equal(got[0].format._dense[sid], want[0].format._dense[sid])
+        packed = got[0].pool.num_tokens(sid) // 16  # its packed blocks (the rest: unwritten)
+        ids = torch.tensor(got[0].pool.table(sid).block_ids()[:packed])
+        assert packed and ids.tolist() == want[0].pool.table(sid).block_ids()[:packed]
+        assert torch.equal(got[0].format._arena[:, ids], want[0].format._arena[:, ids])
+    got[0].close(), want[0].close()
+
+
 @pytest.mark.parametrize("strategy", ["hybrid+resident+sparse", "int8+resident+sparse"])
 def test_a_packed_cache_chooses_inside_the_one_call_step(strategy, isa, monkeypatch):
     """A packed format's own layer code takes the selection's choice too: per KV head it reads

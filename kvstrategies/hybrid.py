@@ -356,8 +356,8 @@ class PackedFormat(Format):
         # slots. Why: building it anew (a dozen C arrays) took 80-115 us of the default
         # strategy's step at 64 tokens, more than it costs warm, as all Python after the
         # step's weights have streamed by.
-        same = (tuple(b.seq_ids), tuple(b.query_lens),
-                tuple((s.nb, s.ids.data_ptr(), s.mask0, s.lo) for s in seqs))  # fmt: skip
+        blocks = tuple((s.nb, s.ids.data_ptr()) for s in seqs)  # (mask0 and lo follow from nb)
+        same = (tuple(b.seq_ids), tuple(b.query_lens), blocks)
         kept = self._hook
         if kept is not None and kept[0] == same:
             c, keep, arrays = kept[1], kept[2], kept[3]

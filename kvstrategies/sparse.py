@@ -217,7 +217,7 @@ class SparseSelection(Selection):
         self.last_read = [[] for _ in range(self.spec.num_layers)]
         self._plans = [self._plan(step, i) for i in range(len(step.batch.seq_ids))]
         for sid, plan in zip(step.batch.seq_ids, self._plans, strict=True):
-            if plan is not None and sid in self._stale:  # this step's choice reads its codes
+            if plan is not None:  # this step's choice reads its codes
                 self._settle(sid)
         # Stored tokens this selection did not see written (an attached prefix): summarized
         # from the format's keys, layer by layer, as the step reads them.
@@ -299,7 +299,7 @@ class SparseSelection(Selection):
         """After a native step: what `reads` would have recorded layer by layer (counts,
         stability, `last_read`, `likely`), from the blocks the step chose."""
         h, layers, first = self.spec.num_kv_heads, self.spec.num_layers, choice.first
-        if all(plan is None for plan in self._plans):  # nobody chose: `_record`'s Nones
+        if not choice.choosing:  # nobody chose: `_record`'s Nones
             for sid in step.batch.seq_ids:
                 self._recent.pop(sid, None)
             for layer in range(first, layers):
@@ -487,7 +487,7 @@ class SparseSelection(Selection):
         have, end = start - g0 * g, last - g0 * g
         within = (last - 1) // g == g0  # all in the open group (a decode step): in place
         keep = keep and within and layer is None
-        if sid in self._stale and not (keep and have):  # the open group changes or closes
+        if not (keep and have):  # the open group changes or closes
             self._settle(sid)
         self._grow_keys(sid, last, k.device)
         codes, params, opened = self._codes[sid], self._scales[sid], self._open[sid]
@@ -539,7 +539,9 @@ class SparseSelection(Selection):
     def _settle(self, sid: int) -> None:
         """The open group's keys kept by `keep` steps quantized (its codes, minima and steps,
         and the range `sparse.add_keys` goes on from): the bytes a step-by-step
-        `sparse.add_keys` would have written."""
+        `sparse.add_keys` would have written. Nothing where no keys wait."""
+        if sid not in self._stale:
+            return
         self._stale.discard(sid)
         known, g = self._known[sid], self.group
         g0 = (known - 1) // g
@@ -590,8 +592,7 @@ class SparseSelection(Selection):
         float32 (codes x scale; unfilled ones are zeros); as keys [L, Hkv, tokens, D] (the
         minimum + code x step of their tile)."""
         if self.keys:
-            if sid in self._stale:
-                self._settle(sid)
+            self._settle(sid)
             p = self._scales[sid].float().unsqueeze(3)  # [L, Hkv, groups, 1, 2, D]
             c = kernels.untile_keys(self._codes[sid]).float().unflatten(2, (-1, self.group))
             return (p[..., 0, :] + c * p[..., 1, :]).flatten(2, 3)

@@ -129,19 +129,57 @@ static inline void unpack(const uint8_t *restrict p, int n, int bits, float *res
     }
 }
 
-/* fp16 to float (exact either way): by the vector conversion where there is one. Why: the
- * scalar loop converted one value at a time (a 16-bit insert, a convert, a store), and the
- * fp16 side buffer a 64-token block leaves (up to 63 tokens a head, both K and V) is converted
- * at every layer of every decode step. */
+/* The packed blocks' arithmetic runs on vectors of the instruction set's width (VW floats:
+ * AVX-512 16, AVX 8, otherwise 4), so that its accumulators stay in registers: written on
+ * 16-float vectors, an AVX2 build spilled them to the stack at every channel. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+/* Vectors per block row; per tile of the scores, whose RB x TV accumulators, TV codes and RB
+ * weights then fit the 16 (AVX-512: 32) vector registers. */
+enum { NV = KT / VW, TV = NV < (VW == 16 ? 4 : 2) ? NV : (VW == 16 ? 4 : 2) };
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float hsumv(vf v) {
+    float x = 0.0f;
+    for (int i = 0; i < VW; i++) x += v[i];
+    return x;
+}
+
+/* VW fp16 values as floats. */
+static inline vf h2f_v(const _Float16 *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && VW == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+/* fp16 to float (exact either way): VW at a time by `h2f_v` (the vector conversion where there
+ * is one). Why: the scalar loop converted one value at a time (a 16-bit insert, a convert, a
+ * store), and the fp16 side buffer a 64-token block leaves (up to 63 tokens a head, both K and
+ * V) is converted at every layer of every decode step. */
 static inline void h2f(const _Float16 *restrict p, int n, float *restrict out) {
     int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
-#endif
+    for (; i + VW <= n; i += VW) {
+        const vf x = h2f_v(p + i);
+        memcpy(out + i, &x, sizeof x);
+    }
     for (; i < n; i++) out[i] = (float)p[i];
 }
 
@@ -253,47 +291,6 @@ static inline void key_row(int c, const _Float16 *kfp, const uint8_t *km, const 
     } else {
         dequant(kl + (c - NF - NM) * (T * KLB / 8), T, KLB, ks[c - NF], kl0[c - NF], row);
     }
-}
-
-/* The packed blocks' arithmetic runs on vectors of the instruction set's width (VW floats:
- * AVX-512 16, AVX 8, otherwise 4), so that its accumulators stay in registers: written on
- * 16-float vectors, an AVX2 build spilled them to the stack at every channel. */
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-typedef uint8_t vb __attribute__((vector_size(VW)));
-/* Vectors per block row; per tile of the scores, whose RB x TV accumulators, TV codes and RB
- * weights then fit the 16 (AVX-512: 32) vector registers. */
-enum { NV = KT / VW, TV = NV < (VW == 16 ? 4 : 2) ? NV : (VW == 16 ? 4 : 2) };
-
-static inline vf loadv(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline float hsumv(vf v) {
-    float x = 0.0f;
-    for (int i = 0; i < VW; i++) x += v[i];
-    return x;
-}
-
-/* VW fp16 values as floats. */
-static inline vf h2f_v(const _Float16 *p) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__) && VW == 8
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
-    return v;
-#endif
 }
 
 /* The codes of tokens t0 .. t0 + VW of one channel row (`bits` wide, split layout: byte j of

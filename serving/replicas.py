@@ -68,6 +68,7 @@ class ReplicaSpec:
     max_waiting: int = 64
     stats_period_s: float = 1.0
     warm_up: bool = True  # one request through the engine before the replica answers
+    stream_interval_ms: float = 0.0  # Engine.create's: 0 streams every token as sampled
     # Simulation for benchmarks: while the sensor reads at or above the chip's limit, each
     # engine step takes this much longer (0.3: 30% slower, the throttling the field measured).
     simulate_throttle: float = 0.0
@@ -78,6 +79,9 @@ class ReplicaSpec:
         check_weights(self.weights)
         if not 0 < self.stats_period_s <= 60:
             raise ValueError(f"stats_period_s must be in (0, 60], got {self.stats_period_s}")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ValueError(f"stream_interval_ms must be in [0, 1000], got "
+                             f"{self.stream_interval_ms}")  # fmt: skip
         if not 0 <= self.simulate_throttle <= 10:
             raise ValueError(f"simulate_throttle must be in [0, 10], got {self.simulate_throttle}")
 
@@ -108,7 +112,8 @@ class EngineReplica:
         self.rank = rank
         s = self.spec
         engine = await Engine.create(s.model, dtype=s.dtype, strategy=s.strategy,
-                                     config=s.config, chip=s.chip, weights=s.weights)  # fmt: skip
+                                     config=s.config, chip=s.chip, weights=s.weights,
+                                     stream_interval_ms=s.stream_interval_ms)  # fmt: skip
         if s.warm_up:
             await warm_up(engine)
         # The same book-keeping as a single server: failures, preemptions, the health view.

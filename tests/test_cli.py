@@ -62,6 +62,7 @@ def test_user_mistakes_give_one_line_and_exit_2(tmp_path, text_file, capsys):
     assert "not a readable GGUF" in _error(["run", "--prompt", "hi", "--model", str(junk)], capsys)
     assert "temperature" in _error(["run", "--prompt", "hi", "--temperature", "-2"], capsys)
     assert "top_p" in _error(["run", "--prompt", "hi", "--top-p", "0"], capsys)
+    assert "--stream-interval-ms" in _error(["serve", "--stream-interval-ms", "-5"], capsys)
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,13 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
 
 from unikv.engine.engine import Engine
+from unikv.engine.requests import Piece
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import RequestCounts
 from unikv.kvstrategies.kv import ContiguousKVCache, StepBatch
@@ -152,6 +154,65 @@ async def test_turns_back_to_back_deliver_each_turns_tokens_as_it_ends(engine, m
     # one delivery per turn: the prompt's turn, then a piece (or none, a split character held
     # back) per token; the last turn's piece and the completion in the final flush
     assert len(sizes) >= 10 and max(sizes) <= 2, sizes
+
+
+async def test_a_stream_interval_holds_pieces_back_but_not_the_first_or_the_end(
+    model, tokenizer, monkeypatch
+):
+    """With a stream interval the pieces of the turns in between wait for it (here longer than
+    the request), but a request's first piece goes out as its turn ends (time to first token)
+    and its end at once; the text and tokens are those of a stream without one."""
+    from unikv.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BURST_S", 60.0)  # one burst for the whole request
+    sizes, real = [], Engine._deliver
+    monkeypatch.setattr(Engine, "_deliver", staticmethod(lambda out: (sizes.append(len(out)),
+                                                                      real(out))))  # fmt: skip
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    got = {}
+    for interval in (0.0, 1000.0):  # none, then 1 s
+        e = Engine(model, tokenizer, max_batch=8, max_step_tokens=64, stream_interval_ms=interval)
+        try:
+            sizes.clear()
+            e._delivered_at = time.perf_counter()  # as if a delivery had just gone out
+            handle = e.submit(PROMPTS[1], params)
+            pieces = [p.text async for p in handle.pieces()]
+            got[interval] = (pieces, handle.completion, [n for n in sizes if n])
+        finally:
+            await e.close(cancel=True)
+    (every, done, each), (held, done_held, batched) = got.values()
+    assert done_held.token_ids == done.token_ids and "".join(held) == done_held.text == done.text
+    assert held == every  # the same pieces, in the same order: only their delivery differs
+    assert len(each) >= 10  # without an interval: a delivery per turn
+    # with one: the first piece alone, then the rest with the request's end (a machine slow
+    # enough to take a second over the request delivers once more in between)
+    assert batched[0] == 1 and sum(batched) == len(every) + 1 and len(batched) <= 3, batched
+
+
+async def test_the_outbox_is_due_by_the_interval_a_first_piece_or_an_end(engine):
+    """`Engine._due`'s rules, without a clock race: an interval that has not passed holds
+    pieces of a request already streaming, not a request's first piece or its end."""
+    engine.stream_interval = 1.0
+    old, new = engine.submit(PROMPTS[0], GREEDY_16)._req, engine.submit(PROMPTS[1], GREEDY_16)._req
+    await engine.close(cancel=True)  # the rules alone, on requests that no longer run
+    old.streamed, new.streamed = True, False  # (their cancellations went out: set again)
+    cases = [([(old, ("text", Piece("a")))], False), ([(new, ("text", Piece("b")))], True),
+             ([(old, ("text", Piece("c"))), (old, ("done", None))], True)]  # fmt: skip
+    for outbox, due in cases:
+        engine._outbox, engine._delivered_at = outbox, time.perf_counter()
+        assert engine._due() is due, outbox
+    assert new.streamed  # marked as it went
+    engine._outbox, engine._delivered_at = cases[0][0], time.perf_counter() - 1.5
+    assert engine._due()  # the interval has passed
+    engine.stream_interval = 0.0
+    engine._outbox, engine._delivered_at = cases[0][0], time.perf_counter()
+    assert engine._due()  # no interval: every turn
+
+
+def test_a_stream_interval_out_of_range_is_refused(model, tokenizer):
+    for bad in (-1.0, float("nan"), 5000.0):
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            Engine(model, tokenizer, stream_interval_ms=bad)
 
 
 async def test_cancelling_the_awaiting_task_cancels_the_request(engine):

@@ -364,7 +364,7 @@ class PackedFormat(Format):
             for array, values in zip(arrays, (na, tail, sink), strict=True):
                 array[:] = values
             return NativeHook(kept[4], ctypes.addressof(c), b.offsets, (c, keep, seqs),
-                              past=list(step.past))  # fmt: skip
+                              past=list(step.past), touch=kept[5])  # fmt: skip
         keep: list = []
         dense = [self._dense[sid] for sid in b.seq_ids]
         # the step's keys as written, for a selection that summarizes them (`new_keys`)
@@ -383,10 +383,10 @@ class PackedFormat(Format):
         )  # fmt: skip
         arrays = keep[-3:]  # na, tail, sink: what a later step changes
         keep += [dense, self._new_keys]  # what the structure points into, while it is kept
-        hook = kernels.address(lib, "hybrid_layer")
-        self._hook = (same, c, keep, arrays, hook)
+        hook, touch = kernels.address(lib, "hybrid_layer"), kernels.address(lib, "hybrid_touch")
+        self._hook = (same, c, keep, arrays, hook, touch)
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs),
-                          past=list(step.past))  # fmt: skip
+                          past=list(step.past), touch=touch)  # fmt: skip
 
     def new_keys(self) -> torch.Tensor:
         return self._new_keys

@@ -173,6 +173,9 @@ class PackedFormat(Format):
         # The step's completed blocks, packed at its end: (sinks in the first, layer, block
         # ids, keys, values [blocks, H, T, D]).
         self._completed: list[tuple] = []
+        # A one-call step's new keys and values [L, N, H, D] (model order) where it completed
+        # a block (`_complete_native`), else None
+        self._native_new: tuple[torch.Tensor, torch.Tensor] | None = None
         # Kept from step to step (a decode loop's steps differ in a few numbers): per sequence
         # its packed blocks' ids (the list and its tensor), and the last `native_step`'s C
         # structure with the arrays that change every step (`_hook`).
@@ -204,6 +207,7 @@ class PackedFormat(Format):
         batch = step.batch
         self._pending.clear()
         self._completed.clear()
+        self._native_new = None
         self._seqs = []
         if self._groups is not None:  # tiered: the device groups' block ids, once per step
             self._group_ids = [
@@ -227,7 +231,6 @@ class PackedFormat(Format):
             self._seqs.append(_Seq(nb, kept[1], self.S if nb else 0, lo, hi))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        b = self._batch
         n, h, d = k.shape
         # Channels into stored order: [N, H, D] gathered along D by each head's permutation.
         kp = torch.gather(k.float(), 2, self._k_order[layer].expand(n, h, d))
@@ -236,9 +239,17 @@ class PackedFormat(Format):
         else:
             vp = torch.gather(v.float(), 2, self._v_order[layer].expand(n, h, d))
         self._pending[layer] = (kp, vp)
-        # Blocks completed by this step are quantized at its end (`finish`, before the side
-        # buffers take the new tail): the packed blocks this step attends were all complete
-        # before it, and `read` takes the step's tokens from the side buffers and `_pending`.
+        self._native_new = None  # the step runs layer by layer (after a refused native call)
+        self._complete(layer, kp, vp)
+
+    def _complete(self, layer: int, kp: torch.Tensor, vp: torch.Tensor) -> None:
+        """The blocks this step completes, of `layer` (its new keys and values kp, vp [N, H, D]
+        in stored order), into `_completed`. They are quantized at the step's end (`finish`,
+        before the side buffers take the new tail): the packed blocks this step attends were
+        all complete before it, and `read` takes the step's tokens from the side buffers and
+        `_pending`."""
+        b = self._batch
+        h, d = kp.shape[1:]
         for i, sid in enumerate(b.seq_ids):
             past, rows = self._past[i], b.rows(i)
             first = past // self.T  # first block not yet packed
@@ -262,6 +273,34 @@ class PackedFormat(Format):
             mask0 = self.S if first == 0 else 0
             ids = self.pool.table(sid).block_ids()[first:done]
             self._completed.append((mask0, layer, ids, kb, vb))
+
+    def _complete_native(self) -> None:
+        """After a one-call step that completed blocks: what `_complete` gives layer by layer,
+        every layer at once per sequence, from the step's new keys and values as `hybrid_layer`
+        kept them (float32 [L, N, H, D], model order: gathered into stored order as `append`
+        does)."""
+        keys, values = self._native_new
+        self._native_new = None
+        b, S, T = self._batch, self.S, self.T
+        layers, _, h, d = keys.shape
+        for i, sid in enumerate(b.seq_ids):
+            past, rows = self._past[i], b.rows(i)
+            first, done = past // T, (past + b.query_lens[i]) // T
+            if done == first:
+                continue
+            tail = past - first * T
+            need = (done - first) * T - tail  # new tokens that go into packed blocks
+            dense = self._dense[sid]  # [L, P, H, S + T, D]
+            parts = []
+            for new, order, part in ((keys, self._k_order, 0), (values, self._v_order, -1)):
+                new = new[:, rows][:, :need]  # [L, need, H, D]
+                new = torch.gather(new, 3, order[:, None].expand(layers, need, h, d))
+                x = torch.cat([dense[:, part, :, S : S + tail].float(), new.transpose(1, 2)], 2)
+                parts.append(x.view(layers, h, done - first, T, d).transpose(1, 2))
+            ids = self.pool.table(sid).block_ids()[first:done]
+            mask0 = S if first == 0 else 0
+            self._completed += [(mask0, layer, ids, parts[0][layer], parts[1][layer])
+                                for layer in range(layers)]  # fmt: skip
 
     def _pack_completed(self) -> None:
         """Quantize the blocks this step completed, every layer's at once (one codec call
@@ -327,12 +366,15 @@ class PackedFormat(Format):
         return self._attend(layer, q, None)
 
     def native_step(self, step: Step) -> NativeHook | None:
-        # A resident step on a CPU whose C kernel serves, in which no block completes
-        # (quantizing one stays in `append`) and each sequence's attention is one kernel call
-        # in `attend_seq` too: `hybrid_attend.c`'s hybrid_layer then does each layer's
-        # `append`, `attend` and end-of-step write in the one-call step, with the same numbers
-        # (over a selection's choice: the packed blocks `attend_tokens` would gather, read in
-        # place), keeping the step's keys for `new_keys`.
+        # A resident step on a CPU whose C kernel serves, in which a block completes only with
+        # a sequence's last new token, and each sequence's attention is one kernel call in
+        # `attend_seq` too: `hybrid_attend.c`'s hybrid_layer then does each layer's `append`,
+        # `attend` and end-of-step write in the one-call step, with the same numbers (over a
+        # selection's choice: the packed blocks `attend_tokens` would gather, read in place),
+        # keeping the step's keys for `new_keys`. A completed block's tokens go to no side-buffer
+        # slot: with the step's keys and values, which it then keeps too, `finish` packs it as
+        # `append` would (`_complete_native`). Why: such a step went layer by layer, 9-12 ms
+        # more than the 4.4 of a SmolLM2 step, once per 64 tokens of the default strategy.
         lib = self.attention.kernel
         if lib is None or step.groups is not None or self.spec.latent or self.spec.query_group < 1:
             return None
@@ -341,14 +383,17 @@ class PackedFormat(Format):
         b, g, T, S = step.batch, self.spec.query_group, self.T, self.S
         tail: list[int] = []
         sink: list[int] = []
+        completes = False
         for seq, past, n in zip(self._seqs, step.past, b.query_lens, strict=True):
-            if (past + n) // T != past // T or g * n > _KERNEL_MAX_ROWS:
+            ends = (past + n) // T != past // T  # it completes a block (its last row must)
+            if (ends and (past + n) % T) or g * n > _KERNEL_MAX_ROWS:
                 return None
             if g * n * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
                 return None
-            at = S + past - seq.nb * T  # as `_flush` writes them
-            tail += range(at, at + n)
+            at = S + past - seq.nb * T  # as `_flush` writes them (a completed block: nowhere)
+            tail += [-1] * n if ends else range(at, at + n)
             sink += [p if p < S else -1 for p in range(past, past + n)]
+            completes = completes or ends
         seqs = self._seqs
         na = [s.hi - s.lo for s in seqs]
         # The same sequences, rows and packed blocks as the step before (a decode loop between
@@ -363,6 +408,7 @@ class PackedFormat(Format):
             c, keep, arrays = kept[1], kept[2], kept[3]
             for array, values in zip(arrays, (na, tail, sink), strict=True):
                 array[:] = values
+            self._keep_values(c, completes)
             return NativeHook(kept[4], ctypes.addressof(c), b.offsets, (c, keep, seqs),
                               past=list(step.past), touch=kept[5])  # fmt: skip
         keep: list = []
@@ -370,6 +416,7 @@ class PackedFormat(Format):
         # the step's keys as written, for a selection that summarizes them (`new_keys`)
         h, d = self.spec.num_kv_heads, self.spec.head_dim
         self._new_keys = torch.empty(self.spec.num_layers, b.offsets[-1], h, d)
+        self._new_values = torch.empty_like(self._new_keys)  # (kept where a block completes)
         c = kernels.HybridStep(
             self._arena.data_ptr(), self._arena.stride(0), self.rec.nbytes,
             self._offsets.data_ptr(), self.spec.num_kv_heads, g, len(seqs), self.scale,
@@ -382,11 +429,17 @@ class PackedFormat(Format):
             kernels.int64s(tail, keep), kernels.int64s(sink, keep), self._new_keys.data_ptr(),
         )  # fmt: skip
         arrays = keep[-3:]  # na, tail, sink: what a later step changes
-        keep += [dense, self._new_keys]  # what the structure points into, while it is kept
+        keep += [dense, self._new_keys, self._new_values]  # what the structure points into
+        self._keep_values(c, completes)
         hook, touch = kernels.address(lib, "hybrid_layer"), kernels.address(lib, "hybrid_touch")
         self._hook = (same, c, keep, arrays, hook, touch)
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs),
                           past=list(step.past), touch=touch)  # fmt: skip
+
+    def _keep_values(self, c, completes: bool) -> None:
+        """The step's values kept too where it completes a block (`finish` packs it)."""
+        c.values = self._new_values.data_ptr() if completes else None
+        self._native_new = (self._new_keys, self._new_values) if completes else None
 
     def new_keys(self) -> torch.Tensor:
         return self._new_keys
@@ -554,6 +607,8 @@ class PackedFormat(Format):
         return k, torch.gather(v, 2, self._v_inverse[layer][:, None, :].expand_as(v))
 
     def finish(self) -> None:
+        if self._native_new is not None:  # a one-call step that completed a block
+            self._complete_native()
         self._pack_completed()
         for layer in list(self._pending):
             self._flush(layer)
@@ -562,6 +617,7 @@ class PackedFormat(Format):
     def abort(self) -> None:
         self._pending.clear()
         self._completed.clear()
+        self._native_new = None
         super().abort()
 
     # ---- hooks of the placements and the selections --------------------------------------------

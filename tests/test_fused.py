@@ -504,8 +504,10 @@ def test_a_packed_cache_steps_in_one_call_through_its_own_layer_code(strategy, q
     """A packed format describes its step as its own C code per layer (`NativeHook`:
     hybrid_attend.c's hybrid_layer, the per-layer path's kernel with the same arguments): the
     same logits as the step layer by layer, the same fp16 side buffers (sinks and tail) and
-    the same packed blocks after every step. A step that completes a block (quantized in
-    Python) goes layer by layer, and so do float32 weights' steps of more than 4 rows."""
+    the same packed blocks after every step. A step that completes a block with a sequence's
+    last row keeps the step's keys and values, and the block is quantized after it (in Python,
+    as layer by layer); one that completes a block before a sequence's last row goes layer by
+    layer, and so do float32 weights' steps of more than 4 rows."""
     from tests.test_operators import _tiny_llama
     from unikv.kvstrategies import hybrid
     from unikv.kvstrategies.quant import plan_from_scores
@@ -523,8 +525,9 @@ def test_a_packed_cache_steps_in_one_call_through_its_own_layer_code(strategy, q
     want = _serve(m, strategy, fused.layers_python, kept=kept)
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-6, _rel(got, want)
     # (0, 20) (1, 9) (0, 17) (1, 30) complete blocks of 16 but (1, 9); then the decode steps
-    # 37+1 39+1, 38+2 40+1, 40+4 41+3, 44+1 44+4 (completes), 45+5 48+1 (completes), 48+1.
-    assert served == ([2, 3, 1] if qtype is None else [9, 2, 3, 7, 1])
+    # 37+1 39+1, 38+2 40+1, 40+4 41+3, 44+1 44+4 (completes with its last row), 45+5 48+1
+    # (completes a block at its fourth row), 48+1.
+    assert served == ([2, 3, 1] if qtype is None else [9, 2, 3, 7, 5, 1])
     a, b = (kv.format for kv in kept)
     for sid in (0, 1):
         assert torch.equal(a._dense[sid], b._dense[sid])
@@ -540,8 +543,8 @@ def test_a_packed_cache_steps_in_one_call_through_its_own_layer_code(strategy, q
 def test_the_real_model_decodes_in_one_call_per_step(weights, strategy, model, native_model,
                                                      monkeypatch):  # fmt: skip
     """SmolLM2 (a packed cache with its shipped calibration): a 12-token prompt, then 12 steps
-    of one token each, every one served by decode_layers (a packed cache's: but the step that
-    completes its first block; and its prompt too, on native weights, which take any number of
+    of one token each, every one served by decode_layers (a packed cache's the step that
+    completes its first block too, and its prompt, on native weights, which take any number of
     rows), with the layer-by-layer path's logits."""
     from unikv.kvstrategies.calibration import shipped_path
 
@@ -552,7 +555,7 @@ def test_the_real_model_decodes_in_one_call_per_step(weights, strategy, model, n
     got = _serve(m, strategy, fused.layers_native, schedule, opts)
     want = _serve(m, strategy, fused.layers_python, schedule, opts)
     packed = strategy != "full"
-    assert served == [12] * (packed and weights == "native") + [1] * (12 - packed)
+    assert served == [12] * (packed and weights == "native") + [1] * 12
     assert _rel(got, want) < 1e-6
 
 
@@ -634,7 +637,8 @@ def test_a_packed_decode_loop_keeps_its_step_structure_with_the_same_numbers(mon
     """A packed cache's decode loop builds its one-call step's C structure once between two
     completed blocks (the same sequences, rows and packed blocks), then changes only the side
     buffer's counts and slots: the logits, side buffers and packed blocks of the step layer by
-    layer, through a block completed (the structure built again) and a sequence that ends."""
+    layer, through a block completed (in one call too; the structure built again after it)
+    and a sequence that ends."""
     from tests.test_operators import _tiny_llama
     from unikv.kvstrategies import hybrid
     from unikv.kvstrategies.quant import plan_from_scores
@@ -656,8 +660,7 @@ def test_a_packed_decode_loop_keeps_its_step_structure_with_the_same_numbers(mon
     monkeypatch.setattr(hybrid.PackedFormat, "native_step", counted)
     m = _tiny_llama(context=128)
     # 14 and 9 tokens, then 8 steps of a token each (sequence 0 completes its first 16-token
-    # block at the second, sequence 1 at the seventh: those steps go layer by layer), then
-    # sequence 1 alone
+    # block at the second, sequence 1 at the seventh), then sequence 1 alone
     schedule = [{0: 14}, {1: 9}] + [{0: 1, 1: 1}] * 8 + [{1: 1}] * 3
     served = _spy(monkeypatch)
     a = _serve(m, "hybrid+resident+all", fused.layers_native, schedule, kept=(got := []))
@@ -666,7 +669,9 @@ def test_a_packed_decode_loop_keeps_its_step_structure_with_the_same_numbers(mon
     # built for: the two prompts, the first decode step, the steps after each completed block,
     # sequence 1 alone; every other step reused the one before's
     built = sum(1 for i, c in enumerate(contexts) if i == 0 or c is not contexts[i - 1])
-    assert len(served) >= 8 and built == 6 and len(contexts) >= 11, (served, contexts)
+    # every decode step in one call, the two that complete a block too (the prompts, 14 and
+    # 9 rows of a float32 model, go layer by layer)
+    assert served == [2] * 8 + [1] * 3 and built == 6 and len(contexts) == 13, (served, contexts)
     for sid in (0, 1):
         assert torch.equal(got[0].format._dense[sid], want[0].format._dense[sid])
         packed = got[0].pool.num_tokens(sid) // 16  # its packed blocks (the rest: unwritten)
@@ -681,8 +686,8 @@ def test_a_packed_cache_chooses_inside_the_one_call_step(strategy, isa, monkeypa
     """A packed format's own layer code takes the selection's choice too: per KV head it reads
     the packed blocks among the chosen (in place, where the step layer by layer gathers their
     records) and keeps the step's keys for the summaries. The same logits, blocks read at
-    every layer, counts, summaries, side buffers and packed blocks as layer by layer; a step
-    that completes a block goes layer by layer."""
+    every layer, counts, summaries, side buffers and packed blocks as layer by layer, through a
+    step that completes a block (quantized after it, from the keys and values it kept)."""
     from tests.test_operators import _tiny_llama
     from unikv.kvstrategies import hybrid
     from unikv.kvstrategies.quant import plan_from_scores
@@ -703,7 +708,7 @@ def test_a_packed_cache_chooses_inside_the_one_call_step(strategy, isa, monkeypa
     a = _serve(m, strategy, fused.layers_native, schedule, opts, kept=got)
     b = _serve(m, strategy, fused.layers_python, schedule, opts, kept=want)
     assert torch.isfinite(a).all() and _rel(a, b) < 1e-6, _rel(a, b)
-    assert served == [2, 3, 4, 1], served  # 95 + 1 completes seq 0's block: layer by layer
+    assert served == [2, 3, 4, 1, 2], served  # 95 + 1 completes seq 0's block: one call too
     native, ref = got[0].selection, want[0].selection
     assert native.counts == ref.counts and native.counts["sparse_reads"] > 0
     for layer in range(m.cfg.num_layers):

@@ -661,6 +661,8 @@ typedef struct {
     const int64_t *lo, *na; /* [nseq]: the side buffer's tokens attended: [lo, lo + na) */
     const int64_t *tail, *sink; /* [n]: each new row's side-buffer slot; its sink slot or -1 */
     float *keys;           /* NULL, or [L][n][H][D]: the step's new keys kept (model order) */
+    float *values;         /* NULL, or the same of its values (a block it completes is packed
+                            * from them after the step; its tokens take no side-buffer slot) */
 } hybrid_step_t;
 
 int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
@@ -705,6 +707,7 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
     const int H = st->H;
     const long hd = (long)H * D;
     if (st->keys) memcpy(st->keys + layer * n * hd, k, sizeof(float) * n * hd);
+    if (st->values) memcpy(st->values + layer * n * hd, v, sizeof(float) * n * hd);
     const int64_t *korder = st->korder + layer * hd, *vorder = st->vorder + layer * hd;
     float *kp = malloc(sizeof(float) * 2 * n * hd);
     if (kp == NULL) return -1;

@@ -227,7 +227,8 @@ class HybridStep(ctypes.Structure):
                 ("rows", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("nb", ctypes.c_void_p),
                 ("mask0", ctypes.c_void_p), ("dense", ctypes.c_void_p), ("span", ctypes.c_int64),
                 ("lo", ctypes.c_void_p), ("na", ctypes.c_void_p), ("tail", ctypes.c_void_p),
-                ("sink", ctypes.c_void_p), ("keys", ctypes.c_void_p)]  # fmt: skip
+                ("sink", ctypes.c_void_p), ("keys", ctypes.c_void_p),
+                ("values", ctypes.c_void_p)]  # fmt: skip
 
 
 def int64s(values, keep: list) -> int:

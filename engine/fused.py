@@ -301,8 +301,7 @@ def _kv_step(plan: NativeStep | NativeHook) -> gemv.KVStep:
     if isinstance(plan, NativeHook):  # the cache's own function per layer
         past = None if plan.past is None else _int64s(plan.past, keep)
         step = gemv.KVStep(nseq=len(plan.rows) - 1, rows=_int64s(plan.rows, keep),
-                           past=past, own=plan.function, own_ctx=plan.context,
-                           own_touch=plan.touch)  # fmt: skip
+                           past=past, own=plan.function, own_ctx=plan.context)  # fmt: skip
         step.choice = None if choice is None else ctypes.addressof(choice)
         step._keep = (keep, plan)
         return step

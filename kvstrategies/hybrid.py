@@ -410,7 +410,7 @@ class PackedFormat(Format):
                 array[:] = values
             self._keep_values(c, completes)
             return NativeHook(kept[4], ctypes.addressof(c), b.offsets, (c, keep, seqs),
-                              past=list(step.past), touch=kept[5])  # fmt: skip
+                              past=list(step.past))  # fmt: skip
         keep: list = []
         dense = [self._dense[sid] for sid in b.seq_ids]
         # the step's keys as written, for a selection that summarizes them (`new_keys`)
@@ -431,10 +431,10 @@ class PackedFormat(Format):
         arrays = keep[-3:]  # na, tail, sink: what a later step changes
         keep += [dense, self._new_keys, self._new_values]  # what the structure points into
         self._keep_values(c, completes)
-        hook, touch = kernels.address(lib, "hybrid_layer"), kernels.address(lib, "hybrid_touch")
-        self._hook = (same, c, keep, arrays, hook, touch)
+        hook = kernels.address(lib, "hybrid_layer")
+        self._hook = (same, c, keep, arrays, hook)
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs),
-                          past=list(step.past), touch=touch)  # fmt: skip
+                          past=list(step.past))  # fmt: skip
 
     def _keep_values(self, c, completes: bool) -> None:
         """The step's values kept too where it completes a block (`finish` packs it)."""

@@ -200,10 +200,6 @@ class NativeHook:
     keep: tuple
     choice: NativeChoice | None = None  # a selection's per-layer choice (None: every block)
     past: list[int] | None = None
-    # `touch(context, layer)`: loads of what `function` will read of that layer (gemv.c's
-    # touch_fn; a short step's first thread calls it before its share of the layer's QKV
-    # product, so the attention finds them in its cache), or None
-    touch: int | None = None
 
 
 class KVCache(ABC):

@@ -2935,10 +2935,6 @@ typedef int (*layer_fn)(const void *ctx, int layer, const float *q, const float 
                         const float *v, int n, float *out, int threads,
                         const int64_t *const *chosen, const int64_t *nchosen);
 
-/* The same cache's loads of what its layer_fn will read of `layer` (touch_kv's, for a cache of
- * its own: hybrid_attend.c's hybrid_touch). */
-typedef void (*touch_fn)(const void *ctx, int layer);
-
 typedef struct {
     attend_fn attend;
     int64_t base; /* layer 0's [2, hkv, slots, d] float32 arena (K, then V) */
@@ -2956,7 +2952,6 @@ typedef struct {
     layer_fn own; /* not NULL: the cache's own layer work, on `own_ctx` (only nseq, rows,
                    * past and choice above are read then; own reads every stored token) */
     const void *own_ctx;
-    touch_fn own_touch; /* NULL, or own's touch_kv */
     /* Further places a read block may lie in, after the arena above (place 0, where the new
      * keys and values are written): a tiered cache's host arena, read in place. */
     int nplaces; /* 0 .. MAX_PLACES - 1 */
@@ -3119,45 +3114,6 @@ static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, lon
     }
 }
 
-/* Before its share of layer li's QKV product, thread 0 of a short step (see above) loads what
- * the layer's attention will read of the cache, up to `cap` bytes: each sequence's blocks of a
- * plain arena in one place (keys and values of every KV head), or what a cache of its own
- * names (`own_touch`). Why: after the step's weights have gone through every cache level, the
- * attention's first reads were misses. On the AMD EPYC (Zen 4) at 64 tokens the attention of
- * `full` took 15.5 us a layer, 4.4 us when run a second time at once; with these loads 9.9,
- * the loads themselves 12 (thread 1 takes more of the QKV product meanwhile). The whole step,
- * builds alternating (benchmarks/kernel_ab.py, 40 rounds, each order): `full` 0.97-1.01x
- * (median 0.98), the default strategy 0.96-1.00x (median 0.98). Returns whether it loaded. */
-static int touch_kv(const kv_step_t *kv, int li, int hkv, int d, long cap) {
-    if (kv->own != NULL) {
-        if (kv->own_touch == NULL) return 0;
-        kv->own_touch(kv->own_ctx, li);
-        return 1;
-    }
-    if (kv->where != NULL || kv->nplaces || kv->choice != NULL) return 0;
-    const char *arena = (const char *)(intptr_t)(kv->base + li * kv->layer_bytes);
-    const long bytes = (long)kv->bs * d * (long)sizeof(float); /* a block of one head */
-    const long vpart = (long)hkv * kv->slots * d * (long)sizeof(float);
-    for (int s = 0; s < kv->nseq; s++) {
-        const int64_t *ids = (const int64_t *)(intptr_t)kv->ids[s];
-        const int64_t *blocks = (const int64_t *)(intptr_t)kv->blocks[s];
-        const long nb = kv->nb[s];
-        for (int h = 0; h < hkv; h++)
-            for (long b = 0; b < nb && cap > 0; b++, cap -= 2 * bytes) {
-                const char *k = arena + ((long)h * kv->slots + ids[blocks[h * nb + b]] * kv->bs) *
-                                            d * (long)sizeof(float);
-                for (long o = 0; o < bytes; o += 64) {
-                    (void)*(const volatile char *)(k + o); /* loads the compiler keeps */
-                    (void)*(const volatile char *)(k + vpart + o);
-                }
-            }
-    }
-    return 1;
-}
-
-static long touched_layers; /* layers whose cache thread 0 loaded ahead (touch_kv) */
-long decode_touched_layers(void) { return touched_layers; }
-
 /* Whether every sequence's attention in this step is short (fewer than INSIDE_KEYS keys read
  * over its KV heads) and chooses no blocks (no plan: a choice runs on the step's threads). A
  * cache's own layer work reads every stored token; without `past` it is taken as long. */
@@ -3260,9 +3216,6 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                 for (long j = 0; j < n * hidden; j++) hid[j] += tdown[j];
             }
             if (L != NULL) { /* layer r up to its attention: layer_qkv before RoPE */
-#ifndef NO_TOUCH_KV /* (defined: the build without, for benchmarks/kernel_ab.py) */
-                if (inside && tid == 0) touched_layers += touch_kv(kv, r, hkv, d, cap);
-#endif
                 rms_rows(hid, n, hidden, L->attn_norm, L->eps, h);
                 team_product(&tm, &L->qkv, h, n, tqkv, M_QKV);
                 if (inside && tid == 0) {

@@ -99,7 +99,7 @@ def _load() -> ctypes.CDLL | None:
     lib.exp_mismatches.restype = lng
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
     lib.step_profile.argtypes = [p]
-    lib.decode_inside_layers.restype = lib.decode_touched_layers.restype = lng
+    lib.decode_inside_layers.restype = lng
     _state["lib"], _state["isa"], _state["i8"] = lib, isa, I8_PATHS[lib.gemv_i8_isa()]
     return lib
 
@@ -473,7 +473,6 @@ class KVStep(ctypes.Structure):
                 ("past", ctypes.c_void_p), ("nb", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p),
                 ("own", ctypes.c_void_p), ("own_ctx", ctypes.c_void_p),
-                ("own_touch", ctypes.c_void_p),
                 ("nplaces", ctypes.c_int), ("places", ctypes.c_void_p),
                 ("where", ctypes.c_void_p)]  # fmt: skip
 
@@ -557,13 +556,6 @@ def inside_layers() -> int:
     touch_ahead); 0 where the kernel is not built."""
     lib = _load()
     return 0 if lib is None else int(lib.decode_inside_layers())
-
-
-def touched_layers() -> int:
-    """How many of those layers had what their attention reads of the cache loaded ahead by
-    the thread that then attends (gemv.c's touch_kv); 0 where the kernel is not built."""
-    lib = _load()
-    return 0 if lib is None else int(lib.decode_touched_layers())
 
 
 def step_profile(reset: bool = False) -> dict | None:

@@ -667,34 +667,6 @@ typedef struct {
 
 int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
 
-/* Loads of what hybrid_layer reads of layer `layer` (each sequence's packed records of every
- * head, the side buffer's tokens it attends, the channel orders), so that they come from the
- * calling thread's L2 when it runs (gemv.c's touch_fn: a short step's thread 0 calls it before
- * its share of the layer's QKV product). */
-void hybrid_touch(const hybrid_step_t *st, int layer) {
-    enum { D = KD };
-    const int H = st->H;
-    const long hd = (long)H * D, part = hd * st->span;
-    const uint8_t *arena = st->arena + layer * st->arena_layer;
-    for (long o = 0; o < (long)sizeof(int64_t) * hd; o += 64) {
-        (void)*(const volatile char *)((const char *)(st->korder + layer * hd) + o);
-        (void)*(const volatile char *)((const char *)(st->vorder + layer * hd) + o);
-    }
-    for (int s = 0; s < st->nseq; s++) {
-        const int64_t *blocks = (const int64_t *)(intptr_t)st->blocks[s];
-        for (int64_t b = 0; b < st->nb[s]; b++)
-            for (long o = 0; o < H * st->rec; o += 64)
-                (void)*(const volatile char *)(arena + blocks[b] * H * st->rec + o);
-        const _Float16 *kd = (const _Float16 *)(intptr_t)st->dense[s] + 2 * part * layer;
-        for (int h = 0; h < H; h++)
-            for (int w = 0; w < 2; w++) { /* keys, then values */
-                const char *at = (const char *)(kd + w * part + ((long)h * st->span + st->lo[s]) * D);
-                for (long o = 0; o < (long)sizeof(_Float16) * st->na[s] * D; o += 64)
-                    (void)*(const volatile char *)(at + o);
-            }
-    }
-}
-
 /* Layer `layer` of the step described by `st`: k, v [n][H][D] (the model's channel order, after
  * RoPE), q [n][H * G][D]; out [n][H * G][KDV]; the attention on `threads` (1 inside gemv.c's
  * parallel region: see its INSIDE_KEYS). Returns 0, or -1 (no memory, or a latent cache,

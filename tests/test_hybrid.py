@@ -423,7 +423,9 @@ def test_transformers_adapter_runs_hybrid_on_a_hf_model(hf_model, tokenizer, cal
 
 async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calibration):
     """Concurrent requests through the engine; a prompt served again from its published blocks
-    (with the sinks' fp16 KV from the sink cache) gives the same greedy tokens."""
+    (with the sinks' fp16 KV from the sink cache) gives the same greedy tokens. The engine
+    publishes after every step; a sequence's sinks are copied into the cache once per first
+    tokens, not at every step."""
     import asyncio
 
     from unikv.engine.engine import Engine
@@ -431,6 +433,9 @@ async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calib
 
     spec = model.kv_spec()
     kv = kvstrategies.build(spec, NAME, options={"calibration": str(calibration)}).strategy
+    prefix, remembered = kv.format.prefix, []
+    real = prefix._remember
+    prefix._remember = lambda key, sinks: (remembered.append(key), real(key, sinks))
     ids = tokenizer.encode(make_english(40, seed=9))
     prompt, others = ids[:150], [ids[200:260], ids[300:330]]
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -440,6 +445,9 @@ async def test_engine_serves_hybrid_with_shared_prefixes(model, tokenizer, calib
         rest = await asyncio.gather(again.result(), *(e.generate(p, greedy) for p in others))
     assert again._req.prefix_hit == 128  # two full 64-token blocks reused
     assert rest[0].token_ids == first.token_ids
+    # the prompt's first tokens, and the 60-token prompt's once its first block filled (the
+    # 30-token one never fills one)
+    assert sorted(remembered) == sorted({tuple(prompt[:4]), tuple(others[0][:4])})
     assert all(len(c.token_ids) == 12 for c in rest)
     assert kv.bytes_used() == 0  # every request finished and freed its blocks and side buffers
 

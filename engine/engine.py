@@ -358,10 +358,14 @@ class Engine:
     def _flush(self) -> None:
         """Deliver what the last turns collected (on the event loop: asyncio queues)."""
         out, self._outbox = self._outbox, []
+        self._delivering(out, time.perf_counter())
+        self._deliver(out)
+
+    def _delivering(self, out: list, now: float) -> None:
+        """`out` goes to the queues at `now`: its requests have streamed (`_due`)."""
+        self._delivered_at = now
         for req, _ in out:
             req.streamed = True
-        self._delivered_at = time.perf_counter()
-        self._deliver(out)
 
     @staticmethod
     def _deliver(out: list) -> None:
@@ -476,9 +480,7 @@ class Engine:
         waited = now - self._delivered_at >= self.stream_interval  # (0: always)
         due = waited or any(item[0] != "text" or not req.streamed for req, item in self._outbox)
         if due:
-            self._delivered_at = now
-            for req, _ in self._outbox:
-                req.streamed = True
+            self._delivering(self._outbox, now)
         return due
 
     def _turn(self, now: float) -> bool:

@@ -240,67 +240,44 @@ class PackedFormat(Format):
             vp = torch.gather(v.float(), 2, self._v_order[layer].expand(n, h, d))
         self._pending[layer] = (kp, vp)
         self._native_new = None  # the step runs layer by layer (after a refused native call)
-        self._complete(layer, kp, vp)
+        self._complete(layer, kp[None], vp[None])
 
-    def _complete(self, layer: int, kp: torch.Tensor, vp: torch.Tensor) -> None:
-        """The blocks this step completes, of `layer` (its new keys and values kp, vp [N, H, D]
-        in stored order), into `_completed`. They are quantized at the step's end (`finish`,
-        before the side buffers take the new tail): the packed blocks this step attends were
-        all complete before it, and `read` takes the step's tokens from the side buffers and
-        `_pending`."""
-        b = self._batch
-        h, d = kp.shape[1:]
-        for i, sid in enumerate(b.seq_ids):
-            past, rows = self._past[i], b.rows(i)
-            first = past // self.T  # first block not yet packed
-            done = (past + b.query_lens[i]) // self.T
-            if done == first:
-                continue
-            tail = past - first * self.T
-            dense = self._dense[sid][layer]  # [P, H, S + T, D]
-            need = (done - first) * self.T - tail  # new tokens that go into packed blocks
-            # keys/values of the completed blocks: [H, nblk * T, D]
-            kb = torch.cat(
-                [dense[0, :, self.S : self.S + tail].float(), kp[rows][:need].transpose(0, 1)], 1
-            )
-            vb = torch.cat(
-                [dense[-1, :, self.S : self.S + tail].float(), vp[rows][:need].transpose(0, 1)],
-                1,
-            )
-            nblk = done - first
-            kb = kb.view(h, nblk, self.T, d).transpose(0, 1)  # [nblk, H, T, D]
-            vb = vb.view(h, nblk, self.T, d).transpose(0, 1)
-            mask0 = self.S if first == 0 else 0
-            ids = self.pool.table(sid).block_ids()[first:done]
-            self._completed.append((mask0, layer, ids, kb, vb))
-
-    def _complete_native(self) -> None:
-        """After a one-call step that completed blocks: what `_complete` gives layer by layer,
-        every layer at once per sequence, from the step's new keys and values as `hybrid_layer`
-        kept them (float32 [L, N, H, D], model order: gathered into stored order as `append`
-        does)."""
-        keys, values = self._native_new
-        self._native_new = None
+    def _complete(self, layer0: int, kp: torch.Tensor, vp: torch.Tensor) -> None:
+        """The blocks this step completes, of layers layer0, layer0 + 1, ... (their new keys
+        and values kp, vp [layers, N, H, D] in stored order), into `_completed`. They are
+        quantized at the step's end (`finish`, before the side buffers take the new tail): the
+        packed blocks this step attends were all complete before it, and `read` takes the
+        step's tokens from the side buffers and `_pending`."""
         b, S, T = self._batch, self.S, self.T
-        layers, _, h, d = keys.shape
+        layers, _, h, d = kp.shape
         for i, sid in enumerate(b.seq_ids):
             past, rows = self._past[i], b.rows(i)
-            first, done = past // T, (past + b.query_lens[i]) // T
+            first, done = past // T, (past + b.query_lens[i]) // T  # first block not packed
             if done == first:
                 continue
             tail = past - first * T
             need = (done - first) * T - tail  # new tokens that go into packed blocks
-            dense = self._dense[sid]  # [L, P, H, S + T, D]
-            parts = []
-            for new, order, part in ((keys, self._k_order, 0), (values, self._v_order, -1)):
-                new = new[:, rows][:, :need]  # [L, need, H, D]
-                new = torch.gather(new, 3, order[:, None].expand(layers, need, h, d))
-                x = torch.cat([dense[:, part, :, S : S + tail].float(), new.transpose(1, 2)], 2)
+            dense = self._dense[sid][layer0 : layer0 + layers]  # [layers, P, H, S + T, D]
+            parts = []  # keys, values of the completed blocks: [layers, nblk, H, T, D]
+            for new, part in ((kp, 0), (vp, -1)):
+                new = new[:, rows][:, :need].transpose(1, 2)  # [layers, H, need, D]
+                x = torch.cat([dense[:, part, :, S : S + tail].float(), new], 2)
                 parts.append(x.view(layers, h, done - first, T, d).transpose(1, 2))
-            ids = self.pool.table(sid).block_ids()[first:done]
             mask0 = S if first == 0 else 0
-            self._completed += [(mask0, layer, ids, parts[0][layer], parts[1][layer])
-                                for layer in range(layers)]  # fmt: skip
+            ids = self.pool.table(sid).block_ids()[first:done]
+            self._completed += [(mask0, layer0 + j, ids, parts[0][j], parts[1][j])
+                                for j in range(layers)]  # fmt: skip
+
+    def _complete_native(self) -> None:
+        """After a one-call step that completed blocks: `_complete` of every layer at once,
+        from the step's new keys and values as `hybrid_layer` kept them (float32 [L, N, H, D],
+        model order: gathered into stored order as `append` does)."""
+        keys, values = self._native_new
+        self._native_new = None
+        n, h, d = keys.shape[1:]
+        index = (order[:, None].expand(-1, n, h, d) for order in (self._k_order, self._v_order))
+        kp, vp = (torch.gather(x, 3, i) for x, i in zip((keys, values), index, strict=True))
+        self._complete(0, kp, vp)
 
     def _pack_completed(self) -> None:
         """Quantize the blocks this step completed, every layer's at once (one codec call

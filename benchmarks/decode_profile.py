@@ -202,6 +202,9 @@ def main() -> None:
     p.add_argument("--step", choices=("native", "layers"), default="native",
                    help="a decode step's layers in one gemv.c call (where the strategy allows: "
                         "full), or layer by layer")  # fmt: skip
+    p.add_argument("--decode-steps", type=int, default=8,
+                   help="each round also times the same steps run up to this many per native "
+                        "call (multi-step decoding, `unikv run`'s engine; 1: not)")  # fmt: skip
     p.add_argument("--inside", action="store_true",
                    help="build gemv.c with STEP_PROFILE and split the timed steps' one C call "
                         "into its parts per thread (multiplying, per matrix; barriers; RoPE; "
@@ -233,7 +236,7 @@ def main() -> None:
     # Each round decodes a sequence of its own from the same context (so the KV cache each
     # step also reads is the same size in every round), and frees it.
     bufs = stream_buffers()
-    rounds, inside, layers_inside = [], [], 0
+    rounds, inside, layers_inside, runs = [], [], 0, []
     for r in range(1, args.rounds + 1):
         tok0 = prefill(m, kv, ids, r)
         decode(m, kv, tok0, len(ids), 2, r)  # the caches back after the stream
@@ -243,6 +246,15 @@ def main() -> None:
         layers_inside += gemv.inside_layers() - before
         inside.append(gemv.step_profile(reset=True))
         kv.free(r)
+        if args.decode_steps > 1:  # the same steps, several per call, on a sequence of its own
+            seq = args.rounds + r
+            tok0 = prefill(m, kv, ids, seq)
+            decode(m, kv, tok0, len(ids), 2, seq)
+            n = len(ids) + 2
+            runs.append(decode(m, kv, tok0, n, args.steps, seq, per_call=args.decode_steps)
+                        / args.steps)  # fmt: skip
+            kv.free(seq)
+            gemv.step_profile(reset=True)  # (--inside splits the one-step calls only)
         rounds.append((t, {k: stream_gb_s(buf) for k, buf in bufs.items()}))
     del bufs
     wall = statistics.median(t for t, _ in rounds)
@@ -306,6 +318,11 @@ def main() -> None:
         # the median over rounds of each round's step against its own faster stream
         "bandwidth_share": statistics.median(weight_gb / t / max(s.values()) for t, s in rounds),
         "rounds": [{"ms_per_step": t * 1e3, "stream_gb_s": s} for t, s in rounds],
+        # the same with up to --decode-steps steps per native call (multi-step decoding)
+        "runs_ms_per_step": [t * 1e3 for t in runs],
+        "runs_bandwidth_share": statistics.median(
+            weight_gb / t / max(s.values()) for t, (_, s) in zip(runs, rounds, strict=True)
+        ) if runs else None,  # fmt: skip
         "wall_ms_per_step": wall * 1e3,
         "tok_s": 1 / wall,
         "profiled_wall_ms": prof_wall * 1e3,
@@ -325,6 +342,12 @@ def main() -> None:
           f"{streams['huge']:.1f} in huge pages: {out['bandwidth_share']:.0%} of the faster "
           f"(goal 85%; medians of {args.rounds} rounds, each step against its round's stream); "
           f"{m_pages}")  # fmt: skip
+    if runs:
+        run_ms = statistics.median(runs) * 1e3
+        print(f"up to {args.decode_steps} steps per native call (multi-step decoding): "
+              f"{run_ms:.2f} ms per step ({1e3 / run_ms:.1f} tok/s), "
+              f"{out['runs_bandwidth_share']:.0%} of the faster stream; one step a call ÷ "
+              f"runs: {wall * 1e3 / run_ms:.3f}")  # fmt: skip
     for k, v in rows.items():
         print(f"  {k:12s} {v:7.2f} ms  {v / (wall * 1e3):6.1%}")
     print(f"  {'python':12s} {python_ms:7.2f} ms  {python_ms / (wall * 1e3):6.1%}  (wall - ops)")

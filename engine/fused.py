@@ -230,6 +230,31 @@ def step_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv,
     return step_python(model, tokens, positions, kv, rows) if got is None else got
 
 
+def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, steps: int):
+    """A sequential step begun on `kv` (`StepBatch.sequential`: `steps` rows per sequence)
+    as `steps` greedy decode steps in one call into gemv.c (`decode_steps`), the tokens
+    int64 [N] the first one's and positions [N * steps] the step's rows': (tokens int64
+    [steps, N], each step's argmax, the next one's input; logits float32 [steps, N, vocab]),
+    or None where the model's step, the cache's description (a `NativeHook` choosing no
+    blocks) or gemv.c does not serve it all (the caller aborts the step: nothing was kept)."""
+    stack = model._stack
+    if getattr(stack, "active", None) is None or stack.active.name != "native":
+        return None
+    n = tokens.shape[0]
+    desc = _step_desc(model, n)
+    if desc is None or not desc[1]:  # each sub-step's input comes from the embedding table
+        return None
+    plan = kv.native_step()
+    if not isinstance(plan, NativeHook) or (plan.choice is not None and plan.choice.choosing):
+        return None
+    layers = _stack_array(model, n)
+    if layers is None:
+        return None
+    first, positions = tokens.to(torch.int64), positions.to(torch.int64).contiguous()
+    out, logits, done = gemv.decode_steps(layers, _kv_step(plan), desc[0], first, positions, steps)
+    return (out[1:], logits) if done == steps else None
+
+
 _EVERY_ROW = [torch.arange(n) for n in range(65)]
 
 

@@ -303,10 +303,15 @@ class Scheduler(Generic[R]):
             return None
         return min(r.arrival for r in self.waiting) + self.config.admission_window_s
 
-    def computed(self, work: Work[R]) -> None:
-        """`work` ran: its tokens' KV is stored now; offer it for prefix sharing."""
-        req = work.req
-        req.num_computed += len(work.tokens)
+    def computed(self, work: Work[R], publish: bool = True) -> None:
+        """`work` ran: its tokens' KV is stored now; offer it for prefix sharing (unless not
+        `publish`: a sequential run offers it once, after its last step)."""
+        work.req.num_computed += len(work.tokens)
+        if publish:
+            self.publish(work.req)
+
+    def publish(self, req: R) -> None:
+        """Offer the KV of `req`'s computed tokens for prefix sharing (where it shares)."""
         if req.shares_prefix:
             self.kv.publish(req.rid, req.tokens[: req.num_computed])
 

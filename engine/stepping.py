@@ -29,12 +29,21 @@ class StepRunner:
         # id(work) -> the log-probabilities its last step computed ("prompt", "token")
         self.logprobs: dict[int, dict] = {}
 
-    def run(self, plan: list[Work[Request]]) -> list[tuple[Work[Request], object]]:
+    def run(
+        self, plan: list[Work[Request]], steps: int = 1
+    ) -> list[tuple[Work[Request], object]] | None:
         """Run the batch; if it fails, rerun each request alone so one failure stays its own.
+
+        With `steps` > 1, a plan of greedy decodes (`Engine._sequential`) runs as that many
+        steps in one native call (`LlamaModel.decode`): each request's outcome is then the list
+        of its tokens; None where the model could not run it so (nothing changed: the caller
+        runs the plan step by step).
 
         NOTE: a forward pass that raises has rolled its KV back (`kv.abort_step`, before the
         commit), so running the requests again appends nothing twice; what follows the commit
         (sampling) fails per request inside `_execute` and never reaches this retry."""
+        if steps > 1:
+            return self._decode(plan, steps)
         try:
             return list(zip(plan, self._execute(plan), strict=True))
         except Exception as batch_error:
@@ -48,6 +57,26 @@ class StepRunner:
                 except Exception as e:
                     out.append((work, e))
             return out
+
+    def _decode(
+        self, plan: list[Work[Request]], steps: int
+    ) -> list[tuple[Work[Request], object]] | None:
+        """`run` of `steps` greedy decode steps; a failure is every request's (the cache rolled
+        the run back: nothing was stored)."""
+        for w in plan:  # room for the run's tokens (the scheduler reserved one step's)
+            if not self.kv.reserve(w.req.rid, steps):
+                return None
+        try:
+            got = self.model.decode([w.tokens[0] for w in plan],
+                                    [w.req.num_computed for w in plan], self.kv,
+                                    [w.req.rid for w in plan], steps)  # fmt: skip
+        except Exception as e:  # (rolled back: step by step, each failure stays its own)
+            log.warning("sequential decode failed (%s); stepping one token at a time", e)
+            return None
+        if got is None:
+            return None
+        tokens = got[0].t().tolist()  # per request, its steps' tokens
+        return list(zip(plan, tokens, strict=True))
 
     def _execute(self, plan: list[Work[Request]]) -> list[int | BaseException | None]:
         """One forward pass over the plan; returns per work item the sampled token, None (a

@@ -214,6 +214,13 @@ class Format(ABC):
         for a layer's store and attention (`NativeHook`), can say yes."""
         return None
 
+    def sequential(self, past: int, steps: int) -> int:
+        """How many (at most `steps`) decode steps of a sequence storing `past` tokens its
+        `native_step` describes as one sequential step (`StepBatch.sequential`: row j of each
+        sequence written and attended as its own decode step would, after the rows before
+        it), 1 where none (this default)."""
+        return 1
+
     def new_keys(self) -> torch.Tensor:
         """The keys the step wrote, [L, N, Hkv, D] float32 (after a native step, for a
         selection that summarizes them); only formats with a `native_step` have them."""
@@ -346,6 +353,12 @@ class Placement(_Axis):
         call (`KVCache.native_step`). By default: `layer_hooks`."""
         return self.layer_hooks
 
+    def sequential(self, seq_id: int, steps: int) -> int:
+        """How many (at most `steps`) of `seq_id`'s next decode steps may run as one sequential
+        step (`StepBatch.sequential`): all of them where nothing moves per step (no layer
+        hooks), else 1."""
+        return 1 if self.layer_hooks else steps
+
     def reading(self, layer: int, step: Step, chosen: list[torch.Tensor | None] | None) -> None:
         """Attention of `layer` is about to read `chosen` (`Selection.reads`; None: every
         block): a placement that staged only the likely blocks reads the others now."""
@@ -353,9 +366,9 @@ class Placement(_Axis):
     def after_step(self, step: Step) -> None:
         """The step's layers are done (before its tokens are committed)."""
         b = step.batch
-        self._pending_persist = {
-            sid for sid, n in zip(b.seq_ids, b.query_lens, strict=True) if n > 1
-        }
+        # a prefill's blocks (a sequential step's rows are decode steps)
+        prefills = () if b.sequential else zip(b.seq_ids, b.query_lens, strict=True)
+        self._pending_persist = {sid for sid, n in prefills if n > 1}
 
     def abort(self) -> None:
         """Forget the step after a failure."""
@@ -481,6 +494,13 @@ class Selection(_Axis):
         doing something). Where it has none, a native decode graph may run the step's layers
         in one call without them (`KVCache.native_step`). By default: `layer_hooks`."""
         return self.layer_hooks
+
+    def sequential(self, seq_id: int, past: int, steps: int) -> int:
+        """How many (at most `steps`) of `seq_id`'s next decode steps, from its `past` stored
+        tokens on, may run as one sequential step (`StepBatch.sequential`), each choosing
+        nothing: all of them where this selection never has per-layer work (no layer hooks),
+        else 1 (this default)."""
+        return 1 if self.layer_hooks else steps
 
     def native_choice(self, step: Step) -> NativeChoice | None:
         """`step`'s choice of blocks as a native step makes it at every layer (`NativeChoice`),

@@ -231,6 +231,8 @@ class PackedFormat(Format):
             self._seqs.append(_Seq(nb, kept[1], self.S if nb else 0, lo, hi))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._batch.sequential:
+            raise RuntimeError("a sequential step runs as one native call, not layer by layer")
         n, h, d = k.shape
         # Channels into stored order: [N, H, D] gathered along D by each head's permutation.
         kp = torch.gather(k.float(), 2, self._k_order[layer].expand(n, h, d))
@@ -251,16 +253,19 @@ class PackedFormat(Format):
         b, S, T = self._batch, self.S, self.T
         layers, _, h, d = kp.shape
         for i, sid in enumerate(b.seq_ids):
-            past, rows = self._past[i], b.rows(i)
-            first, done = past // T, (past + b.query_lens[i]) // T  # first block not packed
+            past, rows, n = self._past[i], b.rows(i), b.query_lens[i]
+            first, done = past // T, (past + n) // T  # first block not packed
             if done == first:
                 continue
-            tail = past - first * T
+            # A sequential step's rows before its last are in the side buffer already, in fp16,
+            # as their own decode steps would have left them: the block is packed from there.
+            skip = n - 1 if b.sequential else 0
+            tail = past + skip - first * T
             need = (done - first) * T - tail  # new tokens that go into packed blocks
             dense = self._dense[sid][layer0 : layer0 + layers]  # [layers, P, H, S + T, D]
             parts = []  # keys, values of the completed blocks: [layers, nblk, H, T, D]
             for new, part in ((kp, 0), (vp, -1)):
-                new = new[:, rows][:, :need].transpose(1, 2)  # [layers, H, need, D]
+                new = new[:, rows][:, skip : skip + need].transpose(1, 2)  # [layers, H, need, D]
                 x = torch.cat([dense[:, part, :, S : S + tail].float(), new], 2)
                 parts.append(x.view(layers, h, done - first, T, d).transpose(1, 2))
             mask0 = S if first == 0 else 0
@@ -363,12 +368,16 @@ class PackedFormat(Format):
         completes = False
         for seq, past, n in zip(self._seqs, step.past, b.query_lens, strict=True):
             ends = (past + n) // T != past // T  # it completes a block (its last row must)
-            if (ends and (past + n) % T) or g * n > _KERNEL_MAX_ROWS:
+            rows = 1 if b.sequential else n  # rows of one kernel call
+            if (ends and (past + n) % T) or g * rows > _KERNEL_MAX_ROWS:
                 return None
-            if g * n * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
+            if g * rows * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
                 return None
             at = S + past - seq.nb * T  # as `_flush` writes them (a completed block: nowhere)
-            tail += [-1] * n if ends else range(at, at + n)
+            if ends and b.sequential:  # each row written as its own decode step writes it
+                tail += [*range(at, at + n - 1), -1]
+            else:
+                tail += [-1] * n if ends else range(at, at + n)
             sink += [p if p < S else -1 for p in range(past, past + n)]
             completes = completes or ends
         seqs = self._seqs
@@ -412,6 +421,16 @@ class PackedFormat(Format):
         self._hook = (same, c, keep, arrays, hook)
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs),
                           past=list(step.past))  # fmt: skip
+
+    def sequential(self, past: int, steps: int) -> int:
+        # Up to the row that completes the block being filled: a block completes only with a
+        # sequence's last row (the rule of `native_step`; `finish` packs it).
+        lib = self.attention.kernel
+        if lib is None or self.spec.latent or self.spec.query_group < 1:
+            return 1
+        if self.operators["attention.hybrid"].active.name != "c":
+            return 1
+        return max(1, min(steps, self.T - past % self.T))
 
     def _keep_values(self, c, completes: bool) -> None:
         """The step's values kept too where it completes a block (`finish` packs it)."""

@@ -41,6 +41,9 @@ class StepBatch:
     # Per sequence: True where its prompt goes on in a later step (chunked prefill), so a
     # query-aware strategy waits for the prompt's end, its question, before it evicts.
     more_prompt: list[bool] | None = None
+    # True: each sequence's rows are greedy decode steps run one after another in one native
+    # call (`LlamaModel.decode`), row j's token the output of row j - 1 (`KVCache.sequential`)
+    sequential: bool = False
     offsets: list[int] = field(init=False)  # start row of each sequence in the packed tensors
 
     def __post_init__(self) -> None:
@@ -242,6 +245,13 @@ class KVCache(ABC):
         `attend` layer by layer. A cache describes a step only where those calls would do
         nothing but what the description says (no per-layer bookkeeping)."""
         return None
+
+    def sequential(self, seq_id: int, steps: int) -> int:
+        """How many (at most `steps`) of `seq_id`'s next decode steps, from its stored tokens
+        on, this cache can run as one sequential step (`StepBatch.sequential`: a `NativeHook`
+        whose function takes one row per sequence at a time, each row's KV the same bytes as
+        its own decode step would write), 1 where none (this default)."""
+        return 1
 
 
 class KVMemory(ABC):

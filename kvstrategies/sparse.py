@@ -295,6 +295,16 @@ class SparseSelection(Selection):
         )  # fmt: skip
         return self._native
 
+    def sequential(self, seq_id: int, past: int, steps: int) -> int:
+        # Up to the first step that would choose: each before it reads every block, and its
+        # keys are only kept (`_add_keys`), which a step of several rows does as its rows would.
+        if self._known.get(seq_id, 0) != past or self.operators["sparse.choose"].active.name != "c":
+            return 1  # stored tokens not summarized yet: `native_choice` would refuse
+        n = 0
+        while n < steps and self._plan_at(past + n, 1, False) is None:
+            n += 1
+        return max(n, 1)
+
     def _read_back(self, step: Step, choice: NativeChoice) -> None:
         """After a native step: what `reads` would have recorded layer by layer (counts,
         stability, `last_read`, `likely`), from the blocks the step chose."""
@@ -379,8 +389,11 @@ class SparseSelection(Selection):
     def _plan(self, step: Step, i: int) -> _Plan | None:
         """What batch sequence `i` reads this step, but for the blocks its queries choose;
         None when it reads everything (a prefill, or all it stores fits the budget)."""
-        past, n = step.past[i], step.batch.query_lens[i]
-        if step.batch.more_prompt[i] or n > self.opts["prefill_tokens"]:
+        return self._plan_at(step.past[i], step.batch.query_lens[i], step.batch.more_prompt[i])
+
+    def _plan_at(self, past: int, n: int, more_prompt: bool) -> _Plan | None:
+        """`_plan` of a sequence storing `past` tokens, with `n` new ones."""
+        if more_prompt or n > self.opts["prefill_tokens"]:
             return None  # a prompt's prefill reads everything
         bs = self.bs
         sinks = -(-self.opts["sink_tokens"] // bs)  # blocks

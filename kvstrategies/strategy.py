@@ -201,6 +201,14 @@ class KVStrategy(KVCache, KVMemory):
         choice = self.selection.native_choice(self._step)
         return None if choice is None else dataclasses.replace(plan, choice=choice)
 
+    def sequential(self, seq_id: int, steps: int) -> int:
+        # What all three axes allow: the format's rows up to a block's end, a placement that
+        # moves nothing per step, a selection that chooses nothing in them.
+        past = self.pool.num_tokens(seq_id)
+        steps = self.format.sequential(past, steps)
+        steps = self.placement.sequential(seq_id, steps) if steps > 1 else 1
+        return self.selection.sequential(seq_id, past, steps) if steps > 1 else 1
+
     def read(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values as attention sees them, per batch sequence (`Format.read`)."""
         return self.format.read(layer)

@@ -69,6 +69,7 @@ class ReplicaSpec:
     stats_period_s: float = 1.0
     warm_up: bool = True  # one request through the engine before the replica answers
     stream_interval_ms: float = 0.0  # Engine.create's: 0 streams every token as sampled
+    decode_steps: int = 1  # Engine.create's: greedy decode steps per native call
     # Simulation for benchmarks: while the sensor reads at or above the chip's limit, each
     # engine step takes this much longer (0.3: 30% slower, the throttling the field measured).
     simulate_throttle: float = 0.0
@@ -82,6 +83,9 @@ class ReplicaSpec:
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ValueError(f"stream_interval_ms must be in [0, 1000], got "
                              f"{self.stream_interval_ms}")  # fmt: skip
+        if type(self.decode_steps) is not int or not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"decode_steps must be an integer in [1, 64], got "
+                             f"{self.decode_steps!r}")  # fmt: skip
         if not 0 <= self.simulate_throttle <= 10:
             raise ValueError(f"simulate_throttle must be in [0, 10], got {self.simulate_throttle}")
 
@@ -113,7 +117,8 @@ class EngineReplica:
         s = self.spec
         engine = await Engine.create(s.model, dtype=s.dtype, strategy=s.strategy,
                                      config=s.config, chip=s.chip, weights=s.weights,
-                                     stream_interval_ms=s.stream_interval_ms)  # fmt: skip
+                                     stream_interval_ms=s.stream_interval_ms,
+                                     decode_steps=s.decode_steps)  # fmt: skip
         if s.warm_up:
             await warm_up(engine)
         # The same book-keeping as a single server: failures, preemptions, the health view.

@@ -213,6 +213,16 @@ def tokenizer(loaded):
 
 
 @pytest.fixture(scope="session")
+def native_model(model_path):
+    """unikv's model on its native (packed GGUF) weights, as `make run` loads it."""
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.model import LlamaModel
+
+    cfg, tensors, _ = load_gguf(model_path, progress=False, weights="native")
+    return LlamaModel(cfg, tensors)
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     """The reference: transformers' LlamaForCausalLM loaded from the same GGUF file.
 

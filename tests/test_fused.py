@@ -15,15 +15,6 @@ from unikv.kernels import gemv
 pytestmark = pytest.mark.skipif(gemv.unavailable() is not None, reason=str(gemv.unavailable()))
 
 
-@pytest.fixture(scope="module")
-def native_model(model_path):
-    from unikv.engine.gguf_loader import load_gguf
-    from unikv.engine.model import LlamaModel
-
-    cfg, tensors, _ = load_gguf(model_path, progress=False, weights="native")
-    return LlamaModel(cfg, tensors)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 

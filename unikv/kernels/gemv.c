@@ -2930,10 +2930,13 @@ typedef struct {
  * format's: hybrid_attend.c's hybrid_layer): store the step's new k, v [n, hkv, d] of `layer`
  * and write the attention of q [n, hq, d] into out [n, hq, d], each sequence s reading the
  * blocks chosen[s] ([hkv, nchosen[s]]: positions in its block list, as a choice writes them)
- * or, where chosen[s] is NULL, every block; 0, or -1 (refused). */
+ * or, where chosen[s] is NULL, every block; 0, or -1 (refused). In a sequential run
+ * (decode_steps) the context describes a step of several rows per sequence, row j of each
+ * computed by sub-step j after the rows before it: n is then one row per sequence, and `sub`
+ * says which (0 otherwise). */
 typedef int (*layer_fn)(const void *ctx, int layer, const float *q, const float *k,
                         const float *v, int n, float *out, int threads,
-                        const int64_t *const *chosen, const int64_t *nchosen);
+                        const int64_t *const *chosen, const int64_t *nchosen, int sub);
 
 typedef struct {
     attend_fn attend;
@@ -2958,6 +2961,7 @@ typedef struct {
     const int64_t *places; /* [nplaces][3]: layer 0's address, bytes to the next layer, slots */
     const int64_t *where; /* NULL, or [nseq]: addresses of int64 [blocks]: each block's place
                            * (0 for a sequence whose blocks all lie in place 0) */
+    int sub; /* own's sub-step (decode_steps sets it; 0 for one step) */
 } kv_step_t;
 
 #define MAX_PLACES 4
@@ -3037,7 +3041,7 @@ static int layer_attention(const kv_step_t *kv, const layer_t *L, int li, const 
     if (rc) return -1;
     const double t0 = omp_get_wtime();
     if (kv->own != NULL) {
-        rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen);
+        rc = kv->own(kv->own_ctx, li, q, k, v, n, attn, threads, chosen, nchosen, kv->sub);
         attend_seconds += omp_get_wtime() - t0;
         PROF_ADD(0, P_ATTEND, t0);
         return rc ? -1 : 0;
@@ -3271,4 +3275,71 @@ int decode_layers(const layer_t *const *layers, int nlayers, const kv_step_t *kv
 int decode_step(const layer_t *const *layers, int nlayers, const kv_step_t *kv, const float *x,
                 int n, const int64_t *pos, const step_t *st, float *logits, int threads) {
     return run_step(layers, nlayers, kv, x, n, pos, st, logits, threads);
+}
+
+/* The index of x[0 .. n)'s largest value as torch.argmax picks it: the first NaN where there is
+ * one, else the first of the largest. */
+static int64_t argmax_row(const float *x, long n) {
+    int64_t best = 0;
+    float top = x[0];
+    if (top != top) return 0;
+    for (long i = 1; i < n; i++) {
+        const float y = x[i];
+        if (y != y) return i;
+        if (y > top) top = y, best = i;
+    }
+    return best;
+}
+
+/* argmax_row of each of `rows` rows x [rows, n] into out [rows] (what the tests compare with
+ * torch.argmax). */
+void argmax_rows(const float *x, long rows, long n, int64_t *out) {
+    for (long r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+}
+
+/* `steps` greedy decode steps of the same sequences in one call (multi-step decoding).
+ *
+ * Why: between two steps' calls a decode loop runs Python (the strategy's bookkeeping, the
+ * sampler, the scheduler) with caches the step's weights have just emptied: 0.5-0.7 ms of a
+ * SmolLM2 step of 4-5 ms on the 2-core AMD EPYC. Run back to back here, the steps share one
+ * such gap.
+ *
+ * kv describes one step in which every sequence has `steps` rows (its own function's context
+ * says where each row's KV goes: a packed format's hybrid_layer; no choice of blocks): sub-step j
+ * runs as decode_step over one row per sequence (own's sub-step j, positions pos + j, the
+ * sequences' stored tokens past + j), with the embedding rows of tokens + j * nseq, and writes
+ * its logits [nseq, vocab] at logits + j * nseq * vocab and each row's argmax (argmax_row) at
+ * tokens + (j + 1) * nseq: the next sub-step's tokens (tokens [steps + 1][nseq], row 0 given).
+ * Returns how many sub-steps ran (fewer than `steps`: one was refused, or the description is
+ * not one this runs: 0). */
+int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv, int steps,
+                 const int64_t *pos, const step_t *st, int64_t *tokens, float *logits,
+                 int threads) {
+    const int nseq = kv->nseq;
+    if (steps < 1 || nseq < 1 || kv->own == NULL || kv->choice != NULL || kv->past == NULL ||
+        st == NULL || st->embed == NULL)
+        return 0;
+    for (int s = 0; s < nseq; s++)
+        if (kv->rows[s + 1] - kv->rows[s] != steps) return 0;
+    const long vocab = st->head.out;
+    int64_t *ints = malloc(sizeof(int64_t) * 4 * (nseq + 1));
+    if (ints == NULL) return 0;
+    int64_t *rows = ints, *past = rows + nseq + 1, *at = past + nseq + 1, *every = at + nseq + 1;
+    for (int s = 0; s <= nseq; s++) rows[s] = s, every[s] = s;
+    kv_step_t one = *kv;
+    one.rows = rows, one.past = past;
+    step_t head = *st;
+    head.rows = every, head.nrows = nseq;
+    int done = 0;
+    for (; done < steps; done++) {
+        one.sub = done;
+        for (int s = 0; s < nseq; s++)
+            past[s] = kv->past[s] + done, at[s] = pos[kv->rows[s]] + done;
+        head.tokens = tokens + (long)done * nseq;
+        float *out = logits + (long)done * nseq * vocab;
+        if (run_step(layers, nlayers, &one, NULL, nseq, at, &head, out, threads)) break;
+        argmax_rows(out, nseq, vocab, tokens + (long)(done + 1) * nseq);
+    }
+    free(ints);
+    return done;
 }

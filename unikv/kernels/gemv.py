@@ -95,6 +95,10 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.decode_step.argtypes = [p, i, p, p, i, p, p, p, i]
     lib.decode_step.restype = ctypes.c_int
+    lib.decode_steps.argtypes = [p, i, p, i, p, p, p, p, i]
+    lib.decode_steps.restype = ctypes.c_int
+    lib.argmax_rows.argtypes = [p, lng, lng, p]
+    lib.argmax_rows.restype = None
     lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, lng]
     lib.exp_mismatches.restype = lng
     lib.decode_choose_seconds.restype = lib.decode_attend_seconds.restype = ctypes.c_double
@@ -474,7 +478,7 @@ class KVStep(ctypes.Structure):
                 ("blocks", ctypes.c_void_p), ("choice", ctypes.c_void_p),
                 ("own", ctypes.c_void_p), ("own_ctx", ctypes.c_void_p),
                 ("nplaces", ctypes.c_int), ("places", ctypes.c_void_p),
-                ("where", ctypes.c_void_p)]  # fmt: skip
+                ("where", ctypes.c_void_p), ("sub", ctypes.c_int)]  # fmt: skip
 
 
 class Choice(ctypes.Structure):
@@ -528,6 +532,34 @@ def decode_step(layers, kv: KVStep, step: Step, x: torch.Tensor | None, tokens: 
         torch.get_num_threads(),
     )  # fmt: skip
     return None if rc else logits
+
+
+def decode_steps(layers, kv: KVStep, step: Step, tokens: torch.Tensor, positions: torch.Tensor,
+                 steps: int) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """`steps` greedy decode steps in one call (gemv.c's decode_steps): `kv` describes a step
+    of `steps` rows per sequence, run one row of each at a time; `tokens` int64 [nseq] are the
+    first sub-step's, each next one's are the argmax of the logits before (`argmax_rows`).
+    Returns (tokens int64 [steps + 1, nseq]: the given row, then each sub-step's choice; logits
+    float32 [steps, nseq, vocab]; how many sub-steps ran: fewer than `steps` where one was
+    refused, whose outputs from there on are not written)."""
+    nseq = tokens.numel()
+    out = torch.empty(steps + 1, nseq, dtype=torch.int64)
+    out[0] = tokens
+    logits = torch.empty((steps, nseq, step.head.out), dtype=torch.float32)
+    done = _state["lib"].decode_steps(  # type: ignore[attr-defined]
+        layers, len(layers), ctypes.byref(kv), steps, positions.data_ptr(), ctypes.byref(step),
+        out.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out, logits, done
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of x float32 [rows, n] as gemv.c's decode_steps picks it (torch.argmax's
+    rule: the first NaN, else the first of the largest), int64 [rows]."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _load().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())  # type: ignore[union-attr]
+    return out
 
 
 def vector_exp() -> bool:

@@ -673,13 +673,24 @@ int hybrid_step_size(void) { return (int)sizeof(hybrid_step_t); }
  * which this does not serve): the caller then goes layer by layer. */
 int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float *k,
                  const float *v, int n, float *out, int threads, const int64_t *const *chosen,
-                 const int64_t *nchosen) {
+                 const int64_t *nchosen, int sub) {
     enum { D = KD };
-    if (KLAT || st->rows[st->nseq] != n) return -1;
     const int H = st->H;
-    const long hd = (long)H * D;
-    if (st->keys) memcpy(st->keys + layer * n * hd, k, sizeof(float) * n * hd);
-    if (st->values) memcpy(st->values + layer * n * hd, v, sizeof(float) * n * hd);
+    const long hd = (long)H * D, total = st->rows[st->nseq];
+    /* Sub-step `sub` of a sequential step (n: one row per sequence): each sequence's row sub */
+    const int seq_rows = n != total;
+    if (KLAT || (seq_rows && (n != st->nseq || sub < 0))) return -1;
+    for (int s = 0; seq_rows && s < st->nseq; s++)
+        if (st->rows[s] + sub >= st->rows[s + 1]) return -1;
+    for (int s = 0; s < st->nseq; s++) { /* the rows kept, at their place in the whole step */
+        const long r0 = seq_rows ? st->rows[s] + sub : st->rows[s];
+        const long t = seq_rows ? 1 : st->rows[s + 1] - st->rows[s];
+        const long i0 = seq_rows ? s : st->rows[s]; /* its first row in this call */
+        if (st->keys)
+            memcpy(st->keys + (layer * total + r0) * hd, k + i0 * hd, sizeof(float) * t * hd);
+        if (st->values)
+            memcpy(st->values + (layer * total + r0) * hd, v + i0 * hd, sizeof(float) * t * hd);
+    }
     const int64_t *korder = st->korder + layer * hd, *vorder = st->vorder + layer * hd;
     float *kp = malloc(sizeof(float) * 2 * n * hd);
     if (kp == NULL) return -1;
@@ -694,7 +705,10 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
     const long part = hd * st->span; /* fp16 elements of one part (K or V) of a layer */
     int rc = 0;
     for (int s = 0; s < st->nseq && rc == 0; s++) {
-        const long r0 = st->rows[s], t = st->rows[s + 1] - r0;
+        /* i0: the sequence's first row in this call; r0: in the whole step (tail, sink) */
+        const long r0 = seq_rows ? st->rows[s] + sub : st->rows[s];
+        const long t = seq_rows ? 1 : st->rows[s + 1] - st->rows[s], i0 = seq_rows ? s : r0;
+        const long na = st->na[s] + (seq_rows ? sub : 0); /* and the rows before, written */
         _Float16 *kd = (_Float16 *)(intptr_t)st->dense[s] + 2 * part * layer, *vd = kd + part;
         const int64_t *blocks = (const int64_t *)(intptr_t)st->blocks[s];
         int64_t nb = st->nb[s], bstride = 0, *picked = NULL;
@@ -719,20 +733,20 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
         if (rc == 0)
             attend_on(arena, picked ? picked : blocks, bstride, st->nb[s] ? blocks[0] : -1,
                       (int)nb, (int)st->mask0[s], st->rec, st->off, H, st->G, (int)t,
-                      q + r0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
-                      vd + st->lo[s] * D, (int)st->na[s], st->span, kp + r0 * hd, vp + r0 * hd,
-                      hd, (int)t, out + r0 * H * st->G * KDV, NULL, NULL, threads);
+                      q + i0 * H * st->G * D, korder, vorder, st->scale, kd + st->lo[s] * D,
+                      vd + st->lo[s] * D, (int)na, st->span, kp + i0 * hd, vp + i0 * hd,
+                      hd, (int)t, out + i0 * H * st->G * KDV, NULL, NULL, threads);
         free(picked);
         if (rc) break;
-        for (long i = r0; i < r0 + t; i++)
+        for (long i = 0; i < t; i++)
             for (int h = 0; h < H; h++)
                 for (int w = 0; w < 2; w++) { /* the tail slot, then the sink slot if any */
-                    const int64_t slot = w ? st->sink[i] : st->tail[i];
+                    const int64_t slot = w ? st->sink[r0 + i] : st->tail[r0 + i];
                     if (slot < 0) continue;
                     const long at = ((long)h * st->span + slot) * D;
                     for (int c = 0; c < D; c++) {
-                        kd[at + c] = (_Float16)kp[i * hd + h * D + c];
-                        vd[at + c] = (_Float16)vp[i * hd + h * D + c];
+                        kd[at + c] = (_Float16)kp[(i0 + i) * hd + h * D + c];
+                        vd[at + c] = (_Float16)vp[(i0 + i) * hd + h * D + c];
                     }
                 }
     }

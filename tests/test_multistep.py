@@ -1,0 +1,300 @@
+"""Multi-step decoding: several greedy decode steps in one native call (gemv.c's decode_steps,
+`LlamaModel.decode`, the engine's `decode_steps`) against the same steps one call each.
+
+Every run must give the same tokens, the same logits bit for bit and leave the cache in the
+same state (the packed format's side buffers and packed blocks, the sparse selection's
+summaries, the pool's counts) as its steps one by one, under every instruction set this CPU
+runs; a run the cache or gemv.c cannot take changes nothing; through the engine, completions,
+stop strings, stop tokens, lengths and prefix sharing are those of one step a turn.
+"""
+
+import pytest
+import torch
+
+from unikv.engine.model import LlamaModel
+from unikv.kernels import gemv
+
+pytestmark = pytest.mark.skipif(gemv.unavailable() is not None, reason=str(gemv.unavailable()))
+
+# Blocks of 16 tokens; a sparse selection that starts choosing once a sequence stores 33 tokens
+# (a budget of 24 tokens: one sink block, the newest token's block and nothing between), every
+# layer choosing: its runs must stop where its first choice would be made.
+SPARSE = {"budget_tokens": 24, "sink_tokens": 1, "recent_window": 1, "dense_layers": 0}
+
+
+def test_argmax_rows_picks_as_torch_argmax(isa):
+    """gemv.c's argmax (the token a run feeds its next step): torch.argmax's pick over random
+    rows with ties, infinities and NaNs (the first NaN; else the first of the largest)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (400, 97), generator=g).float()  # many ties
+    x[::7, 5] = float("inf")
+    x[::11, 60] = float("nan")
+    x[::13, 30] = float("nan")
+    x[3] = float("-inf")
+    x[4] = float("nan")
+    assert torch.equal(gemv.argmax_rows(x), x.argmax(1))
+    y = torch.randn(50, 49152, generator=g)
+    assert torch.equal(gemv.argmax_rows(y), y.argmax(1))
+
+
+def _tiny():
+    from tests.test_operators import _tiny_llama
+
+    return _tiny_llama("Q4_1", context=160, packed_embedding=True)
+
+
+def _cache(m, strategy: str, options=None, host: bool = False):
+    from unikv import kvstrategies
+    from unikv.settings.config import PoolConfig, TierConfig
+
+    tiers = (TierConfig("device", 32 << 20),) + ((TierConfig("host", 1 << 20),) if host else ())
+    cfg = PoolConfig(block_size=16, tiers=tiers)
+    return kvstrategies.create(strategy, m.kv_spec(), cfg, options)
+
+
+def _decode(m, kv, prompts: dict[int, int], new: int, steps: int):
+    """Prefill `prompts` ({sequence: prompt tokens}, random tokens), then `new` greedy tokens
+    of each, in runs of up to `steps` (`LlamaModel.decode`, as long as `kv.sequential` allows;
+    1: a step a call): (tokens [new, S], logits [new, S, V], the run lengths)."""
+    from unikv.kvstrategies.kv import StepBatch
+
+    g = torch.Generator().manual_seed(0)
+    seqs = list(prompts)
+    last, pos = [], []
+    with torch.inference_mode():
+        for sid, n in prompts.items():
+            toks = torch.randint(0, m.cfg.vocab_size, (n,), generator=g)
+            logits = m.forward(toks, torch.arange(n), kv, StepBatch([sid], [n]))
+            last.append(int(logits[-1].argmax()))
+            pos.append(n)
+    tokens, logits, runs = [], [], []
+    while len(tokens) < new:
+        k = min(steps, new - len(tokens), *(kv.sequential(sid, steps) for sid in seqs))
+        got = m.decode(last, pos, kv, seqs, k) if k > 1 else None
+        if got is None:
+            with torch.inference_mode():
+                out = m.forward(torch.tensor(last), torch.tensor(pos), kv,
+                                StepBatch(seqs, [1] * len(seqs)))  # fmt: skip
+            got, k = (out.argmax(1)[None], out[None]), 1
+        tokens += got[0].unbind(0)
+        logits += got[1].unbind(0)
+        last, pos = got[0][-1].tolist(), [p + k for p in pos]
+        runs.append(k)
+    return torch.stack(tokens), torch.stack(logits), runs
+
+
+def _same_state(a, b, seqs) -> None:
+    """Two caches holding the same tokens hold the same bytes: pool counts, the packed
+    format's side buffers and packed blocks, the sparse selection's summaries."""
+    for sid in seqs:
+        n = a.pool.num_tokens(sid)
+        assert n == b.pool.num_tokens(sid)
+        fa, fb = a.format, b.format
+        assert torch.equal(fa._dense[sid], fb._dense[sid])
+        ids_a = fa.pool.table(sid).block_ids()[: n // fa.T]
+        ids_b = fb.pool.table(sid).block_ids()[: n // fb.T]
+        assert torch.equal(fa._arena[:, ids_a], fb._arena[:, ids_b])
+        if hasattr(a.selection, "summaries"):
+            with torch.inference_mode():
+                assert torch.equal(a.selection.summaries(sid), b.selection.summaries(sid))
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("hybrid_fp16_int4", None), ("int8+resident+all", None),
+     ("hybrid+resident+sparse", SPARSE)],
+)  # fmt: skip
+def test_a_run_equals_its_steps_one_by_one(strategy, options, isa):
+    """Two sequences (prompts of 20 and 9 tokens) decode 40 tokens each in runs of up to 6,
+    against a step a call: the same tokens and logits bit for bit, and the same cache bytes.
+    Runs end where a block is completed (its last row completes it; the block is packed after
+    the run from the rows the run wrote, as its steps would have) and, for the sparse
+    selection, where its first choice would be made (from then on: a step a call)."""
+    m = _tiny()
+    prompts = {0: 20, 1: 9}
+    a, b = _cache(m, strategy, options), _cache(m, strategy, options)
+    try:
+        tok_a, log_a, runs = _decode(m, a, prompts, 40, 6)
+        tok_b, log_b, ones = _decode(m, b, prompts, 40, 1)
+        assert set(ones) == {1} and max(runs) == 6
+        assert torch.equal(tok_a, tok_b) and torch.equal(log_a, log_b)
+        _same_state(a, b, prompts)
+        # each run ends at a block's end (16 tokens) or earlier: 20 + 9 = 29 stored tokens
+        # in the batch's first sequence's blocks after the first run of 6, and so on
+        ends = [20 + sum(runs[: i + 1]) for i in range(len(runs))]
+        starts = [20 + sum(runs[:i]) for i in range(len(runs))]
+        for s, k in zip(starts, runs, strict=True):
+            assert (s % 16) + k <= 16 or k == 1, (s, k)
+        if strategy == "hybrid+resident+sparse":
+            # the second sequence stores 33 tokens after 24 new ones: every step from then
+            # on chooses, one a call
+            assert runs[-16:] == [1] * 16 and a.selection.counts["sparse_reads"] > 0
+        assert ends[-1] == 60
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_refused_run_changes_nothing(monkeypatch):
+    """gemv.c refusing a run's last sub-step (after the others ran: their rows written)
+    ends the run: `decode` returns None, the step is rolled back (nothing committed, the
+    selection's summaries untouched), and stepping on one token a call gives what it would
+    have without the refusal."""
+    m = _tiny()
+    real = gemv.decode_steps
+
+    def refuse_last(layers, kv, step, tokens, positions, steps):
+        out, logits, done = real(layers, kv, step, tokens, positions, steps - 1)
+        return out, logits, done
+
+    a, b = _cache(m, "hybrid+resident+sparse", SPARSE), _cache(m, "hybrid+resident+sparse", SPARSE)
+    try:
+        monkeypatch.setattr(gemv, "decode_steps", refuse_last)
+        tok_a, log_a, runs = _decode(m, a, {0: 7}, 12, 5)
+        monkeypatch.setattr(gemv, "decode_steps", real)
+        tok_b, log_b, _ = _decode(m, b, {0: 7}, 12, 1)
+        assert runs == [1] * 12  # every run refused, then stepped
+        assert torch.equal(tok_a, tok_b) and torch.equal(log_a, log_b)
+        _same_state(a, b, [0])
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("full", None), ("hybrid+resident+pruned", None),
+     ("hierarchical_offload", {"device_window": 8, "host_window": 1 << 10})],
+)  # fmt: skip
+def test_a_cache_that_cannot_run_steps_in_sequence_says_so(strategy, options):
+    """Only a packed format's own layer code runs a sequential step: a dense cache, a placement
+    that moves blocks, a selection that evicts say 1, and `decode` refuses a run of 2 (nothing
+    changed: the sequence still stores its prompt alone)."""
+    from unikv.kvstrategies.kv import StepBatch
+
+    m = _tiny()
+    kv = _cache(m, strategy, options, host=options is not None)
+    try:
+        with torch.inference_mode():
+            m.forward(torch.arange(10), torch.arange(10), kv, StepBatch([0], [10]))
+        assert kv.sequential(0, 8) == 1
+        assert m.decode([3], [10], kv, [0], 2) is None
+        assert kv.pool.num_tokens(0) == 10
+    finally:
+        kv.close()
+
+
+def test_float32_weights_run_no_sequence(model, tokenizer):
+    """The model's float32 embedding is not a table gemv.c reads (each step's input rows come
+    from Python): `decode` says None and the steps go one by one."""
+    from unikv import kvstrategies
+    from unikv.kvstrategies.kv import StepBatch
+    from unikv.settings.config import PoolConfig, TierConfig
+
+    cfg = PoolConfig(block_size=64, tiers=(TierConfig("device", 64 << 20),))
+    kv = kvstrategies.create("hybrid_fp16_int4", model.kv_spec(), cfg)
+    try:
+        ids = tokenizer.encode("The quick brown fox")
+        with torch.inference_mode():
+            model.forward(torch.tensor(ids), torch.arange(len(ids)), kv, StepBatch([0], [len(ids)]))
+        assert kv.sequential(0, 8) == 8
+        assert model.decode([ids[-1]], [len(ids)], kv, [0], 8) is None
+        assert kv.pool.num_tokens(0) == len(ids)
+    finally:
+        kv.close()
+
+
+# ---- through the engine ----------------------------------------------------------------------
+
+REAL_DECODE = LlamaModel.decode  # (the tests below spy on it)
+LONG = " ".join(f"Item {i}: a line of the inventory." for i in range(12))  # > 64 tokens
+PROMPTS = [
+    "The history of the printing press",
+    "Write a haiku about rain.",
+    "List three prime numbers:",
+]
+
+
+async def _completions(native_model, tokenizer, steps: int, calls: list, requests, monkeypatch):
+    from unikv.engine.assembly import assemble_for
+    from unikv.engine.engine import Engine
+
+    def spy(self, *a):
+        got = REAL_DECODE(self, *a)
+        calls.append(None if got is None else got[0].shape[0])
+        return got
+
+    monkeypatch.setattr(type(native_model), "decode", spy)
+    parts = assemble_for(native_model, tokenizer, strategy="hybrid+resident+sparse")
+    e = Engine(native_model, tokenizer, kv=parts.kv.strategy, max_batch=4, decode_steps=steps)
+    try:
+        out = []
+        for batch in requests:  # the requests of a batch run together
+            handles = [e.submit(p, params) for p, params in batch]
+            out += [await h.result() for h in handles]
+        return out
+    finally:
+        await e.close()
+        parts.close()
+
+
+async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(native_model, tokenizer,
+                                                                    monkeypatch):  # fmt: skip
+    """`decode_steps=8` against 1, SmolLM2 on its native weights under the default CPU strategy:
+    the same text, tokens and finish reasons for requests alone and three at once, a length
+    that is no multiple of 8, a stop string and a stop token met inside a run (the tokens after
+    them dropped), EOS, and a seeded sampled request (which takes a step a turn); a prompt
+    asked again after a run stopped early hits the prefix its prompt left."""
+    from unikv.engine.sampling import SamplingParams
+
+    free = SamplingParams(max_new_tokens=37, ignore_eos=True)
+    ref: list = []
+    base = await _completions(native_model, tokenizer, 1, ref, [[(PROMPTS[0], free)]],
+                              monkeypatch)  # fmt: skip
+    text = base[0].text
+    stop = text[40:44]
+    assert stop.strip()
+    tok = base[0].token_ids[21]
+    requests = [
+        [(PROMPTS[0], free)],
+        [(p, SamplingParams(max_new_tokens=29, ignore_eos=True)) for p in PROMPTS],
+        [(PROMPTS[0], SamplingParams(max_new_tokens=37, stop=(stop,)))],
+        [(PROMPTS[0], SamplingParams(max_new_tokens=37, stop_token_ids=(tok,)))],
+        [("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+          SamplingParams(max_new_tokens=60))],
+        [(PROMPTS[1], SamplingParams(max_new_tokens=20, temperature=0.8, seed=5))],
+        [(LONG, SamplingParams(max_new_tokens=37, stop_token_ids=(tok,)))],
+        [(LONG, SamplingParams(max_new_tokens=37, stop_token_ids=(tok,)))],
+    ]  # fmt: skip
+    one_calls: list = []
+    one = await _completions(native_model, tokenizer, 1, one_calls, requests, monkeypatch)
+    run_calls: list = []
+    runs = await _completions(native_model, tokenizer, 8, run_calls, requests, monkeypatch)
+    assert one_calls == []  # (decode_steps=1 never asks)
+    assert any(n is not None and n >= 6 for n in run_calls), run_calls
+    for a, b in zip(one, runs, strict=True):
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert a.prompt_tokens == b.prompt_tokens and a.cached_tokens == b.cached_tokens
+    # (the three requests of the second batch are runs[1:4])
+    assert runs[0].text == text and all(c.finish_reason == "length" for c in runs[:4])
+    assert runs[4].finish_reason == "stop" and runs[4].text == text[: text.index(stop)]
+    assert runs[5].finish_reason == "stop" and runs[5].token_ids[-1] == tok
+    assert runs[6].finish_reason == "stop" and "Paris" in runs[6].text
+    # a long prompt asked again after its run stopped early hits its first block
+    assert runs[9].cached_tokens >= 64 and runs[9].token_ids == runs[8].token_ids
+
+
+def test_decode_steps_out_of_range_are_refused(model, tokenizer):
+    from unikv.cli.args import MAX_DECODE_STEPS as CLI_MAX
+    from unikv.engine.engine import MAX_DECODE_STEPS, Engine, check_decode_steps
+    from unikv.serving.replicas import ReplicaSpec
+
+    assert CLI_MAX == MAX_DECODE_STEPS
+    for bad in (0, -1, MAX_DECODE_STEPS + 1, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="decode_steps"):
+            check_decode_steps(bad)
+        with pytest.raises(ValueError, match="decode_steps"):
+            ReplicaSpec(decode_steps=bad)
+    with pytest.raises(ValueError, match="decode_steps"):
+        Engine(model, tokenizer, decode_steps=0)
+    check_decode_steps(MAX_DECODE_STEPS)

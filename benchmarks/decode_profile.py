@@ -322,7 +322,9 @@ def main() -> None:
         "runs_ms_per_step": [t * 1e3 for t in runs],
         "runs_bandwidth_share": statistics.median(
             weight_gb / t / max(s.values()) for t, (_, s) in zip(runs, rounds, strict=True)
-        ) if runs else None,  # fmt: skip
+        )
+        if runs
+        else None,  # fmt: skip
         "wall_ms_per_step": wall * 1e3,
         "tok_s": 1 / wall,
         "profiled_wall_ms": prof_wall * 1e3,

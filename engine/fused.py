@@ -235,8 +235,8 @@ def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, step
     as `steps` greedy decode steps in one call into gemv.c (`decode_steps`), the tokens
     int64 [N] the first one's and positions [N * steps] the step's rows': (tokens int64
     [steps, N], each step's argmax, the next one's input; logits float32 [steps, N, vocab]),
-    or None where the model's step, the cache's description (a `NativeHook` choosing no
-    blocks) or gemv.c does not serve it all (the caller aborts the step: nothing was kept)."""
+    or None where the model's step, the cache's description (choosing no blocks) or gemv.c
+    does not serve it all (the caller aborts the step: nothing was kept)."""
     stack = model._stack
     if getattr(stack, "active", None) is None or stack.active.name != "native":
         return None
@@ -245,7 +245,7 @@ def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, step
     if desc is None or not desc[1]:  # each sub-step's input comes from the embedding table
         return None
     plan = kv.native_step()
-    if not isinstance(plan, NativeHook) or (plan.choice is not None and plan.choice.choosing):
+    if plan is None or (plan.choice is not None and plan.choice.choosing):
         return None
     layers = _stack_array(model, n)
     if layers is None:

@@ -92,7 +92,8 @@ class DenseFormat(Format):
         # layer, where PyTorch's attention costs more in dispatch and reads slower
         # (BENCHMARKS.md, "Decode attention in one C call")
         self._every: list[torch.Tensor] | None = None
-        if self._in_place and self._cpu and max(batch.query_lens) <= DECODE_ROWS:
+        rows = 1 if batch.sequential else max(batch.query_lens)  # (a sequential step: one a call)
+        if self._in_place and self._cpu and rows <= DECODE_ROWS:
             self._every = [self._all_blocks(-(-(p + n) // bs)) for _, p, n in seqs]
         self._seqs, self._runs = seqs, None  # (`_kv_pieces` makes the runs when it reads them)
         if step.groups is None:
@@ -142,6 +143,16 @@ class DenseFormat(Format):
             [self._places(i)[1] for i in range(len(self._every))], self._every,
             places=places, where=where,
         )  # fmt: skip
+
+    def sequential(self, past: int, steps: int) -> int:
+        # Up to the end of the block being filled: each row writes its slot, and a sub-step's
+        # attention reads the step's blocks masked past its row's position (sparse.c).
+        if not (self._native and self._cpu):
+            return 1
+        if self.operators["attention.blocks"].active.name != "c":
+            return 1
+        bs = self.pool.block_size
+        return max(1, min(steps, bs - past % bs))
 
     def _tier_places(self, step: Step):
         """A tiered step's further arenas for `NativeStep.places` (the host tier's, read in

@@ -231,8 +231,6 @@ class PackedFormat(Format):
             self._seqs.append(_Seq(nb, kept[1], self.S if nb else 0, lo, hi))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._batch.sequential:
-            raise RuntimeError("a sequential step runs as one native call, not layer by layer")
         n, h, d = k.shape
         # Channels into stored order: [N, H, D] gathered along D by each head's permutation.
         kp = torch.gather(k.float(), 2, self._k_order[layer].expand(n, h, d))

@@ -176,6 +176,8 @@ class KVStrategy(KVCache, KVMemory):
         self._step = step
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._step.batch.sequential:  # (its rows are steps one after another: not a chunk)
+            raise RuntimeError("a sequential step runs as one native call, not layer by layer")
         self.format.append(layer, k, v)
         self.selection.appended(layer, k)
 

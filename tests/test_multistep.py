@@ -90,10 +90,15 @@ def _same_state(a, b, seqs) -> None:
         n = a.pool.num_tokens(sid)
         assert n == b.pool.num_tokens(sid)
         fa, fb = a.format, b.format
-        assert torch.equal(fa._dense[sid], fb._dense[sid])
-        ids_a = fa.pool.table(sid).block_ids()[: n // fa.T]
-        ids_b = fb.pool.table(sid).block_ids()[: n // fb.T]
-        assert torch.equal(fa._arena[:, ids_a], fb._arena[:, ids_b])
+        if hasattr(fa, "_dense"):  # a packed format: side buffers and packed blocks
+            assert torch.equal(fa._dense[sid], fb._dense[sid])
+            ids_a = fa.pool.table(sid).block_ids()[: n // fa.T]
+            ids_b = fb.pool.table(sid).block_ids()[: n // fb.T]
+            assert torch.equal(fa._arena[:, ids_a], fb._arena[:, ids_b])
+        if not hasattr(fa, "_dense"):  # a dense format: the sequence's slots
+            slots = fa.pool.slot_ids(sid, 0, n)
+            for x, y in zip(fa._layers, fb._layers, strict=True):
+                assert torch.equal(x[:, :, slots], y[:, :, fb.pool.slot_ids(sid, 0, n)])
         if hasattr(a.selection, "summaries"):
             with torch.inference_mode():
                 assert torch.equal(a.selection.summaries(sid), b.selection.summaries(sid))
@@ -102,7 +107,7 @@ def _same_state(a, b, seqs) -> None:
 @pytest.mark.parametrize(
     "strategy,options",
     [("hybrid_fp16_int4", None), ("int8+resident+all", None),
-     ("hybrid+resident+sparse", SPARSE)],
+     ("hybrid+resident+sparse", SPARSE), ("full", None), ("dense+resident+sparse", SPARSE)],
 )  # fmt: skip
 def test_a_run_equals_its_steps_one_by_one(strategy, options, isa):
     """Two sequences (prompts of 20 and 9 tokens) decode 40 tokens each in runs of up to 6,
@@ -163,13 +168,14 @@ def test_a_refused_run_changes_nothing(monkeypatch):
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [("full", None), ("hybrid+resident+pruned", None),
-     ("hierarchical_offload", {"device_window": 8, "host_window": 1 << 10})],
+    [("dense+tiered+all", {"device_window": 8, "host_window": 1 << 10}),
+     ("hybrid+tiered+all", {"device_window": 8, "host_window": 1 << 10}),
+     ("hybrid+resident+pruned", None)],
 )  # fmt: skip
 def test_a_cache_that_cannot_run_steps_in_sequence_says_so(strategy, options):
-    """Only a packed format's own layer code runs a sequential step: a dense cache, a placement
-    that moves blocks, a selection that evicts say 1, and `decode` refuses a run of 2 (nothing
-    changed: the sequence still stores its prompt alone)."""
+    """A placement that moves blocks and a selection that evicts run no sequential step: they
+    say 1, and `decode` refuses a run of 2 (nothing changed: the sequence still stores its
+    prompt alone)."""
     from unikv.kvstrategies.kv import StepBatch
 
     m = _tiny()

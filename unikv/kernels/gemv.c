@@ -3304,10 +3304,12 @@ void argmax_rows(const float *x, long rows, long n, int64_t *out) {
  * SmolLM2 step of 4-5 ms on the 2-core AMD EPYC. Run back to back here, the steps share one
  * such gap.
  *
- * kv describes one step in which every sequence has `steps` rows (its own function's context
- * says where each row's KV goes: a packed format's hybrid_layer; no choice of blocks): sub-step j
- * runs as decode_step over one row per sequence (own's sub-step j, positions pos + j, the
- * sequences' stored tokens past + j), with the embedding rows of tokens + j * nseq, and writes
+ * kv describes one step in which every sequence has `steps` rows (no choice of blocks): each
+ * row's slot (plain arenas: new_slots, the blocks read masked past the row's position) or the
+ * cache's own function's context (a packed format's hybrid_layer) says where its KV goes. Sub-step
+ * j runs as decode_step over one row per sequence (row j of each: its slot, or own's sub-step j;
+ * positions pos + j, the sequences' stored tokens past + j), with the embedding rows of
+ * tokens + j * nseq, and writes
  * its logits [nseq, vocab] at logits + j * nseq * vocab and each row's argmax (argmax_row) at
  * tokens + (j + 1) * nseq: the next sub-step's tokens (tokens [steps + 1][nseq], row 0 given).
  * Returns how many sub-steps ran (fewer than `steps`: one was refused, or the description is
@@ -3316,25 +3318,29 @@ int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
                  const int64_t *pos, const step_t *st, int64_t *tokens, float *logits,
                  int threads) {
     const int nseq = kv->nseq;
-    if (steps < 1 || nseq < 1 || kv->own == NULL || kv->choice != NULL || kv->past == NULL ||
-        st == NULL || st->embed == NULL)
+    if (steps < 1 || nseq < 1 || kv->choice != NULL || kv->past == NULL || st == NULL ||
+        st->embed == NULL)
         return 0;
     for (int s = 0; s < nseq; s++)
         if (kv->rows[s + 1] - kv->rows[s] != steps) return 0;
     const long vocab = st->head.out;
-    int64_t *ints = malloc(sizeof(int64_t) * 4 * (nseq + 1));
+    int64_t *ints = malloc(sizeof(int64_t) * 5 * (nseq + 1));
     if (ints == NULL) return 0;
     int64_t *rows = ints, *past = rows + nseq + 1, *at = past + nseq + 1, *every = at + nseq + 1;
+    int64_t *slots = every + nseq + 1;
     for (int s = 0; s <= nseq; s++) rows[s] = s, every[s] = s;
     kv_step_t one = *kv;
     one.rows = rows, one.past = past;
+    if (kv->own == NULL) one.new_slots = slots;
     step_t head = *st;
     head.rows = every, head.nrows = nseq;
     int done = 0;
     for (; done < steps; done++) {
         one.sub = done;
-        for (int s = 0; s < nseq; s++)
+        for (int s = 0; s < nseq; s++) {
             past[s] = kv->past[s] + done, at[s] = pos[kv->rows[s]] + done;
+            if (kv->own == NULL) slots[s] = kv->new_slots[kv->rows[s] + done];
+        }
         head.tokens = tokens + (long)done * nseq;
         float *out = logits + (long)done * nseq * vocab;
         if (run_step(layers, nlayers, &one, NULL, nseq, at, &head, out, threads)) break;

@@ -277,7 +277,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def unikv_server(
-    batch: int, window_ms: float | None, grpc_port: int | None = None, weights: str = "native"
+    batch: int,
+    window_ms: float | None,
+    grpc_port: int | None = None,
+    weights: str = "native",
+    decode_steps: int = 1,
 ) -> Proc:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "2", "UNIKV_SCHEDULER__BATCH_SIZE": str(batch)}
@@ -296,6 +300,8 @@ def unikv_server(
         "256",
         "--weights",
         weights,
+        "--decode-steps",
+        str(decode_steps),
     ]
     if weights == "float32":  # the F32 file llama-server reads: the same bytes, not a decoding
         argv += ["--model", str(converted(resolve_model_path("smollm2"), "F32", find_or_build()))]
@@ -361,6 +367,8 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true", help="unikv's figures only")
     ap.add_argument("--weights", choices=("native", "float32"), default="native",
                     help="the shipped GGUF for both servers, or its F32 conversion")  # fmt: skip
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="unikv serve's --decode-steps (default: its own, 1)")  # fmt: skip
     ap.add_argument(
         "--grpc",
         action="store_true",
@@ -377,7 +385,8 @@ def main() -> None:
         shipped = resolve_model_path("smollm2")
         gguf = converted(shipped, "F32", bin_dir) if args.weights == "float32" else shipped
         servers["llama-server"] = start_llama_server(bin_dir, gguf, top, extra)
-    servers = {"unikv": unikv_server(top, None, grpc_port, args.weights), **servers}
+    servers = {"unikv": unikv_server(top, None, grpc_port, args.weights, args.decode_steps),
+               **servers}  # fmt: skip
     try:
         for s in servers.values():
             s.wait_ready()

@@ -601,6 +601,8 @@ class Engine:
         sched = self.scheduler
         if steps < 2 or self._inbox or self._cancels or sched.waiting or sched.swapped:
             return 1
+        if not self.model.decodes(len(work)):  # (float32 weights: a step a turn)
+            return 1
         ctx = self.model.cfg.context_length
         for w in work:
             req, p = w.req, w.req.params

@@ -230,28 +230,36 @@ def step_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv,
     return step_python(model, tokens, positions, kv, rows) if got is None else got
 
 
+def decodes(model, n: int) -> bool:
+    """Whether the model's side of `decode_native` serves n sequences: the native step
+    (`model.step`'s native entry), an output layer and every layer described for n rows, and an
+    embedding table gemv.c reads (each sub-step's input comes from it: not float32 weights').
+    Cheap: the descriptions are kept (`_step_desc`, `_stack_array`)."""
+    stack = model._stack
+    if getattr(stack, "active", None) is None or stack.active.name != "native":
+        return False
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        return False
+    desc = _step_desc(model, n)
+    return desc is not None and desc[1] and _stack_array(model, n) is not None
+
+
 def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, steps: int):
     """A sequential step begun on `kv` (`StepBatch.sequential`: `steps` rows per sequence)
     as `steps` greedy decode steps in one call into gemv.c (`decode_steps`), the tokens
     int64 [N] the first one's and positions [N * steps] the step's rows': (tokens int64
     [steps, N], each step's argmax, the next one's input; logits float32 [steps, N, vocab]),
-    or None where the model's step, the cache's description (choosing no blocks) or gemv.c
-    does not serve it all (the caller aborts the step: nothing was kept)."""
-    stack = model._stack
-    if getattr(stack, "active", None) is None or stack.active.name != "native":
-        return None
+    or None where the model's side (`decodes`), the cache's description (choosing no blocks)
+    or gemv.c does not serve it all (the caller aborts the step: nothing was kept)."""
     n = tokens.shape[0]
-    desc = _step_desc(model, n)
-    if desc is None or not desc[1]:  # each sub-step's input comes from the embedding table
+    if not decodes(model, n):
         return None
     plan = kv.native_step()
     if plan is None or (plan.choice is not None and plan.choice.choosing):
         return None
-    layers = _stack_array(model, n)
-    if layers is None:
-        return None
+    step, layers = _step_desc(model, n)[0], _stack_array(model, n)
     first, positions = tokens.to(torch.int64), positions.to(torch.int64).contiguous()
-    out, logits, done = gemv.decode_steps(layers, _kv_step(plan), desc[0], first, positions, steps)
+    out, logits, done = gemv.decode_steps(layers, _kv_step(plan), step, first, positions, steps)
     return (out[1:], logits) if done == steps else None
 
 

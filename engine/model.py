@@ -176,6 +176,12 @@ class LlamaModel:
         with torch.inference_mode():
             return self._forward(tokens, positions, kv, batch, logits_rows)
 
+    def decodes(self, n: int) -> bool:
+        """Whether `decode` can run for n sequences on the model's side (a native step whose
+        every sub-step reads its input rows from the packed embedding table), as far as the
+        cache allows (`KVCache.sequential`)."""
+        return fused.decodes(self, n)
+
     def decode(self, tokens: list[int], positions: list[int], kv: KVCache, seq_ids: list[int],
                steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """`steps` greedy decode steps of the sequences `seq_ids` in one native call
@@ -187,7 +193,7 @@ class LlamaModel:
 
         Why: between two steps' native calls the caller's Python runs with cold caches,
         0.5-0.7 ms of a 4-5 ms SmolLM2 step on a 2-core CPU; here `steps` steps share it."""
-        if steps < 2 or kv.wants_token_logprobs:
+        if steps < 2 or not self.decodes(len(seq_ids)) or kv.wants_token_logprobs:
             return None
         if any(kv.sequential(sid, steps) < steps for sid in seq_ids):
             return None

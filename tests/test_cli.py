@@ -70,6 +70,9 @@ def test_user_mistakes_give_one_line_and_exit_2(tmp_path, text_file, capsys):
     [
         ["run", "--prompt", "hi", "--max-new-tokens", "0"],
         ["run", "--prompt", "hi", "--dtype", "int3"],
+        ["run", "--prompt", "hi", "--decode-steps", "0"],
+        ["run", "--prompt", "hi", "--decode-steps", "65"],
+        ["serve", "--decode-steps", "eight"],
         ["eval", "ppl", "--text", "x", "--tokens", "many"],
         ["frobnicate"],
     ],

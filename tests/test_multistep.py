@@ -203,7 +203,7 @@ def test_float32_weights_run_no_sequence(model, tokenizer):
         ids = tokenizer.encode("The quick brown fox")
         with torch.inference_mode():
             model.forward(torch.tensor(ids), torch.arange(len(ids)), kv, StepBatch([0], [len(ids)]))
-        assert kv.sequential(0, 8) == 8
+        assert kv.sequential(0, 8) == 8 and not model.decodes(1)
         assert model.decode([ids[-1]], [len(ids)], kv, [0], 8) is None
         assert kv.pool.num_tokens(0) == len(ids)
     finally:

@@ -189,17 +189,20 @@ class LlamaModel:
         (tokens int64 [steps, N]: each step's argmax, torch.argmax's pick, which the next step
         fed; logits float32 [steps, N, V]), every token's KV committed. None, with nothing
         changed, where it cannot run so (the cache's `KVCache.sequential` said fewer steps,
-        the model's step is not the native one, or gemv.c refused): step by step instead.
+        the model's step is not the native one, or gemv.c refused): step by step instead. A
+        cache that scores tokens by their surprisal (`wants_token_logprobs`) gets every row's
+        log-probabilities after the commit, as its steps would have given them.
 
         Why: between two steps' native calls the caller's Python runs with cold caches,
         0.5-0.7 ms of a 4-5 ms SmolLM2 step on a 2-core CPU; here `steps` steps share it."""
-        if steps < 2 or not self.decodes(len(seq_ids)) or kv.wants_token_logprobs:
+        if steps < 2 or not self.decodes(len(seq_ids)):
             return None
         if any(kv.sequential(sid, steps) < steps for sid in seq_ids):
             return None
         pos = torch.tensor([p + j for p in positions for j in range(steps)], dtype=torch.long)
+        batch = StepBatch(list(seq_ids), [steps] * len(seq_ids), sequential=True)
         with torch.inference_mode():
-            kv.begin_step(StepBatch(list(seq_ids), [steps] * len(seq_ids), sequential=True))
+            kv.begin_step(batch)
             try:
                 got = fused.decode_native(self, torch.tensor(tokens, dtype=torch.long), pos, kv,
                                           steps)  # fmt: skip
@@ -210,6 +213,11 @@ class LlamaModel:
                 kv.abort_step()
                 return None
             kv.end_step()
+            if kv.wants_token_logprobs:  # every row's, as its steps would have given them
+                out, logits = got
+                fed = torch.cat([torch.tensor(tokens)[None], out[:-1]]).t().reshape(-1)
+                rows = logits.transpose(0, 1).reshape(fed.shape[0], -1)  # sequence by sequence
+                kv.observe_logprobs(batch, fed, torch.log_softmax(rows.float(), dim=-1))
         return got
 
     def _forward(self, tokens, positions, kv: KVCache, batch: StepBatch, logits_rows):

@@ -297,7 +297,7 @@ class PrunedSelection(Selection):
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
             self.seen_total += n
-        if self.scorer in OBSERVING and self.opts["observe_window"]:
+        if self.scorer in OBSERVING and self.opts["observe_window"] and not b.sequential:
             self._observed.update(
                 sid for sid, n, more in zip(b.seq_ids, b.query_lens, b.more_prompt, strict=True)
                 if n > 1 and not more
@@ -354,9 +354,35 @@ class PrunedSelection(Selection):
 
     def budget(self, seq_id: int) -> int:
         """Tokens `seq_id` may keep now (in every layer and KV head)."""
+        return self._budget_at(self._seen[seq_id])
+
+    def _budget_at(self, seen: int) -> int:
         o = self.opts
-        floor = o["sink_tokens"] + o["recent_window"]
-        return max(floor, math.ceil(o["kept_ratio"] * self._seen[seq_id]))
+        return max(o["sink_tokens"] + o["recent_window"], math.ceil(o["kept_ratio"] * seen))
+
+    def _due(self, stored: int, seen: int, new: int) -> bool:
+        """Whether a sequence storing `stored` tokens of the `seen` it was fed evicts after a
+        step of `new` tokens. Amortized: after a prefill chunk at once, while decoding once a
+        block's worth is due, and never before the slack is used up (a packed format's
+        compaction re-quantizes)."""
+        budget = self._budget_at(seen)
+        excess = stored - budget
+        due = max(1, math.ceil(self._slack * budget))
+        return not (excess < due or (excess < self.pool.block_size and new == 1))
+
+    def sequential(self, seq_id: int, past: int, steps: int) -> int:
+        # Decode steps of a scorer with nothing to do per layer, up to and with the first one
+        # after which tokens are evicted: the eviction then comes after the same token, with
+        # the same scores (the run's log-probabilities arrive with it, `observe_logprobs`).
+        if self.scorer in ("knorm", "h2o", "tova") or seq_id not in self._seen:
+            return 1
+        if self._waits(seq_id) or self._awaiting_lp:
+            return 1
+        seen = self._seen[seq_id]
+        for j in range(1, steps + 1):
+            if self._due(past + j, seen + j, 1):
+                return j
+        return steps
 
     def _evict(self, seq_id: int) -> None:
         if self._waits(seq_id):
@@ -365,10 +391,7 @@ class PrunedSelection(Selection):
         n = pool.num_tokens(seq_id)
         budget = self.budget(seq_id)
         excess = n - budget
-        # Amortized: after a prefill chunk at once, while decoding once a block's worth is due,
-        # and never before the slack is used up (a packed format's compaction re-quantizes).
-        due = max(1, math.ceil(self._slack * budget))
-        if excess < due or (excess < pool.block_size and self._last_lens.get(seq_id, 1) == 1):
+        if not self._due(n, self._seen[seq_id], self._last_lens.get(seq_id, 1)):
             return
         if self.head is not None:
             self._score_with_head(seq_id)
@@ -417,7 +440,9 @@ class PrunedSelection(Selection):
             if sid in self._seen:
                 self._evict(sid)
         self._awaiting_lp = []
-        self._last_lens = dict(zip(batch.seq_ids, batch.query_lens, strict=True))
+        # (a sequential step's rows are decode steps of one token each)
+        lens = [1] * len(batch.seq_ids) if batch.sequential else batch.query_lens
+        self._last_lens = dict(zip(batch.seq_ids, lens, strict=True))
         self._more = dict(zip(batch.seq_ids, batch.more_prompt, strict=True))
         # Batch positions observed this step: once per sequence, at its prompt's end (rows, not
         # one decode token); worked out once per step, not per layer.
@@ -425,7 +450,8 @@ class PrunedSelection(Selection):
             i for i, (sid, n, more) in enumerate(zip(batch.seq_ids, batch.query_lens,
                                                      batch.more_prompt, strict=True))
             if n > 1 and not more and sid not in self._observed
-        ] if self.scorer in OBSERVING and self.opts["observe_window"] else []  # fmt: skip
+        ] if self.scorer in OBSERVING and self.opts["observe_window"] and not batch.sequential \
+            else []  # fmt: skip
 
     def forget(self, seq_id: int) -> None:
         self._scores.pop(seq_id, None)

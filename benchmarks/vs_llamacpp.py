@@ -56,13 +56,14 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> tuple[fl
     return float(json.loads(run.stdout)[0]["avg_ts"]), note
 
 
-def unikv_decode(model, tok, strategy: str, depth: int, n: int) -> float:
-    """tokens/s of n greedy decode steps after a `depth`-token prefill (16 at least)."""
+def unikv_decode(model, tok, strategy: str, depth: int, n: int, per_call: int = 1) -> float:
+    """tokens/s of n greedy decode steps after a `depth`-token prefill (16 at least), up to
+    `per_call` steps a native call (multi-step decoding; 1: a step a call)."""
     kv = build(model, tok, strategy)
     try:
         ids = context_ids(tok, max(16, depth))
         first = prefill(model, kv, ids, 0)
-        return n / decode(model, kv, first, len(ids), n, 0)
+        return n / decode(model, kv, first, len(ids), n, 0, per_call=per_call)
     finally:
         kv.close()
 
@@ -89,6 +90,10 @@ def main() -> None:
         "--kinds", nargs="*", default=kinds, choices=kinds, help="decode and prefill cases' weights"
     )
     p.add_argument("--threads", type=int, default=2, help="both engines' threads")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="unikv's batch-1 decode rows: up to this many steps a native call "
+                        "(multi-step decoding, as `unikv run`; default 1: a step a call, as "
+                        "llama-bench's)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t = args.threads
@@ -113,7 +118,8 @@ def main() -> None:
             m, tok = model(kind, weights)
             cases.append((f"decode b1, {kind} weights (unikv --weights {weights})",
                           lambda f=files[kind]: llama_bench(bins, f, t, "-p", "0", "-n", str(n)),
-                          lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n), m))  # fmt: skip
+                          lambda m=m, tok=tok: unikv_decode(m, tok, "full", 16, n,
+                                                            args.decode_steps), m))  # fmt: skip
     if "prefill" not in args.skip:
         for kind, weights in (("F32", "float32"), ("Q8_0", "native"), ("Q4_1", "native")):
             if kind not in args.kinds:
@@ -154,6 +160,7 @@ def main() -> None:
     report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio",
                                 "llama_cpp_note"],
            {"new_tokens": n, "repeats": args.repeats, "threads": t,
+            "decode_steps": args.decode_steps,
             "llama_cpp": str(bins)})  # fmt: skip
 
 

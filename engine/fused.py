@@ -300,7 +300,19 @@ def _describe_step(model):
         step.embed, step.embed_rows, step.embed_nb = table.data_ptr(), *table.shape[:2]
         step.embed_fmt = gemv.FORMAT_CODE[w.qtype] | (gemv.ROWS16 if w.rows16 is not None else 0)
         keep.append(table)
+    table = getattr(w, "weight", None)  # a float32 table: its rows copied (decode_steps reads
+    if not embeds and _float_table(table) and gemv.unavailable() is None:  # each step's in C)
+        step.embed, step.embed_fmt = table.data_ptr(), gemv.F32_ROWS
+        step.embed_rows, step.embed_nb = table.shape[0], table.shape[1] // 32
+        keep.append(table)
+        embeds = True
     return step, embeds, kind[1], keep
+
+
+def _float_table(t) -> bool:
+    """Whether `t` is a float32 embedding table gemv.c reads (rows of whole runs of 32)."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2
+            and t.is_contiguous() and t.device.type == "cpu" and t.shape[1] % 32 == 0)  # fmt: skip
 
 
 def _all_usable(model, x: torch.Tensor):

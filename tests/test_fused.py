@@ -279,8 +279,9 @@ def test_a_decode_step_in_one_call_equals_the_step_layer_by_layer(qtype, isa, mo
 
 @pytest.mark.parametrize("qtype", [None, "Q8_0", "Q4_1", "Q4_K"])
 def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, monkeypatch):
-    """model.step's native entry (gemv.c's decode_step: the embedding lookup where gemv.c reads
-    the packed table, every layer, the final norm and the output layer in one call) gives
+    """model.step's native entry (gemv.c's decode_step: the embedding lookup, from the packed
+    table or a float32 one's rows, every layer, the final norm and the output layer in one
+    call) gives
     step_python's logits (the embedding, `model.layers`, the norm and the output layer's own
     entries) for the decode steps it serves; the rest go the model's way. Float32 output
     layers take at most gemv.MAX_ROWS rows. A packed output layer rounds its input to int8 per
@@ -307,8 +308,8 @@ def test_a_whole_decode_step_in_one_call_gives_the_model_s_logits(qtype, isa, mo
     want = _serve(m, "full", m._stack)
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert _rel(got, want) < (1e-6 if qtype is None else 1e-5), _rel(got, want)
-    packed = qtype is not None
-    assert served == [(n, packed) for n in ([2, 3, 7, 5, 1] if packed else [2, 3, 1])]
+    packed = qtype is not None  # (every one reads its embedding rows in gemv.c: x is None)
+    assert served == [(n, True) for n in ([2, 3, 7, 5, 1] if packed else [2, 3, 1])]
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1"])

@@ -201,24 +201,25 @@ def test_a_cache_that_cannot_run_steps_in_sequence_says_so(strategy, options):
         kv.close()
 
 
-def test_float32_weights_run_no_sequence(model, tokenizer):
-    """The model's float32 embedding is not a table gemv.c reads (each step's input rows come
-    from Python): `decode` says None and the steps go one by one."""
+def test_float32_weights_run_in_sequence_too(model):
+    """SmolLM2 on float32 weights: gemv.c reads its float32 embedding table's rows itself
+    (`gemv.F32_ROWS`), so its decode runs too, with the tokens, logits and cache bytes of its
+    steps one call each."""
     from unikv import kvstrategies
-    from unikv.kvstrategies.kv import StepBatch
     from unikv.settings.config import PoolConfig, TierConfig
 
     cfg = PoolConfig(block_size=64, tiers=(TierConfig("device", 64 << 20),))
-    kv = kvstrategies.create("hybrid_fp16_int4", model.kv_spec(), cfg)
+    a, b = (kvstrategies.create("hybrid_fp16_int4", model.kv_spec(), cfg) for _ in range(2))
     try:
-        ids = tokenizer.encode("The quick brown fox")
-        with torch.inference_mode():
-            model.forward(torch.tensor(ids), torch.arange(len(ids)), kv, StepBatch([0], [len(ids)]))
-        assert kv.sequential(0, 8) == 8 and not model.decodes(1)
-        assert model.decode([ids[-1]], [len(ids)], kv, [0], 8) is None
-        assert kv.pool.num_tokens(0) == len(ids)
+        assert model.decodes(1)
+        tok_a, log_a, runs = _decode(model, a, {0: 50}, 24, 8)
+        tok_b, log_b, _ = _decode(model, b, {0: 50}, 24, 1)
+        assert runs == [8, 6, 8, 2]  # (the first block completes at 64 tokens)
+        assert torch.equal(tok_a, tok_b) and torch.equal(log_a, log_b)
+        _same_state(a, b, [0])
     finally:
-        kv.close()
+        a.close()
+        b.close()
 
 
 # ---- through the engine ----------------------------------------------------------------------

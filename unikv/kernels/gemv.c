@@ -2367,6 +2367,10 @@ int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int th
     return 0;
 }
 
+/* A float32 embedding table's rows, for dequant_index alone (nb: the row's runs of 32 floats):
+ * a float32 model's decode steps read their tokens' rows in C too (decode_step, decode_steps). */
+enum { F32_ROWS = 5 };
+
 /* Rows index[0 .. n) of a weight of `rows` rows, decoded as dequant_rows decodes them: y [n,
  * nb * 32 (K-quants: nb * 256)]. A tied embedding's lookup: one call for a step's tokens, which
  * reads only their rows (interleaved: 1/16 of each of their groups). 0, or -1 (a bad format, or
@@ -2374,6 +2378,14 @@ int dequant_rows(int fmt, const uint8_t *w, long rows, long nb, float *y, int th
 int dequant_index(int fmt, const uint8_t *w, long rows, long nb, const int64_t *index, int n,
                   float *y) {
     const int f = fmt & ~ROWS16, k = f == Q4_K || f == Q6_K;
+    if (fmt == F32_ROWS) { /* copied as they are */
+        if (nb < 1 || n < 0) return -1;
+        for (int i = 0; i < n; i++)
+            if (index[i] < 0 || index[i] >= rows) return -1;
+        for (int i = 0; i < n; i++)
+            memcpy(y + i * nb * 32, (const float *)w + index[i] * nb * 32, sizeof(float) * nb * 32);
+        return 0;
+    }
     if (f < Q8_0 || f > Q6_K || nb < 1 || n < 0 || ((fmt & ROWS16) && ((k && f != Q4_K) || rows % 16)))
         return -1;
     for (int i = 0; i < n; i++)
@@ -3149,8 +3161,9 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
             return -1;
         for (int i = 0; i < st->nrows; i++)
             if (st->rows[i] < 0 || st->rows[i] >= n) return -1;
+        const int ef = st->embed_fmt & ~ROWS16;
         if (st->embed != NULL &&
-            st->embed_nb * ((st->embed_fmt & ~ROWS16) >= Q4_K ? 256 : 32) != layers[0]->hidden)
+            st->embed_nb * (ef == Q4_K || ef == Q6_K ? 256 : 32) != layers[0]->hidden)
             return -1;
     }
     if (kv->own == NULL && (kv->nplaces < 0 || kv->nplaces >= MAX_PLACES)) return -1;

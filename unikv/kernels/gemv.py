@@ -35,6 +35,7 @@ GEMM_ROWS = 64  # from this many rows on, packed weights multiply by `gemm_packe
 MAX_IN = 131072  # the longest packed row gemv.c takes (32 x GEMV_MAX_BLOCKS, checked too)
 FORMAT_CODE = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # gemv.c's enums
 ROWS16 = 8  # gemv.c's flag on a format code: the blocks interleaved by 16 rows (`interleave`)
+F32_ROWS = 5  # gemv.c's code of a float32 embedding table (`dequant_index` reads its rows)
 # gemv.c's GEMV_ISA for each instruction set of kernels.isa(), and the int8 paths' names.
 ISA_CODE = {"avx512": 2, "avx2": 1, "portable": 0, "native": 0}
 I8_PATHS = {2: "avx512-vnni", 1: "avx2", 0: "portable"}

@@ -46,12 +46,12 @@ def _tiny():
     return _tiny_llama("Q4_1", context=160, packed_embedding=True)
 
 
-def _cache(m, strategy: str, options=None, host: bool = False):
+def _cache(m, strategy: str, options=None, host: bool = False, block_size: int = 16):
     from unikv import kvstrategies
     from unikv.settings.config import PoolConfig, TierConfig
 
     tiers = (TierConfig("device", 32 << 20),) + ((TierConfig("host", 1 << 20),) if host else ())
-    cfg = PoolConfig(block_size=16, tiers=tiers)
+    cfg = PoolConfig(block_size=block_size, tiers=tiers)
     return kvstrategies.create(strategy, m.kv_spec(), cfg, options)
 
 
@@ -146,6 +146,26 @@ def test_a_run_equals_its_steps_one_by_one(strategy, options, isa):
             # on chooses, one a call
             assert runs[-16:] == [1] * 16 and a.selection.counts["sparse_reads"] > 0
         assert ends[-1] == 60
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_run_across_a_key_group_equals_its_steps():
+    """Blocks of 48 tokens and the sparse selection's 4-bit keys in groups of 32 (choosing
+    nothing: a budget of 400 tokens): runs cross a key group's end (20 + 8 + 8 = 36), where the
+    group's keys are quantized at the run's end instead of kept (`_add_keys`); the summaries
+    come out the same bytes as its steps', and so do tokens, logits and side buffers."""
+    m = _tiny()
+    opts = {"budget_tokens": 400, "sink_tokens": 1, "recent_window": 1, "dense_layers": 0,
+            "key_group": 32}  # fmt: skip
+    a, b = (_cache(m, "hybrid+resident+sparse", opts, block_size=48) for _ in range(2))
+    try:
+        tok_a, log_a, runs = _decode(m, a, {0: 20, 1: 9}, 60, 8)
+        tok_b, log_b, _ = _decode(m, b, {0: 20, 1: 9}, 60, 1)
+        assert runs[:3] == [8, 8, 8]  # (the second crosses 32)
+        assert torch.equal(tok_a, tok_b) and torch.equal(log_a, log_b)
+        _same_state(a, b, [0, 1])
     finally:
         a.close()
         b.close()

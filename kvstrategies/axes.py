@@ -366,9 +366,9 @@ class Placement(_Axis):
     def after_step(self, step: Step) -> None:
         """The step's layers are done (before its tokens are committed)."""
         b = step.batch
-        # a prefill's blocks (a sequential step's rows are decode steps)
-        prefills = () if b.sequential else zip(b.seq_ids, b.query_lens, strict=True)
-        self._pending_persist = {sid for sid, n in prefills if n > 1}
+        self._pending_persist = {  # a prefill's blocks
+            sid for sid, n in zip(b.seq_ids, b.chunk_lens, strict=True) if n > 1
+        }
 
     def abort(self) -> None:
         """Forget the step after a failure."""

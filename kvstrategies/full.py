@@ -92,8 +92,7 @@ class DenseFormat(Format):
         # layer, where PyTorch's attention costs more in dispatch and reads slower
         # (BENCHMARKS.md, "Decode attention in one C call")
         self._every: list[torch.Tensor] | None = None
-        rows = 1 if batch.sequential else max(batch.query_lens)  # (a sequential step: one a call)
-        if self._in_place and self._cpu and rows <= DECODE_ROWS:
+        if self._in_place and self._cpu and max(batch.chunk_lens) <= DECODE_ROWS:
             self._every = [self._all_blocks(-(-(p + n) // bs)) for _, p, n in seqs]
         self._seqs, self._runs = seqs, None  # (`_kv_pieces` makes the runs when it reads them)
         if step.groups is None:
@@ -126,10 +125,8 @@ class DenseFormat(Format):
         # A decode step of a float32 cache whose C attention serves: every layer's arena is one
         # [P, Hkv, slots, D] array, `layer_bytes` after the one before. Tiered, the host tier's
         # arena is read in place the same way; a step that stages blocks goes layer by layer.
-        if self._every is None or not self._native:
+        if self._every is None or not self._in_c():
             return None
-        if self.operators["attention.blocks"].active.name != "c":
-            return None  # not built here, or switched off: PyTorch's attention, layer by layer
         places, where = (), None
         if step.groups is not None:
             tiers = self._tier_places(step)
@@ -144,12 +141,15 @@ class DenseFormat(Format):
             places=places, where=where,
         )  # fmt: skip
 
+    def _in_c(self) -> bool:
+        """Whether a decode step's attention can be the C kernel's, reading the arenas in place
+        (not built here, or switched off: PyTorch's attention, layer by layer)."""
+        return self._native and self._cpu and self.operators["attention.blocks"].active.name == "c"
+
     def sequential(self, past: int, steps: int) -> int:
         # Up to the end of the block being filled: each row writes its slot, and a sub-step's
         # attention reads the step's blocks masked past its row's position (sparse.c).
-        if not (self._native and self._cpu):
-            return 1
-        if self.operators["attention.blocks"].active.name != "c":
+        if not self._in_c():
             return 1
         bs = self.pool.block_size
         return max(1, min(steps, bs - past % bs))

@@ -355,21 +355,20 @@ class PackedFormat(Format):
         # slot: with the step's keys and values, which it then keeps too, `finish` packs it as
         # `append` would (`_complete_native`). Why: such a step went layer by layer, 9-12 ms
         # more than the 4.4 of a SmolLM2 step, once per 64 tokens of the default strategy.
+        if step.groups is not None or not self._hooks():
+            return None
         lib = self.attention.kernel
-        if lib is None or step.groups is not None or self.spec.latent or self.spec.query_group < 1:
-            return None
-        if self.operators["attention.hybrid"].active.name != "c":
-            return None
         b, g, T, S = step.batch, self.spec.query_group, self.T, self.S
         tail: list[int] = []
         sink: list[int] = []
         completes = False
-        for seq, past, n in zip(self._seqs, step.past, b.query_lens, strict=True):
+        for seq, past, n, chunk in zip(self._seqs, step.past, b.query_lens, b.chunk_lens,
+                                       strict=True):  # fmt: skip
             ends = (past + n) // T != past // T  # it completes a block (its last row must)
-            rows = 1 if b.sequential else n  # rows of one kernel call
-            if (ends and (past + n) % T) or g * rows > _KERNEL_MAX_ROWS:
+            # (chunk: the rows of one kernel call)
+            if (ends and (past + n) % T) or g * chunk > _KERNEL_MAX_ROWS:
                 return None
-            if g * rows * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
+            if g * chunk * (seq.hi - seq.lo + n) > _DENSE_KERNEL_LIMIT:
                 return None
             at = S + past - seq.nb * T  # as `_flush` writes them (a completed block: nowhere)
             if ends and b.sequential:  # each row written as its own decode step writes it
@@ -420,15 +419,17 @@ class PackedFormat(Format):
         return NativeHook(hook, ctypes.addressof(c), b.offsets, (c, keep, seqs),
                           past=list(step.past))  # fmt: skip
 
+    def _hooks(self) -> bool:
+        """Whether a step can be `hybrid_attend.c`'s hybrid_layer's: its C kernel built and
+        serving (`attention.hybrid`), a cache of keys and values, the query group known."""
+        if self.attention.kernel is None or self.spec.latent or self.spec.query_group < 1:
+            return False
+        return self.operators["attention.hybrid"].active.name == "c"
+
     def sequential(self, past: int, steps: int) -> int:
         # Up to the row that completes the block being filled: a block completes only with a
         # sequence's last row (the rule of `native_step`; `finish` packs it).
-        lib = self.attention.kernel
-        if lib is None or self.spec.latent or self.spec.query_group < 1:
-            return 1
-        if self.operators["attention.hybrid"].active.name != "c":
-            return 1
-        return max(1, min(steps, self.T - past % self.T))
+        return max(1, min(steps, self.T - past % self.T)) if self._hooks() else 1
 
     def _keep_values(self, c, completes: bool) -> None:
         """The step's values kept too where it completes a block (`finish` packs it)."""

@@ -70,6 +70,13 @@ class StepBatch:
         """Rows of sequence number `i` (in batch order) in the packed tensors."""
         return slice(self.offsets[i], self.offsets[i + 1])
 
+    @property
+    def chunk_lens(self) -> list[int]:
+        """Per sequence, its new tokens the model computes together, as one chunk: its
+        `query_lens`, or 1 in a sequential step (each row its own decode step). What tells a
+        prefill chunk (more than 1) from a decode step."""
+        return [1] * len(self.seq_ids) if self.sequential else self.query_lens
+
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:

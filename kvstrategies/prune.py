@@ -297,9 +297,9 @@ class PrunedSelection(Selection):
         for sid, n in zip(b.seq_ids, b.query_lens, strict=True):
             self._seen[sid] = self._seen.get(sid, 0) + n
             self.seen_total += n
-        if self.scorer in OBSERVING and self.opts["observe_window"] and not b.sequential:
+        if self.scorer in OBSERVING and self.opts["observe_window"]:
             self._observed.update(
-                sid for sid, n, more in zip(b.seq_ids, b.query_lens, b.more_prompt, strict=True)
+                sid for sid, n, more in zip(b.seq_ids, b.chunk_lens, b.more_prompt, strict=True)
                 if n > 1 and not more
             )  # fmt: skip
         if self.wants_token_logprobs:  # after the scores arrive (observe_logprobs) ...
@@ -440,18 +440,15 @@ class PrunedSelection(Selection):
             if sid in self._seen:
                 self._evict(sid)
         self._awaiting_lp = []
-        # (a sequential step's rows are decode steps of one token each)
-        lens = [1] * len(batch.seq_ids) if batch.sequential else batch.query_lens
-        self._last_lens = dict(zip(batch.seq_ids, lens, strict=True))
+        self._last_lens = dict(zip(batch.seq_ids, batch.chunk_lens, strict=True))
         self._more = dict(zip(batch.seq_ids, batch.more_prompt, strict=True))
         # Batch positions observed this step: once per sequence, at its prompt's end (rows, not
         # one decode token); worked out once per step, not per layer.
         self._ends = [
-            i for i, (sid, n, more) in enumerate(zip(batch.seq_ids, batch.query_lens,
+            i for i, (sid, n, more) in enumerate(zip(batch.seq_ids, batch.chunk_lens,
                                                      batch.more_prompt, strict=True))
             if n > 1 and not more and sid not in self._observed
-        ] if self.scorer in OBSERVING and self.opts["observe_window"] and not batch.sequential \
-            else []  # fmt: skip
+        ] if self.scorer in OBSERVING and self.opts["observe_window"] else []  # fmt: skip
 
     def forget(self, seq_id: int) -> None:
         self._scores.pop(seq_id, None)

@@ -2378,18 +2378,16 @@ enum { F32_ROWS = 5 };
 int dequant_index(int fmt, const uint8_t *w, long rows, long nb, const int64_t *index, int n,
                   float *y) {
     const int f = fmt & ~ROWS16, k = f == Q4_K || f == Q6_K;
+    if (fmt != F32_ROWS && (f < Q8_0 || f > Q6_K || ((fmt & ROWS16) && ((k && f != Q4_K) || rows % 16))))
+        return -1;
+    if (nb < 1 || n < 0) return -1;
+    for (int i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= rows) return -1;
     if (fmt == F32_ROWS) { /* copied as they are */
-        if (nb < 1 || n < 0) return -1;
-        for (int i = 0; i < n; i++)
-            if (index[i] < 0 || index[i] >= rows) return -1;
         for (int i = 0; i < n; i++)
             memcpy(y + i * nb * 32, (const float *)w + index[i] * nb * 32, sizeof(float) * nb * 32);
         return 0;
     }
-    if (f < Q8_0 || f > Q6_K || nb < 1 || n < 0 || ((fmt & ROWS16) && ((k && f != Q4_K) || rows % 16)))
-        return -1;
-    for (int i = 0; i < n; i++)
-        if (index[i] < 0 || index[i] >= rows) return -1;
     const long row = nb * (k ? k_block_bytes(f) : block_bytes(f)), in = nb * (k ? 256 : 32);
     for (int i = 0; i < n; i++) {
         if (fmt & ROWS16)

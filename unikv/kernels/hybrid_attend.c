@@ -682,15 +682,6 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
     if (KLAT || (seq_rows && (n != st->nseq || sub < 0))) return -1;
     for (int s = 0; seq_rows && s < st->nseq; s++)
         if (st->rows[s] + sub >= st->rows[s + 1]) return -1;
-    for (int s = 0; s < st->nseq; s++) { /* the rows kept, at their place in the whole step */
-        const long r0 = seq_rows ? st->rows[s] + sub : st->rows[s];
-        const long t = seq_rows ? 1 : st->rows[s + 1] - st->rows[s];
-        const long i0 = seq_rows ? s : st->rows[s]; /* its first row in this call */
-        if (st->keys)
-            memcpy(st->keys + (layer * total + r0) * hd, k + i0 * hd, sizeof(float) * t * hd);
-        if (st->values)
-            memcpy(st->values + (layer * total + r0) * hd, v + i0 * hd, sizeof(float) * t * hd);
-    }
     const int64_t *korder = st->korder + layer * hd, *vorder = st->vorder + layer * hd;
     float *kp = malloc(sizeof(float) * 2 * n * hd);
     if (kp == NULL) return -1;
@@ -709,6 +700,10 @@ int hybrid_layer(const hybrid_step_t *st, int layer, const float *q, const float
         const long r0 = seq_rows ? st->rows[s] + sub : st->rows[s];
         const long t = seq_rows ? 1 : st->rows[s + 1] - st->rows[s], i0 = seq_rows ? s : r0;
         const long na = st->na[s] + (seq_rows ? sub : 0); /* and the rows before, written */
+        if (st->keys) /* the rows kept, at their place in the whole step */
+            memcpy(st->keys + (layer * total + r0) * hd, k + i0 * hd, sizeof(float) * t * hd);
+        if (st->values)
+            memcpy(st->values + (layer * total + r0) * hd, v + i0 * hd, sizeof(float) * t * hd);
         _Float16 *kd = (_Float16 *)(intptr_t)st->dense[s] + 2 * part * layer, *vd = kd + part;
         const int64_t *blocks = (const int64_t *)(intptr_t)st->blocks[s];
         int64_t nb = st->nb[s], bstride = 0, *picked = NULL;

@@ -16,6 +16,7 @@ from unikv.memory import hugepages
 
 from . import (
     fused,  # (registers layer.qkv, layer.out and model.layers)
+    graphs,  # noqa: F401 (registers model.layers' CUDA graphs)
     linear,
 )
 from .config import ModelConfig

@@ -2,7 +2,8 @@
 
 A server's first request used to pay for what only the first one pays: page faults on the
 weights, first touch of the KV arena, the C kernels loaded and their breakers calibrating,
-PyTorch's first calls at each shape. `warm_up` runs one request of `prompt_tokens` prompt
+PyTorch's first calls at each shape, on CUDA the capture of the step's graphs (engine.graphs:
+every batch bucket's is captured here). `warm_up` runs one request of `prompt_tokens` prompt
 tokens and `new_tokens` new ones (a prompt chunk and decode steps) before the server reports
 ready (`unikv serve` and each replica run it at start-up; `serving.app.Server` waits for it
 before it answers at all). Its blocks are never shared (no prefix lookup, nothing published or
@@ -19,7 +20,7 @@ import time
 
 from unikv.kvstrategies.calibration import WARMUP_TEXT
 
-from . import compute
+from . import compute, graphs
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ async def warm_up(
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     await engine.submit(ids, params, share_prefix=False).result()
     await compute.run(engine.scheduler.forget_timing)
+    captured = await compute.run(graphs.capture_buckets, engine.model)  # CUDA: every bucket
+    if captured:
+        log.info("warm-up: CUDA graphs captured for %d batch sizes", captured)
     seconds = time.perf_counter() - t0
     log.info("warm-up: %d prompt tokens and %d new in %.2f s", len(ids), new_tokens, seconds)
     return seconds

@@ -86,6 +86,7 @@ OTHER_ENV = frozenset(
         "UNIKV_API_KEY",
         "UNIKV_CHECK_OWNER",
         "UNIKV_HUGE_PAGES",
+        "UNIKV_CUDA_GRAPHS",
         "UNIKV_LOG_LEVEL",
         "UNIKV_STORE_SECRET",
     }  # fmt: skip

@@ -96,3 +96,116 @@ async def test_the_engine_generates_on_cuda_as_on_the_cpu(tiny):
             assert e.kv.pool.arena("kv").device.type == model.device.type
     agree = sum(a == b for x, y in zip(*out, strict=True) for a, b in zip(x, y, strict=True))
     assert agree >= 0.8 * 32, out  # float32 on both; a near-tie of random weights may flip
+
+
+# ---- CUDA graphs (engine.graphs): the step's regions captured per batch bucket ----
+
+
+def _tiny_gpu(tmp_path_factory, graphs_on: bool):
+    """The tiny model on the GPU, a model of its own (its graphs and breakers its own)."""
+    from unikv.engine import graphs
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.model import LlamaModel
+
+    from . import tinygguf
+
+    path = tmp_path_factory.mktemp("tiny_gpu") / "tiny.gguf"
+    tinygguf.write(path, "F32")
+    cfg, tensors, _ = load_gguf(path, progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        if not graphs_on:  # the entry's availability is decided when the breaker is made
+            mp.setenv(graphs.OFF_ENV, "0")
+        return LlamaModel(cfg, tensors, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def eager_gpu(tmp_path_factory):
+    return _tiny_gpu(tmp_path_factory, graphs_on=False)
+
+
+def _scores(model, name: str):
+    from unikv.engine.assembly import build_kv
+    from unikv.engine.evaluate import perplexity
+
+    ids = torch.randint(0, model.cfg.vocab_size, (110,), generator=torch.Generator().manual_seed(5))
+    kv = build_kv(model.kv_spec(), name, device="cuda").strategy
+    out: list[torch.Tensor] = []
+    res = perplexity(model, ids.tolist(), kv, prefill=45, chunk=13, logits_out=out)
+    return res, torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["full", "hybrid_fp16_int4", "hybrid+resident+pruned"])
+def test_cuda_graphs_score_as_the_eager_step(tiny, eager_gpu, name):
+    """Prefill 45 rows, chunks of 13 (buckets 48 and 16, with padding rows): the same logits
+    and PPL as the eager step on the same GPU, the same bytes stored; every bucket used holds
+    a graph per region (layers + 1)."""
+    gpu = tiny[1]
+    assert gpu._stack.active.name == "graphs" and eager_gpu._stack.active.name == "python"
+    (a, la), (b, lb) = _scores(eager_gpu, name), _scores(gpu, name)
+    assert b.kv_bytes == a.kv_bytes and abs(b.ppl / a.ppl - 1) < 1e-5
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+    assert {16, 48} <= set(gpu._step_graphs)
+    assert all(len(g.graphs) == gpu.cfg.num_layers + 1 for g in gpu._step_graphs.values())
+    assert gpu._stack.report()["fallbacks"] == 0
+
+
+async def test_cuda_graphs_batch_requests_as_the_eager_step(tiny, eager_gpu):
+    """Three requests at once (decode steps of 3 rows: bucket 4), greedy: the tokens of the
+    eager step on the same GPU."""
+    import asyncio
+
+    from unikv.engine.engine import Engine
+    from unikv.engine.sampling import SamplingParams
+
+    _, gpu, tok = tiny
+    prompts = [[5, 17, 200, 3, 44, 9, 120], list(range(30, 90)), [7, 7, 8]]
+    out = []
+    for model in (eager_gpu, gpu):
+        async with Engine(model, tok) as e:
+            params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+            done = await asyncio.gather(*(e.generate(p, params) for p in prompts))
+            out.append([r.token_ids for r in done])
+    agree = sum(a == b for x, y in zip(*out, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree >= 0.95 * 48, out  # the same ops; a product's last bits may flip a near-tie
+    assert 4 in gpu._step_graphs and gpu._stack.report()["fallbacks"] == 0
+
+
+def test_a_capture_that_fails_falls_back_to_the_eager_step(tmp_path_factory, eager_gpu,
+                                                          monkeypatch):  # fmt: skip
+    """The breaker serves the step eagerly (the capture fails before the strategy is touched,
+    so the call runs again whole) and the kernels report says so."""
+    from unikv.engine import graphs
+
+    gpu = _tiny_gpu(tmp_path_factory, graphs_on=True)
+
+    def refuse(self, pool):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr(graphs.StepGraphs, "_capture", refuse)
+    (a, la), (b, lb) = _scores(eager_gpu, "full"), _scores(gpu, "full")
+    torch.testing.assert_close(lb, la, rtol=0, atol=0)
+    assert b.ppl == a.ppl
+    report = gpu._stack.report()
+    assert report["active"] == "python" and report["fallbacks"] == 1
+    assert "graphs" in report["switched_off"]
+
+
+async def test_warm_up_captures_every_bucket(tmp_path_factory):
+    """`unikv serve`'s warm-up captures the graphs of every batch bucket, so no request pays
+    for a capture; the model's steps then run through them."""
+    from unikv.engine import graphs
+    from unikv.engine.engine import Engine
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.tokenizer import GGUFTokenizer
+    from unikv.engine.warmup import warm_up
+
+    from . import tinygguf
+
+    path = tmp_path_factory.mktemp("tiny_warm") / "tiny.gguf"
+    tinygguf.write(path, "F32")
+    _, _, reader = load_gguf(path, progress=False)
+    gpu = _tiny_gpu(tmp_path_factory, graphs_on=True)
+    async with Engine(gpu, GGUFTokenizer(reader, str(path))) as e:
+        await warm_up(e, prompt_tokens=20, new_tokens=2)
+        assert set(gpu._step_graphs) == set(graphs.BUCKETS)
+        assert graphs.capture_buckets(gpu) == 0  # nothing left to capture

@@ -38,7 +38,8 @@ cores, Python 3.11): about 0.25 us per call (one counter and one branch; one cal
 breaker adds about 0.06 ms to a 20-40 ms step (0.2-0.3%).
 
 NOTE: not thread-safe: the engine runs every op on its one compute thread (engine.compute).
-On CUDA the timed calls synchronize the device first, so latency is the kernel's, not its launch.
+On CUDA the timed calls synchronize the device first, so latency is the kernel's, not its launch;
+while a CUDA graph is being captured (engine.graphs) no call is timed.
 """
 
 from __future__ import annotations
@@ -281,6 +282,13 @@ class Breaker:
     def _timed(self, args: tuple) -> Any:
         self._select()
         i = self._active
+        if self._sync and torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph's capture (engine.graphs) nothing may synchronize, and the
+            # clock would time the recording, not the kernels: the call is served untimed
+            try:
+                return self._fn(*args)
+            except Exception as e:
+                return self._failed(i, e, args)
         if self._sync:
             torch.cuda.synchronize()
         t0 = self._clock()

@@ -1,0 +1,224 @@
+"""A decode step's dense work as CUDA graphs, with the KV seam as their only break (issue 34).
+
+What lives here: `StepGraphs` (a Llama model's layers for one batch bucket of rows as L + 1
+captured regions) and the `model.layers` registry entry `graphs` (CUDA) that runs a step
+through them. What does not: the ops a region is made of (`engine.fused`'s `qkv_ops` and
+`out_ops`, each matmul, norm and rope through its own registry entry), attention (the KV
+strategy's `append` and `attend`, run as they are between two regions).
+
+Why: on a GPU a small model's decode step is bound by kernel launches, not by the device: a
+Llama layer is about fifteen kernels (norms, three products, RoPE, SiLU, adds) and each costs
+the Python, the dispatcher and the launch of one call. Captured once per batch bucket, a
+region is one `replay()`; the CPU does the same job with one native call per step
+(`engine.fused`), and both keep the strategy's attention a plug point.
+
+The regions, as gemv.c's decode_layers splits a step: region 0 is layer 0's norm, QKV
+projection and RoPE; region r (0 < r < L) is layer r - 1's output projection, residual, norm
+and MLP and then layer r's norm, QKV projection and RoPE; region L is the last layer's output
+half. Between region r and r + 1 the strategy appends layer r's keys and values and attends,
+eagerly, and its output is copied into the static buffer region r + 1 reads.
+
+Rows: a step of n rows runs in the smallest bucket (`BUCKETS`) that holds it; the rows past
+n are padding (positions 0, whatever values the buffers hold): every op of a region works row
+by row, so they never reach the n real rows, and only the real rows go to the KV seam. A step of
+more rows than the largest bucket (a long prefill chunk, where launches are a small part) takes
+the eager path (`fused.layers_python`) inside the same call.
+
+Captured on first use of a bucket (the engine's warm-up covers batch 1), after one eager
+warm-up run on a side stream (what PyTorch asks: cuBLAS's workspaces and every lazy
+initialization happen outside the capture). A breaker that switches an op's implementation
+(`operators.switches`) makes the graphs stale: they are captured again. The captured numbers
+are those of the same ops run eagerly on the bucket's rows; against the eager step of n rows,
+the products may differ in their last bits (cuBLAS chooses its kernel by the row count).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from bisect import bisect_left
+
+import torch
+
+from unikv.kernels.operators import FnImplementation, register, switches
+
+from .fused import layers_python, out_ops, qkv_ops
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # batch sizes captured (vLLM's: 1, 2, 4, 8k)
+OFF_ENV = "UNIKV_CUDA_GRAPHS"  # "0": the `graphs` entry is unavailable (vLLM's --enforce-eager)
+
+
+def bucket(n: int) -> int | None:
+    """The smallest bucket holding n rows, or None past the largest."""
+    i = bisect_left(BUCKETS, n)
+    return BUCKETS[i] if n >= 1 and i < len(BUCKETS) else None
+
+
+class StepGraphs:
+    """The layers of `model` for steps of up to `rows` rows (one bucket) as L + 1 regions around
+    the KV seam, each captured as a CUDA graph (`capture=True`: a CUDA model) or run eagerly on
+    the same static buffers (`capture=False`: what the CPU tests run, the same code but for
+    the capture and the replay).
+
+    Static buffers: x (the step's input rows), pos (their positions), attn (the attention of the
+    layer before the region, written between regions); each region's outputs are its own
+    tensors ((x, q, k, v) for r < L, (x,) for the last), kept, and read by the next region
+    (x) and the KV seam (q, k, v)."""
+
+    def __init__(self, model, rows: int, capture: bool, pool=None) -> None:
+        cfg = model.cfg
+        dev, dtype = model.device, model.dtype
+        self.model, self.rows, self.layers = model, rows, cfg.num_layers
+        self.x = torch.zeros(rows, cfg.hidden_size, device=dev, dtype=dtype)
+        self.pos = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.attn = torch.zeros(rows, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
+        self.outs: list[tuple[torch.Tensor, ...]] = []
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.epoch = switches()
+        if capture:
+            self._capture(pool)
+        else:  # every region once, so each has outputs for the next to read
+            for r in range(self.layers + 1):
+                self.outs.append(self._region(r))
+
+    def _region(self, r: int) -> tuple[torch.Tensor, ...]:
+        """Region r's ops on the static buffers (and region r - 1's x)."""
+        m = self.model
+        x = self.x if r == 0 else self.outs[r - 1][0]
+        if r > 0:
+            x = out_ops(m, r - 1, x, self.attn)
+        if r == self.layers:
+            return (x,)
+        return (x, *qkv_ops(m, r, x, self.pos))
+
+    def _capture(self, pool) -> None:
+        rope = self.model.rope
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, eagerly: lazy initializations happen here
+            for r in range(self.layers + 1):
+                self.outs.append(self._region(r))
+        torch.cuda.current_stream().wait_stream(side)
+        self.outs.clear()
+        for r in range(self.layers + 1):
+            graph = torch.cuda.CUDAGraph()
+            # RotaryTable keeps the last positions' cos and sin: each region gathers its own
+            # (inside its graph), and no eager call later reads a graph's tensors.
+            rope._last = None
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = self._region(r)
+            rope._last = None
+            self.graphs.append(graph)
+            self.outs.append(out)
+
+    def _replay(self, r: int) -> None:
+        if self.graphs:
+            self.graphs[r].replay()
+            return
+        if r == 0:  # `pos` is the same tensor every step, with new values: gathered anew
+            self.model.rope._last = None
+        self.outs[r] = self._region(r)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """The step's rows x [n, hidden] (n <= rows) at `positions` through every layer, the
+        strategy appending and attending between regions: the rows out [n, hidden]."""
+        n = x.shape[0]
+        self.x[:n].copy_(x)
+        self.pos[:n].copy_(positions)
+        for r in range(self.layers + 1):
+            self._replay(r)
+            if r == self.layers:
+                break
+            _, q, k, v = self.outs[r]
+            kv.append(r, k[:n], v[:n])
+            self.attn[:n].copy_(kv.attend(r, q[:n]).reshape(n, *self.attn.shape[1:]))
+        return self.outs[self.layers][0][:n].clone()
+
+
+def _graphs(model, rows: int) -> StepGraphs:
+    """The model's graphs for a bucket: captured on first use, and again after a breaker
+    switched an implementation (the graphs hold the kernels chosen when they were captured)."""
+    kept = model.__dict__.setdefault("_step_graphs", {})
+    got = kept.get(rows)
+    if got is None or got.epoch != switches():
+        kept.pop(rows, None)
+        pool = model.__dict__.get("_graph_pool")
+        if pool is None:
+            pool = model.__dict__["_graph_pool"] = torch.cuda.graph_pool_handle()
+        got = kept[rows] = StepGraphs(model, rows, capture=True, pool=pool)
+    return got
+
+
+def capture_buckets(model) -> int:
+    """Capture every bucket's graphs not captured yet, where the model's step runs through
+    them (its `model.layers` serves from `graphs`); the number of buckets captured. The
+    warm-up's (engine.warmup): a server's first step at a new batch size would otherwise pay
+    for its capture. A capture that fails is logged and left: the first step in that bucket
+    tries again and, failing, falls back (the breaker)."""
+    stack = getattr(model, "_stack", None)
+    if getattr(getattr(stack, "active", None), "name", None) != "graphs":
+        return 0
+    done = 0
+    with torch.inference_mode():
+        for rows in BUCKETS:
+            got = model.__dict__.get("_step_graphs", {}).get(rows)
+            if got is not None and got.epoch == switches():
+                continue
+            try:
+                _graphs(model, rows)
+            except Exception as e:  # (the step's own call will fall back)
+                log.warning("CUDA graphs: capturing %d rows failed (%s); left to the step", rows, e)
+                return done
+            done += 1
+    return done
+
+
+def layers_graphs(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    """`model.layers` through the bucket's CUDA graphs (`StepGraphs`), or, for a step of more
+    rows than the largest bucket, `layers_python` in the same call. A capture that fails
+    raises before the strategy is touched: the breaker then serves the step eagerly."""
+    rows = bucket(x.shape[0])
+    if rows is None:
+        return layers_python(model, x, positions, kv)
+    return _graphs(model, rows).run(x, positions, kv)
+
+
+def enabled() -> bool:
+    """Whether `UNIKV_CUDA_GRAPHS` lets the entry serve: unset, "" or "1" (the default) yes,
+    "0" no; ValueError for any other value (a typo must not pass for either)."""
+    switch = os.environ.get(OFF_ENV, "1").strip()
+    if switch not in ("0", "1", ""):
+        raise ValueError(f"{OFF_ENV}={switch!r}: expected 0 (CUDA steps run eagerly) or 1 (through "
+                         "CUDA graphs where they can, the default)")  # fmt: skip
+    return switch != "0"
+
+
+def _available(device: torch.device, owner: object) -> str | None:
+    if device.type != "cuda":
+        return "CUDA only"
+    if not enabled():
+        return f"turned off ({OFF_ENV}=0)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if getattr(owner, "_qkv", None) is None:  # DeepSeek: MLA and MoE layers of its own
+        return "Llama layers only"
+    return None
+
+
+def _register() -> None:
+    register(FnImplementation("model.layers", "graphs", layers_graphs, ("cuda",), _available), 5)
+
+
+_register()
+
+__all__ = [
+    "BUCKETS",
+    "OFF_ENV",
+    "StepGraphs",
+    "bucket",
+    "capture_buckets",
+    "enabled",
+    "layers_graphs",
+]

@@ -6,6 +6,7 @@
 #                               .devwheels/ (ignored by git: `echo /.devwheels/ >> .git/info/exclude`)
 #   there: .ci/cuda.sh run      (device run, carry [".devwheels"]) installs them and the project
 #                               without dependencies, then runs every CUDA test
+#   there: .ci/cuda.sh bench    the same install, then benchmarks/cuda_graphs.py (its options)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -20,13 +21,17 @@ fetch)
         "protobuf>=7.35.1" "pytest-asyncio>=0.23" "tokenizers>=0.23.1" "safetensors>=0.8" \
         pyyaml "prometheus-client>=0.20" "tqdm>=4.66"
     ;;
-run)
+run | bench)
     export PYTHONUNBUFFERED=1
     python3 -m pip install -q --no-index --no-deps .devwheels/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+    if [ "$1" = bench ]; then  # the CUDA graphs' figures (benchmarks/cuda_graphs.py)
+        shift
+        exec python3 benchmarks/cuda_graphs.py "$@"
+    fi
     python3 -m pytest -q -p no:cacheprovider -rs -m cuda \
         --deselect tests/test_cuda.py::test_cuda_engine_matches_cpu_greedy \
         tests/test_cuda.py tests/test_operators.py tests/test_experts.py
     ;;
-*) echo "usage: .ci/cuda.sh fetch | run" >&2; exit 2 ;;
+*) echo "usage: .ci/cuda.sh fetch | run | bench [cuda_graphs.py's options]" >&2; exit 2 ;;
 esac

@@ -67,7 +67,7 @@ class StepGraphs:
     tensors ((x, q, k, v) for r < L, (x,) for the last), kept, and read by the next region
     (x) and the KV seam (q, k, v)."""
 
-    def __init__(self, model, rows: int, capture: bool, pool=None) -> None:
+    def __init__(self, model, rows: int, capture: bool, pool=None, stream=None) -> None:
         cfg = model.cfg
         dev, dtype = model.device, model.dtype
         self.model, self.rows, self.layers = model, rows, cfg.num_layers
@@ -78,7 +78,7 @@ class StepGraphs:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.epoch = switches()
         if capture:
-            self._capture(pool)
+            self._capture(pool, stream)
         else:  # every region once, so each has outputs for the next to read
             for r in range(self.layers + 1):
                 self.outs.append(self._region(r))
@@ -93,9 +93,12 @@ class StepGraphs:
             return (x,)
         return (x, *qkv_ops(m, r, x, self.pos))
 
-    def _capture(self, pool) -> None:
+    def _capture(self, pool, stream) -> None:
+        """The warm-up and every capture on one side stream, the model's for all its buckets:
+        cuBLAS keeps a workspace per stream (made on its first use, which must not happen
+        inside a capture), and captures that share a pool should share their stream."""
         rope = self.model.rope
-        side = torch.cuda.Stream()
+        side = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up, eagerly: lazy initializations happen here
             for r in range(self.layers + 1):
@@ -107,7 +110,7 @@ class StepGraphs:
             # RotaryTable keeps the last positions' cos and sin: each region gathers its own
             # (inside its graph), and no eager call later reads a graph's tensors.
             rope._last = None
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 out = self._region(r)
             rope._last = None
             self.graphs.append(graph)
@@ -144,10 +147,11 @@ def _graphs(model, rows: int) -> StepGraphs:
     got = kept.get(rows)
     if got is None or got.epoch != switches():
         kept.pop(rows, None)
-        pool = model.__dict__.get("_graph_pool")
-        if pool is None:
-            pool = model.__dict__["_graph_pool"] = torch.cuda.graph_pool_handle()
-        got = kept[rows] = StepGraphs(model, rows, capture=True, pool=pool)
+        shared = model.__dict__.get("_graph_shared")  # (memory pool, stream): every bucket's
+        if shared is None:
+            shared = model.__dict__["_graph_shared"] = (torch.cuda.graph_pool_handle(),
+                                                        torch.cuda.Stream())  # fmt: skip
+        got = kept[rows] = StepGraphs(model, rows, capture=True, pool=shared[0], stream=shared[1])
     return got
 
 

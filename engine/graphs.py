@@ -40,7 +40,7 @@ from bisect import bisect_left
 
 import torch
 
-from unikv.kernels.operators import FnImplementation, register, switches
+from unikv.kernels.operators import FnImplementation, NotMine, register, switches
 
 from .fused import layers_python, out_ops, qkv_ops
 
@@ -76,12 +76,26 @@ class StepGraphs:
         self.attn = torch.zeros(rows, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
         self.outs: list[tuple[torch.Tensor, ...]] = []
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.epoch = switches()
         if capture:
             self._capture(pool, stream)
         else:  # every region once, so each has outputs for the next to read
             for r in range(self.layers + 1):
                 self.outs.append(self._region(r))
+        # The implementations the regions were made with (read after the capture: the breakers
+        # it used first are in it), and the switch count they were checked at (`current`).
+        self.serving = _serving(model)
+        self.switches = switches()
+
+    def current(self) -> bool:
+        """Whether every breaker of the model still serves with the implementation the regions
+        hold (checked only when some breaker anywhere has switched since the last check)."""
+        now = switches()
+        if now != self.switches:
+            ops = self.model.operators
+            if any(ops[op].active.name != name for op, name in self.serving.items()):
+                return False
+            self.switches = now
+        return True
 
     def _region(self, r: int) -> tuple[torch.Tensor, ...]:
         """Region r's ops on the static buffers (and region r - 1's x)."""
@@ -98,23 +112,28 @@ class StepGraphs:
         cuBLAS keeps a workspace per stream (made on its first use, which must not happen
         inside a capture), and captures that share a pool should share their stream."""
         rope = self.model.rope
-        side = stream if stream is not None else torch.cuda.Stream()
+        side = stream if stream is not None else torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up, eagerly: lazy initializations happen here
-            for r in range(self.layers + 1):
-                self.outs.append(self._region(r))
+        # (the stream is set here, outside each capture, so that a capture that fails, whose
+        # own exit may stop before it sets the stream back, leaves the caller's stream as it was)
+        with torch.cuda.stream(side):
+            try:
+                for r in range(self.layers + 1):  # warm-up, eagerly: lazy initializations
+                    self.outs.append(self._region(r))
+                self.outs.clear()
+                for r in range(self.layers + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    # RotaryTable keeps the last positions' cos and sin: each region gathers
+                    # its own (inside its graph), and no eager call later reads a graph's tensors.
+                    rope._last = None
+                    with torch.cuda.graph(graph, pool=pool, stream=side,
+                                          capture_error_mode="thread_local"):  # fmt: skip
+                        out = self._region(r)
+                    self.graphs.append(graph)
+                    self.outs.append(out)
+            finally:
+                rope._last = None
         torch.cuda.current_stream().wait_stream(side)
-        self.outs.clear()
-        for r in range(self.layers + 1):
-            graph = torch.cuda.CUDAGraph()
-            # RotaryTable keeps the last positions' cos and sin: each region gathers its own
-            # (inside its graph), and no eager call later reads a graph's tensors.
-            rope._last = None
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                out = self._region(r)
-            rope._last = None
-            self.graphs.append(graph)
-            self.outs.append(out)
 
     def _replay(self, r: int) -> None:
         if self.graphs:
@@ -135,24 +154,53 @@ class StepGraphs:
             if r == self.layers:
                 break
             _, q, k, v = self.outs[r]
-            kv.append(r, k[:n], v[:n])
-            self.attn[:n].copy_(kv.attend(r, q[:n]).reshape(n, *self.attn.shape[1:]))
+            try:
+                kv.append(r, k[:n], v[:n])
+                a = kv.attend(r, q[:n])
+            except Exception as e:  # the cache's failure, not the graphs': no re-run eagerly
+                raise NotMine(e) from e
+            self.attn[:n].copy_(a.reshape(n, *self.attn.shape[1:]))
         return self.outs[self.layers][0][:n].clone()
 
 
+def _serving(model) -> dict[str, str]:
+    """The implementation each of the model's breakers serves with, but for the ops that call
+    the regions rather than run inside them."""
+    return {op: name for op, name in model.operators.serving().items()
+            if op not in ("model.layers", "model.step")}  # fmt: skip
+
+
 def _graphs(model, rows: int) -> StepGraphs:
-    """The model's graphs for a bucket: captured on first use, and again after a breaker
-    switched an implementation (the graphs hold the kernels chosen when they were captured)."""
-    kept = model.__dict__.setdefault("_step_graphs", {})
+    """The model's graphs for a bucket: captured on first use; when a breaker the regions use
+    has switched its implementation (the graphs hold the kernels chosen when they were
+    captured), every bucket's are dropped (`_drop`) and this one captured again."""
+    kept = model.__dict__.get("_step_graphs", {})
     got = kept.get(rows)
-    if got is None or got.epoch != switches():
-        kept.pop(rows, None)
-        shared = model.__dict__.get("_graph_shared")  # (memory pool, stream): every bucket's
-        if shared is None:
-            shared = model.__dict__["_graph_shared"] = (torch.cuda.graph_pool_handle(),
-                                                        torch.cuda.Stream())  # fmt: skip
-        got = kept[rows] = StepGraphs(model, rows, capture=True, pool=shared[0], stream=shared[1])
+    if got is not None and got.current():
+        return got
+    if got is not None:
+        _drop(model)
+    shared = model.__dict__.get("_graph_shared")  # (memory pool, stream): every bucket's
+    if shared is None:
+        shared = model.__dict__["_graph_shared"] = (torch.cuda.graph_pool_handle(),
+                                                    torch.cuda.Stream(model.device))  # fmt: skip
+    try:
+        got = StepGraphs(model, rows, capture=True, pool=shared[0], stream=shared[1])
+    except BaseException:
+        _drop(model)  # its graphs captured so far share the stream with the other buckets'
+        raise
+    model.__dict__.setdefault("_step_graphs", {})[rows] = got
     return got
+
+
+def _drop(model) -> None:
+    """Every bucket's graphs, with their memory pool and stream, at once. PyTorch frees the
+    cuBLAS workspace of a graph's capture stream when the graph is destroyed; the buckets share
+    their stream (`_graphs`), so one bucket's graphs destroyed alone would leave the others
+    replaying products into freed memory."""
+    torch.cuda.synchronize(model.device)  # no replay still running on what is freed
+    model.__dict__.pop("_step_graphs", None)
+    model.__dict__.pop("_graph_shared", None)
 
 
 def capture_buckets(model) -> int:
@@ -165,10 +213,11 @@ def capture_buckets(model) -> int:
     if getattr(getattr(stack, "active", None), "name", None) != "graphs":
         return 0
     done = 0
-    with torch.inference_mode():
-        for rows in BUCKETS:
+    # largest first, as vLLM: the smaller buckets' captures reuse its pool's memory
+    with torch.inference_mode(), torch.cuda.device(model.device):
+        for rows in reversed(BUCKETS):
             got = model.__dict__.get("_step_graphs", {}).get(rows)
-            if got is not None and got.epoch == switches():
+            if got is not None and got.current():
                 continue
             try:
                 _graphs(model, rows)
@@ -182,11 +231,14 @@ def capture_buckets(model) -> int:
 def layers_graphs(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
     """`model.layers` through the bucket's CUDA graphs (`StepGraphs`), or, for a step of more
     rows than the largest bucket, `layers_python` in the same call. A capture that fails
-    raises before the strategy is touched: the breaker then serves the step eagerly."""
+    raises before the strategy is touched: the breaker then serves the step eagerly. A failure
+    of the strategy's `append` or `attend` is the call's (`NotMine`): it goes to the caller,
+    and nothing is run again."""
     rows = bucket(x.shape[0])
     if rows is None:
         return layers_python(model, x, positions, kv)
-    return _graphs(model, rows).run(x, positions, kv)
+    with torch.cuda.device(model.device):  # (a model on cuda:1 is captured and replayed there)
+        return _graphs(model, rows).run(x, positions, kv)
 
 
 def enabled() -> bool:

@@ -178,7 +178,7 @@ def test_a_capture_that_fails_falls_back_to_the_eager_step(tmp_path_factory, eag
 
     gpu = _tiny_gpu(tmp_path_factory, graphs_on=True)
 
-    def refuse(self, pool):
+    def refuse(self, *args):
         raise RuntimeError("capture refused (test)")
 
     monkeypatch.setattr(graphs.StepGraphs, "_capture", refuse)
@@ -209,3 +209,47 @@ async def test_warm_up_captures_every_bucket(tmp_path_factory):
         await warm_up(e, prompt_tokens=20, new_tokens=2)
         assert set(gpu._step_graphs) == set(graphs.BUCKETS)
         assert graphs.capture_buckets(gpu) == 0  # nothing left to capture
+
+
+def test_a_region_that_fails_inside_its_capture_leaves_the_stream_as_it_was(
+    tmp_path_factory, eager_gpu, monkeypatch
+):
+    """A region whose op raises while its graph is captured (not in the eager warm-up before):
+    the step is served eagerly, the same numbers, the caller's stream is the default stream
+    again, and a later bucket still captures and replays."""
+    from unikv.engine import fused, graphs
+
+    gpu = _tiny_gpu(tmp_path_factory, graphs_on=True)
+    real = fused.out_ops
+
+    def fails_in_capture(*args):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an op refused inside the capture (test)")
+        return real(*args)
+
+    monkeypatch.setattr(graphs, "out_ops", fails_in_capture)
+    (a, la), (b, lb) = _scores(eager_gpu, "full"), _scores(gpu, "full")
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.testing.assert_close(lb, la, rtol=0, atol=0)
+    assert b.ppl == a.ppl
+    assert gpu._stack.report()["active"] == "python" and "_step_graphs" not in gpu.__dict__
+
+
+def test_a_switched_breaker_recaptures_every_bucket_together(tmp_path_factory, eager_gpu):
+    """A breaker the regions use switching (rmsnorm's fused entry switched off) makes every
+    bucket's graphs stale; they are dropped together (they share a stream, whose cuBLAS
+    workspace goes with any of its graphs) and the next steps capture anew, with the numbers
+    of the eager step."""
+    from unikv.engine import graphs
+
+    gpu = _tiny_gpu(tmp_path_factory, graphs_on=True)
+    _scores(gpu, "full")
+    assert graphs.capture_buckets(gpu) == len(graphs.BUCKETS) - 2  # all but 16 and 48
+    before = dict(gpu._step_graphs)
+    assert gpu.operators["rmsnorm"]._switch_off(0, "test")
+    (a, la), (b, lb) = _scores(eager_gpu, "full"), _scores(gpu, "full")
+    assert set(gpu._step_graphs) == {16, 48}  # the others were dropped with them
+    assert all(gpu._step_graphs[r] is not before[r] for r in (16, 48))
+    assert gpu._step_graphs[16].serving["rmsnorm"] == "torch"
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+    assert abs(b.ppl / a.ppl - 1) < 1e-5

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unikv.engine import fused, graphs
-from unikv.kernels.operators import Breaker, BreakerSettings, FnImplementation, choose
+from unikv.kernels.operators import Breaker, BreakerSettings, FnImplementation, NotMine, choose
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,66 @@ def test_warm_up_captures_nothing_where_the_step_is_not_graphs(tiny):
     model = tiny[0]
     assert model._stack.active.name != "graphs"
     assert graphs.capture_buckets(model) == 0 and "_step_graphs" not in model.__dict__
+
+
+def test_a_cache_failure_is_the_calls_not_the_graphs(eager):
+    """The strategy's `append` or `attend` raising inside a step is the call's failure: it
+    reaches the caller as it is (`NotMine` through the breaker), nothing switched and nothing
+    run again (an eager re-run would append the layers before it twice)."""
+    model = eager
+    cfg = model.cfg
+    g = graphs.StepGraphs(model, 2, capture=False)
+
+    class Refusing:
+        appended = 0
+
+        def append(self, layer, k, v):
+            self.appended += 1
+
+        def attend(self, layer, q):
+            if layer == 1:
+                raise MemoryError("no room for the step")
+            return q.new_zeros(q.shape[0], cfg.num_heads, cfg.head_dim)
+
+    seam = Refusing()
+    x = torch.zeros(2, cfg.hidden_size)
+    with pytest.raises(NotMine) as got:
+        g.run(x, torch.tensor([0, 1]), seam)
+    assert isinstance(got.value.error, MemoryError)
+    calls = []
+
+    def eager_again(*args):
+        calls.append(args)
+        return "eager"
+
+    impls = [FnImplementation("model.layers", "graphs", lambda *a: g.run(*a), ("*",)),
+             FnImplementation("model.layers", "python", eager_again, ("*",))]  # fmt: skip
+    b = Breaker("model.layers", impls, BreakerSettings(every=1))
+    seam = Refusing()
+    with pytest.raises(MemoryError, match="no room"):
+        b(x, torch.tensor([0, 1]), seam)
+    assert calls == [] and seam.appended == 2  # layers 0 and 1, once each
+    assert b.active.name == "graphs" and b.report()["fallbacks"] == 0
+
+
+def test_regions_are_stale_once_a_breaker_they_use_switches(tmp_path):
+    """A switch of a breaker the regions run (here rmsnorm's) makes them stale (`current`):
+    they hold the kernels chosen when they were made. A switch anywhere else does not."""
+    from unikv.engine.gguf_loader import load_gguf
+    from unikv.engine.model import LlamaModel
+    from unikv.kernels.operators import OperatorSet
+
+    from . import tinygguf
+
+    path = tmp_path / "tiny.gguf"
+    tinygguf.write(path, "F32")
+    cfg, tensors, _ = load_gguf(path, progress=False)
+    model = LlamaModel(cfg, tensors)  # its own breakers: switched here, not the shared model's
+    g = graphs.StepGraphs(model, 1, capture=False)
+    assert "rmsnorm" in g.serving and "model.layers" not in g.serving
+    other = OperatorSet("cpu")["rmsnorm"]  # another owner's breaker switching
+    assert other._switch_off(0, "test")
+    assert g.current()
+    rms = model.operators["rmsnorm"]
+    assert rms._switch_off(0, "test")
+    assert not g.current()

@@ -13,7 +13,8 @@ It sits in `kvstrategies/` because that is the lowest layer with an op (attentio
 registers its own ops into the same registry.
 
 The fallback rule (docs/kernels.md): an implementation that raises is switched to the next
-implementation of its op and the call is re-run there, so the caller still gets a correct answer.
+implementation of its op and the call is re-run there, so the caller still gets a correct answer
+(unless it raised `NotMine`: the failure is the call's, its error goes to the caller as it is).
 With `BreakerSettings.switch_slow` (off by default, so that one command on one machine always
 computes with the same kernels and gives the same numbers), an implementation whose latency over a
 window (median of `window` timed calls, each divided by its budget for that shape) exceeds its
@@ -74,6 +75,17 @@ class Implementation(ABC):
     @abstractmethod
     def __call__(self, *args: Any) -> Any:
         """Compute the op."""
+
+
+class NotMine(Exception):
+    """Raised by an implementation for a failure that is the call's, not its own (the KV cache it
+    called into refused, say): the breaker re-raises `error` to the caller and switches nothing
+    (running the call again on the next implementation would repeat what the first one did
+    before the failure)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class FnImplementation(Implementation):
@@ -437,6 +449,8 @@ class Breaker:
         at fault, not i: i is put back as it was and the reference's error goes to the caller
         (one bad call, say a position past the model's RoPE table, must not switch a kernel
         off for every later call)."""
+        if isinstance(e, NotMine):
+            raise e.error
         s = self._states[i]
         before = (s.open_until, s.probing, s.reason, s.fallbacks, self._degraded, self._active)
         s.failures += 1
@@ -499,6 +513,10 @@ class OperatorSet:
                 op, impls, self.settings, self.clock, device=self.device
             )
         return b
+
+    def serving(self) -> dict[str, str]:
+        """Per op built so far: the name of the implementation serving it now."""
+        return {op: b.active.name for op, b in self._breakers.items()}
 
     def report(self) -> dict:
         """Per op: the active implementation, the candidates, fallback counts (and the ones

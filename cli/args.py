@@ -225,6 +225,12 @@ def add_model_flags(sp: argparse.ArgumentParser, strategy_options: bool = True) 
         "--device", default="cpu", help="torch device to run on: cpu or cuda[:N] (default: cpu)"
     )
     sp.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a CUDA device, run every step eagerly instead of through CUDA graphs (as vLLM's "
+        "flag; the same as UNIKV_CUDA_GRAPHS=0); nothing changes on a CPU",
+    )
+    sp.add_argument(
         "--chip",
         default=None,
         help=f"chip profile: a shipped name ({', '.join(list_profiles())}) or a .toml path "
@@ -232,3 +238,18 @@ def add_model_flags(sp: argparse.ArgumentParser, strategy_options: bool = True) 
     )
     if strategy_options:
         strategy_option_args(sp)
+
+
+def apply_enforce_eager(args: argparse.Namespace) -> None:
+    """--enforce-eager for this process: UNIKV_CUDA_GRAPHS=0, read when a CUDA model is built
+    (engine.graphs). Either way a bad UNIKV_CUDA_GRAPHS is refused here, in one line."""
+    import os
+
+    eager = getattr(args, "enforce_eager", False)
+    if not eager and "UNIKV_CUDA_GRAPHS" not in os.environ:
+        return  # (the engine is imported when a command runs, not for every command)
+    from unikv.engine import graphs
+
+    if eager:
+        os.environ[graphs.OFF_ENV] = "0"
+    graphs.enabled()

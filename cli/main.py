@@ -26,6 +26,7 @@ from . import advise, serve
 from .args import (
     DECODE_STEPS_HELP,
     add_model_flags,
+    apply_enforce_eager,
     check_device,
     check_kv_args,
     decode_steps_arg,
@@ -747,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.log_level = configure_logging(args.log_level, args.log_format)
         hugepages.enabled()  # a bad UNIKV_HUGE_PAGES: one line here, not a traceback at load
+        apply_enforce_eager(args)  # (and a bad UNIKV_CUDA_GRAPHS, the same way)
         if args.command == "serve":
             return serve.run_serve(args) or 0
         # Under --json every human line (and any stray print) goes to stderr: stdout is the

@@ -414,3 +414,27 @@ def test_eval_passkey_json(capsys):
     # The full cache finds the key at every depth (the design: 1.00 at 512 tokens).
     assert out["accuracy"] == 1.0 and out["samples"] == 3 and out["strategy"] == "full"
     assert 480 <= out["length"] <= 512 and set(out["by_depth"]) == {"10%", "50%", "90%"}
+
+
+def test_enforce_eager_turns_cuda_graphs_off_and_a_bad_switch_is_one_line(monkeypatch, capsys):
+    """--enforce-eager (vLLM's flag) sets UNIKV_CUDA_GRAPHS=0 for the process before a model is
+    built; a bad UNIKV_CUDA_GRAPHS is refused in one line, exit 2, before anything loads."""
+    import argparse
+
+    from unikv.cli.args import apply_enforce_eager
+    from unikv.engine import graphs
+
+    monkeypatch.setenv(graphs.OFF_ENV, "1")  # (recorded: put back as it was after the test)
+    monkeypatch.delenv(graphs.OFF_ENV)
+    apply_enforce_eager(argparse.Namespace(enforce_eager=False))
+    assert graphs.OFF_ENV not in os.environ and graphs.enabled()
+    apply_enforce_eager(argparse.Namespace(enforce_eager=True))
+    assert os.environ[graphs.OFF_ENV] == "0" and not graphs.enabled()
+    for cmd in (["run"], ["serve"], ["eval", "ppl"], ["eval", "passkey"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        assert "--enforce-eager" in capsys.readouterr().out
+    monkeypatch.setenv(graphs.OFF_ENV, "off")
+    err = _error(["run", "--prompt", "hi"], capsys)
+    assert err == ("unikv: error: UNIKV_CUDA_GRAPHS='off': expected 0 (CUDA steps run eagerly) "
+                   "or 1 (through CUDA graphs where they can, the default)")  # fmt: skip

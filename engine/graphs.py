@@ -122,18 +122,20 @@ class StepGraphs:
                     self.outs.append(self._region(r))
                 self.outs.clear()
                 for r in range(self.layers + 1):
-                    graph = torch.cuda.CUDAGraph()
-                    # RotaryTable keeps the last positions' cos and sin: each region gathers
-                    # its own (inside its graph), and no eager call later reads a graph's tensors.
-                    rope._last = None
-                    with torch.cuda.graph(graph, pool=pool, stream=side,
-                                          capture_error_mode="thread_local"):  # fmt: skip
-                        out = self._region(r)
-                    self.graphs.append(graph)
-                    self.outs.append(out)
+                    self.graphs.append(self._record(r, pool, side))
             finally:
                 rope._last = None
         torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, r: int, pool, stream) -> torch.cuda.CUDAGraph:
+        """Region r captured (its outputs appended to `outs`: what its replays write)."""
+        graph = torch.cuda.CUDAGraph()
+        # RotaryTable keeps the last positions' cos and sin: each region gathers its own
+        # (inside its graph), and no eager call later reads a graph's tensors.
+        self.model.rope._last = None
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.outs.append(self._region(r))
+        return graph
 
     def _replay(self, r: int) -> None:
         if self.graphs:

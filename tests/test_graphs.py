@@ -278,3 +278,70 @@ def test_regions_are_stale_once_a_breaker_they_use_switches(tmp_path):
     rms = model.operators["rmsnorm"]
     assert rms._switch_off(0, "test")
     assert not g.current()
+
+
+class _FakeGraph:
+    """A CUDA graph's semantics without a GPU: "captured" once (its outputs kept, their storage
+    what every replay writes), each replay runs the region again and writes into those same
+    tensors; RoPE's positions are gathered anew by each, as a captured gather re-runs."""
+
+    def __init__(self, g: graphs.StepGraphs, r: int) -> None:
+        self.g, self.r = g, r
+        g.model.rope._last = None
+        self.outs = g._region(r)
+        g.model.rope._last = None
+
+    def replay(self) -> None:
+        self.g.model.rope._last = None
+        for static, new in zip(self.outs, self.g._region(self.r), strict=True):
+            static.copy_(new)
+        self.g.model.rope._last = None
+
+
+class _FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def test_captured_regions_replay_into_their_static_outputs(eager, monkeypatch):
+    """`_capture` and the replay path of `run` (graph mode: no region's outputs replaced, each
+    replay writing into the tensors captured) with the graphs' semantics simulated on the CPU:
+    the same rows out and the same calls at the seam as the eager mode, step after step, with
+    new positions each step and a padding row."""
+    import contextlib
+
+    model = eager
+    cfg = model.cfg
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    recorded = []
+
+    def record(self, r, pool, stream):
+        assert (pool, type(stream)) == ("pool", _FakeStream)
+        graph = _FakeGraph(self, r)
+        self.outs.append(graph.outs)
+        recorded.append(r)
+        return graph
+
+    monkeypatch.setattr(graphs.StepGraphs, "_record", record)
+    captured = graphs.StepGraphs(model, 4, capture=True, pool="pool", stream=_FakeStream())
+    assert recorded == list(range(cfg.num_layers + 1)) and len(captured.graphs) == len(recorded)
+    statics = [tuple(map(id, o)) for o in captured.outs]
+    plain = graphs.StepGraphs(model, 4, capture=False)
+
+    class Seam:  # attention of a fixed function of q: both modes see the same
+        def append(self, layer, k, v):
+            pass
+
+        def attend(self, layer, q):
+            return torch.tanh(q * (layer + 1))
+
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        n = 3 if step % 2 else 4
+        x = torch.randn(n, cfg.hidden_size, generator=g)
+        pos = torch.randint(0, cfg.context_length, (n,), generator=g)
+        got, want = captured.run(x, pos, Seam()), plain.run(x, pos, Seam())
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert [tuple(map(id, o)) for o in captured.outs] == statics  # never replaced

@@ -19,17 +19,21 @@ half. Between region r and r + 1 the strategy appends layer r's keys and values 
 eagerly, and its output is copied into the static buffer region r + 1 reads.
 
 Rows: a step of n rows runs in the smallest bucket (`BUCKETS`) that holds it; the rows past
-n are padding (positions 0, whatever values the buffers hold): every op of a region works row
-by row, so they never reach the n real rows, and only the real rows go to the KV seam. A step of
-more rows than the largest bucket (a long prefill chunk, where launches are a small part) takes
-the eager path (`fused.layers_python`) inside the same call.
+n are padding (the positions and values an earlier step left, or zeros): every op of a region
+works row by row, so they never reach the n real rows, and only the real rows go to the KV
+seam. A step of more rows than the largest bucket (a long prefill chunk, where launches are a
+small part) takes the eager path (`fused.layers_python`) inside the same call.
 
-Captured on first use of a bucket (the engine's warm-up covers batch 1), after one eager
-warm-up run on a side stream (what PyTorch asks: cuBLAS's workspaces and every lazy
-initialization happen outside the capture). A breaker that switches an op's implementation
-(`operators.switches`) makes the graphs stale: they are captured again. The captured numbers
-are those of the same ops run eagerly on the bucket's rows; against the eager step of n rows,
-the products may differ in their last bits (cuBLAS chooses its kernel by the row count).
+Captured on a bucket's first use, or by the warm-up before a server is ready
+(`capture_buckets`: every bucket), after one eager run of every region on the model's side
+stream (what PyTorch asks: cuBLAS's workspaces and every lazy initialization happen outside the
+capture). When a breaker whose op runs in the regions switches its implementation, the graphs
+are stale and every bucket's are captured again (`_graphs`, `_drop`). The captured numbers are
+those of the same ops run eagerly on the bucket's rows; against the eager step of n rows, the
+products may differ in their last bits (cuBLAS chooses its kernel by the row count).
+
+Not yet run on a GPU (none was lent when it was written): tests/test_cuda.py holds its GPU
+tests, tests/test_graphs.py runs the same code on the CPU without the capture.
 """
 
 from __future__ import annotations

@@ -345,3 +345,37 @@ def test_captured_regions_replay_into_their_static_outputs(eager, monkeypatch):
         got, want = captured.run(x, pos, Seam()), plain.run(x, pos, Seam())
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert [tuple(map(id, o)) for o in captured.outs] == statics  # never replaced
+
+
+def test_a_capture_that_fails_falls_back_before_the_cache_is_touched(eager, monkeypatch):
+    """`layers_graphs` captures before its first `append`: a capture that raises leaves the
+    begun step untouched, so the breaker's re-run through `python` stores each layer once and
+    gives the eager rows (the GPU test does the same with a real capture)."""
+    from unikv.engine.assembly import build_kv
+    from unikv.kvstrategies.kv import StepBatch
+
+    model = eager
+
+    def refuse(*args):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr(graphs, "_graphs", refuse)
+    impls = [FnImplementation("model.layers", "graphs", graphs.layers_graphs, ("*",)),
+             FnImplementation("model.layers", "python", fused.layers_python, ("*",))]  # fmt: skip
+    breaker = Breaker("model.layers", impls, BreakerSettings(every=1))
+    x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(3)
+    outs, appended = [], []
+    for fn in (breaker, fused.layers_python):
+        kv = build_kv(model.kv_spec(), "full").strategy
+        calls = []
+        real = kv.append
+        monkeypatch.setattr(kv, "append", lambda li, k, v, real=real, calls=calls: (
+            calls.append(li), real(li, k, v))[1])  # fmt: skip
+        kv.begin_step(StepBatch([0], [3]))
+        outs.append(fn(model, x, pos, kv))
+        kv.end_step()
+        appended.append(calls)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert appended[0] == appended[1] == list(range(model.cfg.num_layers))
+    assert breaker.active.name == "python" and breaker.report()["fallbacks"] == 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -28,6 +30,21 @@ def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: in
         for name, fn in cases.items():
             samples[name].append(timed(fn))
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str):
+    """The environment variable `name` set to `value` inside the block, then as it was (a
+    switch read when a model loads: two models of one process built each way)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def environment() -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import env_set, report  # noqa: E402
 from unikv.engine import graphs  # noqa: E402
 from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.config import ModelConfig  # noqa: E402
@@ -76,15 +75,8 @@ def random_weights(shape: str, seed: int = 0) -> tuple[ModelConfig, dict[str, to
 def make_model(cfg, tensors, device: str, graphs_on: bool) -> LlamaModel:
     """The model, its `model.layers` breaker made with CUDA graphs on or off (the variable is
     read when the breaker is made: set only while the model is built)."""
-    before = os.environ.get(graphs.OFF_ENV)
-    os.environ[graphs.OFF_ENV] = "1" if graphs_on else "0"
-    try:
+    with env_set(graphs.OFF_ENV, "1" if graphs_on else "0"):
         return LlamaModel(cfg, tensors, device=device)
-    finally:
-        if before is None:
-            del os.environ[graphs.OFF_ENV]
-        else:
-            os.environ[graphs.OFF_ENV] = before
 
 
 def _sync(device: str) -> None:

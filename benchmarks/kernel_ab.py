@@ -28,7 +28,6 @@ while it loads), B in huge pages (`memory.hugepages`).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import env_set, report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine import linear  # noqa: E402
@@ -134,13 +133,10 @@ def main() -> None:
         gemv._load(), sparse._load()
         builds = [(gemv._state, sparse._state)] * 2
     if args.pages:
-        models, saved = [], os.environ.get(hugepages.ENV)
+        models = []
         for value in ("0", "1"):
-            os.environ[hugepages.ENV] = value
-            models.append(_load(args))
-        os.environ.pop(hugepages.ENV)
-        if saved is not None:
-            os.environ[hugepages.ENV] = saved
+            with env_set(hugepages.ENV, value):
+                models.append(_load(args))
         print(f"A: {models[0][0].huge_pages}; B: {models[1][0].huge_pages}")
     elif args.layouts:
         models = []

@@ -39,12 +39,12 @@ tests, tests/test_graphs.py runs the same code on the CPU without the capture.
 from __future__ import annotations
 
 import logging
-import os
 from bisect import bisect_left
 
 import torch
 
 from unikv.kernels.operators import FnImplementation, NotMine, register, switches
+from unikv.settings.config import env_switch
 
 from .fused import layers_python, out_ops, qkv_ops
 
@@ -222,15 +222,12 @@ def capture_buckets(model) -> int:
     # largest first, as vLLM: the smaller buckets' captures reuse its pool's memory
     with torch.inference_mode(), torch.cuda.device(model.device):
         for rows in reversed(BUCKETS):
-            got = model.__dict__.get("_step_graphs", {}).get(rows)
-            if got is not None and got.current():
-                continue
+            before = model.__dict__.get("_step_graphs", {}).get(rows)
             try:
-                _graphs(model, rows)
+                done += _graphs(model, rows) is not before  # (kept where still current)
             except Exception as e:  # (the step's own call will fall back)
                 log.warning("CUDA graphs: capturing %d rows failed (%s); left to the step", rows, e)
                 return done
-            done += 1
     return done
 
 
@@ -250,11 +247,7 @@ def layers_graphs(model, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.
 def enabled() -> bool:
     """Whether `UNIKV_CUDA_GRAPHS` lets the entry serve: unset, "" or "1" (the default) yes,
     "0" no; ValueError for any other value (a typo must not pass for either)."""
-    switch = os.environ.get(OFF_ENV, "1").strip()
-    if switch not in ("0", "1", ""):
-        raise ValueError(f"{OFF_ENV}={switch!r}: expected 0 (CUDA steps run eagerly) or 1 (through "
-                         "CUDA graphs where they can, the default)")  # fmt: skip
-    return switch != "0"
+    return env_switch(OFF_ENV, "CUDA steps run eagerly", "through CUDA graphs where they can")
 
 
 def _available(device: torch.device, owner: object) -> str | None:

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from unikv.settings.config import env_switch
 
 ENV = "UNIKV_HUGE_PAGES"  # "0": never place (the A/B baseline; a host where THP misbehaves)
 HUGE = 2 << 20  # the x86-64 huge page
@@ -69,11 +70,8 @@ def enabled() -> bool:
     """Whether `place` copies tensors into huge-page chunks here: THP `always` or `madvise`,
     `madvise(2)` in this Python, and `UNIKV_HUGE_PAGES` not "0" (ValueError for a value
     other than 0 or 1)."""
-    switch = os.environ.get(ENV, "1").strip()
-    if switch not in ("0", "1", ""):
-        raise ValueError(f"{ENV}={switch!r}: expected 0 (weights in 4 KiB pages) or 1 (in huge "
-                         "pages where the kernel has them, the default)")  # fmt: skip
-    return switch != "0" and mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
+    on = env_switch(ENV, "weights in 4 KiB pages", "in huge pages where the kernel has them")
+    return on and mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 class _Chunk:

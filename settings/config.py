@@ -93,6 +93,15 @@ OTHER_ENV = frozenset(
 )
 
 
+def env_switch(name: str, off: str, on: str) -> bool:
+    """A program setting of its own that is 0 or 1 (`OTHER_ENV`): unset, "" or "1" True, "0"
+    False; any other value a ValueError naming it and what each value does (`off`, `on`)."""
+    switch = os.environ.get(name, "1").strip()
+    if switch not in ("0", "1", ""):
+        raise ValueError(f"{name}={switch!r}: expected 0 ({off}) or 1 ({on}, the default)")
+    return switch != "0"
+
+
 def cache_dir() -> Path:
     """unikv's cache root (built kernels, calibrations): `$UNIKV_CACHE_DIR`, else
     `$XDG_CACHE_HOME/unikv`, else ~/.cache/unikv."""

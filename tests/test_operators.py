@@ -5,6 +5,7 @@ the contract that every registered implementation agrees with its op's reference
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -790,6 +791,40 @@ def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, mo
         assert kept.rows16 is None and kept._q is q
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
+def test_interleaved_kernels_give_the_same_bits_with_or_without_software_prefetch(fmt, isa):
+    """Whether the VNNI path asks for its interleaved weights ahead (gemv.r16_prefetch) changes
+    its speed, never its numbers: the same bits both ways, for one and many x rows. By default
+    it is off on AMD's CPUs (their hardware prefetcher reads faster alone) and on elsewhere."""
+    from unikv.kernels import gemv
+
+    if gemv.unavailable() is not None:
+        pytest.skip(gemv.unavailable())
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    vendor = next((x.split(":")[1].strip() for x in lines if x.startswith("vendor_id")), "")
+    chosen = gemv.r16_prefetch()
+    if vendor:
+        assert chosen == (vendor != "AuthenticAMD")
+    if not gemv.can_interleave(fmt, 16):
+        pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
+    k = fmt == "Q4_K"
+    torch.manual_seed(7)
+    q = _k_packed(fmt, 96, 512) if k else _packed(fmt, 96, 1568)
+    r16 = gemv.interleave(q.blocks.contiguous(), fmt)
+    try:
+        for rows in (1, 5):
+            x = torch.randn(rows, q.shape[1])
+            got = []
+            for on in (True, False):
+                assert gemv.r16_prefetch(on) is on
+                got.append(_i8_product(x, r16, fmt, rows16=True))
+            assert torch.equal(got[0], got[1])
+    finally:
+        gemv.r16_prefetch(chosen)
+    assert gemv.r16_prefetch() == chosen
 
 
 def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():

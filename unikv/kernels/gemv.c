@@ -104,10 +104,41 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * (three runs; AVX2 build 1.02x), the Q8_0 GGUF 0.99-1.04x (four runs, mean 1.01x); 16,384
  * 0.97x and 2,048 0.93x at Q8_0. Interleaved Q4_K on the AMD EPYC (Zen 4), 256 MiB of
  * [8192, 2048] matrices, one row, 2 threads, builds alternating: 4,096 26-28, 8,192 26-28,
- * 16,384 25-26 GB/s. */
+ * 16,384 25-26 GB/s.
+ *
+ * On the AMD EPYC (Zen 4) the VNNI path reads without it (r16_prefetch, below): there a thread's
+ * prefetcht1 requests at 4 KB and more ahead held it to 21-23 GB/s, where its hardware
+ * prefetcher alone follows the group's lines at the stream's 28-33, once the lines are read in
+ * their order (r16_group). */
 #ifndef R16_PF_BYTES
 #define R16_PF_BYTES 8192
 #endif
+
+/* Whether the VNNI path's r16_group asks for its bytes ahead (prefetch_group): not on AMD's
+ * CPUs. Measured on the AMD EPYC (Zen 4), one thread over 240 MiB of interleaved Q4_1
+ * [8192, 2048] matrices (builds alternating in one process, 11 rounds): the lines in order and
+ * no software prefetch 28.1-30.4 GB/s, the same with it (8,192 bytes ahead) 22.4, the older
+ * build (the headers' line read first, with it) 21.1-21.9; 2 threads 34.0 against 30.9. The
+ * whole decode step (benchmarks/kernel_ab.py, in order, without against with): SmolLM2 Q4_1
+ * 0.977x the time, a Llama 3.2 1B-shaped Q4_1 0.925x. The Intel Xeon's figures above were
+ * measured with it, the headers' line first; it stays on there until measured again.
+ * gemv_r16_prefetch switches it (tests: the same bits either way). */
+static int r16_prefetch = 1;
+static int cpu_is_amd(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0));
+    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+#else
+    return 0;
+#endif
+}
+__attribute__((constructor)) static void r16_prefetch_choose(void) { r16_prefetch = !cpu_is_amd(); }
+/* on: 1 or 0 sets it (while no kernel runs); any other value only reads it. Returns it. */
+int gemv_r16_prefetch(int on) {
+    if (on == 0 || on == 1) r16_prefetch = on;
+    return r16_prefetch;
+}
 
 /* Where a weight prefetch puts its line: L2 and beyond (prefetcht1), not L1. A weight byte is
  * read once per step; pulled into L1 ahead of use, it evicts the activations, the accumulators'
@@ -785,11 +816,12 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
     const long bs = block_bytes(fmt), nb = a->nb, gb = 16 * bs;
     const long codes = fmt == Q8_0 ? 512 : 256;
     __m512 acc[GEMV_MAX_ROWS], tacc[GEMV_MAX_ROWS];
+    const int pf = r16_prefetch;
 #pragma GCC unroll 4
     for (int j = 0; j < N; j++) acc[j] = tacc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * gb;
-        prefetch_group(o, gb);
+        if (pf) prefetch_group(o, gb);
         __m512i v[8];
         int off[8]; /* the element of each register's first activation code, in a->q's layout */
         if (fmt == Q8_0) {
@@ -804,6 +836,11 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
                 v[4 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), off[4 + c] = 32 + 4 * c;
             }
         }
+        /* The headers' line after the codes' (a compiler barrier: GCC 12 hoisted its loads to
+         * the block's start). Read in that order a group's lines ascend, as the hardware
+         * prefetcher follows them; the last line first, it left the AMD EPYC (Zen 4) at 16-18
+         * GB/s a thread without software prefetch, and at 21-23 with it. */
+        __asm__ volatile("" ::: "memory");
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + codes)));
         const __m512 k =
             fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + codes + 32)))
@@ -2025,15 +2062,15 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
                           long out, const int N, const int D) {
     const long nb = a->nb, in = nb * 256;
     const int CH = N == 1 ? 2 : 1; /* independent chains per sub-block and digit */
+    const int pf = r16_prefetch;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMV_MAX_ROWS], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4
     for (int j = 0; j < N; j++) acc[j] = macc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *o = wg + b * K16_BYTES, *S = o + 2112;
-        prefetch_group(o, K16_BYTES);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2048)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2080)));
+        if (pf) prefetch_group(o, K16_BYTES);
+        __m512 d = _mm512_setzero_ps(), dmin = d;
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m512i s[GEMV_MAX_ROWS][2][2][2]; /* [x row][low / high][digit][chain] */
@@ -2054,6 +2091,11 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
                         s[j][h][0][c % CH] = dpbusd_bcast4(s[j][h][0][c % CH], v[h], a->q1 + e);
                         if (D == 2) s[j][h][1][c % CH] = dpbusd_bcast4(s[j][h][1][c % CH], v[h], a->q2 + e);
                     }
+            }
+            if (k == 0) { /* the headers' line after the first codes' (as r16_group) */
+                __asm__ volatile("" ::: "memory");
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2048)));
+                dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2080)));
             }
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {

@@ -317,6 +317,18 @@ _ROWS16_FORMATS = {
 }
 
 
+def r16_prefetch(on: bool | None = None) -> bool:
+    """Whether the VNNI path's interleaved kernel asks for its weights ahead in software
+    (gemv.c's r16_prefetch: on but on AMD's CPUs, chosen when the library loads); `on` sets it
+    (the numbers are the same bits either way: a benchmark's or a test's switch)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"gemv.c is unavailable: {unavailable()}")
+    fn = lib.gemv_r16_prefetch
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(-1 if on is None else int(on)))
+
+
 def can_interleave(qtype: str, rows: int) -> bool:
     """Whether the int8 kernel here reads `qtype` interleaved by 16 rows (`interleave`): a
     multiple of 16 rows, on the VNNI path Q8_0 / Q4_0 / Q4_1 / Q4_K, on the AVX2 path Q4_0 /

@@ -15,6 +15,11 @@ scheduler), interleaved: llama.cpp, unikv, llama.cpp, ...; the median of `--repe
 | decode at C tokens of context, F32 | `-d C -fa on -ctk/-ctv f16, q4_0` | `full`, `hybrid` |
 
     python benchmarks/vs_llamacpp.py [--contexts 2048 8000] [--new-tokens 32] [--repeats 3]
+
+`--shape llama-1b` runs the weights cases on a Llama 3.2 1B-shaped model of random weights
+instead (`benchmarks/random_gguf.py`: SmolLM2's vocabulary, written in F16 and requantized by
+the same `llama-quantize`), where a layer's fixed costs weigh less than on SmolLM2-135M; its
+tokens mean nothing (speed only).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import report  # noqa: E402
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
+from benchmarks.random_gguf import SHAPES  # noqa: E402
+from benchmarks.random_gguf import files as random_files  # noqa: E402
 from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
 from unikv.kernels.operators import summary  # noqa: E402
@@ -90,6 +97,9 @@ def main() -> None:
         "--kinds", nargs="*", default=kinds, choices=kinds, help="decode and prefill cases' weights"
     )
     p.add_argument("--threads", type=int, default=2, help="both engines' threads")
+    p.add_argument("--shape", default="smollm2", choices=["smollm2", *sorted(SHAPES)],
+                   help="the packaged SmolLM2 (default), or a shape of random weights "
+                        "(benchmarks/random_gguf.py; the weights and prefill cases)")  # fmt: skip
     p.add_argument("--decode-steps", type=int, default=1,
                    help="unikv's batch-1 decode rows: up to this many steps a native call "
                         "(multi-step decoding, as `unikv run`; default 1: a step a call, as "
@@ -98,9 +108,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t = args.threads
     bins = find_or_build()
-    shipped = resolve_model_path("smollm2")
-    files = {"F32": converted(shipped, "F32", bins), "Q8_0": converted(shipped, "Q8_0", bins),
-             "Q4_1": shipped}  # fmt: skip
+    if args.shape == "smollm2":
+        shipped = resolve_model_path("smollm2")
+        files = {"F32": converted(shipped, "F32", bins), "Q8_0": converted(shipped, "Q8_0", bins),
+                 "Q4_1": shipped}  # fmt: skip
+    else:
+        if "context" not in args.skip:
+            p.error("--shape: the context cases run on SmolLM2 only (add --skip context)")
+        files = random_files(args.shape, args.kinds, bins)
     n = args.new_tokens
     # (case, llama.cpp call, unikv call, model): the callables return tokens/s.
     cases: list[tuple[str, object, object, object]] = []
@@ -159,7 +174,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio",
                                 "llama_cpp_note"],
-           {"new_tokens": n, "repeats": args.repeats, "threads": t,
+           {"new_tokens": n, "repeats": args.repeats, "threads": t, "shape": args.shape,
             "decode_steps": args.decode_steps,
             "llama_cpp": str(bins)})  # fmt: skip
 

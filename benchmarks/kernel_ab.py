@@ -22,9 +22,9 @@ contexts `--prefill-once` prefills one sequence once and decodes it further each
 weights in GGUF order (`engine.linear.INTERLEAVE` off), B interleaved by 16 rows where the int8
 kernel's VNNI path reads them (gemv.c's ROWS16), so B / A is what the layout gives a step.
 `--pages` likewise: A with the weights in the allocator's 4 KiB pages (`UNIKV_HUGE_PAGES=0`
-while it loads), B in huge pages (`memory.hugepages`). `--r16-prefetch` runs one build over one
-load: A with the VNNI path's software prefetch of the interleaved weights, B without
-(`gemv.r16_prefetch`; the same bits either way).
+while it loads), B in huge pages (`memory.hugepages`). `--weight-prefetch` runs one build over one
+load: A with the software prefetch of the weights that stream in order (the VNNI path's
+interleaved groups, the float32 rows), B without (`gemv.weight_prefetch`; the same bits).
 """
 
 from __future__ import annotations
@@ -106,10 +106,11 @@ def main() -> None:
         help="one build, two loads of the model: A's weights in 4 KiB pages, B's in huge pages",
     )
     p.add_argument(
-        "--r16-prefetch",
+        "--weight-prefetch",
         action="store_true",
-        help="one build, one load of the model: A with the VNNI path's software prefetch of "
-        "the interleaved weights, B without (gemv.r16_prefetch)",
+        help="one build, one load of the model: A with the software prefetch of the weights "
+        "that stream in order (interleaved groups, float32 rows), B without "
+        "(gemv.weight_prefetch)",
     )
     p.add_argument("--b", type=Path, default=PACKAGE, help="build B (default: the package's)")
     p.add_argument("--context", type=int, default=32)
@@ -132,11 +133,11 @@ def main() -> None:
     )
     args = p.parse_args()
     two = args.layouts or args.pages  # one build, two loads of the model
-    if (args.a is not None) + args.layouts + args.pages + args.r16_prefetch != 1:
+    if (args.a is not None) + args.layouts + args.pages + args.weight_prefetch != 1:
         p.error("give one of --a (two builds), --layouts (two layouts of the weights), "
-                "--pages (two kinds of pages) and --r16-prefetch (prefetch or not)")  # fmt: skip
+                "--pages (two kinds of pages) and --weight-prefetch (prefetch or not)")  # fmt: skip
     torch.set_num_threads(args.threads)
-    if two or args.r16_prefetch:  # the package's one build for both
+    if two or args.weight_prefetch:  # the package's one build for both
         args.a = args.b = PACKAGE
         gemv._load(), sparse._load()
         builds = [(gemv._state, sparse._state)] * 2
@@ -161,9 +162,9 @@ def main() -> None:
             for m, _ in models
         ]
         print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
-    elif args.r16_prefetch:
+    elif args.weight_prefetch:
         models = [_load(args)] * 2
-        chosen = gemv.r16_prefetch()  # this CPU's default, restored at the end
+        chosen = gemv.weight_prefetch()  # this CPU's default, restored at the end
         print(f"A: software prefetch; B: none (this CPU's default: {'A' if chosen else 'B'})")
     else:
         builds = [load_build(args.a), load_build(args.b)]
@@ -197,8 +198,8 @@ def main() -> None:
         for r in range(2 * args.rounds + 2):  # the first round of each: warm-up
             i = r % 2
             gemv._state, sparse._state = builds[i]
-            if args.r16_prefetch:
-                gemv.r16_prefetch(i == 0)
+            if args.weight_prefetch:
+                gemv.weight_prefetch(i == 0)
             model, kv = models[i][0], kvs[i]
             if packed:
                 kv.format.attention.kernel = packed[i]
@@ -215,8 +216,8 @@ def main() -> None:
     finally:
         for kv in set(kvs):
             kv.close()
-        if args.r16_prefetch:
-            gemv.r16_prefetch(chosen)
+        if args.weight_prefetch:
+            gemv.weight_prefetch(chosen)
     a, b = (statistics.median(t) * 1e3 for t in times)
     rows = [{"build": str(args.a), "ms_per_step": a}, {"build": str(args.b), "ms_per_step": b}]
     report("kernel_ab", rows, ["build", "ms_per_step"],

@@ -793,11 +793,12 @@ def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, mo
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt", ROWS16_FORMATS)
-def test_interleaved_kernels_give_the_same_bits_with_or_without_software_prefetch(fmt, isa):
-    """Whether the VNNI path asks for its interleaved weights ahead (gemv.r16_prefetch) changes
-    its speed, never its numbers: the same bits both ways, for one and many x rows. By default
-    it is off on AMD's CPUs (their hardware prefetcher reads faster alone) and on elsewhere."""
+@pytest.mark.parametrize("fmt", [*ROWS16_FORMATS, "F32"])
+def test_weight_prefetch_changes_no_bit(fmt, isa):
+    """Whether the kernels ask for the weights that stream in order ahead in software
+    (gemv.weight_prefetch: the VNNI path's interleaved groups, the float32 rows) changes their
+    speed, never their numbers: the same bits both ways, for one and many x rows. By default it
+    is off on AMD's CPUs (their hardware prefetcher reads faster alone) and on elsewhere."""
     from unikv.kernels import gemv
 
     if gemv.unavailable() is not None:
@@ -805,26 +806,30 @@ def test_interleaved_kernels_give_the_same_bits_with_or_without_software_prefetc
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     vendor = next((x.split(":")[1].strip() for x in lines if x.startswith("vendor_id")), "")
-    chosen = gemv.r16_prefetch()
+    chosen = gemv.weight_prefetch()
     if vendor:
         assert chosen == (vendor != "AuthenticAMD")
-    if not gemv.can_interleave(fmt, 16):
-        pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
-    k = fmt == "Q4_K"
     torch.manual_seed(7)
-    q = _k_packed(fmt, 96, 512) if k else _packed(fmt, 96, 1568)
-    r16 = gemv.interleave(q.blocks.contiguous(), fmt)
+    if fmt == "F32":
+        w = torch.randn(96, 1568)
+        product = lambda x: gemv.gemv_float(x, w)  # noqa: E731
+    elif gemv.can_interleave(fmt, 16):
+        q = _k_packed(fmt, 96, 512) if fmt == "Q4_K" else _packed(fmt, 96, 1568)
+        r16 = gemv.interleave(q.blocks.contiguous(), fmt)
+        product = lambda x: _i8_product(x, r16, fmt, rows16=True)  # noqa: E731
+    else:
+        pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
     try:
-        for rows in (1, 5):
-            x = torch.randn(rows, q.shape[1])
+        for rows in (1, 3):
+            x = torch.randn(rows, 512 if fmt == "Q4_K" else 1568)
             got = []
             for on in (True, False):
-                assert gemv.r16_prefetch(on) is on
-                got.append(_i8_product(x, r16, fmt, rows16=True))
+                assert gemv.weight_prefetch(on) is on
+                got.append(product(x))
             assert torch.equal(got[0], got[1])
     finally:
-        gemv.r16_prefetch(chosen)
-    assert gemv.r16_prefetch() == chosen
+        gemv.weight_prefetch(chosen)
+    assert gemv.weight_prefetch() == chosen
 
 
 def test_quantize_blocks_is_ggml_q8_0_rounding_plus_a_second_code():

@@ -106,24 +106,26 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * [8192, 2048] matrices, one row, 2 threads, builds alternating: 4,096 26-28, 8,192 26-28,
  * 16,384 25-26 GB/s.
  *
- * On the AMD EPYC (Zen 4) the VNNI path reads without it (r16_prefetch, below): there a thread's
- * prefetcht1 requests at 4 KB and more ahead held it to 21-23 GB/s, where its hardware
- * prefetcher alone follows the group's lines at the stream's 28-33, once the lines are read in
- * their order (r16_group). */
+ * On the AMD EPYC (Zen 4) the VNNI path reads without it (weight_prefetch, below): there a
+ * thread's prefetcht1 requests at 4 KB and more ahead held it to 21-23 GB/s, where its
+ * hardware prefetcher alone follows the group's lines at the stream's 28-33, once the lines
+ * are read in their order (r16_group). */
 #ifndef R16_PF_BYTES
 #define R16_PF_BYTES 8192
 #endif
 
-/* Whether the VNNI path's r16_group asks for its bytes ahead (prefetch_group): not on AMD's
- * CPUs. Measured on the AMD EPYC (Zen 4), one thread over 240 MiB of interleaved Q4_1
- * [8192, 2048] matrices (builds alternating in one process, 11 rounds): the lines in order and
- * no software prefetch 28.1-30.4 GB/s, the same with it (8,192 bytes ahead) 22.4, the older
- * build (the headers' line read first, with it) 21.1-21.9; 2 threads 34.0 against 30.9. The
- * whole decode step (benchmarks/kernel_ab.py, in order, without against with): SmolLM2 Q4_1
- * 0.977x the time, a Llama 3.2 1B-shaped Q4_1 0.925x. The Intel Xeon's figures above were
- * measured with it, the headers' line first; it stays on there until measured again.
- * gemv_r16_prefetch switches it (tests: the same bits either way). */
-static int r16_prefetch = 1;
+/* Whether the weights are asked for ahead in software where they stream in order: the VNNI
+ * path's interleaved groups (r16_group, q4k_r16_group: prefetch_group) and the float32 rows
+ * (f32_row: F32_PF_FLOATS). Not on AMD's CPUs, chosen by cpuid when the library loads. Measured
+ * on the AMD EPYC (Zen 4), builds alternating in one process: one thread over 240 MiB of
+ * interleaved Q4_1 [8192, 2048] matrices, the lines in order, 29.2-30.4 GB/s without it and
+ * 22.4 with it (8,192 bytes ahead; the older build, the headers' line read first, 21.0-21.9);
+ * float32 rows of SmolLM2's shapes 26.5 against 23.3 GB/s (2 threads 46.2 against 41.0). The
+ * whole decode step (benchmarks/kernel_ab.py, without against with): SmolLM2 Q4_1 0.939x the
+ * time, a Llama 3.2 1B-shaped Q4_1 0.872x, SmolLM2 float32 0.963x. The Intel Xeon's figures
+ * (above, and F32_PF_FLOATS's) were measured with it; it stays on there until measured again.
+ * gemv_weight_prefetch switches it (tests: the same bits either way). */
+static int weight_prefetch = 1;
 static int cpu_is_amd(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
@@ -133,11 +135,13 @@ static int cpu_is_amd(void) {
     return 0;
 #endif
 }
-__attribute__((constructor)) static void r16_prefetch_choose(void) { r16_prefetch = !cpu_is_amd(); }
+__attribute__((constructor)) static void weight_prefetch_choose(void) {
+    weight_prefetch = !cpu_is_amd();
+}
 /* on: 1 or 0 sets it (while no kernel runs); any other value only reads it. Returns it. */
-int gemv_r16_prefetch(int on) {
-    if (on == 0 || on == 1) r16_prefetch = on;
-    return r16_prefetch;
+int gemv_weight_prefetch(int on) {
+    if (on == 0 || on == 1) weight_prefetch = on;
+    return weight_prefetch;
 }
 
 /* Where a weight prefetch puts its line: L2 and beyond (prefetcht1), not L1. A weight byte is
@@ -240,11 +244,12 @@ INLINE void f32_row(const float *restrict x, const float *restrict w, long in, f
     for (int j = 0; j < N; j++)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) acc[j][u] = _mm512_setzero_ps();
+    const int pf = weight_prefetch;
     long k = 0;
     for (; k + 16 * U <= in; k += 16 * U)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
-            __builtin_prefetch(w + k + 16 * u + F32_PF_FLOATS, 0, PF_LOCALITY); /* a line each */
+            if (pf) __builtin_prefetch(w + k + 16 * u + F32_PF_FLOATS, 0, PF_LOCALITY); /* a line */
             const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
 #pragma GCC unroll 4
             for (int j = 0; j < N; j++)
@@ -354,11 +359,13 @@ INLINE void f32_row(const float *restrict x, const float *restrict w, long in, f
     for (int j = 0; j < N; j++)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) acc[j][u] = _mm256_setzero_ps();
+    const int pf = weight_prefetch;
     long k = 0;
     for (; k + 8 * U <= in; k += 8 * U)
 #pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
-            if (u % 2 == 0) __builtin_prefetch(w + k + 8 * u + F32_PF_FLOATS, 0, PF_LOCALITY);
+            if (pf && u % 2 == 0)
+                __builtin_prefetch(w + k + 8 * u + F32_PF_FLOATS, 0, PF_LOCALITY);
             const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
 #pragma GCC unroll 4
             for (int j = 0; j < N; j++)
@@ -825,7 +832,7 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
     const long bs = block_bytes(fmt), nb = a->nb, gb = 16 * bs;
     const long codes = fmt == Q8_0 ? 512 : 256;
     __m512 acc[GEMV_MAX_ROWS], tacc[GEMV_MAX_ROWS];
-    const int pf = r16_prefetch, apf = nb > ACT_PF_MIN_BLOCKS; /* long rows: ask for x's codes */
+    const int pf = weight_prefetch, apf = nb > ACT_PF_MIN_BLOCKS; /* long rows: ask for x's codes */
 #pragma GCC unroll 4
     for (int j = 0; j < N; j++) acc[j] = tacc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
@@ -2079,7 +2086,7 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
                           long out, const int N, const int D) {
     const long nb = a->nb, in = nb * 256;
     const int CH = N == 1 ? 2 : 1; /* independent chains per sub-block and digit */
-    const int pf = r16_prefetch;
+    const int pf = weight_prefetch;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMV_MAX_ROWS], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4

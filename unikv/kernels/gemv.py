@@ -317,14 +317,15 @@ _ROWS16_FORMATS = {
 }
 
 
-def r16_prefetch(on: bool | None = None) -> bool:
-    """Whether the VNNI path's interleaved kernel asks for its weights ahead in software
-    (gemv.c's r16_prefetch: on but on AMD's CPUs, chosen when the library loads); `on` sets it
-    (the numbers are the same bits either way: a benchmark's or a test's switch)."""
+def weight_prefetch(on: bool | None = None) -> bool:
+    """Whether the kernels ask for weights ahead in software where they stream in order (the
+    VNNI path's interleaved groups, the float32 rows; gemv.c's weight_prefetch: on but on AMD's
+    CPUs, chosen when the library loads); `on` sets it (the numbers are the same bits either
+    way: a benchmark's or a test's switch)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"gemv.c is unavailable: {unavailable()}")
-    fn = lib.gemv_r16_prefetch
+    fn = lib.gemv_weight_prefetch
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
     return bool(fn(-1 if on is None else int(on)))
 

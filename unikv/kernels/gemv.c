@@ -116,27 +116,36 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
 
 /* Whether the weights are asked for ahead in software where they stream in order: the VNNI
  * path's interleaved groups (r16_group, q4k_r16_group: prefetch_group) and the float32 rows
- * (f32_row: F32_PF_FLOATS). Not on AMD's CPUs, chosen by cpuid when the library loads. Measured
+ * (f32_row: F32_PF_FLOATS). Not on AMD's Zen 3 and later (amd_zen3_or_later), chosen by cpuid
+ * when the library loads. Measured
  * on the AMD EPYC (Zen 4), builds alternating in one process: one thread over 240 MiB of
  * interleaved Q4_1 [8192, 2048] matrices, the lines in order, 29.2-30.4 GB/s without it and
  * 22.4 with it (8,192 bytes ahead; the older build, the headers' line read first, 21.0-21.9);
  * float32 rows of SmolLM2's shapes 26.5 against 23.3 GB/s (2 threads 46.2 against 41.0). The
  * whole decode step (benchmarks/kernel_ab.py, without against with): SmolLM2 Q4_1 0.939x the
- * time, a Llama 3.2 1B-shaped Q4_1 0.872x, SmolLM2 float32 0.963x. The Intel Xeon's figures
- * (above, and F32_PF_FLOATS's) were measured with it; it stays on there until measured again.
+ * time, a Llama 3.2 1B-shaped Q4_1 0.872x, SmolLM2 float32 0.815-0.998x. The Intel Xeon's
+ * figures (above, and F32_PF_FLOATS's) were measured with it; it stays on there, and on AMD's
+ * older Zen 1 and 2, until measured again.
  * gemv_weight_prefetch switches it (tests: the same bits either way). */
 static int weight_prefetch = 1;
-static int cpu_is_amd(void) {
+/* Whether this is an AMD CPU of family 25 or later (Zen 3, Zen 4, Zen 5), whose hardware
+ * prefetcher was measured to stream alone (Zen 4). Zen 1 and 2 (family 23) keep the prefetch:
+ * not measured there. */
+static int amd_zen3_or_later(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0));
-    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    if (!(b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u)) /* "AuthenticAMD" */
+        return 0;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+    return family >= 25;
 #else
     return 0;
 #endif
 }
 __attribute__((constructor)) static void weight_prefetch_choose(void) {
-    weight_prefetch = !cpu_is_amd();
+    weight_prefetch = !amd_zen3_or_later();
 }
 /* on: 1 or 0 sets it (while no kernel runs); any other value only reads it. Returns it. */
 int gemv_weight_prefetch(int on) {

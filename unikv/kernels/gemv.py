@@ -320,8 +320,8 @@ _ROWS16_FORMATS = {
 def weight_prefetch(on: bool | None = None) -> bool:
     """Whether the kernels ask for weights ahead in software where they stream in order (the
     VNNI path's interleaved groups, the float32 rows; gemv.c's weight_prefetch: on but on AMD's
-    CPUs, chosen when the library loads); `on` sets it (the numbers are the same bits either
-    way: a benchmark's or a test's switch)."""
+    Zen 3 and later, chosen when the library loads); `on` sets it (the numbers are the same bits
+    either way: a benchmark's or a test's switch)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"gemv.c is unavailable: {unavailable()}")

@@ -153,6 +153,12 @@ int gemv_weight_prefetch(int on) {
     return weight_prefetch;
 }
 
+/* Whether an interleaved group asks for its weights ahead for n x rows: always from 5 rows on,
+ * where a group is read again from the caches for every 4 x rows (on the AMD EPYC (Zen 4), 2
+ * threads over SmolLM2-sized Q4_1 matrices, without it against with it: 1 row 1.06x the bytes
+ * a second, 4 rows 1.00x, 8 and 16 rows 0.86x), and as weight_prefetch says below that. */
+INLINE int weight_pf(int n) { return weight_prefetch || n > 4; }
+
 /* Where a weight prefetch puts its line: L2 and beyond (prefetcht1), not L1. A weight byte is
  * read once per step; pulled into L1 ahead of use, it evicts the activations, the accumulators'
  * spills and the Python interpreter's hot lines. Whole decode step, kernel_ab.py, against L1
@@ -660,6 +666,7 @@ typedef struct {
     int8_t *q, *q2;
     float *dx, *t;
     long nb, nbp, nb16;
+    int pf; /* r16_group: ask for the weights ahead (set per call: r16_range's weight_pf) */
 } xq_t;
 
 /* Round x [n, nb * 32] to int8 per block (round to nearest even, as ggml's AVX path); with
@@ -841,7 +848,7 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
     const long bs = block_bytes(fmt), nb = a->nb, gb = 16 * bs;
     const long codes = fmt == Q8_0 ? 512 : 256;
     __m512 acc[GEMV_MAX_ROWS], tacc[GEMV_MAX_ROWS];
-    const int pf = weight_prefetch, apf = nb > ACT_PF_MIN_BLOCKS; /* long rows: ask for x's codes */
+    const int pf = a->pf, apf = nb > ACT_PF_MIN_BLOCKS; /* long rows: ask for x's codes */
 #pragma GCC unroll 4
     for (int j = 0; j < N; j++) acc[j] = tacc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
@@ -912,6 +919,7 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
         for (long g = g0; g < g1; g++)                                                           \
             for (int j = 0; j < n; j += 4) {                                                     \
                 xq_t s = *a; /* x rows j .. j + 3 */                                             \
+                s.pf = weight_pf(n);                                                             \
                 s.q += j * a->nbp * 32, s.q2 += j * a->nbp * 32;                                 \
                 s.dx += j * a->nb16, s.t += j * a->nb16;                                         \
                 const uint8_t *wg = w + g * gbytes;                                              \
@@ -1760,6 +1768,7 @@ typedef struct {
     const float *dx, *sx;  /* [n][xs] per 32-element block: a code's scale, dx times the code sum */
     const int32_t *bias;   /* [n][in / 4] (Q6_K): 32 times the sum of each 4 consecutive codes */
     long nb, xs;           /* super-blocks per row; the stride of dx and sx */
+    int pf;                /* q4k_r16_group: ask for the weights ahead (r16_range's weight_pf) */
 } kact_t;
 
 /* The 6-bit scales and mins of Q4_K super-block p as integers (ggml's get_scale_min_k4). */
@@ -2095,7 +2104,7 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
                           long out, const int N, const int D) {
     const long nb = a->nb, in = nb * 256;
     const int CH = N == 1 ? 2 : 1; /* independent chains per sub-block and digit */
-    const int pf = weight_prefetch;
+    const int pf = a->pf;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMV_MAX_ROWS], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4
@@ -2235,6 +2244,7 @@ static void q4k_r16_range(const kact_t *a, int n, const uint8_t *w, float *y, lo
         for (int j = 0; j < n; j += 4) {
             kact_t s = *a; /* x rows j .. j + 3 */
             s.q1 += j * in, s.q2 += j * in, s.dx += j * a->xs, s.sx += j * a->xs;
+            s.pf = weight_pf(n);
             const uint8_t *wg = w + g * a->nb * K16_BYTES;
             float *yg = y + j * out + 16 * g;
             switch ((n - j < 4 ? n - j : 4) + 4 * (digits == 2)) {

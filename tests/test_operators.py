@@ -738,10 +738,10 @@ def _i8_product(x, blocks, fmt, digits=2, rows16=False):
 def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, monkeypatch):
     """The interleaved kernels (VNNI: Q8_0, Q4_0, Q4_1, Q4_K; AVX2: Q4_0, Q4_1, Q4_K) compute the
     GGUF-order kernel's product (the same integer dots; only the float32 sums' order differs)
-    for 1 to 37 activation rows, one or two digits, one block or many (129: the long rows whose
-    codes the VNNI kernel asks for ahead), one group of 16 rows or many; the registry's entry
-    interleaves a weight of whole groups on first use, and the paths that do not read a format
-    so (the portable one, AVX2's Q8_0) refuse it, in Python and in C."""
+    for 1 to 37 activation rows, one or two digits, one block or many (129, Q4_K's 10: the long
+    rows whose codes the VNNI kernels ask for ahead), one group of 16 rows or many; the
+    registry's entry interleaves a weight of whole groups on first use, and the paths that do
+    not read a format so (the portable one, AVX2's Q8_0) refuse it, in Python and in C."""
     from unikv.kernels import gemv
 
     if gemv.unavailable() is not None:
@@ -762,7 +762,7 @@ def test_gemv_i8_on_interleaved_rows_equals_the_gguf_order(fmt, threads, isa, mo
         pytest.skip(f"the {gemv.i8_isa()} path does not read {fmt} interleaved")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    shapes = ([(16, 256), (96, 512), (80, 1536), (256, 2048)] if k
+    shapes = ([(16, 256), (96, 512), (80, 1536), (256, 2048), (32, 2560)] if k
               else [(16, 32), (96, 96), (80, 1568), (256, 576), (32, 4128)])  # fmt: skip
     try:
         for out, cols in shapes:

@@ -12,6 +12,13 @@ from collections.abc import Callable
 
 import torch
 
+# (hidden, ffn, layers, heads, kv heads, vocab) of real models, for benchmarks of random weights
+# (cuda_graphs.py; random_gguf.py, which takes SmolLM2's vocabulary instead)
+MODEL_SHAPES = {
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256),  # Llama 3.2 1B
+}
+
 
 def timed(fn: Callable[[], object]) -> float:
     """Seconds one call of `fn` takes."""

@@ -31,18 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import env_set, report  # noqa: E402
+from benchmarks.common import MODEL_SHAPES, env_set, report  # noqa: E402
 from unikv.engine import graphs  # noqa: E402
 from unikv.engine.assembly import build_kv  # noqa: E402
 from unikv.engine.config import ModelConfig  # noqa: E402
 from unikv.engine.model import LlamaModel  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
-# (hidden, ffn, layers, heads, kv heads, vocab) of real models
-SHAPES = {
-    "smollm2-135m": (576, 1536, 30, 9, 3, 49152),
-    "llama-1b": (2048, 8192, 16, 32, 8, 128256),
-}
+SHAPES = MODEL_SHAPES
 
 
 def random_weights(shape: str, seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -30,20 +30,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import MODEL_SHAPES  # noqa: E402
 from benchmarks.llamacpp import converted, find_or_build  # noqa: E402
 from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
 
-# (hidden, ffn, layers, heads, kv heads) of real models, with SmolLM2's vocabulary
-SHAPES = {
-    "smollm2-135m": (576, 1536, 30, 9, 3),
-    "llama-1b": (2048, 8192, 16, 32, 8),  # Llama 3.2 1B
-}
+SHAPES = MODEL_SHAPES  # each with SmolLM2's vocabulary here, not its own
 ARCH = "llama"
 
 
 def write(path: Path, shape: str, seed: int = 0) -> None:
     """A random F16 GGUF of `shape` at `path` (SmolLM2's tokenizer and its other settings)."""
-    hidden, ffn, layers, heads, kv_heads = SHAPES[shape]
+    hidden, ffn, layers, heads, kv_heads, _ = SHAPES[shape]
     d = hidden // heads
     source = gguf.GGUFReader(resolve_model_path("smollm2"))
     writer = gguf.GGUFWriter(str(path), ARCH)

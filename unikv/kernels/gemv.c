@@ -104,12 +104,7 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
  * (three runs; AVX2 build 1.02x), the Q8_0 GGUF 0.99-1.04x (four runs, mean 1.01x); 16,384
  * 0.97x and 2,048 0.93x at Q8_0. Interleaved Q4_K on the AMD EPYC (Zen 4), 256 MiB of
  * [8192, 2048] matrices, one row, 2 threads, builds alternating: 4,096 26-28, 8,192 26-28,
- * 16,384 25-26 GB/s.
- *
- * On the AMD EPYC (Zen 4) the VNNI path reads without it (weight_prefetch, below): there a
- * thread's prefetcht1 requests at 4 KB and more ahead held it to 21-23 GB/s, where its
- * hardware prefetcher alone follows the group's lines at the stream's 28-33, once the lines
- * are read in their order (r16_group). */
+ * 16,384 25-26 GB/s. On AMD's Zen 3 and later it is not asked for (weight_prefetch, below). */
 #ifndef R16_PF_BYTES
 #define R16_PF_BYTES 8192
 #endif
@@ -117,8 +112,9 @@ INLINE long block_bytes(const int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ?
 /* Whether the weights are asked for ahead in software where they stream in order: the VNNI
  * path's interleaved groups (r16_group, q4k_r16_group: prefetch_group) and the float32 rows
  * (f32_row: F32_PF_FLOATS). Not on AMD's Zen 3 and later (amd_zen3_or_later), chosen by cpuid
- * when the library loads. Measured
- * on the AMD EPYC (Zen 4), builds alternating in one process: one thread over 240 MiB of
+ * when the library loads: there a thread's prefetcht1 requests 4 KB and more ahead hold it to
+ * 21-23 GB/s, where its hardware prefetcher alone follows lines read in order (r16_group) at
+ * the stream's 28-33. Measured on the AMD EPYC (Zen 4), builds alternating in one process: one thread over 240 MiB of
  * interleaved Q4_1 [8192, 2048] matrices, the lines in order, 29.2-30.4 GB/s without it and
  * 22.4 with it (8,192 bytes ahead; the older build, the headers' line read first, 21.0-21.9);
  * float32 rows of SmolLM2's shapes 26.5 against 23.3 GB/s (2 threads 46.2 against 41.0). The
@@ -916,10 +912,11 @@ INLINE void r16_group(const xq_t *restrict a, const uint8_t *restrict wg, float 
     static void r16_range_##F(const xq_t *a, int n, const uint8_t *w, float *y, long out,        \
                               long g0, long g1, int digits) {                                    \
         const long gbytes = a->nb * 16 * block_bytes(F);                                         \
+        const int pf = weight_pf(n);                                                             \
         for (long g = g0; g < g1; g++)                                                           \
             for (int j = 0; j < n; j += 4) {                                                     \
                 xq_t s = *a; /* x rows j .. j + 3 */                                             \
-                s.pf = weight_pf(n);                                                             \
+                s.pf = pf;                                                                       \
                 s.q += j * a->nbp * 32, s.q2 += j * a->nbp * 32;                                 \
                 s.dx += j * a->nb16, s.t += j * a->nb16;                                         \
                 const uint8_t *wg = w + g * gbytes;                                              \
@@ -2104,10 +2101,10 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
                           long out, const int N, const int D) {
     const long nb = a->nb, in = nb * 256;
     const int CH = N == 1 ? 2 : 1; /* independent chains per sub-block and digit */
-    /* rows of more than 8 super-blocks ask for x's codes a super-block ahead: a 1B's down
-     * projection [2048, 8192] read 19.9 GB/s on one thread without, 25.2 with (2 ahead: 20.6;
-     * AMD EPYC, Zen 4; [8192, 2048] 23-25 either way) */
-    const int pf = a->pf, apf = nb > 8;
+    /* long rows (r16_group's ACT_PF_MIN_BLOCKS: 8 super-blocks) ask for x's codes a super-block
+     * ahead: a 1B's down projection [2048, 8192] read 19.9 GB/s on one thread without, 25.2
+     * with (2 ahead: 20.6; AMD EPYC, Zen 4; [8192, 2048] 23-25 either way) */
+    const int pf = a->pf, apf = nb * 8 > ACT_PF_MIN_BLOCKS;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GEMV_MAX_ROWS], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4
@@ -2251,11 +2248,12 @@ INLINE void q4k_r16_group(const kact_t *restrict a, const uint8_t *restrict wg, 
 static void q4k_r16_range(const kact_t *a, int n, const uint8_t *w, float *y, long out, long g0,
                           long g1, int digits) {
     const long in = a->nb * 256;
+    const int pf = weight_pf(n);
     for (long g = g0; g < g1; g++)
         for (int j = 0; j < n; j += 4) {
             kact_t s = *a; /* x rows j .. j + 3 */
             s.q1 += j * in, s.q2 += j * in, s.dx += j * a->xs, s.sx += j * a->xs;
-            s.pf = weight_pf(n);
+            s.pf = pf;
             const uint8_t *wg = w + g * a->nb * K16_BYTES;
             float *yg = y + j * out + 16 * g;
             switch ((n - j < 4 ? n - j : 4) + 4 * (digits == 2)) {

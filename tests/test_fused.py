@@ -397,10 +397,11 @@ def test_the_profiling_build_gives_the_same_bits_and_splits_the_call(qtype, monk
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_a_one_call_step_gives_the_same_bits_on_any_number_of_threads(qtype, isa, monkeypatch):
     """decode_layers shares each product's rows among a team of threads (gemv.c's
-    team_product: chunks taken from a shared counter) and takes an int8 product's x rows 16 at a
-    time: decode steps of 10 sequences (40 rows: three such chunks; then 18 and 1) give the same
-    logits to the bit on 1, 2 and 3 threads (more threads than this machine's cores), and the
-    layer-by-layer path's."""
+    team_product: a range each, the rest taken from its end by a thread done with its own) and
+    takes an int8 product's x rows 16 at a time: decode steps of 10 sequences (40 rows: three
+    such chunks; then 18 and 1) give the same logits to the bit on 1, 2 and 3 threads (more
+    threads than this machine's cores), and the layer-by-layer path's; so does a build whose
+    threads take every range from its end first, 16 rows a claim (STEAL_FIRST)."""
     from tests.test_operators import _tiny_llama
 
     m = _tiny_llama(qtype)
@@ -413,9 +414,17 @@ def test_a_one_call_step_gives_the_same_bits_on_any_number_of_threads(qtype, isa
             runs.append(_serve(m, "full", fused.layers_native, schedule))
     finally:
         torch.set_num_threads(threads)
+    monkeypatch.setattr(gemv, "DEFINES", ("-DSTEAL_FIRST=1", "-DCLAIM_BYTES=1"))
+    monkeypatch.setattr(gemv, "_state", {})
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            runs.append(_serve(m, "full", fused.layers_native, schedule))
+    finally:
+        torch.set_num_threads(threads)
     want = _serve(m, "full", fused.layers_python, schedule)
-    assert served == [40, 18, 1] * 3
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert served == [40, 18, 1] * 5
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
     assert torch.isfinite(want).all() and _rel(runs[1], want) < 1e-6, _rel(runs[1], want)
 
 

@@ -2868,12 +2868,22 @@ void step_profile_reset(void) {}
  * joins 11% of it. decode_layers runs one parallel region per layer instead (attention, with
  * its own threads, between them); inside it a product is split in two: its activations in
  * the kernel's form, which each thread makes for itself (prod_make: a few KB, no barrier), and
- * its rows, which the threads take chunk by chunk from a shared counter (SPLIT's chunks, so a
- * thread that runs slower takes fewer) before one barrier (0.27 us here against a fork and join's
- * 1.4). Each row is computed by the same code as the entry point's: the same bits. Measured
- * (benchmarks/kernel_ab.py, the same 4 chunks a thread forked per product as A): 0.97-0.99x
- * the step; the second thread's idle share fell from 43% to 33%, the rest of it is the Python
- * and attention between regions. */
+ * its rows, which the threads share (team_product's claims, below) before one barrier (0.27 us
+ * here against a fork and join's 1.4). Each row is computed by the same code as the entry
+ * point's: the same bits. Measured (benchmarks/kernel_ab.py, the same 4 chunks a thread forked
+ * per product as A): 0.97-0.99x the step; the second thread's idle share fell from 43% to 33%,
+ * the rest of it is the Python and attention between regions.
+ *
+ * The rows: each thread owns one range of a product (own_groups), which it reads front to
+ * back, and a thread whose range is done takes what is left of another's from its end, a
+ * claim (CLAIM_BYTES) at a time. Before, the threads took SPLIT's chunks (2 a thread) from one
+ * counter: one chunk was the unit of balance, and at the end of a product the thread that
+ * finished first waited for the other's last chunk. A Llama 3.2 1B-shaped Q4_1 step (AMD EPYC,
+ * Zen 4, `decode_profile.py --inside`) waited at the barriers 10-11% of the call with chunks,
+ * 1-2% with claims (its step level: the memory was the bound either way); the SmolLM2 Q4_1 step
+ * took 0.975-0.99x the time (kernel_ab.py, four runs), and 0.86x with another process busy on
+ * one of the two cores. A thief taking half of what is left instead of one claim was 1.13x
+ * slower there: a big claim whose thread is then preempted holds up the barrier. */
 typedef struct {
     const lin_t *l;
     const float *x;
@@ -2937,43 +2947,92 @@ static void prod_rows(const prod_t *p, long lo, long hi) {
 }
 
 /* A team: the threads of one parallel region, each calling the same team_* functions in the
- * same order. `ctr` are the shared chunk counters (zero at the region's start; each product
- * takes the next, every thread counting them alike in `next`), `failed` is set when a thread
- * could not make a product's activations (the call's result is then thrown away). */
+ * same order. `claims` are the shared claim counters (zero at the region's start; each product
+ * takes the next `threads` of them, one per thread's rows, every thread counting them alike in
+ * `next`), `failed` is set when a thread could not make a product's activations (the call's
+ * result is then thrown away). */
 typedef struct {
-    atomic_long *ctr;
+    _Alignas(64) atomic_long v; /* groups taken from the front (low 32 bits), from the back */
+} claim_t;
+
+typedef struct {
+    claim_t *claims;
     int next, threads, tid;
     atomic_int *failed;
 } team_t;
 
+/* Thread t's own rows of a product of `out` rows among nt threads: groups [g0, g1) of 16 rows
+ * (the last group ends at `out`). */
+INLINE void own_groups(long out, int nt, int t, long *g0, long *g1) {
+    const long groups = (out + 15) / 16;
+    *g0 = groups * t / nt, *g1 = groups * (t + 1) / nt;
+}
+
+/* Up to k of the `size` groups a claim counter covers, from its front (the owner's, in order)
+ * or its back (another thread's, once its own are done): 1 and the first group taken (from
+ * the range's start) into *at and how many into *got, or 0 when none is left. */
+INLINE int claim(claim_t *c, long size, long k, int back, long *at, long *got) {
+    long v = atomic_load_explicit(&c->v, memory_order_relaxed);
+    for (;;) {
+        const long front = v & 0xffffffffL, behind = v >> 32, left = size - front - behind;
+        if (left <= 0) return 0;
+        const long take = k < left ? k : left;
+        if (atomic_compare_exchange_weak_explicit(&c->v, &v, v + (back ? take << 32 : take),
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            *at = back ? size - behind - take : front, *got = take;
+            return 1;
+        }
+    }
+}
+
+/* Groups a claim takes: about CLAIM_BYTES of weights (at least one group). Smaller claims
+ * balance finer and bound what a preempted thread holds; each one a thief takes starts a cold
+ * stream. SmolLM2 Q4_1 step (AMD EPYC, Zen 4): 64 KB 0.97x the time of 16 KB; 256 KB and 1 MB
+ * within the runs' spread of 64 KB (1.03x, 0.99x). */
+#ifndef CLAIM_BYTES
+#define CLAIM_BYTES (64L << 10)
+#endif
+/* 1: each thread takes the others' rows first, its own last (a test build's: the claims from
+ * a range's end made to run, tests/test_fused.py) */
+#ifndef STEAL_FIRST
+#define STEAL_FIRST 0
+#endif
+
 /* y [n, l->out] = x [n, l->in] l^T by the whole team: every thread makes the activations, then
- * takes chunks of rows until none is left, thread t chunk t first (the chunk `touch_ahead` read
- * for it) and then the next one no thread has taken; whole when it returns (one barrier per
- * chunk of GEMV_I8_MAX_ROWS x rows at kind 2, as gemv_qi8 goes). */
+ * multiplies its own rows (own_groups: one range, read front to back, CLAIM_BYTES at a time;
+ * thread t's are the rows `touch_ahead` read for it) and, when they are done, takes the rows
+ * still left in the other threads' ranges from their ends, a claim at a time, until none is
+ * left; whole when it returns (one barrier per chunk of GEMV_I8_MAX_ROWS x rows at kind 2, as
+ * gemv_qi8 goes). */
 static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y, int kind) {
-    const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n;
-    const long out = l->out, chunk = split_chunk(out, tm->threads);
-    const long chunks = (out + chunk - 1) / chunk;
+    const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n, nt = tm->threads;
+    const long out = l->out, row = lin_row_bytes(l);
+    const long k = CLAIM_BYTES / (16 * row) > 1 ? CLAIM_BYTES / (16 * row) : 1;
     for (int r0 = 0; r0 < n; r0 += step) {
         const int m = n - r0 < step ? n - r0 : step;
-        atomic_long *ctr = tm->ctr + tm->next++;
+        claim_t *claims = tm->claims + (long)tm->next++ * nt;
         prod_t p;
         PROF_NOW(t0);
         if (prod_make(&p, l, x + (long)r0 * l->in, m, y + (long)r0 * out) == 0) {
             PROF_ADD(tm->tid, P_MAKE, t0);
             PROF_NOW(t1);
             long rows = 0;
-            for (long c = tm->tid; c < chunks;
-                 c = tm->threads + atomic_fetch_add_explicit(ctr, 1, memory_order_relaxed)) {
-                const long hi = c * chunk + chunk < out ? c * chunk + chunk : out;
-                prod_rows(&p, c * chunk, hi);
-                rows += hi - c * chunk;
+            for (int i = STEAL_FIRST; i < nt + STEAL_FIRST; i++) { /* its own rows, the others' */
+                const int t = (tm->tid + i) % nt;
+                long g0, g1, at, got;
+                own_groups(out, nt, t, &g0, &g1);
+                while (claim(&claims[t], g1 - g0, k, t != tm->tid, &at, &got)) {
+                    const long lo = (g0 + at) * 16, end = (g0 + at + got) * 16;
+                    const long hi = end < out ? end : out;
+                    prod_rows(&p, lo, hi);
+                    rows += hi - lo;
+                }
             }
 #ifdef STEP_PROFILE
             const double dt = omp_get_wtime() - t1;
             prof_part[tm->tid % PROF_THREADS][P_ROWS] += dt;
             prof_rows[tm->tid % PROF_THREADS][kind][0] += dt;
-            prof_rows[tm->tid % PROF_THREADS][kind][1] += (double)lin_row_bytes(l) * rows;
+            prof_rows[tm->tid % PROF_THREADS][kind][1] += (double)row * rows;
 #else
             (void)kind, (void)rows;
 #endif
@@ -2988,8 +3047,8 @@ static void team_product(team_t *tm, const lin_t *l, const float *x, int n, floa
     }
 }
 
-/* The chunk counters a decode step's region uses at most: four products per layer part, each
- * in chunks of GEMV_I8_MAX_ROWS rows. */
+/* The products a decode step's region holds at most, each in chunks of GEMV_I8_MAX_ROWS
+ * x rows: four per layer part (a claim counter per thread each). */
 INLINE long team_counters(int n) { return 4L * ((n + GEMV_I8_MAX_ROWS - 1) / GEMV_I8_MAX_ROWS); }
 
 /* ---- a whole decode step: every layer in one call --------------------------------------------
@@ -3188,13 +3247,13 @@ static int layer_attention(const kv_step_t *kv, const layer_t *L, int li, const 
  * (INSIDE_KEYS) and no sequence has a choice to make (short_attention), thread 0 runs RoPE and
  * the attention inside the layer's parallel region (one thread, as before; a packed cache's own
  * layer work, hybrid_attend.c's hybrid_layer, on one thread too), and each other thread
- * t reads, until thread 0 is done, the first chunk it will multiply in each of the next
- * products (chunk t of the output projection, gate|up, down and the next layer's QKV; at most
- * half its L2 cache), so those bytes come from its L2 when it gets there. Reads, not software
+ * t reads, until thread 0 is done, the first half of its own rows (own_groups) in each of the
+ * next products (the output projection, gate|up, down and the next layer's QKV; at most half
+ * its L2 cache), so those bytes come from its L2 when it gets there. Reads, not software
  * prefetches: on the AMD EPYC (Zen 4) a run of prefetches over 128 or 384 KB left the region as
  * cold as before (a one-off test: they were dropped once the core's miss buffers filled), where
  * plain loads left it in the cache. The products are the same bits whichever thread takes which
- * chunk. */
+ * rows. */
 #ifndef INSIDE_KEYS
 #define INSIDE_KEYS 1024 /* sparse.c's SERIAL_KEYS: below it sparse_attend uses one thread */
 #endif
@@ -3202,18 +3261,19 @@ static int layer_attention(const kv_step_t *kv, const layer_t *L, int li, const 
 static long inside_layers; /* layers whose attention ran inside a region, by every call so far */
 long decode_inside_layers(void) { return inside_layers; }
 
-/* Thread tid of nt reads its first chunk of each of the `count` products lin[], up to `cap`
- * bytes in all, until *done. */
+/* Thread tid of nt reads the first half of its own rows of each of the `count` products
+ * lin[], up to `cap` bytes in all, until *done. */
 static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, long cap,
                         atomic_int *done) {
     for (int i = 0; i < count && cap > 0; i++) {
         const lin_t *l = lin[i];
-        const long chunk = split_chunk(l->out, nt), lo = tid * chunk;
-        if (lo >= l->out) continue;
-        const long hi = lo + chunk < l->out ? lo + chunk : l->out;
-        const long row = lin_row_bytes(l);
+        long g0, g1;
+        own_groups(l->out, nt, tid, &g0, &g1);
+        const long lo = g0 * 16, hi = g1 * 16 < l->out ? g1 * 16 : l->out;
+        if (lo >= hi) continue;
+        const long row = lin_row_bytes(l), half = (hi - lo + 1) / 2 * row; /* its first half */
         const char *w = (const char *)l->w + lo * row;
-        const long n = (hi - lo) * row < cap ? (hi - lo) * row : cap;
+        const long n = half < cap ? half : cap;
         for (long o = 0; o < n; o += 64) {
             if (o % 4096 == 0 && atomic_load_explicit(done, memory_order_acquire)) return;
             (void)*(const volatile char *)(w + o); /* a load the compiler keeps */
@@ -3278,10 +3338,10 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
      * product, the hidden state between regions; then each thread's hidden state and norm */
     const size_t shared = (size_t)n * (2 * hq * d + 2 * hkv * d + width + 3 * hidden + 3 * ffn);
     float *buf = malloc(sizeof(float) * (shared + (size_t)threads * 2 * n * hidden));
-    atomic_long *ctr = malloc(sizeof(atomic_long) * ncount);
+    claim_t *claims = aligned_alloc(64, sizeof(claim_t) * ncount * threads);
     const int64_t **chosen = malloc(sizeof(int64_t *) * nseq);
     int64_t *nchosen = malloc(sizeof(int64_t) * nseq);
-    int rc = buf == NULL || ctr == NULL || chosen == NULL || nchosen == NULL ? -1 : 0;
+    int rc = buf == NULL || claims == NULL || chosen == NULL || nchosen == NULL ? -1 : 0;
     float *q = buf, *k = q + (long)n * hq * d, *v = k + (long)n * hkv * d;
     float *attn = v + (long)n * hkv * d, *tqkv = attn + (long)n * hq * d;
     float *two = tqkv + n * width, *tdown = two + n * hidden, *g = tdown + n * hidden;
@@ -3298,7 +3358,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
     PROF_NOW(t_call);
     for (int r = 0; r <= nlayers && rc == 0; r++) {
         const layer_t *P = r > 0 ? layers[r - 1] : NULL, *L = r < nlayers ? layers[r] : NULL;
-        for (long c = 0; c < ncount; c++) atomic_init(&ctr[c], 0);
+        for (long c = 0; c < ncount * threads; c++) atomic_init(&claims[c].v, 0);
         atomic_int done = 0; /* thread 0's attention, inside */
         PROF_NOW(t_fork);
 #ifdef STEP_PROFILE
@@ -3308,7 +3368,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
             PROF_ADD(tid, P_SYNC, t_fork);
-            team_t tm = {.ctr = ctr, .next = 0, .threads = nt, .tid = tid, .failed = &failed};
+            team_t tm = {.claims = claims, .next = 0, .threads = nt, .tid = tid, .failed = &failed};
             float *hid = priv + (long)tid * 2 * n * hidden, *h = hid + n * hidden;
             memcpy(hid, a, sizeof(float) * n * hidden);
             if (P != NULL) { /* layer r - 1 after its attention: layer_out */
@@ -3332,7 +3392,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
                     if (layer_attention(kv, L, r, tqkv, n, pos, q, k, v, attn, chosen, nchosen, 1))
                         atomic_store(&failed, 1);
                     atomic_store_explicit(&done, 1, memory_order_release);
-                } else if (inside) { /* the next products' first chunks of this thread */
+                } else if (inside) { /* the next products' first rows of this thread */
                     const lin_t *next[4] = {&L->wo, &L->gu, &L->down, NULL};
                     const lin_t *after = r + 1 < nlayers ? &layers[r + 1]->qkv
                                          : st != NULL     ? &st->head
@@ -3363,7 +3423,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
     if (rc == 0 && st == NULL) memcpy(out, a, sizeof(float) * n * hidden);
     free(chosen);
     free(nchosen);
-    free(ctr);
+    free(claims);
     free(buf);
     return rc ? -1 : 0;
 }

@@ -22,9 +22,12 @@ contexts `--prefill-once` prefills one sequence once and decodes it further each
 weights in GGUF order (`engine.linear.INTERLEAVE` off), B interleaved by 16 rows where the int8
 kernel's VNNI path reads them (gemv.c's ROWS16), so B / A is what the layout gives a step.
 `--pages` likewise: A with the weights in the allocator's 4 KiB pages (`UNIKV_HUGE_PAGES=0`
-while it loads), B in huge pages (`memory.hugepages`). `--weight-prefetch` runs one build over one
-load: A with the software prefetch of the weights that stream in order (the VNNI path's
-interleaved groups, the float32 rows), B without (`gemv.weight_prefetch`; the same bits).
+while it loads), B in huge pages (`memory.hugepages`). `--stack` likewise: A with each layer
+whose parts a GGUF holds in different formats (Q4_K_M's QKV with attn_v in Q6_K) decoded to
+float32, B with its parts kept packed (`engine.linear.StackedLinear`). `--weight-prefetch` runs
+one build over one load: A with the software prefetch of the weights that stream in order
+(the VNNI path's interleaved groups, the float32 rows), B without (`gemv.weight_prefetch`;
+the same bits).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noq
 from unikv.engine import linear  # noqa: E402
 from unikv.engine.config import ModelLoadError  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
+from unikv.engine.model import weight_formats  # noqa: E402
 from unikv.kernels import gemv, native, sparse  # noqa: E402
 from unikv.memory import hugepages  # noqa: E402
 
@@ -106,6 +110,12 @@ def main() -> None:
         help="one build, two loads of the model: A's weights in 4 KiB pages, B's in huge pages",
     )
     p.add_argument(
+        "--stack",
+        action="store_true",
+        help="one build, two loads of the model: A's layers of parts in different formats "
+        "decoded to float32, B's kept packed (engine.linear.STACK)",
+    )
+    p.add_argument(
         "--weight-prefetch",
         action="store_true",
         help="one build, one load of the model: A with the software prefetch of the weights "
@@ -132,10 +142,11 @@ def main() -> None:
         "--steps a round)",
     )
     args = p.parse_args()
-    two = args.layouts or args.pages  # one build, two loads of the model
-    if (args.a is not None) + args.layouts + args.pages + args.weight_prefetch != 1:
+    two = args.layouts or args.pages or args.stack  # one build, two loads of the model
+    if (args.a is not None) + args.layouts + args.pages + args.stack + args.weight_prefetch != 1:
         p.error("give one of --a (two builds), --layouts (two layouts of the weights), "
-                "--pages (two kinds of pages) and --weight-prefetch (prefetch or not)")  # fmt: skip
+                "--pages (two kinds of pages), --stack (mixed layers decoded or packed) and "
+                "--weight-prefetch (prefetch or not)")  # fmt: skip
     torch.set_num_threads(args.threads)
     if two or args.weight_prefetch:  # the package's one build for both
         args.a = args.b = PACKAGE
@@ -162,6 +173,16 @@ def main() -> None:
             for m, _ in models
         ]
         print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
+    elif args.stack:
+        models = []
+        for stack in (False, True):
+            linear.STACK = stack
+            models.append(_load(args))
+        linear.STACK = True
+        mb = [sum(w.bytes for w in weight_formats(m).values()) / 2**20 for m, _ in models]
+        stacked = sum(isinstance(x, linear.StackedLinear) for layer in models[1][0].layers
+                      for x in layer)  # fmt: skip
+        print(f"A: {mb[0]:.0f} MiB of weights; B: {mb[1]:.0f} MiB, {stacked} layers of parts")
     elif args.weight_prefetch:
         models = [_load(args)] * 2
         chosen = gemv.weight_prefetch()  # this CPU's default, restored at the end

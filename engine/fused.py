@@ -34,7 +34,7 @@ from unikv.kernels.operators import FnImplementation, register, switches
 from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
 from . import linear
-from .linear import NATIVE_FORMATS, Linear, _blocks, i8_weight
+from .linear import NATIVE_FORMATS, Linear, StackedLinear, _blocks, i8_weight
 from .quantized import K_FORMATS
 
 
@@ -64,6 +64,12 @@ def out_ops(model, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
     return x + wdown(F.silu(gate) * up)
 
 
+def _kinds(lin: Linear | StackedLinear) -> list[tuple[int, int]] | None:
+    """`_kind` of each part of a layer (one for a Linear), or None where a part has none."""
+    kinds = [_kind(part) for part in getattr(lin, "parts", (lin,))]
+    return None if any(k is None for k in kinds) else kinds  # type: ignore[return-value]
+
+
 def _kind(lin: Linear) -> tuple[int, int] | None:
     """(gemv.c's lin_t kind for this layer's chosen matmul entry, the most rows it takes), or
     None when that entry is not one gemv.c's layer calls can stand in for."""
@@ -79,6 +85,16 @@ def _kind(lin: Linear) -> tuple[int, int] | None:
     if lin.fmt in NATIVE_FORMATS and name == "gemv":
         return gemv.KIND_PACKED, gemv.MAX_ROWS
     return None
+
+
+def _chain(lin: Linear | StackedLinear, kinds: list[tuple[int, int]], keep: list,
+           chains: list) -> gemv.Lin:  # fmt: skip
+    """gemv.c's lin_t of a layer: `_lin`, or a stack's parts chained (`gemv.chain`; the parts'
+    Lins appended to `chains`, which the chain points into)."""
+    parts = [_lin(part, k[0], keep)
+             for part, k in zip(getattr(lin, "parts", (lin,)), kinds, strict=True)]  # fmt: skip
+    chains.append(parts)
+    return gemv.chain(parts)
 
 
 def _lin(lin: Linear, kind: int, keep: list) -> gemv.Lin:
@@ -113,22 +129,23 @@ def _same(a: tuple | None, b: tuple) -> bool:
 class _Described:
     """One layer's gemv.Layer, built for the matmul entries its linear layers had chosen."""
 
-    __slots__ = ("chosen", "keep", "layer", "max_rows", "seen")
+    __slots__ = ("chains", "chosen", "keep", "layer", "max_rows", "seen")
 
     def __init__(self, model, li: int, chosen: tuple) -> None:
         cfg = model.cfg
         attn_norm, wqkv, wo, ffn_norm, wgu, wdown = model.layers[li]
-        kinds = [_kind(lin) for lin in (wqkv, wo, wgu, wdown)]
+        kinds = [_kinds(lin) for lin in (wqkv, wo, wgu, wdown)]
         self.chosen, self.layer, self.max_rows, self.seen = chosen, None, 0, None
         self.keep: list = []  # the tensors `layer` points into
+        self.chains: list = []  # the Lins of stacked parts it points to (`_chain`)
         if any(k is None for k in kinds):
             return
-        lins = [_lin(lin, k[0], self.keep)
+        lins = [_chain(lin, k, self.keep, self.chains)
                 for lin, k in zip((wqkv, wo, wgu, wdown), kinds, strict=True)]  # fmt: skip
-        self.max_rows = min(k[1] for k in kinds)
+        self.max_rows = min(k[1] for ks in kinds for k in ks)
         rope = model.rope
         self.layer = gemv.Layer(
-            cfg.hidden_size, wdown.weight.in_features, rope.cos.shape[0], cfg.num_heads,
+            cfg.hidden_size, wdown.in_features, rope.cos.shape[0], cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim, cfg.rms_norm_eps, attn_norm.data_ptr(), ffn_norm.data_ptr(),
             rope.cos.data_ptr(), rope._sin_signed.data_ptr(), *lins,
@@ -145,7 +162,8 @@ def _described(model, li: int) -> _Described:
     if got is not None and _same(got.seen, now):
         return got
     layers = model.layers[li]
-    chosen = tuple(layers[j].op.active.name for j in (1, 2, 4, 5))
+    chosen = tuple(part.op.active.name for j in (1, 2, 4, 5)
+                   for part in getattr(layers[j], "parts", (layers[j],)))  # fmt: skip
     got = cache[li] = _Described(model, li, chosen)
     got.seen = _epoch()  # after the build, which may have interleaved a weight
     return got

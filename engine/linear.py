@@ -2,7 +2,8 @@
 
 What lives here: `SplitLinear` (float weights, multiplied as column slices), `PackedWeight` (a
 GGUF-quantized weight kept packed, with the forms its kernels prepared), `Linear` (one layer:
-a weight plus the breaker of its format's matmul op), `build_linear`, and the registry entries of
+a weight plus the breaker of its format's matmul op), `StackedLinear` (a fused layer whose
+parts are packed in different formats), `build_linear`, and the registry entries of
 the matmul ops (one per weight format), `rmsnorm` and `rope`. What does not: the registry and the
 breaker (`kernels.operators`), the block formats (`engine.quantized`), the forward pass
 (`engine.model`).
@@ -111,6 +112,11 @@ forms_built = 0
 # benchmarks/kernel_ab.py --layouts loads one model without.
 INTERLEAVE = True
 
+# Whether a fused layer of packed parts in different formats stays packed (`StackedLinear`),
+# read as each layer is built; benchmarks/kernel_ab.py --stack loads one model without (its
+# mixed layers decoded to float32, as before).
+STACK = True
+
 
 class PackedWeight:
     """A quantized weight kept as its GGUF blocks, plus the forms its kernels prepared from
@@ -217,6 +223,14 @@ class Linear:
         # note: how a GGUF format is run here, or why it was decoded at load
         self.weight, self.op, self.fmt, self.note = weight, op, fmt, note
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
         if x.shape[0] == 0:  # (a prompt chunk's logits: none) no kernel decodes a weight for it
@@ -229,6 +243,51 @@ class Linear:
     def to_dense(self) -> torch.Tensor:
         """The weight as float32 [out, in] (decoded if packed)."""
         return self.weight.to_dense()
+
+
+class StackedLinear:
+    """One fused layer whose GGUF tensors were quantized in different formats, each part kept
+    packed and multiplied by its own format's entry, the outputs side by side: Q4_K_M quantizes
+    attn_v (and ffn_down) in Q6_K in about half of a model's layers, beside attn_q and attn_k
+    in Q4_K. Decoded to float32 instead, as they were before, such a QKV is read at 4 bytes a
+    weight: in a Llama 3.2 1B-shaped Q4_K_M, 8 of 16 layers' QKV held 192 MiB of float32
+    where their blocks are 30 MiB, and the decode step read 1.25x the bytes it needs.
+    gemv.c's layer calls take the parts as one chain (`gemv.chain`, engine.fused)."""
+
+    __slots__ = ("parts", "fmt", "note")
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.fmt = "+".join(p.fmt for p in parts)  # e.g. "Q4_K+Q6_K"
+        self.note = "; ".join(dict.fromkeys(p.note for p in parts if p.note))
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out], each part's columns after the one before."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` [N] of the stacked weight, [N, in] (each from its part)."""
+        out = torch.empty(index.numel(), self.in_features)
+        start = 0
+        for p in self.parts:
+            end = start + p.out_features
+            mine = (index >= start) & (index < end)
+            if mine.any():
+                out[mine] = p.rows(index[mine] - start).to(out.dtype)
+            start = end
+        return out
+
+    def to_dense(self) -> torch.Tensor:
+        """The stacked weight as float32 [out, in] (each part decoded)."""
+        return torch.cat([p.to_dense().float() for p in self.parts])
 
 
 # The packed entries whose activations stay float32 or two int8 codes (within 0.1% PPL of the
@@ -257,13 +316,15 @@ def build_linear(
     parts: int,
     operators: OperatorSet,
     prepare: bool = True,
-) -> Linear:
+) -> Linear | StackedLinear:
     """One fused layer of `tensors` (stacked along the output rows). Packed tensors of one
     format with a native kernel on `device` stay packed (the kernel's form is prepared now
-    unless `prepare` is False: an embedding table only reads rows); anything else is decoded
-    to `dtype` (`Linear.note` says why). bf16 tensors under a float32 model keep bf16
-    (matmul.bf16). What a kernel streams (the float weight, the packed blocks in the order
-    its kernel reads) is held in huge pages where the host has them (`memory.hugepages`)."""
+    unless `prepare` is False: an embedding table only reads rows); packed tensors of several
+    formats, each with one, stay packed as a `StackedLinear` of one Linear per run of a format;
+    anything else is decoded to `dtype` (`Linear.note` says why). bf16 tensors under a float32
+    model keep bf16 (matmul.bf16). What a kernel streams (the float weight, the packed blocks in
+    the order its kernel reads) is held in huge pages where the host has them
+    (`memory.hugepages`)."""
     qtypes = {t.qtype if isinstance(t, QuantizedTensor) else None for t in tensors}
     note = ""
     if len(qtypes) == 1 and (qtype := next(iter(qtypes))) is not None:
@@ -276,6 +337,15 @@ def build_linear(
                 lin.weight.place()
             return lin
         note = f"{qtype} {note}"
+    elif STACK and None not in qtypes and all(native_op(q, device)[0] is not None for q in qtypes):
+        runs: list[list[QuantizedTensor]] = []  # consecutive tensors of one format
+        for t in tensors:
+            if runs and runs[-1][0].qtype == t.qtype:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        stacked = [build_linear(r, dtype, device, parts, operators, prepare) for r in runs]
+        return StackedLinear(stacked)  # type: ignore[arg-type]
     dense = [dequantize(t) if isinstance(t, QuantizedTensor) else t for t in tensors]
     keep_bf16 = all(t.dtype == torch.bfloat16 for t in dense) and dtype != torch.bfloat16
     wdtype = torch.bfloat16 if keep_bf16 else dtype

@@ -257,7 +257,7 @@ def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
     if model.embed is not model.lm_head:
         lins.append(model.embed)
-    for lin in lins:
+    for lin in (part for x in lins for part in getattr(x, "parts", (x,))):  # a stack's parts
         w = lin.weight
         nbytes = w.nbytes if hasattr(w, "nbytes") else w.weight.numel() * w.weight.element_size()
         entry = out.setdefault(lin.fmt, WeightFormat())

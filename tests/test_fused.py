@@ -719,3 +719,53 @@ def test_a_packed_cache_chooses_inside_the_one_call_step(strategy, isa, monkeypa
         assert ids.tolist() == want[0].pool.table(sid).block_ids()[:packed]
         assert torch.equal(got[0].format._arena[:, ids], want[0].format._arena[:, ids])
     got[0].close(), want[0].close()
+
+
+@pytest.mark.parametrize(("qtype", "other"), [("Q4_K", "Q6_K"), ("Q4_1", "Q8_0")])
+def test_a_layer_of_parts_in_two_formats_stays_packed_and_steps_in_one_call(
+    qtype, other, monkeypatch
+):
+    """Layer 0's attn_v and ffn_up in another format than the rest (Q4_K_M's attn_v in Q6_K):
+    its QKV and gate|up are kept as packed parts (`StackedLinear`), nothing is decoded to float;
+    they multiply as their parts' products side by side, and the one-call decode step chains
+    them (gemv.c's lin_t.next) to the same logits as the layer-by-layer path, to the bit on 1,
+    2 and 3 threads."""
+    from tests.test_operators import _tiny_llama
+    from unikv.engine.linear import Linear, StackedLinear
+    from unikv.engine.model import weight_formats
+
+    m = _tiny_llama(qtype, formats={"blk.0.attn_v": other, "blk.0.ffn_up": other})
+    torch.manual_seed(0)
+    qkv, gu = m.layers[0][1], m.layers[0][4]
+    assert isinstance(qkv, StackedLinear) and [p.fmt for p in qkv.parts] == [qtype, other]
+    assert isinstance(gu, StackedLinear) and [p.fmt for p in gu.parts] == [qtype, other]
+    assert isinstance(m.layers[1][1], Linear) and m.layers[1][1].fmt == qtype
+    layers = [p for layer in m.layers for lin in (layer[1], layer[2], layer[4], layer[5])
+              for p in getattr(lin, "parts", (lin,))]  # fmt: skip
+    assert {p.fmt for p in layers} == {qtype, other}  # (the float: the tied output layer)
+    assert weight_formats(m)[other].bytes == sum(p.weight.nbytes for p in layers if p.fmt == other)
+    x = torch.randn(3, m.cfg.hidden_size)
+    dense = qkv.to_dense()
+    assert dense.shape == (qkv.out_features, qkv.in_features)
+    assert _rel(qkv(x), x @ dense.T) < 2e-2  # the parts' columns in order (int8 activations)
+    index = torch.tensor([0, qkv.out_features - 1, qkv.parts[0].out_features])
+    assert torch.equal(qkv.rows(index), dense[index])
+    layer = fused._described(m, 0).layer  # the per-layer calls take the chain too
+    pos = torch.tensor([0, 5, 9])
+    got = gemv.layer_qkv(layer, x, pos)
+    assert got is not None and all(_rel(a, b) < 1e-5 for a, b in
+                                   zip(got, fused.qkv_ops(m, 0, x, pos), strict=True))  # fmt: skip
+    attn = torch.randn(3, m.cfg.num_heads * m.cfg.head_dim)
+    got = gemv.layer_out(layer, x, attn)
+    assert got is not None and _rel(got, fused.out_ops(m, 0, x, attn)) < 1e-5
+    served, runs, threads = _spy(monkeypatch), [], torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(_serve(m, "full", fused.layers_native))
+    finally:
+        torch.set_num_threads(threads)
+    want = _serve(m, "full", fused.layers_python)
+    assert served and len(served) % 3 == 0  # every thread count's steps took the one call
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    assert torch.isfinite(want).all() and _rel(runs[0], want) < 1e-6, _rel(runs[0], want)

@@ -334,15 +334,18 @@ def _decode_step(m):
     return m, x, torch.tensor([20, 9, 10]), kv
 
 
-def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: bool = False):
+def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: bool = False,
+                formats: dict[str, str] | None = None):  # fmt: skip
     """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256;
     K-quants, whose rows hold 256-element super-blocks: hidden 256, 8 heads, MLP 512), its
     linear layers in `qtype` GGUF blocks or float32 (`packed_embedding`: its tied embedding
-    and output layer too), positions up to `context`."""
+    and output layer too; `formats`: another format for some tensors, as {"blk.0.attn_v":
+    "Q6_K"}), positions up to `context`."""
     from unikv.engine.config import ModelConfig
     from unikv.engine.model import LlamaModel
 
-    h = 256 if qtype in ("Q4_K", "Q6_K") else 128
+    formats = formats or {}
+    h = 256 if {qtype, *formats.values()} & {"Q4_K", "Q6_K"} else 128
     cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, context)
     shapes = {"attn_q": (h, h), "attn_k": (h // 2, h), "attn_v": (h // 2, h),
               "attn_output": (h, h), "ffn_gate": (2 * h, h), "ffn_up": (2 * h, h),
@@ -355,7 +358,8 @@ def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: b
         t[f"blk.{i}.ffn_norm.weight"] = torch.rand(h, generator=g) + 0.5
         for name, shape in shapes.items():
             w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
-            t[f"blk.{i}.{name}.weight"] = w if qtype is None else _quantized(w, qtype)
+            fmt = formats.get(f"blk.{i}.{name}", qtype)
+            t[f"blk.{i}.{name}.weight"] = w if fmt is None else _quantized(w, fmt)
     if packed_embedding:
         t["token_embd.weight"] = _quantized(t["token_embd.weight"], qtype)
     return LlamaModel(cfg, t)

@@ -2512,7 +2512,20 @@ typedef struct {
     const void *w; /* the weight, or its blocks */
     const uint16_t *h; /* kind 2: the block headers of gemv.headers() */
     long out, in; /* in: elements of a row (a multiple of 32 when packed) */
+    const void *next; /* NULL, or the lin_t of the rows stacked below these (a part in another
+                       * format: a GGUF whose fused layer's tensors differ, as Q4_K_M's attn_v
+                       * in Q6_K beside attn_q and attn_k in Q4_K), the same `in` */
 } lin_t;
+
+/* The part after l (lin_t.next), or NULL. */
+INLINE const lin_t *lin_next(const lin_t *l) { return (const lin_t *)l->next; }
+
+/* The rows of l and every part stacked below it. */
+static long lin_out(const lin_t *l) {
+    long out = 0;
+    for (; l != NULL; l = lin_next(l)) out += l->out;
+    return out;
+}
 
 typedef struct {
     long hidden, ffn, context; /* context: the rows of the RoPE tables */
@@ -2534,7 +2547,14 @@ INLINE int lin_ki8(const lin_t *l) {
 
 /* Whether a layer call multiplies l by n rows (the refusals of lin_apply and decode_layers,
  * before any work). */
+static int lin_fits_one(const lin_t *l, int n);
 static int lin_fits(const lin_t *l, int n) {
+    for (const lin_t *p = l; p != NULL; p = lin_next(p))
+        if (p->in != l->in || !lin_fits_one(p, n)) return 0;
+    return 1;
+}
+
+static int lin_fits_one(const lin_t *l, int n) {
     if (l->kind == 0) return n <= GEMV_MAX_ROWS;
     if (l->fmt == (Q4_K | ROWS16)) /* gemv_ki8, interleaved (the VNNI and AVX2 paths) */
         return l->kind == 2 && l->in % 256 == 0 && l->in / 32 <= GEMV_MAX_BLOCKS && l->out % 16 == 0 &&
@@ -2550,8 +2570,26 @@ static int lin_fits(const lin_t *l, int n) {
     return 1;
 }
 
+static int lin_apply_one(const lin_t *l, const float *x, int n, float *y, int threads);
+
+/* y [n, lin_out(l)] = x [n, l->in] l^T, every part (lin_t.next) into its columns. 0, or -1
+ * (refused: sizes, rows; no memory). */
 static int lin_apply(const lin_t *l, const float *x, int n, float *y, int threads) {
     if (!lin_fits(l, n)) return -1;
+    if (l->next == NULL) return lin_apply_one(l, x, n, y, threads);
+    const long out = lin_out(l);
+    int rc = 0;
+    for (long at = 0; l != NULL && rc == 0; at += l->out, l = lin_next(l)) {
+        float *t = malloc(sizeof(float) * n * l->out);
+        rc = t == NULL ? -1 : lin_apply_one(l, x, n, t, threads);
+        for (int i = 0; i < n && rc == 0; i++)
+            memcpy(y + i * out + at, t + i * l->out, sizeof(float) * l->out);
+        free(t);
+    }
+    return rc;
+}
+
+static int lin_apply_one(const lin_t *l, const float *x, int n, float *y, int threads) {
     if (l->kind == 0) {
         gemv_f32(x, n, (const float *)l->w, l->out, l->in, y, threads);
         return 0;
@@ -2585,7 +2623,8 @@ static void rms_rows(const float *x, int n, long dim, const float *w, float eps,
 /* Whether layer_qkv takes n rows at positions pos (the sizes, and every position in the RoPE
  * tables). */
 static int qkv_fits(const layer_t *L, int n, const int64_t *pos) {
-    if (L->qkv.in != L->hidden || L->qkv.out != (long)(L->hq + 2 * L->hkv) * L->d || L->d % 2)
+    if (L->qkv.in != L->hidden || lin_out(&L->qkv) != (long)(L->hq + 2 * L->hkv) * L->d ||
+        L->d % 2)
         return 0;
     for (int i = 0; i < n; i++)
         if (pos[i] < 0 || pos[i] >= L->context) return 0;
@@ -2619,7 +2658,7 @@ static void rope_rows(const layer_t *L, const float *t, int n, const int64_t *po
  * not have, too many rows for a kernel, no memory): the caller then takes the ops path. */
 int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float *q, float *k,
               float *v, int threads) {
-    const long hidden = L->hidden, width = L->qkv.out;
+    const long hidden = L->hidden, width = lin_out(&L->qkv);
     if (n < 1 || !qkv_fits(L, n, pos)) return -1;
     float *h = malloc(sizeof(float) * n * (hidden + width));
     if (h == NULL) return -1;
@@ -2637,8 +2676,8 @@ int layer_qkv(const layer_t *L, const float *x, int n, const int64_t *pos, float
 /* Whether layer_out's sizes agree. */
 static int out_fits(const layer_t *L) {
     const long hidden = L->hidden, ffn = L->ffn;
-    return L->wo.out == hidden && L->wo.in == (long)L->hq * L->d && L->gu.in == hidden &&
-           L->gu.out == 2 * ffn && L->down.in == ffn && L->down.out == hidden;
+    return lin_out(&L->wo) == hidden && L->wo.in == (long)L->hq * L->d && L->gu.in == hidden &&
+           lin_out(&L->gu) == 2 * ffn && L->down.in == ffn && lin_out(&L->down) == hidden;
 }
 
 /* ---- SiLU's exp, vectorized to libm's bits ------------------------------------------------
@@ -2889,6 +2928,7 @@ typedef struct {
     const float *x;
     int n;
     float *y;
+    long stride; /* from one row of y to the next (l->out, or more: l a part, lin_t.next) */
     act_t a; /* kind 2 */
     kact_t k; /* kind 2 at Q4_K / Q6_K; extra: its second buffer */
     void *extra;
@@ -2897,10 +2937,11 @@ typedef struct {
 } prod_t;
 
 
-/* p: the product of l by x [n, l->in] into y [n, l->out], its activations made (kind 2: at most
- * GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then holds nothing to free). */
-static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y) {
-    *p = (prod_t){.l = l, .x = x, .n = n, .y = y};
+/* p: the product of l (one part) by x [n, l->in] into y [n, l->out] (rows `stride` apart),
+ * its activations made (kind 2: at most GEMV_I8_MAX_ROWS rows). 0, or -1 (no memory; p then
+ * holds nothing to free). */
+static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y, long stride) {
+    *p = (prod_t){.l = l, .x = x, .n = n, .y = y, .stride = stride};
     if (lin_ki8(l))
         return kact_make(l->fmt, x, n, l->in / 256, 2, &p->k, &p->buf, &p->extra);
     if (l->kind == 2) return act_make(l->fmt, x, n, l->in / 32, 2, &p->a, &p->buf);
@@ -2917,7 +2958,7 @@ static int prod_make(prod_t *p, const lin_t *l, const float *x, int n, float *y)
 static void prod_rows(const prod_t *p, long lo, long hi) {
     const lin_t *l = p->l;
     const int n = p->n;
-    const long out = l->out;
+    const long out = p->stride; /* (the kernels' `out`: y's row stride) */
     const uint8_t *w = (const uint8_t *)l->w;
     if (l->kind == 0) {
         f32_range(p->x, n, (const float *)l->w, l->in, p->y, out, lo, hi);
@@ -2998,58 +3039,81 @@ INLINE int claim(claim_t *c, long size, long k, int back, long *at, long *got) {
 #define STEAL_FIRST 0
 #endif
 
-/* y [n, l->out] = x [n, l->in] l^T by the whole team: every thread makes the activations, then
- * multiplies its own rows (own_groups: one range, read front to back, CLAIM_BYTES at a time;
- * thread t's are the rows `touch_ahead` read for it) and, when they are done, takes the rows
- * still left in the other threads' ranges from their ends, a claim at a time, until none is
- * left; whole when it returns (one barrier per chunk of GEMV_I8_MAX_ROWS x rows at kind 2, as
- * gemv_qi8 goes). */
-static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y, int kind) {
-    const int step = l->kind == 2 ? GEMV_I8_MAX_ROWS : n, nt = tm->threads;
+/* One part l of a product by the whole team into y (rows `stride` apart): every thread makes
+ * the activations, then multiplies its own rows (own_groups: one range, read front to back,
+ * CLAIM_BYTES at a time; thread t's are the rows `touch_ahead` read for it) and, when they are
+ * done, takes the rows still left in the other threads' ranges from their ends, a claim at a
+ * time, until none is left. No barrier: team_product's. */
+static void team_part(team_t *tm, const lin_t *l, const float *x, int n, float *y, long stride,
+                      int kind) {
+    const int nt = tm->threads;
     const long out = l->out, row = lin_row_bytes(l);
     const long k = CLAIM_BYTES / (16 * row) > 1 ? CLAIM_BYTES / (16 * row) : 1;
+    claim_t *claims = tm->claims + (long)tm->next++ * nt;
+    prod_t p;
+    PROF_NOW(t0);
+    if (prod_make(&p, l, x, n, y, stride)) {
+        atomic_store(tm->failed, 1);
+        return;
+    }
+    PROF_ADD(tm->tid, P_MAKE, t0);
+    PROF_NOW(t1);
+    long rows = 0;
+    for (int i = STEAL_FIRST; i < nt + STEAL_FIRST; i++) { /* its own rows, then the others' */
+        const int t = (tm->tid + i) % nt;
+        long g0, g1, at, got;
+        own_groups(out, nt, t, &g0, &g1);
+        while (claim(&claims[t], g1 - g0, k, t != tm->tid, &at, &got)) {
+            const long lo = (g0 + at) * 16, end = (g0 + at + got) * 16;
+            const long hi = end < out ? end : out;
+            prod_rows(&p, lo, hi);
+            rows += hi - lo;
+        }
+    }
+#ifdef STEP_PROFILE
+    const double dt = omp_get_wtime() - t1;
+    prof_part[tm->tid % PROF_THREADS][P_ROWS] += dt;
+    prof_rows[tm->tid % PROF_THREADS][kind][0] += dt;
+    prof_rows[tm->tid % PROF_THREADS][kind][1] += (double)row * rows;
+#else
+    (void)kind, (void)rows;
+#endif
+    free(p.buf);
+    free(p.extra);
+}
+
+/* y [n, lin_out(l)] = x [n, l->in] l^T by the whole team, each part (lin_t.next) into its
+ * columns (team_part); whole when it returns (one barrier per chunk of GEMV_I8_MAX_ROWS x rows
+ * where a part is kind 2, as gemv_qi8 goes). */
+static void team_product(team_t *tm, const lin_t *l, const float *x, int n, float *y, int kind) {
+    int step = n;
+    for (const lin_t *part = l; part != NULL; part = lin_next(part))
+        if (part->kind == 2) step = GEMV_I8_MAX_ROWS;
+    const long stride = lin_out(l);
     for (int r0 = 0; r0 < n; r0 += step) {
         const int m = n - r0 < step ? n - r0 : step;
-        claim_t *claims = tm->claims + (long)tm->next++ * nt;
-        prod_t p;
-        PROF_NOW(t0);
-        if (prod_make(&p, l, x + (long)r0 * l->in, m, y + (long)r0 * out) == 0) {
-            PROF_ADD(tm->tid, P_MAKE, t0);
-            PROF_NOW(t1);
-            long rows = 0;
-            for (int i = STEAL_FIRST; i < nt + STEAL_FIRST; i++) { /* its own rows, the others' */
-                const int t = (tm->tid + i) % nt;
-                long g0, g1, at, got;
-                own_groups(out, nt, t, &g0, &g1);
-                while (claim(&claims[t], g1 - g0, k, t != tm->tid, &at, &got)) {
-                    const long lo = (g0 + at) * 16, end = (g0 + at + got) * 16;
-                    const long hi = end < out ? end : out;
-                    prod_rows(&p, lo, hi);
-                    rows += hi - lo;
-                }
-            }
-#ifdef STEP_PROFILE
-            const double dt = omp_get_wtime() - t1;
-            prof_part[tm->tid % PROF_THREADS][P_ROWS] += dt;
-            prof_rows[tm->tid % PROF_THREADS][kind][0] += dt;
-            prof_rows[tm->tid % PROF_THREADS][kind][1] += (double)row * rows;
-#else
-            (void)kind, (void)rows;
-#endif
-            free(p.buf);
-            free(p.extra);
-        } else {
-            atomic_store(tm->failed, 1);
-        }
+        long at = 0;
+        for (const lin_t *part = l; part != NULL; at += part->out, part = lin_next(part))
+            team_part(tm, part, x + (long)r0 * l->in, m, y + (long)r0 * stride + at, stride, kind);
         PROF_NOW(t2);
 #pragma omp barrier
         PROF_ADD(tm->tid, P_WAIT, t2);
     }
 }
 
-/* The products a decode step's region holds at most, each in chunks of GEMV_I8_MAX_ROWS
- * x rows: four per layer part (a claim counter per thread each). */
-INLINE long team_counters(int n) { return 4L * ((n + GEMV_I8_MAX_ROWS - 1) / GEMV_I8_MAX_ROWS); }
+/* The parts a region multiplies at most (`parts`: of its four products together, each a
+ * lin_t and those stacked below it), each in chunks of GEMV_I8_MAX_ROWS x rows (a claim counter
+ * per thread each). */
+INLINE long team_counters(int n, long parts) {
+    return parts * ((n + GEMV_I8_MAX_ROWS - 1) / GEMV_I8_MAX_ROWS);
+}
+
+/* l's parts: 1 and those stacked below it. */
+static long lin_parts(const lin_t *l) {
+    long parts = 0;
+    for (; l != NULL; l = lin_next(l)) parts++;
+    return parts;
+}
 
 /* ---- a whole decode step: every layer in one call --------------------------------------------
  *
@@ -3265,21 +3329,21 @@ long decode_inside_layers(void) { return inside_layers; }
  * lin[], up to `cap` bytes in all, until *done. */
 static void touch_ahead(const lin_t *const *lin, int count, int tid, int nt, long cap,
                         atomic_int *done) {
-    for (int i = 0; i < count && cap > 0; i++) {
-        const lin_t *l = lin[i];
-        long g0, g1;
-        own_groups(l->out, nt, tid, &g0, &g1);
-        const long lo = g0 * 16, hi = g1 * 16 < l->out ? g1 * 16 : l->out;
-        if (lo >= hi) continue;
-        const long row = lin_row_bytes(l), half = (hi - lo + 1) / 2 * row; /* its first half */
-        const char *w = (const char *)l->w + lo * row;
-        const long n = half < cap ? half : cap;
-        for (long o = 0; o < n; o += 64) {
-            if (o % 4096 == 0 && atomic_load_explicit(done, memory_order_acquire)) return;
-            (void)*(const volatile char *)(w + o); /* a load the compiler keeps */
+    for (int i = 0; i < count && cap > 0; i++)
+        for (const lin_t *l = lin[i]; l != NULL && cap > 0; l = lin_next(l)) { /* each part */
+            long g0, g1;
+            own_groups(l->out, nt, tid, &g0, &g1);
+            const long lo = g0 * 16, hi = g1 * 16 < l->out ? g1 * 16 : l->out;
+            if (lo >= hi) continue;
+            const long row = lin_row_bytes(l), half = (hi - lo + 1) / 2 * row; /* first half */
+            const char *w = (const char *)l->w + lo * row;
+            const long n = half < cap ? half : cap;
+            for (long o = 0; o < n; o += 64) {
+                if (o % 4096 == 0 && atomic_load_explicit(done, memory_order_acquire)) return;
+                (void)*(const volatile char *)(w + o); /* a load the compiler keeps */
+            }
+            cap -= n;
         }
-        cap -= n;
-    }
 }
 
 /* Whether every sequence's attention in this step is short (fewer than INSIDE_KEYS keys read
@@ -3322,7 +3386,7 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
     const layer_t *L0 = layers[0];
     const int hq = L0->hq, hkv = L0->hkv, d = L0->d;
     const long hidden = L0->hidden, width = (long)(hq + 2 * hkv) * d;
-    long ffn = 0;
+    long ffn = 0, outs = 0, qkvs = 0; /* the most parts a layer's out half and QKV have */
     for (int li = 0; li < nlayers; li++) {
         const layer_t *L = layers[li];
         if (L->hq != hq || L->hkv != hkv || L->d != d || L->hidden != hidden ||
@@ -3330,10 +3394,14 @@ static int run_step(const layer_t *const *layers, int nlayers, const kv_step_t *
             !lin_fits(&L->wo, n) || !lin_fits(&L->gu, n) || !lin_fits(&L->down, n))
             return -1;
         ffn = L->ffn > ffn ? L->ffn : ffn;
+        const long o = lin_parts(&L->wo) + lin_parts(&L->gu) + lin_parts(&L->down);
+        outs = o > outs ? o : outs;
+        qkvs = lin_parts(&L->qkv) > qkvs ? lin_parts(&L->qkv) : qkvs;
     }
     if (threads < 1) threads = 1;
     const int nseq = kv->nseq;
-    const long ncount = team_counters(n);
+    const long heads = st != NULL ? lin_parts(&st->head) : 0;
+    const long ncount = team_counters(n, outs + (qkvs > heads ? qkvs : heads));
     /* shared: q, k, v, attn, the QKV product, the output and down products, gate|up, SiLU's
      * product, the hidden state between regions; then each thread's hidden state and norm */
     const size_t shared = (size_t)n * (2 * hq * d + 2 * hkv * d + width + 3 * hidden + 3 * ffn);
@@ -3488,7 +3556,7 @@ int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
         return 0;
     for (int s = 0; s < nseq; s++)
         if (kv->rows[s + 1] - kv->rows[s] != steps) return 0;
-    const long vocab = st->head.out;
+    const long vocab = lin_out(&st->head);
     int64_t *ints = malloc(sizeof(int64_t) * 5 * (nseq + 1));
     if (ints == NULL) return 0;
     int64_t *rows = ints, *past = rows + nseq + 1, *at = past + nseq + 1, *every = at + nseq + 1;

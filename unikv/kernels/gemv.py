@@ -418,10 +418,12 @@ def quantize_blocks(x: torch.Tensor, digits: int = 2) -> tuple[torch.Tensor, tor
 
 
 class Lin(ctypes.Structure):
-    """gemv.c's lin_t: one linear layer as the layer calls multiply it."""
+    """gemv.c's lin_t: one linear layer as the layer calls multiply it (`next`: the address of
+    the Lin of the rows stacked below these, in another format, or None; `chain`)."""
 
     _fields_ = [("kind", ctypes.c_int), ("fmt", ctypes.c_int), ("w", ctypes.c_void_p),
-                ("h", ctypes.c_void_p), ("out", ctypes.c_long), ("in_", ctypes.c_long)]  # fmt: skip
+                ("h", ctypes.c_void_p), ("out", ctypes.c_long), ("in_", ctypes.c_long),
+                ("next", ctypes.c_void_p)]  # fmt: skip
 
 
 class Layer(ctypes.Structure):
@@ -449,6 +451,15 @@ def lin(
     h = head.data_ptr() if head is not None and head.numel() else None
     code = FORMAT_CODE.get(qtype, 0) | (ROWS16 if rows16 else 0)
     return Lin(kind, code, w.data_ptr(), h, out, in_)
+
+
+def chain(parts: list[Lin]) -> Lin:
+    """The Lins of a layer's parts (stacked along its rows, one format each) as one: the first,
+    each pointing to the next. The caller keeps `parts` alive as long as the result (which is
+    copied where a Layer holds it: the later parts are pointed to, not copied)."""
+    for a, b in zip(parts[:-1], parts[1:], strict=True):
+        a.next = ctypes.addressof(b)
+    return parts[0]
 
 
 def layer_qkv(layer: Layer, x: torch.Tensor, positions: torch.Tensor):

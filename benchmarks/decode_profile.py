@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kv_quant_speed import build, context_ids, decode, prefill  # noqa: E402
 from unikv.engine import fused  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
-from unikv.engine.model import weight_formats  # noqa: E402
+from unikv.engine.model import step_weight_bytes  # noqa: E402
 from unikv.kernels import gemv  # noqa: E402
 from unikv.kernels import native as ckernels  # noqa: E402
 from unikv.kernels.operators import summary  # noqa: E402
@@ -294,7 +294,7 @@ def main() -> None:
     scale = wall / prof_wall
     rows = {k: v / steps * scale * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     python_ms = max(0.0, wall - op_total * scale) * 1e3
-    weight_bytes = sum(w.bytes for w in weight_formats(m).values())
+    weight_bytes = step_weight_bytes(m)  # (an untied embedding table: a row a token)
     matmul_ms = sum(rows.get(k, 0.0) for k in WEIGHT_PARTS) or float("nan")
     m_pages = m.huge_pages  # where the weights lie
     m_layers = m.cfg.num_layers

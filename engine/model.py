@@ -252,6 +252,19 @@ def weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     return out
 
 
+def _bytes(lin) -> int:
+    """The bytes a Linear's weight holds (every form of a packed one)."""
+    w = lin.weight
+    return w.nbytes if hasattr(w, "nbytes") else w.weight.numel() * w.weight.element_size()
+
+
+def step_weight_bytes(model: LlamaModel) -> int:
+    """The weight bytes a decode step reads: `weight_formats`' all but an untied embedding
+    table, of which a step reads one row a token."""
+    total = sum(w.bytes for w in weight_formats(model).values())
+    return total - (_bytes(model.embed) if model.embed is not model.lm_head else 0)
+
+
 def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     out: dict[str, WeightFormat] = {}
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
@@ -259,7 +272,7 @@ def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
         lins.append(model.embed)
     for lin in (part for x in lins for part in getattr(x, "parts", (x,))):  # a stack's parts
         w = lin.weight
-        nbytes = w.nbytes if hasattr(w, "nbytes") else w.weight.numel() * w.weight.element_size()
+        nbytes = _bytes(lin)
         entry = out.setdefault(lin.fmt, WeightFormat())
         entry.layers += 1
         entry.bytes += nbytes

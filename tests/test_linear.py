@@ -251,3 +251,21 @@ def test_the_weights_report_is_kept_until_a_kernel_builds_a_form():
     assert grew == 1000 + (w.q.nbytes if w.rows16 is not None else 0)
     again = weight_formats(m)
     assert again is not first and again["Q8_0"].bytes == first["Q8_0"].bytes + grew
+
+
+def test_a_step_reads_every_weight_but_an_untied_embedding_table():
+    """step_weight_bytes (what benchmarks/decode_profile.py divides by the step's time) counts
+    the layers and the output layer; an untied embedding table, of which a step reads one row
+    a token, is in the memory report but not in the step's bytes."""
+    from unikv.engine.model import step_weight_bytes, weight_formats
+
+    from .test_operators import _tiny_llama
+
+    tied = _tiny_llama("Q8_0")
+    total = sum(w.bytes for w in weight_formats(tied).values())
+    assert step_weight_bytes(tied) == total
+    untied = _tiny_llama("Q8_0", tied=False)  # its output layer the same size as the table
+    embed = untied.embed.weight.weight
+    report = sum(w.bytes for w in weight_formats(untied).values())
+    assert untied.embed is not untied.lm_head
+    assert step_weight_bytes(untied) == report - embed.numel() * embed.element_size() == total

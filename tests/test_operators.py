@@ -335,18 +335,19 @@ def _decode_step(m):
 
 
 def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: bool = False,
-                formats: dict[str, str] | None = None):  # fmt: skip
+                formats: dict[str, str] | None = None, tied: bool = True):  # fmt: skip
     """A two-layer Llama of random weights (hidden 128, 4 heads of 32, 2 KV heads, MLP 256;
     K-quants, whose rows hold 256-element super-blocks: hidden 256, 8 heads, MLP 512), its
     linear layers in `qtype` GGUF blocks or float32 (`packed_embedding`: its tied embedding
     and output layer too; `formats`: another format for some tensors, as {"blk.0.attn_v":
-    "Q6_K"}), positions up to `context`."""
+    "Q6_K"}), positions up to `context`; `tied` False: an output layer of its own (float32)."""
     from unikv.engine.config import ModelConfig
     from unikv.engine.model import LlamaModel
 
     formats = formats or {}
     h = 256 if {qtype, *formats.values()} & {"Q4_K", "Q6_K"} else 128
-    cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, context)
+    cfg = ModelConfig("t", "llama", 64, h, 2 * h, 2, h // 32, h // 64, 32, 1e-6, 1e4, context,
+                      tie_embeddings=tied)  # fmt: skip
     shapes = {"attn_q": (h, h), "attn_k": (h // 2, h), "attn_v": (h // 2, h),
               "attn_output": (h, h), "ffn_gate": (2 * h, h), "ffn_up": (2 * h, h),
               "ffn_down": (h, 2 * h)}  # fmt: skip
@@ -362,6 +363,8 @@ def _tiny_llama(qtype: str | None = None, context: int = 64, packed_embedding: b
             t[f"blk.{i}.{name}.weight"] = w if fmt is None else _quantized(w, fmt)
     if packed_embedding:
         t["token_embd.weight"] = _quantized(t["token_embd.weight"], qtype)
+    if not tied:
+        t["output.weight"] = torch.randn(64, h, generator=g) * 0.1
     return LlamaModel(cfg, t)
 
 

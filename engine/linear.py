@@ -251,8 +251,10 @@ class StackedLinear:
     attn_v (and ffn_down) in Q6_K in about half of a model's layers, beside attn_q and attn_k
     in Q4_K. Decoded to float32 instead, as they were before, such a QKV is read at 4 bytes a
     weight: in a Llama 3.2 1B-shaped Q4_K_M, 8 of 16 layers' QKV held 192 MiB of float32
-    where their blocks are 30 MiB, and the decode step read 1.25x the bytes it needs.
-    gemv.c's layer calls take the parts as one chain (`gemv.chain`, engine.fused)."""
+    where their blocks are 30 MiB, and the decode step read 1.25x the bytes it needs. A part
+    in a format no packed kernel reads (Q4_K_S gives its first 4 layers' attn_v Q5_K, which
+    the GGUF loader decodes) stays float alone, the others packed. gemv.c's layer calls take
+    the parts as one chain (`gemv.chain`, engine.fused), a float32 part among them."""
 
     __slots__ = ("parts", "fmt", "note")
 
@@ -319,9 +321,10 @@ def build_linear(
 ) -> Linear | StackedLinear:
     """One fused layer of `tensors` (stacked along the output rows). Packed tensors of one
     format with a native kernel on `device` stay packed (the kernel's form is prepared now
-    unless `prepare` is False: an embedding table only reads rows); packed tensors of several
-    formats, each with one, stay packed as a `StackedLinear` of one Linear per run of a format;
-    anything else is decoded to `dtype` (`Linear.note` says why). bf16 tensors under a float32
+    unless `prepare` is False: an embedding table only reads rows); tensors of several formats,
+    one at least packed with one, are a `StackedLinear` of one Linear per run of a format
+    (each packed where its format has a kernel, else float); anything else is decoded to
+    `dtype` (`Linear.note` says why). bf16 tensors under a float32
     model keep bf16 (matmul.bf16). What a kernel streams (the float weight, the packed blocks in
     the order its kernel reads) is held in huge pages where the host has them
     (`memory.hugepages`)."""
@@ -337,10 +340,17 @@ def build_linear(
                 lin.weight.place()
             return lin
         note = f"{qtype} {note}"
-    elif STACK and None not in qtypes and all(native_op(q, device)[0] is not None for q in qtypes):
-        runs: list[list[QuantizedTensor]] = []  # consecutive tensors of one format
+    elif STACK and len(qtypes) > 1 and any(native_op(q, device)[0] is not None
+                                           for q in qtypes if q is not None):  # fmt: skip
+        # (a run no packed kernel reads stays float alone: Q4_K_S's first layers' attn_v in
+        # Q5_K, which the GGUF loader decoded)
+        runs: list[list] = []  # consecutive tensors of one format (or float)
+
+        def fmt(t) -> str | None:
+            return t.qtype if isinstance(t, QuantizedTensor) else None
+
         for t in tensors:
-            if runs and runs[-1][0].qtype == t.qtype:
+            if runs and fmt(runs[-1][0]) == fmt(t):
                 runs[-1].append(t)
             else:
                 runs.append([t])

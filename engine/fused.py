@@ -34,7 +34,7 @@ from unikv.kernels.operators import FnImplementation, register, switches
 from unikv.kvstrategies.kv import NativeChoice, NativeHook, NativeStep
 
 from . import linear
-from .linear import NATIVE_FORMATS, Linear, StackedLinear, _blocks, i8_weight
+from .linear import NATIVE_FORMATS, Linear, StackedLinear, _blocks, i8_weight, layer_parts
 from .quantized import K_FORMATS
 
 
@@ -66,7 +66,7 @@ def out_ops(model, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor
 
 def _kinds(lin: Linear | StackedLinear) -> list[tuple[int, int]] | None:
     """`_kind` of each part of a layer (one for a Linear), or None where a part has none."""
-    kinds = [_kind(part) for part in getattr(lin, "parts", (lin,))]
+    kinds = [_kind(part) for part in layer_parts(lin)]
     return None if any(k is None for k in kinds) else kinds  # type: ignore[return-value]
 
 
@@ -91,8 +91,7 @@ def _chain(lin: Linear | StackedLinear, kinds: list[tuple[int, int]], keep: list
            chains: list) -> gemv.Lin:  # fmt: skip
     """gemv.c's lin_t of a layer: `_lin`, or a stack's parts chained (`gemv.chain`; the parts'
     Lins appended to `chains`, which the chain points into)."""
-    parts = [_lin(part, k[0], keep)
-             for part, k in zip(getattr(lin, "parts", (lin,)), kinds, strict=True)]  # fmt: skip
+    parts = [_lin(part, k[0], keep) for part, k in zip(layer_parts(lin), kinds, strict=True)]
     chains.append(parts)
     return gemv.chain(parts)
 
@@ -162,8 +161,7 @@ def _described(model, li: int) -> _Described:
     if got is not None and _same(got.seen, now):
         return got
     layers = model.layers[li]
-    chosen = tuple(part.op.active.name for j in (1, 2, 4, 5)
-                   for part in getattr(layers[j], "parts", (layers[j],)))  # fmt: skip
+    chosen = tuple(part.op.active.name for j in (1, 2, 4, 5) for part in layer_parts(layers[j]))
     got = cache[li] = _Described(model, li, chosen)
     got.seen = _epoch()  # after the build, which may have interleaved a weight
     return got

@@ -292,6 +292,11 @@ class StackedLinear:
         return torch.cat([p.to_dense().float() for p in self.parts])
 
 
+def layer_parts(lin: Linear | StackedLinear) -> list[Linear]:
+    """A layer's Linears: a `StackedLinear`'s parts, or the Linear itself."""
+    return lin.parts if isinstance(lin, StackedLinear) else [lin]
+
+
 # The packed entries whose activations stay float32 or two int8 codes (within 0.1% PPL of the
 # float32 model on every development text); int4 / int8 (bf16 activations) are not among them.
 EXACT_PACKED = ("gemv_i8", "gemv")

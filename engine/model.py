@@ -20,7 +20,7 @@ from . import (
     linear,
 )
 from .config import ModelConfig
-from .linear import SplitLinear, build_linear, rms_norm
+from .linear import SplitLinear, build_linear, layer_parts, rms_norm
 from .report import ModelReport, WeightFormat
 
 __all__ = ["LlamaModel", "RotaryTable", "SplitLinear", "rms_norm"]  # re-exported for callers
@@ -270,7 +270,7 @@ def _weight_formats(model: LlamaModel) -> dict[str, WeightFormat]:
     lins = [model.lm_head, *(x for layer in model.layers for x in layer[1:3] + layer[4:6])]
     if model.embed is not model.lm_head:
         lins.append(model.embed)
-    for lin in (part for x in lins for part in getattr(x, "parts", (x,))):  # a stack's parts
+    for lin in (part for x in lins for part in layer_parts(x)):  # a stack's parts
         w = lin.weight
         nbytes = _bytes(lin)
         entry = out.setdefault(lin.fmt, WeightFormat())

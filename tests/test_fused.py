@@ -732,7 +732,7 @@ def test_a_layer_of_parts_in_two_formats_stays_packed_and_steps_in_one_call(
     (gemv.c's lin_t.next) to the same logits as the layer-by-layer path, to the bit on 1, 2
     and 3 threads."""
     from tests.test_operators import _tiny_llama
-    from unikv.engine.linear import Linear, StackedLinear
+    from unikv.engine.linear import Linear, StackedLinear, layer_parts
     from unikv.engine.model import weight_formats
 
     m = _tiny_llama(qtype, formats={"blk.0.attn_v": other, "blk.0.ffn_up": other})
@@ -743,7 +743,7 @@ def test_a_layer_of_parts_in_two_formats_stays_packed_and_steps_in_one_call(
     assert isinstance(gu, StackedLinear) and [p.fmt for p in gu.parts] == [qtype, held]
     assert isinstance(m.layers[1][1], Linear) and m.layers[1][1].fmt == qtype
     layers = [p for layer in m.layers for lin in (layer[1], layer[2], layer[4], layer[5])
-              for p in getattr(lin, "parts", (lin,))]  # fmt: skip
+              for p in layer_parts(lin)]  # fmt: skip
     assert {p.fmt for p in layers} == {qtype, held}
     if held != "float":  # (the float entry holds the tied output layer too)
         assert weight_formats(m)[held].bytes == sum(p.weight.nbytes for p in layers

@@ -62,6 +62,19 @@ def _load(args):
         sys.exit(f"kernel_ab: {e}")
 
 
+def _two_loads(args, switch: str) -> list:
+    """The model loaded twice: A with `engine.linear`'s `switch` off, B with it on (its
+    default, restored after)."""
+    models = []
+    try:
+        for on in (False, True):
+            setattr(linear, switch, on)
+            models.append(_load(args))
+    finally:
+        setattr(linear, switch, True)
+    return models
+
+
 def load_build(folder: Path) -> tuple[dict, dict]:
     """The kernels of `folder` built and loaded: (gemv's state, sparse's state)."""
     if not folder.is_dir():
@@ -159,11 +172,7 @@ def main() -> None:
                 models.append(_load(args))
         print(f"A: {models[0][0].huge_pages}; B: {models[1][0].huge_pages}")
     elif args.layouts:
-        models = []
-        for interleave in (False, True):
-            linear.INTERLEAVE = interleave
-            models.append(_load(args))
-        linear.INTERLEAVE = True
+        models = _two_loads(args, "INTERLEAVE")
         held = [
             sum(
                 getattr(lin.weight, "rows16", None) is not None
@@ -174,11 +183,7 @@ def main() -> None:
         ]
         print(f"A: {held[0]}, B: {held[1]} of the layers' first two linear layers interleaved")
     elif args.stack:
-        models = []
-        for stack in (False, True):
-            linear.STACK = stack
-            models.append(_load(args))
-        linear.STACK = True
+        models = _two_loads(args, "STACK")
         mb = [sum(w.bytes for w in weight_formats(m).values()) / 2**20 for m, _ in models]
         stacked = sum(isinstance(x, linear.StackedLinear) for layer in models[1][0].layers
                       for x in layer)  # fmt: skip

@@ -1745,9 +1745,14 @@ int gemv_k(int fmt, const float *x, int n, const uint8_t *w, long out, long nb, 
  * int8 digits by default) and the codes meet it in integers, as gemv_qi8 does for Q4_1:
  *   Q4_K: w = d sc q - dmin m per sub-block of 32 (q 0..15): the sub-block's integer dot of q
  *         with the codes, times d sc dx, less dmin m times dx sum(codes) (sx, per call);
- *   Q6_K: w = d sc (q - 32) per sub-block of 16 (q 0..63): the integer dot of q less 32 times
- *         the sum of the codes (`bias`, per call, per 4 codes: the lanes' own), exact, times
- *         d sc dx. (The offset taken off in floats cancelled: gemv_k says so.)
+ *   Q6_K: w = d sc (q - 32) per sub-block of 16 (q 0..63): the sub-block's integer dot of q
+ *         with the codes times d sc dx, less d sc dx times 32 times the sum of the codes (`bsub`,
+ *         per call and sub-block, exact in a float32), the second term one FMA of 16
+ *         sub-blocks a super-block. Why: subtracting the offset from each lane's integer dot
+ *         (a load and a subtract per 16 codes) made Q6_K the slowest kernel from the cache
+ *         (20 GB/s a thread on Zen 4), where a step of a Q4_K_M model reads a third of its
+ *         bytes. (The offset taken off in floats per weight cancelled: gemv_k says so; taken
+ *         off per sub-block as here it does not: both terms are of a sub-block's size.)
  * The integer dots are exact (a lane: 4 x 63 x 32640 < 2^24, a float32 exactly), so the result
  * is the dequantized weight times the rounded x, the sums in another order: what
  * kernels.gemv.quantize_blocks and the tests' reference compute. A 64-code register holds
@@ -1763,7 +1768,7 @@ typedef struct {
     const int8_t *q1, *q2; /* [n][in] the digit planes (two digits: 256 q1 + q2; one: see below) */
     const int16_t *c;      /* [n][in] the whole codes (portable C) */
     const float *dx, *sx;  /* [n][xs] per 32-element block: a code's scale, dx times the code sum */
-    const int32_t *bias;   /* [n][in / 4] (Q6_K): 32 times the sum of each 4 consecutive codes */
+    const float *bsub;     /* [n][in / 16] (Q6_K): 32 times the sum of each sub-block's codes */
     long nb, xs;           /* super-blocks per row; the stride of dx and sx */
     int pf;                /* q4k_r16_group: ask for the weights ahead (r16_range's weight_pf) */
 } kact_t;
@@ -1834,9 +1839,9 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
         _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    __m512 acc[GEMV_MAX_ROWS][2];
+    __m512 acc[GEMV_MAX_ROWS][2], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = macc[j] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *ql = w + b * 210, *qh = ql + 128;
         const __m512 sc = _mm512_mul_ps(
@@ -1859,17 +1864,18 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
             const __m512 dx = _mm512_permutexvar_ps(
                 pairs, _mm512_castps256_ps512(_mm256_loadu_ps(a->dx + j * a->xs + b * 8)));
             const __m512 s = _mm512_mul_ps(sc, dx); /* per sub-block of 16: d sc dx */
+            macc[j] = _mm512_fmadd_ps(s, _mm512_loadu_ps(a->bsub + e / 16), macc[j]);
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const __m512i dot = _mm512_sub_epi32(kdot(v[r], a->q1 + e + 64 * r, a->q2 + e + 64 * r, D),
-                                                     _mm512_loadu_si512(a->bias + (e + 64 * r) / 4));
-                acc[j][r & 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[r], s),
-                                                _mm512_cvtepi32_ps(dot), acc[j][r & 1]);
-            }
+            for (int r = 0; r < 4; r++)
+                acc[j][r & 1] = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(idx[r], s),
+                    _mm512_cvtepi32_ps(kdot(v[r], a->q1 + e + 64 * r, a->q2 + e + 64 * r, D)),
+                    acc[j][r & 1]);
         }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
+    for (int j = 0; j < N; j++)
+        y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1])) - _mm512_reduce_add_ps(macc[j]);
 }
 
 #elif GEMV_I8_ISA == 1
@@ -1925,9 +1931,9 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
     const long nb = a->nb, in = nb * 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    __m256 acc[GEMV_MAX_ROWS][2];
+    __m256 acc[GEMV_MAX_ROWS][2], macc[GEMV_MAX_ROWS];
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < N; j++) acc[j][0] = acc[j][1] = macc[j] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *ql = w + b * 210, *qh = ql + 128;
         const __m128i sc16 = _mm_loadu_si128((const __m128i *)(ql + 192));
@@ -1953,11 +1959,11 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
                 /* d sc dx of sub-blocks 8 h .. 8 h + 7 (dx: one per pair) */
                 const __m256 s = _mm256_mul_ps(sc[h], _mm256_permutevar8x32_ps(
                     dx, _mm256_add_epi32(pairs, _mm256_set1_epi32(4 * h))));
+                macc[j] = _mm256_fmadd_ps(s, _mm256_loadu_ps(a->bsub + e / 16 + 8 * h), macc[j]);
 #pragma GCC unroll 4
                 for (int g = 0; g < 4; g++) { /* lanes 0..3: sub-block 2g, 4..7: 2g + 1 */
                     const long o = e + 128 * h + 32 * g;
-                    const __m256i dot = _mm256_sub_epi32(kdot(v[4 * h + g], a->q1 + o, a->q2 + o, D),
-                                                         _mm256_loadu_si256((const __m256i *)(a->bias + o / 4)));
+                    const __m256i dot = kdot(v[4 * h + g], a->q1 + o, a->q2 + o, D);
                     const __m256i lane = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1,
                                                            2 * g + 1, 2 * g + 1, 2 * g + 1);
                     acc[j][g & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s, lane),
@@ -1967,7 +1973,7 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
         }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
+    for (int j = 0; j < N; j++) y[j * out] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1])) - hsum256(macc[j]);
 }
 
 #else
@@ -2033,7 +2039,7 @@ INLINE void q6k_i8_row(const kact_t *restrict a, const uint8_t *restrict w, floa
             prefetch_rows(w, r, row, hi, K_PF_BYTES);                                            \
             for (int g = 0; g < n; g += 4) {                                                     \
                 kact_t s = *a; /* x rows g .. g + 3 */                                           \
-                s.q1 += g * in, s.q2 += g * in, s.bias += g * in / 4;                           \
+                s.q1 += g * in, s.q2 += g * in, s.bsub += g * in / 16;                           \
                 if (s.c != NULL) s.c += g * in; /* (portable C only) */                          \
                 s.dx += g * a->xs, s.sx += g * a->xs;                                            \
                 const uint8_t *wr = w + r * row;                                                 \
@@ -2271,7 +2277,7 @@ static void q4k_r16_range(const kact_t *a, int n, const uint8_t *w, float *y, lo
 #endif
 
 /* x [n, nb * 256] in the K-quant kernels' form (k): rounded as gemv_qi8 rounds it (act_make,
- * into *buf), then Q6_K's bias and the VNNI path's sx (into *extra); both for free. 0, or -1 (no
+ * into *buf), then Q6_K's bsub and the VNNI path's sx (into *extra); both for free. 0, or -1 (no
  * memory; then neither needs freeing). */
 static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t *k, void **buf,
                      void **extra) {
@@ -2280,22 +2286,22 @@ static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t
     *extra = NULL;
     /* Q8_0's layout on the VNNI path is element order; Q4_1 asks the AVX2 path for the planes */
     if (act_make(GEMV_I8_ISA == 2 ? Q8_0 : Q4_1, x, n, nb32, digits, &a, buf)) return -1;
-    /* Q6_K's bias, then sx (the VNNI path's: dx's stride, nb32 rounded up to 16) */
-    int32_t *bias = malloc(sizeof(int32_t) * (size_t)n * in / 4 + sizeof(float) * n * (nb32 + 15) / 16 * 16);
-    if (bias == NULL) {
+    /* Q6_K's bsub, then sx (the VNNI path's: dx's stride, nb32 rounded up to 16) */
+    float *bsub = malloc(sizeof(float) * ((size_t)n * in / 16 + n * (nb32 + 15) / 16 * 16));
+    if (bsub == NULL) {
         free(*buf);
         return -1;
     }
-    *extra = bias;
-    *k = (kact_t){.nb = nb, .bias = bias};
+    *extra = bsub;
+    *k = (kact_t){.nb = nb, .bsub = bsub};
 #if GEMV_I8_ISA == 2
-    float *sx = (float *)(bias + (size_t)n * in / 4);
+    float *sx = bsub + (size_t)n * in / 16;
     k->q1 = a.q, k->q2 = a.q2, k->dx = a.dx, k->sx = sx, k->xs = a.nb16;
     for (long i = 0; i < (long)n * a.nb16; i++) sx[i] = a.t[i] * (-1.0f / 128.0f); /* exact */
-    for (long i = 0; fmt == Q6_K && i < (long)n * in / 4; i++) { /* 4 whole codes, summed */
+    for (long i = 0; fmt == Q6_K && i < (long)n * in / 16; i++) { /* 16 whole codes, summed */
         int s = 0;
-        for (int u = 0; u < 4; u++) s += digits == 2 ? 256 * a.q[4 * i + u] + a.q2[4 * i + u] : a.q[4 * i + u];
-        bias[i] = 32 * s;
+        for (int u = 0; u < 16; u++) s += digits == 2 ? 256 * a.q[16 * i + u] + a.q2[16 * i + u] : a.q[16 * i + u];
+        bsub[i] = (float)(32 * s); /* |32 s| < 2^24: exact */
     }
     if (fmt == Q4_K) /* each 128 elements as elements 0..31, 64..95, 32..63, 96..127 */
         for (int d = 0; d < digits; d++) {
@@ -2308,8 +2314,11 @@ static int kact_make(int fmt, const float *x, int n, long nb, int digits, kact_t
         }
 #else
     k->q1 = a.q1, k->q2 = a.q2, k->c = a.c, k->dx = a.dx, k->sx = a.sx, k->xs = nb32;
-    for (long i = 0; fmt == Q6_K && i < (long)n * in / 4; i++)
-        bias[i] = 32 * (a.c[4 * i] + a.c[4 * i + 1] + a.c[4 * i + 2] + a.c[4 * i + 3]);
+    for (long i = 0; fmt == Q6_K && i < (long)n * in / 16; i++) { /* 16 whole codes, summed */
+        int s = 0;
+        for (int u = 0; u < 16; u++) s += a.c[16 * i + u];
+        bsub[i] = (float)(32 * s); /* |32 s| < 2^24: exact */
+    }
 #endif
     return 0;
 }

@@ -124,3 +124,77 @@ def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives():
     assert [t for t, _ in lps[0].top] == [0, 1] and lps[1].top[0][0] == 2
     assert lps[1].top[0][1] == pytest.approx(float(ref[1, 2]))
     assert logprobs_of(logits, [0, 0], 0)[1].top == []
+
+
+def _sorted_nucleus(x: torch.Tensor, top_p: float) -> set[int]:
+    """The top-p nucleus as a sort of every token finds it (the sampler before 2026-12-07, in
+    float64)."""
+    sorted_x, order = torch.sort(x, descending=True)
+    probs = torch.softmax(sorted_x.double(), dim=-1)
+    keep = probs.cumsum(-1) - probs < top_p
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize("scale", [12.0, 3.0, 0.3, 0.01])
+def test_the_nucleus_equals_a_sort_of_every_token(scale):
+    """`nucleus` looks among the 64, then 512 most likely tokens before sorting all: peaked
+    logits (a nucleus of a few tokens), broader ones (beyond 64 and 512: the later tries),
+    flat ones (every token), and logits with -inf (top-k's mask) keep the same tokens as a
+    sort of all of them, most likely first, with their own logits."""
+    from unikv.engine.sampling import NUCLEUS_TRIES, nucleus
+
+    g = torch.Generator().manual_seed(int(scale * 100))
+    sizes = []
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        x = torch.randn(49152, generator=g) * scale
+        if scale == 0.3:  # top-k's mask: 9,152 tokens left
+            x[torch.randperm(49152, generator=g)[:40000]] = float("-inf")
+        vals, ids = nucleus(x, top_p)
+        assert set(ids.tolist()) == _sorted_nucleus(x, top_p), top_p
+        assert torch.equal(vals, x[ids]) and bool((vals[:-1] >= vals[1:]).all())
+        sizes.append(len(ids))
+    if scale == 3.0:  # the tries in between were taken, and a full sort
+        assert min(sizes) <= NUCLEUS_TRIES[0] < max(sizes)
+    if scale == 0.01:
+        assert max(sizes) > NUCLEUS_TRIES[-1]
+
+
+def test_categorical_draws_each_index_at_its_weight(monkeypatch):
+    """`categorical` draws an index in proportion to its weight (any sum), never a zero
+    weight, and is reproducible from a seeded generator; where the uniform number times the
+    total rounds up to the total, the last index with weight; NaN or all-zero weights raise."""
+    from unikv.engine.sampling import categorical
+
+    w = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
+    gen = torch.Generator().manual_seed(7)
+    n = 40000
+    counts = torch.bincount(torch.tensor([categorical(w, gen) for _ in range(n)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    for i, p in ((1, 0.5), (3, 0.25), (4, 0.25)):
+        sigma = (n * p * (1 - p)) ** 0.5
+        assert abs(counts[i].item() - n * p) < 4 * sigma, (i, counts)
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [categorical(w, a) for _ in range(50)] == [categorical(w, b) for _ in range(50)]
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0 - 2.0**-53))
+    assert categorical(torch.tensor([0.1, 0.2, 0.0]), None) == 1
+    monkeypatch.undo()
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")])):
+        with pytest.raises(RuntimeError, match="cannot sample"):
+            categorical(bad, None)
+
+
+def test_top_k_keeps_the_k_largest_and_their_ties():
+    """`top_k`: the k largest logits with their token ids, most likely first, and every logit
+    tied with the k-th (as vLLM's and transformers' masks keep them); sampling under top-k (and
+    top-p over its candidates) draws token ids, not candidate positions."""
+    from unikv.engine.sampling import top_k
+
+    x = torch.tensor([0.5, 3.0, 1.0, 2.0, 1.0, -1.0, 1.0])
+    vals, ids = top_k(x, 2)
+    assert ids.tolist() == [1, 3] and torch.equal(vals, x[ids])
+    vals, ids = top_k(x, 3)  # the 3rd largest is 1.0, held by tokens 2, 4 and 6
+    assert ids[:2].tolist() == [1, 3] and sorted(ids[2:].tolist()) == [2, 4, 6]
+    assert torch.equal(vals, x[ids])
+    g = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=5)
+    gen = g.make_generator()
+    assert {sample(x, g, gen) for _ in range(200)} == {1, 3}

@@ -4,10 +4,12 @@ OpenAI's API samples at temperature 1 unless the client says otherwise, and a sa
 decodes one step a turn (the engine's multi-step runs are greedy), so whatever the sampler costs
 is added to every token such a request gets. Until 2026-12-07 `engine.sampling.sample` drew with
 `torch.multinomial` (an exponential variate per vocabulary entry: about 1 ms over SmolLM2's
-49,152 tokens on a 2-core AMD EPYC) and found a top-p nucleus by sorting every logit (3.4 ms);
-now it draws with one uniform number over the cumulative sum (`categorical`) and looks for the
-nucleus among the most likely tokens first (`nucleus`). `OLD` below is the former sampler,
-kept here as the baseline.
+49,152 tokens on a 2-core AMD EPYC) and found a top-p nucleus by sorting every logit (3.4 ms),
+and every sampled request decoded one step a turn. Now a draw takes one uniform number over
+the cumulative weights (`categorical`; at a temperature alone gemv.c's, `draw`), the nucleus is
+looked for among the most likely tokens first (`nucleus`), and requests sampled at a
+temperature alone run several steps in one native call as greedy ones do. The baseline is the
+former sampler (`OLD` below) with no sampled request in a multi-step call.
 
 For each case (greedy; temperature 0.8; with top_p 0.95; with top_k 50 and top_p 0.95) and
 each `--clients` count, both samplers decode `--new-tokens` tokens of `unikv run`'s prompt per
@@ -81,6 +83,13 @@ def OLD(logits, params, gen, seen=(), banned=()):  # noqa: N802 (the baseline, b
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+PLAIN = SamplingParams.plain  # (the property; the baseline replaces it with `_never`)
+
+
+def _never(params) -> bool:
+    return False
+
+
 async def engine_rate(engine: Engine, n: int, case: dict, clients: int) -> float:
     """Output tokens/s of `clients` requests at once (each its own seed), from the first
     token of any to the last of all, the tokens after each request's first counted."""
@@ -147,6 +156,8 @@ async def main() -> None:
                 for c in a.clients:
                     for which, fn in samplers.items():
                         stepping.sample = fn  # what the engine's steps call
+                        # before: no sampled request ran in a multi-step call
+                        SamplingParams.plain = PLAIN if which == "now" else property(_never)
                         rate = await engine_rate(engine, a.new_tokens, case, c)
                         if r:
                             rates.setdefault((name, c, which), []).append(rate)
@@ -154,7 +165,7 @@ async def main() -> None:
         calls = {(name, which): await compute.run(per_call_us, fn, rows_x, case)
                  for name, case in CASES.items() for which, fn in samplers.items()}  # fmt: skip
     finally:
-        stepping.sample = sample
+        stepping.sample, SamplingParams.plain = sample, PLAIN
         await engine.close()
     rows = []
     for name in CASES:

@@ -260,11 +260,14 @@ def decodes(model, n: int) -> bool:
     return desc is not None and desc[1] and _stack_array(model, n) is not None
 
 
-def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, steps: int):
+def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, steps: int,
+                  temps: torch.Tensor | None = None,
+                  draws: torch.Tensor | None = None):  # fmt: skip
     """A sequential step begun on `kv` (`StepBatch.sequential`: `steps` rows per sequence)
-    as `steps` greedy decode steps in one call into gemv.c (`decode_steps`), the tokens
+    as `steps` decode steps in one call into gemv.c (`decode_steps`), the tokens
     int64 [N] the first one's and positions [N * steps] the step's rows': (tokens int64
-    [steps, N], each step's argmax, the next one's input; logits float32 [steps, N, vocab]),
+    [steps, N], each step's argmax, or its draw at temps [N] with draws [steps, N]
+    (`gemv.decode_steps`), the next one's input; logits float32 [steps, N, vocab]),
     or None where the model's side (`decodes`), the cache's description (choosing no blocks)
     or gemv.c does not serve it all (the caller aborts the step: nothing was kept)."""
     n = tokens.shape[0]
@@ -275,7 +278,8 @@ def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, step
         return None
     step, layers = _step_desc(model, n)[0], _stack_array(model, n)
     first, positions = tokens.to(torch.int64), positions.to(torch.int64).contiguous()
-    out, logits, done = gemv.decode_steps(layers, _kv_step(plan), step, first, positions, steps)
+    out, logits, done = gemv.decode_steps(layers, _kv_step(plan), step, first, positions, steps,
+                                          temps, draws)  # fmt: skip
     return (out[1:], logits) if done == steps else None
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from unikv.kernels import gemv
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 # to inf, and softmax of infs is nan, which `multinomial` refuses.
 GREEDY_BELOW = 1e-5
@@ -99,6 +101,12 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
+    @property
+    def plain(self) -> bool:
+        """True when a sampled token is drawn at the temperature alone (no top-k, top-p or
+        min-p): `draw`, which a run of several steps in one native call draws too."""
+        return not self.greedy and self.top_k == 0 and self.top_p >= 1.0 and self.min_p == 0.0
+
     def make_generator(self) -> torch.Generator | None:
         """A seeded generator for reproducible sampling (None for greedy or unseeded)."""
         if self.greedy:
@@ -162,6 +170,8 @@ def sample(
         x[list(banned)] = float("-inf")
     if params.greedy:
         return greedy_token(x)
+    if params.plain:  # the temperature alone: gemv.c's draw, as a run of steps draws it
+        return draw(x, params.temperature, gen)
     x = x.float() / params.temperature
     ids = None  # x's positions are the token ids
     if params.top_k and params.top_k < x.shape[-1]:
@@ -213,10 +223,30 @@ def nucleus(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     raise AssertionError("unreachable: the last try holds every token")
 
 
-def categorical(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """An index drawn from weights probs [n] (>= 0, any sum) with one uniform number of `gen`
-    (None: torch's default generator): the first whose cumulative sum, in float64, passes it.
-    A zero weight is never drawn. RuntimeError where the weights are NaN or all zero.
+def uniform(gen: torch.Generator | None) -> float:
+    """One uniform number in [0, 1) of `gen` (None: torch's default generator): what each
+    sampled token takes from its request's generator."""
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def draw(x: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """A token drawn from logits x [V] at `temperature` with one `uniform` number of `gen`:
+    gemv.c's sample_row on a CPU where the C kernels serve (the draw of a run of several steps
+    in one native call, `gemv.decode_steps`: a seed gives the same tokens either way), else
+    `categorical` over the softmax. RuntimeError where no token can be drawn."""
+    u = uniform(gen)
+    if x.device.type == "cpu" and gemv.unavailable() is None:
+        token = int(gemv.sample_rows(x[None], torch.tensor([temperature]), torch.tensor([u]))[0])
+        if token < 0:
+            raise RuntimeError("cannot sample a token: the probabilities are NaN or all zero")
+        return token
+    return categorical(torch.softmax(x.float() / temperature, dim=-1), None, u)
+
+
+def categorical(probs: torch.Tensor, gen: torch.Generator | None, u: float | None = None) -> int:
+    """An index drawn from weights probs [n] (>= 0, any sum) with one `uniform` number of `gen`
+    (or `u`, given): the first whose cumulative sum, in float64, passes u times the total. A
+    zero weight is never drawn. RuntimeError where the weights are NaN or all zero.
 
     Why not torch.multinomial: for one draw it takes an exponential variate per weight, 1.0
     ms over SmolLM2's 49,152 tokens on a 2-core AMD EPYC (Zen 4), a third of a decode step;
@@ -225,7 +255,7 @@ def categorical(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     total = float(cdf[-1]) if cdf.numel() else 0.0
     if not (math.isfinite(total) and total > 0.0):
         raise RuntimeError("cannot sample a token: the probabilities are NaN or all zero")
-    u = float(torch.rand((), generator=gen, dtype=torch.float64)) * total
+    u = (uniform(gen) if u is None else u) * total
     j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device),
                                right=True))  # fmt: skip
     if j >= cdf.numel():  # u rounded up to the total: the last token that can be drawn

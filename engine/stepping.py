@@ -15,7 +15,7 @@ import torch
 from unikv.kvstrategies.kv import KVCache, StepBatch
 
 from .requests import Request
-from .sampling import greedy_rows, logprobs_of, sample
+from .sampling import greedy_rows, logprobs_of, sample, uniform
 from .scheduler import Work
 
 log = logging.getLogger("unikv.engine.engine")  # the engine's logger: its messages are the loop's
@@ -61,18 +61,36 @@ class StepRunner:
     def _decode(
         self, plan: list[Work[Request]], steps: int
     ) -> list[tuple[Work[Request], object]] | None:
-        """`run` of `steps` greedy decode steps; a failure is every request's (the cache rolled
-        the run back: nothing was stored)."""
+        """`run` of `steps` decode steps, greedy or drawn at a temperature alone; a failure is
+        every request's (the cache rolled the run back: nothing was stored).
+
+        A sampled request's uniform numbers are taken from its generator before the call, one
+        a step, as its steps one a turn would take them (`sampling.draw`): the same tokens
+        either way. Where the run does not happen, its generators are set back."""
         for w in plan:  # room for the run's tokens (the scheduler reserved one step's)
             if not self.kv.reserve(w.req.rid, steps):
                 return None
+        temps = draws = None
+        held = [(w.req.gen, w.req.gen.get_state()) for w in plan if not w.req.params.greedy]
+        if held:
+            temps = torch.tensor([0.0 if w.req.params.greedy else w.req.params.temperature
+                                  for w in plan])  # fmt: skip
+            draws = torch.zeros(steps, len(plan), dtype=torch.float64)
+            for i, w in enumerate(plan):
+                if not w.req.params.greedy:
+                    draws[:, i] = torch.tensor([uniform(w.req.gen) for _ in range(steps)],
+                                               dtype=torch.float64)  # fmt: skip
+        got = None
         try:
             got = self.model.decode([w.tokens[0] for w in plan],
                                     [w.req.num_computed for w in plan], self.kv,
-                                    [w.req.rid for w in plan], steps)  # fmt: skip
+                                    [w.req.rid for w in plan], steps, temps, draws)  # fmt: skip
         except Exception as e:  # (rolled back: step by step, each failure stays its own)
             log.warning("sequential decode failed (%s); stepping one token at a time", e)
-            return None
+        finally:
+            if got is None:
+                for gen, state in held:
+                    gen.set_state(state)
         if got is None:
             return None
         tokens = got[0].t().tolist()  # per request, its steps' tokens

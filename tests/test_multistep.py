@@ -40,6 +40,40 @@ def test_argmax_rows_picks_as_torch_argmax(isa):
     assert torch.equal(gemv.argmax_rows(y), y.argmax(1))
 
 
+def test_the_c_draw_is_the_inverse_of_the_cumulative_weights(isa):
+    """gemv.c's sample_row (a run's draw, and `sampling.draw`'s): for a uniform number u the
+    first index whose cumulative softmax weight passes u times the total, so it picks what
+    `sampling.categorical` picks from torch's softmax with the same u but where u falls within
+    float rounding of a boundary (over 3,000 draws: all but a few); never a token of weight 0
+    (-inf, or far below the top at a low temperature); the argmax at temperature 0; the last
+    token of weight where u times the total rounds up to it; -1 for NaN or only -inf logits.
+    Blocks of 256 logits: vocabularies of 1,000 and SmolLM2's 49,152."""
+    from unikv.engine.sampling import categorical
+
+    g = torch.Generator().manual_seed(11)
+    agree = total = 0
+    for n, scale, t in ((1000, 3.0, 1.0), (1000, 0.3, 2.0), (49152, 4.0, 0.7), (49152, 1.0, 1.0)):
+        x = torch.randn(n, generator=g) * scale
+        x[torch.randperm(n, generator=g)[: n // 3]] = float("-inf")
+        us = torch.rand(500, generator=g, dtype=torch.float64)
+        got = gemv.sample_rows(x.expand(500, n), torch.full((500,), t), us)
+        assert bool(torch.isfinite(x[got]).all())
+        want = [categorical(torch.softmax(x / t, -1), None, float(u)) for u in us]
+        agree += sum(int(a) == b for a, b in zip(got, want, strict=True))
+        total += 500
+        # the draws follow the weights: their mean weight is that of a weighted pick
+        p = torch.softmax(x.double() / t, -1)
+        assert abs(p[got].mean().item() - (p * p).sum().item()) < 0.1 * (p * p).sum().item() + 1e-3
+    assert agree >= total - 3, (agree, total)
+    x = torch.tensor([[0.0, 50.0, float("-inf"), 49.0, -30.0, float("-inf")]])
+    assert gemv.sample_rows(x, torch.tensor([0.0]), torch.tensor([0.3])).item() == 1
+    assert gemv.sample_rows(x, torch.tensor([0.1]), torch.tensor([0.999])).item() == 1
+    top = torch.tensor([1.0 - 2.0**-53])
+    assert gemv.sample_rows(x, torch.tensor([50.0]), top).item() == 4  # the last of weight
+    for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):
+        assert gemv.sample_rows(torch.tensor([bad]), torch.tensor([1.0]), top).item() == -1
+
+
 def _tiny():
     from tests.test_operators import _tiny_llama
 
@@ -179,9 +213,9 @@ def test_a_refused_run_changes_nothing(monkeypatch):
     m = _tiny()
     real = gemv.decode_steps
 
-    def refuse_last(layers, kv, step, tokens, positions, steps):
-        out, logits, done = real(layers, kv, step, tokens, positions, steps - 1)
-        return out, logits, done
+    def refuse_last(layers, kv, step, tokens, positions, steps, temps=None, draws=None):
+        fewer = None if draws is None else draws[:-1]
+        return real(layers, kv, step, tokens, positions, steps - 1, temps, fewer)
 
     a, b = _cache(m, "hybrid+resident+sparse", SPARSE), _cache(m, "hybrid+resident+sparse", SPARSE)
     try:
@@ -261,6 +295,8 @@ async def _completions(native_model, tokenizer, steps: int, calls: list, request
     def spy(self, *a):
         got = REAL_DECODE(self, *a)
         calls.append(None if got is None else got[0].shape[0])
+        if got is not None and len(a) > 5 and a[5] is not None:  # temps: a run that drew
+            calls.append(("sampled", got[0].shape[0]))
         return got
 
     monkeypatch.setattr(type(native_model), "decode", spy)
@@ -286,8 +322,10 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
     surprisal, its evictions while decoding):
     the same text, tokens and finish reasons for requests alone and three at once, a length
     that is no multiple of 8, a stop string and a stop token met inside a run (the tokens after
-    them dropped), EOS, and a seeded sampled request (which takes a step a turn); a prompt
-    asked again after a run stopped early hits the prefix its prompt left."""
+    them dropped), EOS, seeded sampled requests at a temperature alone (which run too, their
+    draws taken from their generators ahead: alone, and beside a greedy one) and with top-p
+    (which takes a step a turn); a prompt asked again after a run stopped early hits the
+    prefix its prompt left."""
     from unikv.engine.sampling import SamplingParams
 
     free = SamplingParams(max_new_tokens=37, ignore_eos=True)
@@ -308,6 +346,10 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
         [(PROMPTS[1], SamplingParams(max_new_tokens=20, temperature=0.8, seed=5))],
         [(LONG, SamplingParams(max_new_tokens=37, stop_token_ids=(tok,)))],
         [(LONG, SamplingParams(max_new_tokens=37, stop_token_ids=(tok,)))],
+        [(PROMPTS[0], SamplingParams(max_new_tokens=29, ignore_eos=True)),
+         (PROMPTS[2], SamplingParams(max_new_tokens=29, ignore_eos=True, temperature=1.2,
+                                     seed=9))],
+        [(PROMPTS[1], SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=5))],
     ]  # fmt: skip
     one_calls: list = []
     one = await _completions(native_model, tokenizer, 1, one_calls, requests, monkeypatch,
@@ -316,7 +358,8 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
     runs = await _completions(native_model, tokenizer, 8, run_calls, requests, monkeypatch,
                               strategy)  # fmt: skip
     assert one_calls == []  # (decode_steps=1 never asks)
-    assert any(n is not None and n >= 6 for n in run_calls), run_calls
+    assert any(isinstance(n, int) and n >= 6 for n in run_calls), run_calls
+    assert any(isinstance(n, tuple) and n[1] >= 6 for n in run_calls), run_calls  # drawn
     for a, b in zip(one, runs, strict=True):
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
         assert a.prompt_tokens == b.prompt_tokens and a.cached_tokens == b.cached_tokens
@@ -329,6 +372,7 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
     # cache shares no prefix: a compacted block no longer holds the tokens its position says)
     assert runs[9].token_ids == runs[8].token_ids
     assert runs[9].cached_tokens >= 64 or strategy.endswith("pruned")
+    assert runs[11].token_ids != runs[3].token_ids  # (drawn at 1.2: not the greedy text)
 
 
 def test_decode_steps_out_of_range_are_refused(model, tokenizer):

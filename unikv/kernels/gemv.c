@@ -3539,6 +3539,95 @@ void argmax_rows(const float *x, long rows, long n, int64_t *out) {
     for (long r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
 }
 
+/* ---- a sampled token ---------------------------------------------------------------------
+ *
+ * A token drawn from logits x[0 .. n) at temperature t with the uniform number u in [0, 1): the
+ * weights w_i = expf((x_i - max x) / t) (libm's bits: exp_block where it is checked equal),
+ * summed in float64 per block of SAMPLE_BLOCK (8 lane sums, added in a fixed tree), the blocks'
+ * sums added in order; the draw is the first index whose running sum passes u times the total:
+ * the block first, then its elements one by one from the sum of the blocks before. (Where the
+ * block's own sum and its elements' running sum differ in the last bit and the target falls
+ * between them: the block's last index of nonzero weight; where u times the total rounds to
+ * the total: the last such index of all.) -1 where x holds a NaN or only -inf.
+ *
+ * Why in C: a sampled request's tokens must not depend on whether its steps ran one a call
+ * (engine.sampling.sample calls this for a plain temperature) or several in one call
+ * (decode_steps, below): the same function on the same logits and the same u gives the same
+ * token. And it reads SmolLM2's 49,152 logits in tens of microseconds where torch's softmax,
+ * cumulative sum and search took 0.1-0.3 ms. */
+#define SAMPLE_BLOCK 256
+
+/* w[0 .. m) = expf((x[0 .. m) - top) * inv), libm's bits either way. */
+static void sample_weights(const float *x, long m, float top, float inv, float *w) {
+    long i = 0;
+#ifdef EXP_W
+    if (exp_vector_ok)
+        for (; i + EXP_W <= m; i += EXP_W) {
+            float z[EXP_W];
+            for (int k = 0; k < EXP_W; k++) z[k] = (x[i + k] - top) * inv;
+            exp_block(z, w + i);
+        }
+#endif
+    for (; i < m; i++) w[i] = expf((x[i] - top) * inv);
+}
+
+/* The sum of w[0 .. m) in float64: 8 lane sums added as ((0+1)+(2+3))+((4+5)+(6+7)). */
+static double block_sum(const float *w, long m) {
+    double a[8] = {0};
+    long i = 0;
+    for (; i + 8 <= m; i += 8)
+        for (int k = 0; k < 8; k++) a[k] += w[i + k];
+    for (int k = 0; i < m; i++, k++) a[k] += w[i];
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+int64_t sample_row(const float *x, long n, float t, double u) {
+    float top = -INFINITY;
+    for (long i = 0; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        top = x[i] > top ? x[i] : top;
+    }
+    if (top == -INFINITY) return -1;
+    const float inv = 1.0f / t;
+    const long nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double *sums = malloc(sizeof(double) * nblocks), total = 0.0;
+    float w[SAMPLE_BLOCK];
+    if (sums == NULL) return -1;
+    for (long b = 0; b < nblocks; b++) {
+        const long lo = b * SAMPLE_BLOCK, m = n - lo < SAMPLE_BLOCK ? n - lo : SAMPLE_BLOCK;
+        sample_weights(x + lo, m, top, inv, w);
+        sums[b] = block_sum(w, m);
+        total += sums[b];
+    }
+    const double target = u * total;
+    double before = 0.0;
+    long b = 0;
+    while (b < nblocks && !(before + sums[b] > target)) before += sums[b++];
+    const int beyond = b == nblocks; /* u * total rounded up to the total */
+    if (beyond) /* the last block of weight: its last index of weight */
+        for (b = nblocks - 1; b > 0 && sums[b] == 0.0; b--) {}
+    free(sums);
+    const long lo = b * SAMPLE_BLOCK, m = n - lo < SAMPLE_BLOCK ? n - lo : SAMPLE_BLOCK;
+    sample_weights(x + lo, m, top, inv, w);
+    double c = before;
+    long last = -1;
+    for (long i = 0; i < m; i++) {
+        if (w[i] > 0.0f) last = i;
+        c += w[i];
+        if (!beyond && c > target && w[i] > 0.0f) return lo + i;
+    }
+    return last < 0 ? -1 : lo + last;
+}
+
+/* Row r of x [rows, n]: sample_row at temps[r] with draws[r] where temps is given and
+ * temps[r] > 0, else argmax_row; into out [rows]. */
+void sample_rows(const float *x, long rows, long n, const float *temps, const double *draws,
+                 int64_t *out) {
+    for (long r = 0; r < rows; r++)
+        out[r] = temps != NULL && temps[r] > 0.0f ? sample_row(x + r * n, n, temps[r], draws[r])
+                                                  : argmax_row(x + r * n, n);
+}
+
 /* `steps` greedy decode steps of the same sequences in one call (multi-step decoding).
  *
  * Why: between two steps' calls a decode loop runs Python (the strategy's bookkeeping, the
@@ -3552,13 +3641,15 @@ void argmax_rows(const float *x, long rows, long n, int64_t *out) {
  * j runs as decode_step over one row per sequence (row j of each: its slot, or own's sub-step j;
  * positions pos + j, the sequences' stored tokens past + j), with the embedding rows of
  * tokens + j * nseq, and writes
- * its logits [nseq, vocab] at logits + j * nseq * vocab and each row's argmax (argmax_row) at
- * tokens + (j + 1) * nseq: the next sub-step's tokens (tokens [steps + 1][nseq], row 0 given).
- * Returns how many sub-steps ran (fewer than `steps`: one was refused, or the description is
- * not one this runs: 0). */
+ * its logits [nseq, vocab] at logits + j * nseq * vocab and each row's token at
+ * tokens + (j + 1) * nseq: the next sub-step's tokens (tokens [steps + 1][nseq], row 0 given),
+ * its argmax (argmax_row), or where temps [nseq] is given and temps[s] > 0 its draw at that
+ * temperature with the uniform number draws[j * nseq + s] (sample_row; a sampled request
+ * whose only rule is its temperature). Returns how many sub-steps ran (fewer than `steps`: one
+ * was refused or a draw had no weights, or the description is not one this runs: 0). */
 int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv, int steps,
                  const int64_t *pos, const step_t *st, int64_t *tokens, float *logits,
-                 int threads) {
+                 const float *temps, const double *draws, int threads) {
     const int nseq = kv->nseq;
     if (steps < 1 || nseq < 1 || kv->choice != NULL || kv->past == NULL || st == NULL ||
         st->embed == NULL)
@@ -3586,7 +3677,11 @@ int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
         head.tokens = tokens + (long)done * nseq;
         float *out = logits + (long)done * nseq * vocab;
         if (run_step(layers, nlayers, &one, NULL, nseq, at, &head, out, threads)) break;
-        argmax_rows(out, nseq, vocab, tokens + (long)(done + 1) * nseq);
+        int64_t *next = tokens + (long)(done + 1) * nseq;
+        sample_rows(out, nseq, vocab, temps, draws ? draws + (long)done * nseq : NULL, next);
+        int bad = 0;
+        for (int s = 0; s < nseq; s++) bad |= next[s] < 0;
+        if (bad) break;
     }
     free(ints);
     return done;

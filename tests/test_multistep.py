@@ -70,6 +70,12 @@ def test_the_c_draw_is_the_inverse_of_the_cumulative_weights(isa):
     assert gemv.sample_rows(x, torch.tensor([0.1]), torch.tensor([0.999])).item() == 1
     top = torch.tensor([1.0 - 2.0**-53])
     assert gemv.sample_rows(x, torch.tensor([50.0]), top).item() == 4  # the last of weight
+    huge = gemv.sample_rows(
+        x.expand(200, 6),
+        torch.full((200,), 1e39, dtype=torch.float64),
+        torch.rand(200, dtype=torch.float64),
+    )
+    assert set(huge.tolist()) == {0, 1, 3, 4}  # a temperature past float32's: all but -inf
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):
         assert gemv.sample_rows(torch.tensor([bad]), torch.tensor([1.0]), top).item() == -1
 

@@ -28,6 +28,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -3588,7 +3589,9 @@ int64_t sample_row(const float *x, long n, float t, double u) {
         top = x[i] > top ? x[i] : top;
     }
     if (top == -INFINITY) return -1;
-    const float inv = 1.0f / t;
+    /* (a temperature past float32's range: 1 / t is 0, and -inf times 0 NaN; the smallest
+     * normal float instead leaves every finite logit its weight of about 1, -inf its 0) */
+    const float inv = 1.0f / t >= FLT_MIN ? 1.0f / t : FLT_MIN;
     const long nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     double *sums = malloc(sizeof(double) * nblocks), total = 0.0;
     float w[SAMPLE_BLOCK];

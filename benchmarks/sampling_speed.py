@@ -6,9 +6,9 @@ is added to every token such a request gets. Until 2026-12-07 `engine.sampling.s
 `torch.multinomial` (an exponential variate per vocabulary entry: about 1 ms over SmolLM2's
 49,152 tokens on a 2-core AMD EPYC) and found a top-p nucleus by sorting every logit (3.4 ms),
 and every sampled request decoded one step a turn. Now a draw takes one uniform number over
-the cumulative weights (`categorical`; at a temperature alone gemv.c's, `draw`), the nucleus is
-looked for among the most likely tokens first (`nucleus`), and requests sampled at a
-temperature alone run several steps in one native call as greedy ones do. The baseline is the
+the cumulative weights, by gemv.c's `sample_row` on a CPU (`draw`: top-k and top-p by radix
+selects on the weights, no sort), and sampled requests run several steps in one native call as
+greedy ones do. The baseline is the
 former sampler (`OLD` below) with no sampled request in a multi-step call.
 
 For each case (greedy; temperature 0.8; with top_p 0.95; with top_k 50 and top_p 0.95) and
@@ -83,11 +83,12 @@ def OLD(logits, params, gen, seen=(), banned=()):  # noqa: N802 (the baseline, b
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-PLAIN = SamplingParams.plain  # (the property; the baseline replaces it with `_never`)
+SEQUENTIAL = Engine._sequential
 
 
-def _never(params) -> bool:
-    return False
+def _greedy_runs_only(self, work) -> int:
+    """The baseline's `Engine._sequential`: no sampled request in a multi-step call."""
+    return 1 if any(not w.req.params.greedy for w in work) else SEQUENTIAL(self, work)
 
 
 async def engine_rate(engine: Engine, n: int, case: dict, clients: int) -> float:
@@ -157,7 +158,7 @@ async def main() -> None:
                     for which, fn in samplers.items():
                         stepping.sample = fn  # what the engine's steps call
                         # before: no sampled request ran in a multi-step call
-                        SamplingParams.plain = PLAIN if which == "now" else property(_never)
+                        Engine._sequential = SEQUENTIAL if which == "now" else _greedy_runs_only
                         rate = await engine_rate(engine, a.new_tokens, case, c)
                         if r:
                             rates.setdefault((name, c, which), []).append(rate)
@@ -165,7 +166,7 @@ async def main() -> None:
         calls = {(name, which): await compute.run(per_call_us, fn, rows_x, case)
                  for name, case in CASES.items() for which, fn in samplers.items()}  # fmt: skip
     finally:
-        stepping.sample, SamplingParams.plain = sample, PLAIN
+        stepping.sample, Engine._sequential = sample, SEQUENTIAL
         await engine.close()
     rows = []
     for name in CASES:

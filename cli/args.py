@@ -55,9 +55,8 @@ def decode_steps_arg(text: str) -> int:
 
 DECODE_STEPS_HELP = (
     "decode steps a turn may run in one native call while every running request is a plain "
-    "greedy decode, or sampled at a temperature alone, and nothing waits (multi-step decoding: "
-    "the same tokens; the Python between steps runs once for all of them; tokens stream in "
-    "bursts of that many)"
+    "greedy or sampled decode and nothing waits (multi-step decoding: the same tokens; the "
+    "Python between steps runs once for all of them; tokens stream in bursts of that many)"
 )
 
 

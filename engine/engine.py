@@ -587,10 +587,10 @@ class Engine:
     def _sequential(self, work: list) -> int:
         """How many decode steps this turn runs in one native call (`LlamaModel.decode`): up
         to `decode_steps` while every request in the batch is a decode whose next tokens are
-        plain argmaxes or draws at a temperature alone (greedy, or `SamplingParams.plain`; no
-        repetition penalty, min_tokens reached, no log-probabilities) and nothing waits to be
-        admitted or swapped in, and no request's length or context limit, nor what the cache
-        can run so (`KVCache.sequential`), comes sooner; else 1.
+        plain argmaxes or draws (greedy or sampled, `sampling.draw`; no repetition penalty,
+        min_tokens reached, no log-probabilities) and nothing waits to be admitted or swapped
+        in, and no request's length or context limit, nor what the cache can run so
+        (`KVCache.sequential`), comes sooner; else 1.
 
         Why: between two steps' native calls the engine's Python (the scheduler, the step's
         tensors, sampling, the strategy's bookkeeping, the report) runs with caches the step's
@@ -608,8 +608,7 @@ class Engine:
         for w in work:
             req, p = w.req, w.req.params
             if (len(w.tokens) != 1 or not w.needs_logits or req.num_computed + 1 != len(req.tokens)
-                    or not (p.greedy or p.plain) or p.repetition_penalty != 1.0
-                    or p.logprobs is not None
+                    or p.repetition_penalty != 1.0 or p.logprobs is not None
                     or req.wants_prompt_logits or len(req.output_ids) < p.min_tokens):  # fmt: skip
                 return 1
             steps = min(steps, p.max_new_tokens - len(req.output_ids), ctx - 1 - req.num_computed)

@@ -261,12 +261,12 @@ def decodes(model, n: int) -> bool:
 
 
 def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, steps: int,
-                  temps: torch.Tensor | None = None,
+                  spec: torch.Tensor | None = None,
                   draws: torch.Tensor | None = None):  # fmt: skip
     """A sequential step begun on `kv` (`StepBatch.sequential`: `steps` rows per sequence)
     as `steps` decode steps in one call into gemv.c (`decode_steps`), the tokens
     int64 [N] the first one's and positions [N * steps] the step's rows': (tokens int64
-    [steps, N], each step's argmax, or its draw at temps [N] with draws [steps, N]
+    [steps, N], each step's argmax, or its draw under spec [N, 4] with draws [steps, N]
     (`gemv.decode_steps`), the next one's input; logits float32 [steps, N, vocab]),
     or None where the model's side (`decodes`), the cache's description (choosing no blocks)
     or gemv.c does not serve it all (the caller aborts the step: nothing was kept)."""
@@ -279,7 +279,7 @@ def decode_native(model, tokens: torch.Tensor, positions: torch.Tensor, kv, step
     step, layers = _step_desc(model, n)[0], _stack_array(model, n)
     first, positions = tokens.to(torch.int64), positions.to(torch.int64).contiguous()
     out, logits, done = gemv.decode_steps(layers, _kv_step(plan), step, first, positions, steps,
-                                          temps, draws)  # fmt: skip
+                                          spec, draws)  # fmt: skip
     return (out[1:], logits) if done == steps else None
 
 

@@ -184,14 +184,14 @@ class LlamaModel:
         return fused.decodes(self, n)
 
     def decode(self, tokens: list[int], positions: list[int], kv: KVCache, seq_ids: list[int],
-               steps: int, temps: torch.Tensor | None = None, draws: torch.Tensor | None = None,
+               steps: int, spec: torch.Tensor | None = None, draws: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """`steps` decode steps of the sequences `seq_ids` in one native call (multi-step
         decoding), `tokens` and `positions` their first step's (one per sequence): (tokens
-        int64 [steps, N]: each step's argmax, torch.argmax's pick, or where `temps` float32
-        [N] is above 0 its draw at that temperature with the uniform numbers `draws` float64
-        [steps, N] (`engine.sampling.draw`'s), which the next step fed; logits float32
-        [steps, N, V]), every token's KV committed. None, with nothing
+        int64 [steps, N]: each step's argmax, torch.argmax's pick, or where `spec` float64
+        [N, 4] (`engine.sampling.spec`) says a temperature above 0 its draw with the uniform
+        numbers `draws` float64 [steps, N] (`engine.sampling.draw`'s), which the next step fed;
+        logits float32 [steps, N, V]), every token's KV committed. None, with nothing
         changed, where it cannot run so (the cache's `KVCache.sequential` said fewer steps,
         the model's step is not the native one, or gemv.c refused): step by step instead. A
         cache that scores tokens by their surprisal (`wants_token_logprobs`) gets every row's
@@ -209,7 +209,7 @@ class LlamaModel:
             kv.begin_step(batch)
             try:
                 got = fused.decode_native(self, torch.tensor(tokens, dtype=torch.long), pos, kv,
-                                          steps, temps, draws)  # fmt: skip
+                                          steps, spec, draws)  # fmt: skip
             except BaseException:
                 kv.abort_step()
                 raise

@@ -101,12 +101,6 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
-    @property
-    def plain(self) -> bool:
-        """True when a sampled token is drawn at the temperature alone (no top-k, top-p or
-        min-p): `draw`, which a run of several steps in one native call draws too."""
-        return not self.greedy and self.top_k == 0 and self.top_p >= 1.0 and self.min_p == 0.0
-
     def make_generator(self) -> torch.Generator | None:
         """A seeded generator for reproducible sampling (None for greedy or unseeded)."""
         if self.greedy:
@@ -157,8 +151,8 @@ def sample(
 ) -> int:
     """Pick the next token from logits [V] under `params`: the repetition penalty over the
     `seen` tokens, `banned` ones (EOS before `min_tokens`) never, then greedy or filtered
-    sampling (top-k, top-p, min-p). RuntimeError where no token can be drawn (every logit
-    banned or NaN)."""
+    sampling (top-k, top-p, min-p): on a CPU with the C kernels gemv.c's (`draw`), else the
+    torch ops below. RuntimeError where no token can be drawn (every logit banned or NaN)."""
     x = logits
     if params.repetition_penalty != 1.0 and seen:
         x = x.float().clone()
@@ -170,8 +164,24 @@ def sample(
         x[list(banned)] = float("-inf")
     if params.greedy:
         return greedy_token(x)
-    if params.plain:  # the temperature alone: gemv.c's draw, as a run of steps draws it
-        return draw(x, params.temperature, gen)
+    if x.device.type == "cpu" and gemv.unavailable() is None:
+        return draw(x, params, gen)  # gemv.c's draw: a run of steps draws the same
+    return torch_draw(x, params, uniform(gen))
+
+
+def torch_draw(x: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """A token drawn from logits x [V] under `params` with the uniform number u, in torch ops
+    (no C kernels, or logits on another device): `candidates`, then `categorical`. The same
+    tokens as gemv.c's `draw` up to float rounding at the boundaries."""
+    probs, ids = candidates(x, params)
+    j = categorical(probs, None, u)
+    return j if ids is None else int(ids[j])
+
+
+def candidates(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens a sampled draw chooses among and their probabilities: logits x [V] at the
+    temperature, `top_k`, `nucleus`, then min-p's zeros; (probs, their token ids in ascending
+    order, as gemv.c's draw scans them; or None where probs covers every token)."""
     x = x.float() / params.temperature
     ids = None  # x's positions are the token ids
     if params.top_k and params.top_k < x.shape[-1]:
@@ -182,8 +192,10 @@ def sample(
     probs = torch.softmax(x, dim=-1)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    j = categorical(probs, gen)
-    return j if ids is None else int(ids[j])
+    if ids is not None:  # in token order: a uniform number picks what gemv.c's draw picks
+        ids, order = ids.sort()
+        probs = probs[order]
+    return probs, ids
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,18 +241,26 @@ def uniform(gen: torch.Generator | None) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
-def draw(x: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    """A token drawn from logits x [V] at `temperature` with one `uniform` number of `gen`:
-    gemv.c's sample_row on a CPU where the C kernels serve (the draw of a run of several steps
-    in one native call, `gemv.decode_steps`: a seed gives the same tokens either way), else
-    `categorical` over the softmax. RuntimeError where no token can be drawn."""
+def spec(params: SamplingParams) -> list[float]:
+    """A sampled request's row for gemv.c's draw (`gemv.sample_rows`, `gemv.decode_steps`):
+    temperature (0: the argmax), top_k, top_p, min_p."""
+    if params.greedy:
+        return [0.0, 0.0, 1.0, 0.0]
+    return [params.temperature, params.top_k, params.top_p, params.min_p]
+
+
+def draw(x: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """A token drawn from CPU logits x [V] under `params` (temperature, top-k, top-p, min-p)
+    with one `uniform` number of `gen`: gemv.c's sample_row, the draw of a run of several
+    steps in one native call (`gemv.decode_steps`) too, so a seed gives the same tokens either
+    way. It keeps what `top_k`, `nucleus` and min-p keep up to float rounding at the boundary.
+    RuntimeError where no token can be drawn."""
     u = uniform(gen)
-    if x.device.type == "cpu" and gemv.unavailable() is None:
-        token = int(gemv.sample_rows(x[None], torch.tensor([temperature]), torch.tensor([u]))[0])
-        if token < 0:
-            raise RuntimeError("cannot sample a token: the probabilities are NaN or all zero")
-        return token
-    return categorical(torch.softmax(x.float() / temperature, dim=-1), None, u)
+    row = torch.tensor([spec(params)], dtype=torch.float64)
+    token = int(gemv.sample_rows(x[None], row, torch.tensor([u], dtype=torch.float64))[0])
+    if token < 0:
+        raise RuntimeError("cannot sample a token: the probabilities are NaN or all zero")
+    return token
 
 
 def categorical(probs: torch.Tensor, gen: torch.Generator | None, u: float | None = None) -> int:

@@ -15,7 +15,7 @@ import torch
 from unikv.kvstrategies.kv import KVCache, StepBatch
 
 from .requests import Request
-from .sampling import greedy_rows, logprobs_of, sample, uniform
+from .sampling import greedy_rows, logprobs_of, sample, spec, uniform
 from .scheduler import Work
 
 log = logging.getLogger("unikv.engine.engine")  # the engine's logger: its messages are the loop's
@@ -61,8 +61,8 @@ class StepRunner:
     def _decode(
         self, plan: list[Work[Request]], steps: int
     ) -> list[tuple[Work[Request], object]] | None:
-        """`run` of `steps` decode steps, greedy or drawn at a temperature alone; a failure is
-        every request's (the cache rolled the run back: nothing was stored).
+        """`run` of `steps` decode steps, greedy or sampled (gemv.c's draw, `sampling.draw`);
+        a failure is every request's (the cache rolled the run back: nothing was stored).
 
         A sampled request's uniform numbers are taken from its generator before the call, one
         a step, as its steps one a turn would take them (`sampling.draw`): the same tokens
@@ -70,11 +70,10 @@ class StepRunner:
         for w in plan:  # room for the run's tokens (the scheduler reserved one step's)
             if not self.kv.reserve(w.req.rid, steps):
                 return None
-        temps = draws = None
+        rows = draws = None
         held = [(w.req.gen, w.req.gen.get_state()) for w in plan if not w.req.params.greedy]
         if held:
-            temps = torch.tensor([0.0 if w.req.params.greedy else w.req.params.temperature
-                                  for w in plan])  # fmt: skip
+            rows = torch.tensor([spec(w.req.params) for w in plan], dtype=torch.float64)
             draws = torch.zeros(steps, len(plan), dtype=torch.float64)
             for i, w in enumerate(plan):
                 if not w.req.params.greedy:
@@ -84,7 +83,7 @@ class StepRunner:
         try:
             got = self.model.decode([w.tokens[0] for w in plan],
                                     [w.req.num_computed for w in plan], self.kv,
-                                    [w.req.rid for w in plan], steps, temps, draws)  # fmt: skip
+                                    [w.req.rid for w in plan], steps, rows, draws)  # fmt: skip
         except Exception as e:  # (rolled back: step by step, each failure stays its own)
             log.warning("sequential decode failed (%s); stepping one token at a time", e)
         finally:

@@ -3542,20 +3542,31 @@ void argmax_rows(const float *x, long rows, long n, int64_t *out) {
 
 /* ---- a sampled token ---------------------------------------------------------------------
  *
- * A token drawn from logits x[0 .. n) at temperature t with the uniform number u in [0, 1): the
- * weights w_i = expf((x_i - max x) / t) (libm's bits: exp_block where it is checked equal),
- * summed in float64 per block of SAMPLE_BLOCK (8 lane sums, added in a fixed tree), the blocks'
- * sums added in order; the draw is the first index whose running sum passes u times the total:
- * the block first, then its elements one by one from the sum of the blocks before. (Where the
- * block's own sum and its elements' running sum differ in the last bit and the target falls
- * between them: the block's last index of nonzero weight; where u times the total rounds to
- * the total: the last such index of all.) -1 where x holds a NaN or only -inf.
+ * A token drawn from logits x[0 .. n) under spec = {temperature t, top_k, top_p, min_p} with the
+ * uniform number u in [0, 1):
+ *   1. the weights w_i = expf((x_i - max x) / t) (libm's bits: exp_block where it is checked
+ *      equal), so the most likely token's is 1;
+ *   2. top_k (0 < k < n): weights below the k-th largest dropped (ties with it kept, as vLLM
+ *      keeps them); the k-th largest found by a radix select on the weights' bits
+ *      (radix_boundary: three passes of 11, 11 and 10 bits);
+ *   3. top_p (< 1): in descending order of weight (ties in ascending index order), a token
+ *      kept while the mass of the kept ones before it is below top_p times the mass left after
+ *      top-k (the first always); the boundary weight found the same way, the masses in float64;
+ *   4. min_p (> 0): weights below min_p (min_p times the most likely token's) dropped;
+ *   5. the draw: the weights left summed in float64 per block of SAMPLE_BLOCK (8 lane sums added
+ *      in a fixed tree), the blocks' sums in order; the first index whose running sum passes u
+ *      times the total, the block first, then its elements one by one from the sum of the
+ *      blocks before. (Where the block's own sum and its elements' running sum differ in the
+ *      last bit and the target falls between them: the block's last index of weight; where u
+ *      times the total rounds up to the total: the last such index of all.)
+ * -1 where x holds a NaN or only -inf. engine/sampling.py's torch path keeps the same tokens at
+ * each step up to float rounding at the boundaries (its `nucleus`, `top_k`, `categorical`).
  *
  * Why in C: a sampled request's tokens must not depend on whether its steps ran one a call
- * (engine.sampling.sample calls this for a plain temperature) or several in one call
- * (decode_steps, below): the same function on the same logits and the same u gives the same
- * token. And it reads SmolLM2's 49,152 logits in tens of microseconds where torch's softmax,
- * cumulative sum and search took 0.1-0.3 ms. */
+ * (engine.sampling.sample calls this on a CPU) or several in one call (decode_steps, below):
+ * the same function on the same logits and the same u gives the same token. And it reads
+ * SmolLM2's 49,152 logits in tens of microseconds where torch's softmax, cumulative sum and
+ * search took 0.1-0.3 ms and a top-p over a flat distribution sorted all of them (3.4 ms). */
 #define SAMPLE_BLOCK 256
 
 /* w[0 .. m) = expf((x[0 .. m) - top) * inv), libm's bits either way. */
@@ -3582,25 +3593,55 @@ static double block_sum(const float *w, long m) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-int64_t sample_row(const float *x, long n, float t, double u) {
-    float top = -INFINITY;
-    for (long i = 0; i < n; i++) {
-        if (x[i] != x[i]) return -1;
-        top = x[i] > top ? x[i] : top;
+static inline uint32_t weight_bits(float w) { /* a weight >= 0: its bits order as it does */
+    uint32_t b;
+    memcpy(&b, &w, 4);
+    return b;
+}
+
+/* The weight v among w[0 .. n) (each >= 0; those at least `floor` and above 0 counted) at
+ * which, in descending order, the running measure (mass: the weights' sum, else their count)
+ * first reaches `need`; *above = the measure of the counted weights above v. A radix select on
+ * the bits, most significant digit first (11, 11 and 10 bits; 2,048 float64 buckets). need
+ * must be at most the counted total. */
+static float radix_boundary(const float *w, long n, float floor, int mass, double need,
+                            double *above) {
+    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
+    double bucket[2048];
+    uint32_t prefix = 0; /* the bits decided so far */
+    *above = 0.0;
+    for (int level = 0; level < 3; level++) {
+        const int sh = shift[level], nb = 1 << width[level];
+        const int hi_sh = level ? shift[level - 1] : 32; /* the decided bits are above hi_sh */
+        memset(bucket, 0, sizeof(double) * nb);
+        for (long i = 0; i < n; i++) {
+            if (!(w[i] > 0.0f) || w[i] < floor) continue;
+            const uint32_t b = weight_bits(w[i]);
+            if (hi_sh < 32 && (b >> hi_sh) != (prefix >> hi_sh)) continue;
+            bucket[(b >> sh) & (nb - 1)] += mass ? (double)w[i] : 1.0;
+        }
+        int d = nb - 1;
+        for (; d > 0 && *above + bucket[d] < need; d--) *above += bucket[d];
+        prefix |= (uint32_t)d << sh;
     }
-    if (top == -INFINITY) return -1;
-    /* (a temperature past float32's range: 1 / t is 0, and -inf times 0 NaN; the smallest
-     * normal float instead leaves every finite logit its weight of about 1, -inf its 0) */
-    const float inv = 1.0f / t >= FLT_MIN ? 1.0f / t : FLT_MIN;
+    float v;
+    memcpy(&v, &prefix, 4);
+    return v;
+}
+
+/* A token drawn from weights w[0 .. n) (>= 0) with u: step 5 above. -1 where all are 0. */
+static int64_t draw_weights(const float *w, long n, double u) {
     const long nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     double *sums = malloc(sizeof(double) * nblocks), total = 0.0;
-    float w[SAMPLE_BLOCK];
     if (sums == NULL) return -1;
     for (long b = 0; b < nblocks; b++) {
-        const long lo = b * SAMPLE_BLOCK, m = n - lo < SAMPLE_BLOCK ? n - lo : SAMPLE_BLOCK;
-        sample_weights(x + lo, m, top, inv, w);
-        sums[b] = block_sum(w, m);
+        const long lo = b * SAMPLE_BLOCK;
+        sums[b] = block_sum(w + lo, n - lo < SAMPLE_BLOCK ? n - lo : SAMPLE_BLOCK);
         total += sums[b];
+    }
+    if (!(total > 0.0)) {
+        free(sums);
+        return -1;
     }
     const double target = u * total;
     double before = 0.0;
@@ -3611,24 +3652,79 @@ int64_t sample_row(const float *x, long n, float t, double u) {
         for (b = nblocks - 1; b > 0 && sums[b] == 0.0; b--) {}
     free(sums);
     const long lo = b * SAMPLE_BLOCK, m = n - lo < SAMPLE_BLOCK ? n - lo : SAMPLE_BLOCK;
-    sample_weights(x + lo, m, top, inv, w);
     double c = before;
     long last = -1;
     for (long i = 0; i < m; i++) {
-        if (w[i] > 0.0f) last = i;
-        c += w[i];
-        if (!beyond && c > target && w[i] > 0.0f) return lo + i;
+        if (w[lo + i] > 0.0f) last = i;
+        c += w[lo + i];
+        if (!beyond && c > target && w[lo + i] > 0.0f) return lo + i;
     }
     return last < 0 ? -1 : lo + last;
 }
 
-/* Row r of x [rows, n]: sample_row at temps[r] with draws[r] where temps is given and
- * temps[r] > 0, else argmax_row; into out [rows]. */
-void sample_rows(const float *x, long rows, long n, const float *temps, const double *draws,
+int64_t sample_row(const float *x, long n, const double *spec, double u) {
+    const float t = (float)spec[0], p = (float)spec[2], min_p = (float)spec[3];
+    const long k = (long)spec[1];
+    float top = -INFINITY;
+    for (long i = 0; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        top = x[i] > top ? x[i] : top;
+    }
+    if (top == -INFINITY) return -1;
+    /* (a temperature past float32's range: 1 / t is 0, and -inf times 0 NaN; the smallest
+     * normal float instead leaves every finite logit its weight of about 1, -inf its 0) */
+    const float inv = 1.0f / t >= FLT_MIN ? 1.0f / t : FLT_MIN;
+    /* the weights' buffer, kept by the thread: a vocabulary's (196 KB at 49,152) is past
+     * malloc's mmap threshold, and mapping it anew each token cost its page faults */
+    static __thread float *w;
+    static __thread long cap;
+    if (n > cap) {
+        float *grown = realloc(w, sizeof(float) * n);
+        if (grown == NULL) return -1;
+        w = grown, cap = n;
+    }
+    sample_weights(x, n, top, inv, w);
+    float floor = 0.0f; /* top-k's boundary (ties kept) */
+    double above;
+    if (k > 0 && k < n) {
+        long counted = 0;
+        for (long i = 0; i < n; i++) counted += w[i] > 0.0f;
+        if (k < counted) floor = radix_boundary(w, n, 0.0f, 0, (double)k, &above);
+    }
+    if (p < 1.0f) { /* top-p over the weights top-k left */
+        double left = 0.0;
+        for (long b = 0; b < n; b += SAMPLE_BLOCK) {
+            float kept[SAMPLE_BLOCK];
+            const long m = n - b < SAMPLE_BLOCK ? n - b : SAMPLE_BLOCK;
+            for (long i = 0; i < m; i++) kept[i] = w[b + i] >= floor ? w[b + i] : 0.0f;
+            left += block_sum(kept, m);
+        }
+        const double need = (double)p * left;
+        const float v = radix_boundary(w, n, floor, 1, need, &above);
+        long ties = 0; /* the tokens of weight v kept: while the mass before each is below need */
+        for (long i = 0; i < n; i++) {
+            if (!(w[i] >= floor) || w[i] < v) {
+                w[i] = 0.0f;
+            } else if (w[i] == v) {
+                if (above + (double)ties * v < need)
+                    ties++;
+                else
+                    w[i] = 0.0f;
+            }
+        }
+    }
+    for (long i = 0; i < n; i++)
+        if (w[i] < floor || w[i] < min_p) w[i] = 0.0f;
+    return draw_weights(w, n, u);
+}
+
+/* Row r of x [rows, n]: sample_row with spec + 4 r ({temperature, top_k, top_p, min_p}) and
+ * draws[r] where spec is given and its temperature above 0, else argmax_row; into out [rows]. */
+void sample_rows(const float *x, long rows, long n, const double *spec, const double *draws,
                  int64_t *out) {
     for (long r = 0; r < rows; r++)
-        out[r] = temps != NULL && temps[r] > 0.0f ? sample_row(x + r * n, n, temps[r], draws[r])
-                                                  : argmax_row(x + r * n, n);
+        out[r] = spec != NULL && spec[4 * r] > 0.0 ? sample_row(x + r * n, n, spec + 4 * r, draws[r])
+                                                   : argmax_row(x + r * n, n);
 }
 
 /* `steps` greedy decode steps of the same sequences in one call (multi-step decoding).
@@ -3646,13 +3742,13 @@ void sample_rows(const float *x, long rows, long n, const float *temps, const do
  * tokens + j * nseq, and writes
  * its logits [nseq, vocab] at logits + j * nseq * vocab and each row's token at
  * tokens + (j + 1) * nseq: the next sub-step's tokens (tokens [steps + 1][nseq], row 0 given),
- * its argmax (argmax_row), or where temps [nseq] is given and temps[s] > 0 its draw at that
- * temperature with the uniform number draws[j * nseq + s] (sample_row; a sampled request
- * whose only rule is its temperature). Returns how many sub-steps ran (fewer than `steps`: one
- * was refused or a draw had no weights, or the description is not one this runs: 0). */
+ * its argmax (argmax_row), or where spec [nseq][4] is given and sequence s's temperature is
+ * above 0 its draw under spec + 4 s with the uniform number draws[j * nseq + s] (sample_row).
+ * Returns how many sub-steps ran (fewer than `steps`: one was refused or a draw had no
+ * weights, or the description is not one this runs: 0). */
 int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv, int steps,
                  const int64_t *pos, const step_t *st, int64_t *tokens, float *logits,
-                 const float *temps, const double *draws, int threads) {
+                 const double *spec, const double *draws, int threads) {
     const int nseq = kv->nseq;
     if (steps < 1 || nseq < 1 || kv->choice != NULL || kv->past == NULL || st == NULL ||
         st->embed == NULL)
@@ -3681,7 +3777,7 @@ int decode_steps(const layer_t *const *layers, int nlayers, const kv_step_t *kv,
         float *out = logits + (long)done * nseq * vocab;
         if (run_step(layers, nlayers, &one, NULL, nseq, at, &head, out, threads)) break;
         int64_t *next = tokens + (long)(done + 1) * nseq;
-        sample_rows(out, nseq, vocab, temps, draws ? draws + (long)done * nseq : NULL, next);
+        sample_rows(out, nseq, vocab, spec, draws ? draws + (long)done * nseq : NULL, next);
         int bad = 0;
         for (int s = 0; s < nseq; s++) bad |= next[s] < 0;
         if (bad) break;

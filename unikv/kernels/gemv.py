@@ -568,14 +568,14 @@ def decode_steps(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     steps: int,
-    temps: torch.Tensor | None = None,
+    spec: torch.Tensor | None = None,
     draws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`steps` decode steps in one call (gemv.c's decode_steps): `kv` describes a step of
     `steps` rows per sequence, run one row of each at a time; `tokens` int64 [nseq] are the
     first sub-step's, each next one's drawn from the logits before (`sample_rows`: the argmax,
-    or where `temps` float32 [nseq] is given and above 0 a draw at that temperature with the
-    uniform numbers `draws` float64 [steps, nseq]).
+    or where `spec` float64 [nseq, 4] is given and a sequence's temperature is above 0 a draw
+    under its row with the uniform numbers `draws` float64 [steps, nseq]).
     Returns (tokens int64 [steps + 1, nseq]: the given row, then each sub-step's choice; logits
     float32 [steps, nseq, vocab]; how many sub-steps ran: fewer than `steps` where one was
     refused, whose outputs from there on are not written)."""
@@ -583,15 +583,15 @@ def decode_steps(
     out = torch.empty(steps + 1, nseq, dtype=torch.int64)
     out[0] = tokens
     logits = torch.empty((steps, nseq, step.head.out), dtype=torch.float32)
-    if temps is not None:
-        temps = temps.to(torch.float32).contiguous()
+    if spec is not None:
+        spec = spec.to(torch.float64).contiguous()
         draws = draws.to(torch.float64).contiguous()  # type: ignore[union-attr]
-        if temps.shape != (nseq,) or draws.shape != (steps, nseq):
-            raise ValueError(f"temps [{nseq}] and draws [{steps}, {nseq}] expected, got "
-                             f"{list(temps.shape)} and {list(draws.shape)}")  # fmt: skip
+        if spec.shape != (nseq, 4) or draws.shape != (steps, nseq):
+            raise ValueError(f"spec [{nseq}, 4] and draws [{steps}, {nseq}] expected, got "
+                             f"{list(spec.shape)} and {list(draws.shape)}")  # fmt: skip
     done = _state["lib"].decode_steps(  # type: ignore[attr-defined]
         layers, len(layers), ctypes.byref(kv), steps, positions.data_ptr(), ctypes.byref(step),
-        out.data_ptr(), logits.data_ptr(), None if temps is None else temps.data_ptr(),
+        out.data_ptr(), logits.data_ptr(), None if spec is None else spec.data_ptr(),
         None if draws is None else draws.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out, logits, done
@@ -606,19 +606,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_rows(x: torch.Tensor, temps: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Each row of logits x float32 [rows, n] drawn as gemv.c's decode_steps draws it: at
-    temperature temps[r] (float32 [rows]; 0: the argmax) with the uniform number draws[r]
-    (float64 [rows], in [0, 1)); int64 [rows], -1 for a row of NaN or only -inf logits
-    (gemv.c's sample_row says how). ValueError where the C kernels are unavailable."""
+def sample_rows(x: torch.Tensor, spec: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Each row of logits x float32 [rows, n] drawn as gemv.c's decode_steps draws it: under
+    spec[r] (float64 [rows, 4]: temperature, top_k, top_p, min_p; temperature 0: the argmax)
+    with the uniform number draws[r] (float64 [rows], in [0, 1)); int64 [rows], -1 for a row of
+    NaN or only -inf logits (gemv.c's sample_row says how). ValueError where the C kernels are
+    unavailable."""
     lib = _load()
     if lib is None:
         raise ValueError(f"gemv.c is unavailable: {unavailable()}")
     x = x.to(torch.float32).contiguous()
-    temps = temps.to(torch.float32).contiguous()
+    spec = spec.to(torch.float64).contiguous()
     draws = draws.to(torch.float64).contiguous()
+    if spec.shape != (x.shape[0], 4) or draws.shape != (x.shape[0],):
+        raise ValueError(f"spec [{x.shape[0]}, 4] and draws [{x.shape[0]}] expected, got "
+                         f"{list(spec.shape)} and {list(draws.shape)}")  # fmt: skip
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], temps.data_ptr(), draws.data_ptr(),
+    lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], spec.data_ptr(), draws.data_ptr(),
                     out.data_ptr())  # fmt: skip
     return out
 

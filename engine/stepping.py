@@ -71,8 +71,9 @@ class StepRunner:
             if not self.kv.reserve(w.req.rid, steps):
                 return None
         rows = draws = None
-        held = [(w.req.gen, w.req.gen.get_state()) for w in plan if not w.req.params.greedy]
-        if held:
+        sampled = [w for w in plan if not w.req.params.greedy]
+        held = [(g, g.get_state()) for w in sampled if (g := w.req.gen) is not None]
+        if sampled:
             rows = torch.tensor([spec(w.req.params) for w in plan], dtype=torch.float64)
             draws = torch.zeros(steps, len(plan), dtype=torch.float64)
             for i, w in enumerate(plan):

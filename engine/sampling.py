@@ -246,7 +246,8 @@ def spec(params: SamplingParams) -> list[float]:
     temperature (0: the argmax), top_k, top_p, min_p."""
     if params.greedy:
         return [0.0, 0.0, 1.0, 0.0]
-    return [params.temperature, params.top_k, params.top_p, params.min_p]
+    k = params.top_k if params.top_k < 2**31 else 0  # (past any vocabulary: no filter)
+    return [params.temperature, k, params.top_p, params.min_p]
 
 
 def draw(x: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

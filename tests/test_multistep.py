@@ -98,6 +98,11 @@ def test_the_c_draw_at_its_edges(isa):
     assert set(huge.tolist()) == {0, 1, 3, 4}  # a temperature past float32's: all but -inf
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):
         assert gemv.sample_rows(torch.tensor([bad]), _rows(1, 1.0), top).item() == -1
+    # a top_p too small for float32 (0): the most likely token alone, as the torch path keeps it
+    wide = torch.randn(1, 1000) * 3
+    us = torch.rand(50, dtype=torch.float64)
+    tiny = gemv.sample_rows(wide.expand(50, 1000), _rows(50, 1.0, 0, 1e-300), us)
+    assert set(tiny.tolist()) == {int(wide.argmax())}
     w = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
     n = 20000
     got = gemv.sample_rows(w.expand(n, 4), _rows(n, 1.0), torch.rand(n, dtype=torch.float64))
@@ -355,7 +360,9 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
     the same text, tokens and finish reasons for requests alone and three at once, a length
     that is no multiple of 8, a stop string and a stop token met inside a run (the tokens after
     them dropped), EOS, seeded sampled requests (which run too, their uniform numbers taken
-    from their generators ahead: at a temperature alone, beside a greedy one, and with top-p);
+    from their generators ahead: at a temperature alone, beside a greedy one, and with top-p;
+    hostile values, a temperature of 1e30 or 1e-4, top_k 10**30, top_p 1e-300, min_p 1, beside
+    a greedy canary whose text must not change);
     a prompt asked again after a run stopped early hits the prefix its prompt left."""
     from unikv.engine.sampling import SamplingParams
 
@@ -381,6 +388,10 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
          (PROMPTS[2], SamplingParams(max_new_tokens=29, ignore_eos=True, temperature=1.2,
                                      seed=9))],
         [(PROMPTS[1], SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=5))],
+        [(PROMPTS[0], free),  # a greedy canary beside hostile sampling values
+         (PROMPTS[1], SamplingParams(max_new_tokens=20, temperature=1e30, top_k=10**30,
+                                     top_p=1e-300, seed=3)),
+         (PROMPTS[2], SamplingParams(max_new_tokens=20, temperature=1e-4, min_p=1.0, seed=4))],
     ]  # fmt: skip
     one_calls: list = []
     one = await _completions(native_model, tokenizer, 1, one_calls, requests, monkeypatch,
@@ -404,6 +415,8 @@ async def test_the_engine_s_runs_give_one_step_a_turn_s_completions(
     assert runs[9].token_ids == runs[8].token_ids
     assert runs[9].cached_tokens >= 64 or strategy.endswith("pruned")
     assert runs[11].token_ids != runs[3].token_ids  # (drawn at 1.2: not the greedy text)
+    assert runs[13].text == text  # the canary's tokens, unchanged beside hostile values
+    assert all(len(c.token_ids) >= 1 and c.finish_reason in ("length", "stop") for c in runs[13:])
 
 
 def test_decode_steps_out_of_range_are_refused(model, tokenizer):

@@ -198,3 +198,29 @@ def test_top_k_keeps_the_k_largest_and_their_ties():
     g = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=5)
     gen = g.make_generator()
     assert {sample(x, g, gen) for _ in range(200)} == {1, 3}
+
+
+def test_hostile_sampling_values_still_draw_a_token(monkeypatch):
+    """Values a request may send (any finite temperature, any top_k, a top_p of 1e-300, min_p
+    1): both draws, gemv.c's and torch's, return a token of finite logit; a top_p too small
+    for float32 keeps the most likely token; top_k past 2**31 filters nothing."""
+    from unikv.engine import sampling
+    from unikv.engine.sampling import spec
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3000, generator=g) * 3
+    x[::7] = float("-inf")
+    cases = [{"temperature": 1e30}, {"temperature": 1e-4}, {"temperature": 1.0, "top_k": 10**30},
+             {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 0.7, "min_p": 1.0},
+             {"temperature": 3e38, "top_k": 5, "top_p": 1e-300}]  # fmt: skip
+    assert spec(SamplingParams(temperature=1.0, top_k=10**30))[1] == 0
+    for torch_only in (False, True):
+        if torch_only:  # the path without the C kernels
+            monkeypatch.setattr(sampling.gemv, "unavailable", lambda: "hidden")
+        for kw in cases:
+            p = SamplingParams(seed=1, **kw)
+            gen = p.make_generator()
+            got = {sample(x, p, gen) for _ in range(30)}
+            assert all(torch.isfinite(x[t]) for t in got), (kw, got)
+            if kw.get("top_p") == 1e-300 and kw["temperature"] == 1.0 or kw.get("min_p") == 1.0:
+                assert got == {int(x.argmax())}, (kw, torch_only)

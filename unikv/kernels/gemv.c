@@ -3601,9 +3601,10 @@ static inline uint32_t weight_bits(float w) { /* a weight >= 0: its bits order a
 
 /* The weight v among w[0 .. n) (each >= 0; those at least `floor` and above 0 counted) at
  * which, in descending order, the running measure (mass: the weights' sum, else their count)
- * first reaches `need`; *above = the measure of the counted weights above v. A radix select on
- * the bits, most significant digit first (11, 11 and 10 bits; 2,048 float64 buckets). need
- * must be at most the counted total. */
+ * first reaches `need` (need <= 0: the largest weight); *above = the measure of the counted
+ * weights above v. A radix select on the bits, most significant digit first (11, 11 and 10
+ * bits; 2,048 float64 buckets; an empty bucket is never chosen). need must be at most the
+ * counted total. */
 static float radix_boundary(const float *w, long n, float floor, int mass, double need,
                             double *above) {
     static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
@@ -3621,7 +3622,7 @@ static float radix_boundary(const float *w, long n, float floor, int mass, doubl
             bucket[(b >> sh) & (nb - 1)] += mass ? (double)w[i] : 1.0;
         }
         int d = nb - 1;
-        for (; d > 0 && *above + bucket[d] < need; d--) *above += bucket[d];
+        for (; d > 0 && (bucket[d] == 0.0 || *above + bucket[d] < need); d--) *above += bucket[d];
         prefix |= (uint32_t)d << sh;
     }
     float v;
@@ -3701,12 +3702,13 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
         }
         const double need = (double)p * left;
         const float v = radix_boundary(w, n, floor, 1, need, &above);
-        long ties = 0; /* the tokens of weight v kept: while the mass before each is below need */
+        long ties = 0; /* the tokens of weight v kept: while the mass before each is below need
+                        * (the most likely token always, however small top_p) */
         for (long i = 0; i < n; i++) {
             if (!(w[i] >= floor) || w[i] < v) {
                 w[i] = 0.0f;
             } else if (w[i] == v) {
-                if (above + (double)ties * v < need)
+                if (above + (double)ties * v < need || (above == 0.0 && ties == 0))
                     ties++;
                 else
                     w[i] = 0.0f;

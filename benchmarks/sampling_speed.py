@@ -43,7 +43,7 @@ from unikv.cli.main import RUN_DECODE_STEPS  # noqa: E402
 from unikv.engine import compute, stepping  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.requests import prompt_ids  # noqa: E402
-from unikv.engine.sampling import SamplingParams, greedy_token, sample  # noqa: E402
+from unikv.engine.sampling import SamplingParams, greedy_token, penalized, sample  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
 CASES = {
@@ -56,15 +56,7 @@ CASES = {
 
 def OLD(logits, params, gen, seen=(), banned=()):  # noqa: N802 (the baseline, by name)
     """`engine.sampling.sample` as it was before 2026-12-07 (torch.multinomial, a full sort)."""
-    x = logits
-    if params.repetition_penalty != 1.0 and seen:
-        x = x.float().clone()
-        idx = torch.tensor(sorted(set(seen)), dtype=torch.long)
-        v = x[idx]
-        x[idx] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
-    if banned:
-        x = x.float().clone() if x is logits else x
-        x[list(banned)] = float("-inf")
+    x = penalized(logits, params, seen, banned)  # (unchanged since)
     if params.greedy:
         return greedy_token(x)
     x = x.float() / params.temperature

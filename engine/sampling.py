@@ -153,6 +153,22 @@ def sample(
     `seen` tokens, `banned` ones (EOS before `min_tokens`) never, then greedy or filtered
     sampling (top-k, top-p, min-p): on a CPU with the C kernels gemv.c's (`draw`), else the
     torch ops below. RuntimeError where no token can be drawn (every logit banned or NaN)."""
+    x = penalized(logits, params, seen, banned)
+    if params.greedy:
+        return greedy_token(x)
+    if x.device.type == "cpu" and gemv.unavailable() is None:
+        return draw(x, params, gen)  # gemv.c's draw: a run of steps draws the same
+    return torch_draw(x, params, uniform(gen))
+
+
+def penalized(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seen: list[int] | tuple[int, ...] = (),
+    banned: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """logits [V] after the repetition penalty over `seen` and with `banned` tokens at -inf (a
+    copy where either changes them; the caller's row is left as it is)."""
     x = logits
     if params.repetition_penalty != 1.0 and seen:
         x = x.float().clone()
@@ -162,11 +178,7 @@ def sample(
     if banned:
         x = x.float().clone() if x is logits else x
         x[list(banned)] = float("-inf")
-    if params.greedy:
-        return greedy_token(x)
-    if x.device.type == "cpu" and gemv.unavailable() is None:
-        return draw(x, params, gen)  # gemv.c's draw: a run of steps draws the same
-    return torch_draw(x, params, uniform(gen))
+    return x
 
 
 def torch_draw(x: torch.Tensor, params: SamplingParams, u: float) -> int:

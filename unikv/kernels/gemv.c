@@ -3715,8 +3715,9 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
             }
         }
     }
-    for (long i = 0; i < n; i++)
-        if (w[i] < floor || w[i] < min_p) w[i] = 0.0f;
+    if (floor > 0.0f || min_p > 0.0f) /* (a temperature alone: nothing to drop) */
+        for (long i = 0; i < n; i++)
+            if (w[i] < floor || w[i] < min_p) w[i] = 0.0f;
     return draw_weights(w, n, u);
 }
 

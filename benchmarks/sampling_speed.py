@@ -140,6 +140,11 @@ async def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8],
                    help="requests at once (a batch of that many)")  # fmt: skip
     a = p.parse_args()
+    for name, least in (("new_tokens", 2), ("rounds", 1), ("steps", 1)):
+        if getattr(a, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(a, name)}")
+    if min(a.clients) < 1:
+        p.error(f"--clients must be at least 1, got {min(a.clients)}")
     engine = await Engine.create(a.model, strategy="auto", decode_steps=RUN_DECODE_STEPS)
     samplers = {"before": OLD, "now": sample}
     rates: dict[tuple[str, str], list[float]] = {}

@@ -21,12 +21,18 @@ instead (`benchmarks/random_gguf.py`: SmolLM2's vocabulary, written in F16 and r
 the same `llama-quantize`), where a layer's fixed costs weigh less than on SmolLM2-135M; its
 tokens mean nothing (speed only). There `--kinds` also takes Q4_K_M, the most common GGUF
 (Q4_K with Q6_K in about half the layers' attn_v and ffn_down).
+
+`--isa avx2` compares the AVX2 paths on a CPU with AVX-512, as an AVX2-only CPU would run
+them: llama.cpp built with AVX2 at most (`benchmarks/llamacpp.py --isa avx2`, a build of its
+own) and unikv's kernels and torch's with AVX-512 hidden (the run restarts itself with
+`UNIKV_ISA=avx2 ATEN_CPU_CAPABILITY=avx2`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +50,7 @@ from benchmarks.random_gguf import SHAPES  # noqa: E402
 from benchmarks.random_gguf import files as random_files  # noqa: E402
 from unikv.engine.gguf_loader import resolve_model_path  # noqa: E402
 from unikv.engine.loading import load_model  # noqa: E402
+from unikv.kernels import gemv  # noqa: E402
 from unikv.kernels.operators import summary  # noqa: E402
 
 
@@ -107,10 +114,18 @@ def main() -> None:
                    help="unikv's batch-1 decode rows: up to this many steps a native call "
                         "(multi-step decoding, as `unikv run`; default 1: a step a call, as "
                         "llama-bench's)")  # fmt: skip
+    p.add_argument("--isa", default="native", choices=["native", "avx2"],
+                   help="native: both engines use this CPU's instructions; avx2: both use "
+                        "AVX2 at most (llama.cpp built so, unikv's kernels and torch's with "
+                        "AVX-512 hidden)")  # fmt: skip
     args = p.parse_args()
+    hidden = {"UNIKV_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in hidden.items()):
+        # torch reads ATEN_CPU_CAPABILITY once, as it loads: this process is too late
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **hidden})
     torch.set_num_threads(args.threads)
     t = args.threads
-    bins = find_or_build()
+    bins = find_or_build(isa=args.isa)
     if args.shape == "smollm2" and "Q4_K_M" in args.kinds:
         p.error("--kinds Q4_K_M: with --shape only (SmolLM2's rows are no whole super-blocks)")
     if args.shape == "smollm2":
@@ -178,7 +193,8 @@ def main() -> None:
     report("vs_llamacpp", rows, ["case", "llama_cpp_tok_s", "unikv_tok_s", "ratio",
                                 "llama_cpp_note"],
            {"new_tokens": n, "repeats": args.repeats, "threads": t, "shape": args.shape,
-            "decode_steps": args.decode_steps,
+            "decode_steps": args.decode_steps, "isa": args.isa, "kernels_isa": gemv.isa(),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "llama_cpp": str(bins)})  # fmt: skip
 
 

@@ -20,6 +20,15 @@ greedy continuation of the same prompt), per call.
 
     python benchmarks/sampling_speed.py [--new-tokens 256] [--rounds 3] [--steps 64]
         [--clients 1 8]
+
+`--a FOLDER` instead times two builds of gemv.c's draw in one process, over the same logits:
+FOLDER's `gemv.c` (a copy taken before an edit) against the package's, each sampled case's
+`sample_rows` per row, one row a call and all `--steps` rows in one call, the builds
+alternating for `--rounds` rounds (the medians, the ratio before / now, and whether both drew
+the same tokens).
+
+    cp unikv/kernels/gemv.c /tmp/before/   # then edit the package's
+    python benchmarks/sampling_speed.py --a /tmp/before --rounds 7
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import report  # noqa: E402
 from benchmarks.decode_profile import cpu_name  # noqa: E402
+from benchmarks.kernel_ab import load_build  # noqa: E402
 from benchmarks.kv_quant_speed import build  # noqa: E402
 from benchmarks.run_speed import PROMPT  # noqa: E402
 from unikv.cli.main import RUN_DECODE_STEPS  # noqa: E402
@@ -44,6 +54,8 @@ from unikv.engine import compute, stepping  # noqa: E402
 from unikv.engine.engine import Engine  # noqa: E402
 from unikv.engine.requests import prompt_ids  # noqa: E402
 from unikv.engine.sampling import SamplingParams, greedy_token, penalized, sample  # noqa: E402
+from unikv.engine.sampling import spec as spec_row  # noqa: E402
+from unikv.kernels import gemv  # noqa: E402
 from unikv.kvstrategies.kv import StepBatch  # noqa: E402
 
 CASES = {
@@ -131,6 +143,43 @@ def per_call_us(fn, rows: list[torch.Tensor], case: dict) -> float:
     return (time.perf_counter() - t0) / len(rows) * 1e6
 
 
+def draw_ab(folder: Path, rows: list[torch.Tensor], rounds: int) -> list[dict]:
+    """Per sampled case, gemv.c's sample_rows per row under the build in `folder` ("before")
+    and the package's ("now"), alternating `rounds` times over the same logits and numbers:
+    one row a call (`sampling.draw`, a step a turn) and every row in one call (a multi-step
+    run's sequences)."""
+    builds = {"before": load_build(folder)[0], "now": load_build(Path(gemv.__file__).parent)[0]}
+    x = torch.stack(rows)
+    draws = torch.rand(len(rows), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = []
+    try:
+        for name, case in CASES.items():
+            if not case.get("temperature"):
+                continue  # (greedy: the argmax, no draw)
+            spec = torch.tensor([spec_row(SamplingParams(**case))] * len(rows), dtype=torch.float64)
+            row = {"case": name}
+            for ways, size in (("1 row", 1), (f"{len(rows)} rows", len(rows))):
+                times: dict[str, list[float]] = {w: [] for w in builds}
+                tokens: dict[str, list[torch.Tensor]] = {}
+                for _ in range(rounds + 1):  # the first round warms both up, uncounted
+                    for which, state in builds.items():
+                        gemv._state = state
+                        t0 = time.perf_counter()
+                        tokens[which] = [gemv.sample_rows(x[i : i + size], spec[i : i + size],
+                                                          draws[i : i + size])
+                                         for i in range(0, len(rows), size)]  # fmt: skip
+                        times[which].append((time.perf_counter() - t0) / len(rows) * 1e6)
+                before, now = (statistics.median(times[w][1:]) for w in builds)
+                same = bool(torch.equal(torch.cat(tokens["before"]), torch.cat(tokens["now"])))
+                row |= {f"{ways}: us before": round(before, 1), f"{ways}: us now": round(now, 1),
+                        f"{ways}: before / now": round(before / now, 3),
+                        f"{ways}: same tokens": same}  # fmt: skip
+            out.append(row)
+    finally:
+        gemv._state = builds["now"]
+    return out
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -139,13 +188,28 @@ async def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="decode steps whose logits are sampled")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8],
                    help="requests at once (a batch of that many)")  # fmt: skip
+    p.add_argument("--a", type=Path, metavar="FOLDER",
+                   help="time the draw of FOLDER's gemv.c against the package's instead "
+                        "(no engine rows)")  # fmt: skip
     a = p.parse_args()
     for name, least in (("new_tokens", 2), ("rounds", 1), ("steps", 1)):
         if getattr(a, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(a, name)}")
     if min(a.clients) < 1:
         p.error(f"--clients must be at least 1, got {min(a.clients)}")
+    if a.a is not None and not (a.a / "gemv.c").is_file():
+        p.error(f"--a {a.a}: no gemv.c there")
     engine = await Engine.create(a.model, strategy="auto", decode_steps=RUN_DECODE_STEPS)
+    if a.a is not None:
+        try:
+            rows_x = await compute.run(step_logits, engine, a.steps)
+            rows = await compute.run(draw_ab, a.a, rows_x, a.rounds)
+        finally:
+            await engine.close()
+        report("gemv.c's draw: two builds, us a row", rows, list(rows[0]),
+               {"cpu": cpu_name(), "isa": gemv.isa(), "a": str(a.a), "steps": a.steps,
+                "rounds": a.rounds})  # fmt: skip
+        return
     samplers = {"before": OLD, "now": sample}
     rates: dict[tuple[str, str], list[float]] = {}
     try:

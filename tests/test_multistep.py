@@ -78,6 +78,21 @@ def test_the_c_draw_keeps_and_draws_what_the_torch_path_does(t, k, p, min_p, isa
     assert agree >= total - 5, (agree, total)
 
 
+def test_rows_drawn_together_are_the_rows_drawn_one_by_one(isa):
+    """sample_rows shares several rows among the OpenMP threads: each row's token is the one
+    it gets alone (its own logits and number), greedy rows and sampled ones mixed."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 5000, generator=g) * 3
+    spec = torch.tensor([[0.0, 0, 1.0, 0.0], [0.8, 0, 0.95, 0.0], [1.0, 40, 1.0, 0.0],
+                         [0.7, 50, 0.9, 0.02]] * 16, dtype=torch.float64)  # fmt: skip
+    us = torch.rand(64, generator=g, dtype=torch.float64)
+    together = gemv.sample_rows(x, spec, us)
+    alone = torch.cat([gemv.sample_rows(x[r : r + 1], spec[r : r + 1], us[r : r + 1])
+                       for r in range(64)])  # fmt: skip
+    assert torch.equal(together, alone)
+    assert torch.equal(together[::4], x[::4].argmax(1))  # (the greedy rows)
+
+
 def test_the_c_draw_at_its_edges(isa):
     """gemv.c's draw: the argmax at temperature 0; a token far below the top at a low
     temperature never; the last token of weight where u times the total rounds up to it; top-k

@@ -3603,27 +3603,59 @@ static inline uint32_t weight_bits(float w) { /* a weight >= 0: its bits order a
  * which, in descending order, the running measure (mass: the weights' sum, else their count)
  * first reaches `need` (need <= 0: the largest weight); *above = the measure of the counted
  * weights above v. A radix select on the bits, most significant digit first (11, 11 and 10
- * bits; 2,048 float64 buckets; an empty bucket is never chosen). need must be at most the
- * counted total. */
+ * bits; 2,048 float64 buckets; an empty bucket is never chosen), the second and third digits
+ * over the weights the first kept (gathered into `kept`, n floats). need must be at most the
+ * counted total.
+ *
+ * Each pass is free of branches and adds into RADIX_WAYS histograms in turn (weight i into
+ * i % RADIX_WAYS, a weight not counted adding 0), combined per bucket in a fixed order:
+ * softmax weights crowd a few buckets, where one histogram's adds waited on each other, and
+ * the tests of each weight mispredicted. 1.5x faster on SmolLM2's 49,152 weights (AMD EPYC,
+ * Zen 4). */
+#define RADIX_WAYS 4
+_Static_assert(RADIX_WAYS == 4, "radix_pass's combining order adds four histograms");
+
+/* One digit's histogram: bucket[d] = the measure of the counted weights among w[0 .. m)
+ * whose bits above `hi_sh` are `want` (hi_sh 32: any) and whose digit at `sh` is d. */
+static void radix_pass(const float *w, long m, float floor, int mass, int sh, int nb, int hi_sh,
+                       uint32_t want, double *bucket) {
+    double hist[RADIX_WAYS][2048];
+    for (int j = 0; j < RADIX_WAYS; j++) memset(hist[j], 0, sizeof(double) * nb);
+    for (long i = 0; i < m; i += RADIX_WAYS)
+        for (int j = 0; j < RADIX_WAYS && i + j < m; j++) {
+            const float x = w[i + j];
+            const uint32_t b = weight_bits(x);
+            const int counted = x > 0.0f && x >= floor && (hi_sh == 32 || (b >> hi_sh) == want);
+            hist[j][(b >> sh) & (nb - 1)] += counted ? (mass ? (double)x : 1.0) : 0.0;
+        }
+    for (int d = 0; d < nb; d++)
+        bucket[d] = (hist[0][d] + hist[1][d]) + (hist[2][d] + hist[3][d]);
+}
+
 static float radix_boundary(const float *w, long n, float floor, int mass, double need,
-                            double *above) {
+                            double *above, float *kept) {
     static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
     double bucket[2048];
     uint32_t prefix = 0; /* the bits decided so far */
+    const float *src = w;
+    long m = n;
     *above = 0.0;
     for (int level = 0; level < 3; level++) {
         const int sh = shift[level], nb = 1 << width[level];
         const int hi_sh = level ? shift[level - 1] : 32; /* the decided bits are above hi_sh */
-        memset(bucket, 0, sizeof(double) * nb);
-        for (long i = 0; i < n; i++) {
-            if (!(w[i] > 0.0f) || w[i] < floor) continue;
-            const uint32_t b = weight_bits(w[i]);
-            if (hi_sh < 32 && (b >> hi_sh) != (prefix >> hi_sh)) continue;
-            bucket[(b >> sh) & (nb - 1)] += mass ? (double)w[i] : 1.0;
-        }
+        radix_pass(src, m, floor, mass, sh, nb, hi_sh, hi_sh < 32 ? prefix >> hi_sh : 0, bucket);
         int d = nb - 1;
         for (; d > 0 && (bucket[d] == 0.0 || *above + bucket[d] < need); d--) *above += bucket[d];
         prefix |= (uint32_t)d << sh;
+        if (level == 0) { /* the counted weights of this first digit, for the next two */
+            long k = 0;
+            for (long i = 0; i < n; i++) {
+                const float x = w[i];
+                kept[k] = x;
+                k += x > 0.0f && x >= floor && weight_bits(x) >> sh == (uint32_t)d;
+            }
+            src = kept, m = k;
+        }
     }
     float v;
     memcpy(&v, &prefix, 4);
@@ -3677,10 +3709,10 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
     const float inv = 1.0f / t >= FLT_MIN ? 1.0f / t : FLT_MIN;
     /* the weights' buffer, kept by the thread: a vocabulary's (196 KB at 49,152) is past
      * malloc's mmap threshold, and mapping it anew each token cost its page faults */
-    static __thread float *w;
+    static __thread float *w; /* n weights, then n for radix_boundary's kept ones */
     static __thread long cap;
     if (n > cap) {
-        float *grown = realloc(w, sizeof(float) * n);
+        float *grown = realloc(w, sizeof(float) * 2 * n);
         if (grown == NULL) return -1;
         w = grown, cap = n;
     }
@@ -3690,7 +3722,7 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
     if (k > 0 && k < n) {
         long counted = 0;
         for (long i = 0; i < n; i++) counted += w[i] > 0.0f;
-        if (k < counted) floor = radix_boundary(w, n, 0.0f, 0, (double)k, &above);
+        if (k < counted) floor = radix_boundary(w, n, 0.0f, 0, (double)k, &above, w + n);
     }
     if (p < 1.0f) { /* top-p over the weights top-k left */
         double left = 0.0;
@@ -3701,7 +3733,7 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
             left += block_sum(kept, m);
         }
         const double need = (double)p * left;
-        const float v = radix_boundary(w, n, floor, 1, need, &above);
+        const float v = radix_boundary(w, n, floor, 1, need, &above, w + n);
         long ties = 0; /* the tokens of weight v kept: while the mass before each is below need
                         * (the most likely token always, however small top_p) */
         for (long i = 0; i < n; i++) {
@@ -3722,9 +3754,12 @@ int64_t sample_row(const float *x, long n, const double *spec, double u) {
 }
 
 /* Row r of x [rows, n]: sample_row with spec + 4 r ({temperature, top_k, top_p, min_p}) and
- * draws[r] where spec is given and its temperature above 0, else argmax_row; into out [rows]. */
+ * draws[r] where spec is given and its temperature above 0, else argmax_row; into out [rows].
+ * Several rows (a multi-step run's sequences) are shared among the process's OpenMP threads:
+ * each row's token depends on its own logits and number only. */
 void sample_rows(const float *x, long rows, long n, const double *spec, const double *draws,
                  int64_t *out) {
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
     for (long r = 0; r < rows; r++)
         out[r] = spec != NULL && spec[4 * r] > 0.0 ? sample_row(x + r * n, n, spec + 4 * r, draws[r])
                                                    : argmax_row(x + r * n, n);

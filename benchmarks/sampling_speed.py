@@ -158,7 +158,7 @@ def draw_ab(folder: Path, rows: list[torch.Tensor], rounds: int) -> list[dict]:
                 continue  # (greedy: the argmax, no draw)
             spec = torch.tensor([spec_row(SamplingParams(**case))] * len(rows), dtype=torch.float64)
             row = {"case": name}
-            for ways, size in (("1 row", 1), (f"{len(rows)} rows", len(rows))):
+            for label, size in (("1 row", 1), (f"{len(rows)} rows", len(rows))):
                 times: dict[str, list[float]] = {w: [] for w in builds}
                 tokens: dict[str, list[torch.Tensor]] = {}
                 for _ in range(rounds + 1):  # the first round warms both up, uncounted
@@ -171,9 +171,9 @@ def draw_ab(folder: Path, rows: list[torch.Tensor], rounds: int) -> list[dict]:
                         times[which].append((time.perf_counter() - t0) / len(rows) * 1e6)
                 before, now = (statistics.median(times[w][1:]) for w in builds)
                 same = bool(torch.equal(torch.cat(tokens["before"]), torch.cat(tokens["now"])))
-                row |= {f"{ways}: us before": round(before, 1), f"{ways}: us now": round(now, 1),
-                        f"{ways}: before / now": round(before / now, 3),
-                        f"{ways}: same tokens": same}  # fmt: skip
+                row |= {f"{label}: us before": round(before, 1), f"{label}: us now": round(now, 1),
+                        f"{label}: before / now": round(before / now, 3),
+                        f"{label}: same tokens": same}  # fmt: skip
             out.append(row)
     finally:
         gemv._state = builds["now"]

@@ -3610,7 +3610,7 @@ static inline uint32_t weight_bits(float w) { /* a weight >= 0: its bits order a
  * Each pass is free of branches and adds into RADIX_WAYS histograms in turn (weight i into
  * i % RADIX_WAYS, a weight not counted adding 0), combined per bucket in a fixed order:
  * softmax weights crowd a few buckets, where one histogram's adds waited on each other, and
- * the tests of each weight mispredicted. 1.5x faster on SmolLM2's 49,152 weights (AMD EPYC,
+ * the tests of each weight mispredicted. 1.43x faster on SmolLM2's 49,152 weights (AMD EPYC,
  * Zen 4). */
 #define RADIX_WAYS 4
 _Static_assert(RADIX_WAYS == 4, "radix_pass's combining order adds four histograms");
